@@ -1,0 +1,43 @@
+# One place for the developer commands. `make demo` and `make test` work from a fresh clone.
+PYTHON ?= python3
+VENV ?= .venv
+# The CPU wheel of torch; on a GPU host set e.g. TORCH_SPEC="torch==2.13.0" with the CUDA index of your choice
+TORCH_SPEC ?= torch==2.13.0
+PIP_TORCH_ARGS ?=
+BIN := $(VENV)/bin
+DEMO_DIR ?= demo-run
+
+.PHONY: venv demo test test-fast lint format bench clean
+
+$(BIN)/dllm: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# torch first: anything that depends on torch would otherwise pull a multi-GB CUDA build
+	$(BIN)/python -m pip install -q "$(TORCH_SPEC)" $(PIP_TORCH_ARGS)
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	touch $(BIN)/dllm
+
+venv: $(BIN)/dllm
+
+demo: venv
+	$(BIN)/python -m dllm.demo --dir $(DEMO_DIR)
+
+test: venv
+	$(BIN)/python -m pytest -q tests
+
+test-fast: venv
+	$(BIN)/python -m pytest -q -m "not slow and not distributed" tests
+
+lint: venv
+	$(BIN)/ruff check src tests bench
+	$(BIN)/ruff format --check src tests bench
+
+format: venv
+	$(BIN)/ruff check --fix src tests bench
+	$(BIN)/ruff format src tests bench
+
+bench: venv
+	$(BIN)/python bench/train_throughput.py
+
+clean:
+	rm -rf $(VENV) $(DEMO_DIR) build dist src/*.egg-info

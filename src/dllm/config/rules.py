@@ -1,0 +1,120 @@
+"""Cross-section rules of a RunSpec, checked before any worker starts.
+
+`resolve_run_spec` fills values that depend on other sections (the vocabulary size from the
+tokenizer) and raises ConfigError naming the field for combinations that cannot work. It returns
+warnings for settings that have no effect.
+"""
+
+from __future__ import annotations
+
+from dllm.config.spec import RunSpec
+from dllm.errors import ConfigError, DataError
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def resolve_run_spec(
+    spec: RunSpec, *, world_size: int | None = None, check_data: bool = True
+) -> tuple[RunSpec, list[str]]:
+    """Resolve derived fields and check every cross-field rule; returns (spec, warnings)."""
+    from dllm.tokenization import build_tokenizer
+
+    warnings: list[str] = []
+    tok = build_tokenizer(spec.tokenizer)
+    vocab = spec.model.vocab_size
+    if vocab is None:
+        vocab = round_up(tok.vocab_size, 64)
+    elif vocab < tok.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size: {vocab} is smaller than the tokenizer's {tok.vocab_size}; raise it or set it to null"
+        )
+    spec = spec.model_copy(update={"model": spec.model.model_copy(update={"vocab_size": vocab})})
+    check_topology(spec, world_size if world_size is not None else spec.topology.world_size)
+    _check_device(spec)
+    if spec.data.seq_len > spec.model.max_seq_len:
+        raise ConfigError(
+            f"data.seq_len: {spec.data.seq_len} exceeds model.max_seq_len {spec.model.max_seq_len}; raise max_seq_len"
+        )
+    if check_data:
+        _check_artifact(spec, tok.identity())
+    every = spec.checkpointing.every_steps
+    if every is not None and every > spec.training.steps:
+        warnings.append(
+            f"checkpointing.every_steps {every} > training.steps {spec.training.steps}: only the final save happens"
+        )
+    if spec.logging.tensorboard == "on" and not _has_tensorboard():
+        raise ConfigError("logging.tensorboard: 'on' needs tensorboard installed (pip install tensorboard) or use auto")
+    return spec, warnings
+
+
+def check_topology(spec: RunSpec, world_size: int) -> None:
+    """World size vs topology, and batch divisibility by the data-parallel degree."""
+    topo, tr = spec.topology, spec.training
+    if world_size != topo.world_size:
+        raise ConfigError(
+            f"topology: {world_size} processes started but nnodes x nproc_per_node = {topo.world_size}; "
+            "launch with `dllm launch` or fix topology"
+        )
+    dp = world_size if topo.dp_size == -1 else topo.dp_size
+    if dp != world_size:
+        raise ConfigError(
+            f"topology.dp_size: {dp} does not use all {world_size} ranks (no other parallel dimension is set); use -1"
+        )
+    if tr.global_batch_size % (tr.micro_batch_size * dp):
+        raise ConfigError(
+            f"training.global_batch_size: {tr.global_batch_size} is not divisible by micro_batch_size "
+            f"{tr.micro_batch_size} x {dp} data-parallel rank(s) = {tr.micro_batch_size * dp}"
+        )
+
+
+def _check_device(spec: RunSpec) -> None:
+    import torch
+
+    dev, topo = spec.training.device, spec.topology
+    gpu = torch.cuda.is_available()
+    if dev == "cuda" and not gpu:
+        raise ConfigError("training.device: cuda was requested but no GPU is visible; use auto or cpu")
+    on_gpu = dev == "cuda" or (dev == "auto" and gpu)
+    if topo.backend == "nccl" and not on_gpu:
+        raise ConfigError("topology.backend: nccl needs GPUs; use gloo (or auto) on CPU")
+    if spec.training.autocast_dtype == "float16" and not on_gpu:
+        raise ConfigError("training.autocast_dtype: float16 autocast is GPU-only; use bfloat16 or float32 on CPU")
+    if on_gpu and topo.nproc_per_node > torch.cuda.device_count():
+        raise ConfigError(
+            f"topology.nproc_per_node: {topo.nproc_per_node} processes but {torch.cuda.device_count()} GPU(s) visible"
+        )
+
+
+def _check_artifact(spec: RunSpec, tok_identity: dict) -> None:
+    from dllm.data.artifact import read_manifest
+
+    try:
+        manifest = read_manifest(spec.data.path)
+    except DataError as e:
+        raise ConfigError(f"data.path: {e}") from None
+    if int(manifest["seq_len"]) != spec.data.seq_len:
+        raise ConfigError(
+            f"data.seq_len: {spec.data.seq_len} but the artifact {spec.data.path} was packed to "
+            f"{manifest['seq_len']}; set data.seq_len: {manifest['seq_len']} or re-prepare the data"
+        )
+    art_tok = manifest["tokenizer"]
+    for key in ("vocab_hash", "special_ids"):
+        if art_tok.get(key) != tok_identity.get(key):
+            raise ConfigError(
+                f"tokenizer: differs from the one that prepared {spec.data.path} ({key} mismatch); "
+                "use the same tokenizer section as prepare.yaml"
+            )
+    tr = spec.training
+    if int(manifest["num_sequences"]) < tr.global_batch_size:
+        raise ConfigError(
+            f"training.global_batch_size: {tr.global_batch_size} exceeds the {manifest['num_sequences']} "
+            "sequences of the artifact; lower it or add data"
+        )
+
+
+def _has_tensorboard() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("tensorboard") is not None

@@ -1,0 +1,68 @@
+"""Adapter for a Hugging Face tokenizer folder on local disk (never downloads).
+
+Needs the `hf` extra (transformers). A tokenizer without a mask token gets one added, so that
+masked diffusion works with any causal LM tokenizer.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from dllm.errors import ConfigError
+from dllm.tokenization.base import ChatEncoding, sha256_json
+
+
+class HFTokenizer:
+    """Wraps `transformers.AutoTokenizer` loaded from a local folder."""
+
+    kind = "hf"
+
+    def __init__(self, path: Path, mask_token: str = "<|mask|>") -> None:
+        try:
+            from transformers import AutoTokenizer
+        except ImportError:
+            raise ConfigError("tokenizer.kind 'hf' needs transformers: pip install 'dllm[hf]'") from None
+        if not Path(path).is_dir():
+            raise ConfigError(f"tokenizer.path: {path} is not a folder with tokenizer files")
+        try:
+            tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
+        except (OSError, ValueError) as e:
+            reason = " ".join(str(e).split())[:300] or type(e).__name__
+            raise ConfigError(f"tokenizer.path: cannot load a tokenizer from {path}: {reason}") from None
+        if tok.mask_token_id is None:
+            tok.add_special_tokens({"mask_token": mask_token})
+        if tok.eos_token_id is None:
+            raise ConfigError(f"tokenizer.path: the tokenizer in {path} has no EOS token; set eos_token in it")
+        self._tok = tok
+        self.path = Path(path)
+        self.mask_id = int(tok.mask_token_id)
+        self.eos_id = int(tok.eos_token_id)
+        self.pad_id = int(tok.pad_token_id) if tok.pad_token_id is not None else self.eos_id
+        self.bos_id = int(tok.bos_token_id) if tok.bos_token_id is not None else None
+        self.vocab_size = len(tok)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: list[int], skip_special: bool = True) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special)
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> ChatEncoding:
+        if not getattr(self._tok, "chat_template", None):
+            raise ConfigError(f"tokenizer.path: the tokenizer in {self.path} has no chat template")
+        out = self._tok.apply_chat_template(
+            messages, tokenize=True, add_generation_prompt=add_generation_prompt, return_dict=True
+        )
+        return ChatEncoding(ids=list(out["input_ids"]))
+
+    def identity(self) -> dict[str, Any]:
+        vocab = sorted(self._tok.get_vocab().items())
+        specials = {"pad": self.pad_id, "bos": self.bos_id, "eos": self.eos_id, "mask": self.mask_id}
+        return {
+            "kind": self.kind,
+            "vocab_size": self.vocab_size,
+            "vocab_hash": sha256_json(vocab),
+            "chat_template_hash": sha256_json(getattr(self._tok, "chat_template", None)),
+            "special_ids": specials,
+        }
