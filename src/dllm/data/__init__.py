@@ -1,0 +1,1 @@
+"""Data: preparation (corpus -> artifact), the artifact format, and the training loader."""

@@ -1,0 +1,136 @@
+"""The training loader: memory-mapped artifact rows, sharded by data-parallel rank, exact resume.
+
+The loader walks one infinite stream of sample positions p = 0, 1, 2, ...; position p reads row
+perm_e[p mod N] with e = p // N and perm_e a permutation seeded by (seed, e). One optimizer step
+consumes the next `global_batch_size` positions; rank r takes its contiguous share and splits it
+into micro-batches. The state is the next position, so a resumed run sees the same batches, and the
+global batch of a step is the same whatever the number of ranks.
+
+Shapes: B = micro-batch rows, L = sequence length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from dllm.data.artifact import Artifact
+from dllm.errors import CheckpointError
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One micro-batch as the objective receives it."""
+
+    tokens_BL: torch.Tensor
+    """Token ids (int64)."""
+    loss_mask_BL: torch.Tensor
+    """True where the token is a training target (bool)."""
+    sample_ids_B: torch.Tensor
+    """Global stream position of each row: keys the per-sample diffusion noise (int64)."""
+    doc_ids_BL: torch.Tensor | None = None
+    """Document index of each token (int64) when attention is kept inside documents."""
+
+    def to(self, device: torch.device) -> Batch:
+        doc = None if self.doc_ids_BL is None else self.doc_ids_BL.to(device, non_blocking=True)
+        return Batch(
+            self.tokens_BL.to(device, non_blocking=True),
+            self.loss_mask_BL.to(device, non_blocking=True),
+            self.sample_ids_B.to(device, non_blocking=True),
+            doc,
+        )
+
+    @property
+    def num_targets(self) -> int:
+        return int(self.loss_mask_BL.sum())
+
+
+class StepLoader:
+    """Yields, per optimizer step, this rank's micro-batches of the global batch."""
+
+    def __init__(
+        self,
+        artifact: Artifact,
+        *,
+        global_batch_size: int,
+        micro_batch_size: int,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        seed: int = 0,
+        shuffle: bool = True,
+        document_ids: bool = False,
+    ) -> None:
+        per_rank, rem = divmod(global_batch_size, dp_size)
+        assert rem == 0 and per_rank % micro_batch_size == 0, "checked by config rules"
+        self.artifact = artifact
+        self.tokens = artifact.array("tokens")
+        self.loss_mask = artifact.array("loss_mask")
+        self.seq_len = artifact.seq_len
+        self.num_rows = artifact.num_sequences
+        self.global_batch_size = global_batch_size
+        self.micro_batch_size = micro_batch_size
+        self.num_micro = per_rank // micro_batch_size
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.seed, self.shuffle = seed, shuffle
+        # document start offsets, in memory (8 bytes per document) for the per-token document index
+        self.doc_starts = np.asarray(artifact.array("doc_starts"), dtype=np.int64) if document_ids else None
+        self.position = 0
+        self._perm_epoch = -1
+        self._perm = np.arange(self.num_rows)
+
+    def _rows(self, positions: np.ndarray) -> np.ndarray:
+        epochs = positions // self.num_rows
+        out = np.empty_like(positions)
+        for e in np.unique(epochs):
+            sel = epochs == e
+            out[sel] = self._permutation(int(e))[positions[sel] % self.num_rows]
+        return out
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if not self.shuffle:
+            return self._perm
+        if epoch != self._perm_epoch:
+            self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.num_rows)
+            self._perm_epoch = epoch
+        return self._perm
+
+    def read(self, positions: np.ndarray) -> Batch:
+        """Rows for the given stream positions (also used by evaluation)."""
+        rows = self._rows(positions)
+        L = self.seq_len
+        idx = (rows[:, None] * L + np.arange(L)[None, :]).reshape(-1)
+        tokens = torch.from_numpy(self.tokens[idx].astype(np.int64)).view(-1, L)
+        mask = torch.from_numpy(self.loss_mask[idx].astype(np.bool_)).view(-1, L)
+        doc = None
+        if self.doc_starts is not None:
+            doc = torch.from_numpy(np.searchsorted(self.doc_starts, idx, side="right").astype(np.int64)).view(-1, L)
+        return Batch(tokens, mask, torch.from_numpy(positions.astype(np.int64)), doc)
+
+    def next_step(self) -> list[Batch]:
+        per_rank = self.global_batch_size // self.dp_size
+        start = self.position + self.dp_rank * per_rank
+        mine = np.arange(start, start + per_rank, dtype=np.int64)
+        self.position += self.global_batch_size
+        m = self.micro_batch_size
+        return [self.read(mine[i * m : (i + 1) * m]) for i in range(self.num_micro)]
+
+    @property
+    def epoch(self) -> float:
+        return self.position / max(self.num_rows, 1)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"position": self.position, "seed": self.seed, "fingerprint": self.artifact.fingerprint}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("fingerprint") != self.artifact.fingerprint:
+            raise CheckpointError(
+                f"data.path: the artifact {self.artifact.path} (fingerprint {self.artifact.fingerprint[:12]}) "
+                f"is not the one this checkpoint trained on ({str(state.get('fingerprint'))[:12]}); "
+                "point data.path at the original artifact or start a new run"
+            )
+        self.position = int(state["position"])
+        self.seed = int(state["seed"])
+        self._perm_epoch = -1  # the cached permutation may belong to another seed
