@@ -1,0 +1,1 @@
+"""Diffusion processes: noise schedules, corruption, and training objectives."""

@@ -1,0 +1,51 @@
+"""MDLM / LLaDA masked diffusion (Sahoo et al. 2024; Nie et al. 2025).
+
+Per sequence t ~ U(eps, 1]; each supervised token is replaced by the mask token with probability
+1 - alpha(t); the loss is the cross-entropy on masked tokens weighted by w(t) (1/t for the linear
+schedule). The mask token itself is never a valid prediction.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from dllm.attention.masks import AttentionMask
+from dllm.config.spec import ObjectiveConfig
+from dllm.data.loader import Batch
+from dllm.diffusion.corruption import NoiseKeys, mask_tokens
+from dllm.diffusion.objectives.base import LossOutput, ModelInputs
+from dllm.diffusion.schedules import SCHEDULES
+
+
+class MDLMObjective:
+    def __init__(self, cfg: ObjectiveConfig, mask_id: int) -> None:
+        self.cfg = cfg
+        self.mask_id = mask_id
+        self.schedule = SCHEDULES.get(cfg.schedule)()
+
+    def sample_time(self, batch: Batch, noise: NoiseKeys) -> torch.Tensor:
+        u_B = noise.stratified_time(batch.sample_ids_B, "mdlm.t", self.cfg.antithetic)
+        # u in [0, 1) -> t in (eps, 1]
+        return 1.0 - (1.0 - self.cfg.eps) * u_B
+
+    def prepare(self, batch: Batch, noise: NoiseKeys) -> ModelInputs:
+        tokens = batch.tokens_BL
+        B, L = tokens.shape
+        t_B = self.sample_time(batch, noise)
+        p_mask_B = 1.0 - self.schedule.alpha(t_B)
+        u_BL = noise.uniform(batch.sample_ids_B, (L,), "mdlm.mask")
+        noised, masked_BL = mask_tokens(tokens, batch.loss_mask_BL, p_mask_B, u_BL, self.mask_id)
+        weights = masked_BL.float() * self.schedule.weight(t_B)[:, None]
+        positions = torch.arange(L, device=tokens.device).expand(B, L)
+        mask = AttentionMask("bidirectional", doc_ids_BL=batch.doc_ids_BL)
+        return ModelInputs(noised, positions, mask, tokens, weights)
+
+    def loss(self, logits_BLV: torch.Tensor, inputs: ModelInputs) -> LossOutput:
+        sel = inputs.weights_BL > 0
+        logits_NV = logits_BLV[sel].float()
+        logits_NV[:, self.mask_id] = float("-inf")
+        ce_N = F.cross_entropy(logits_NV, inputs.targets_BL[sel], reduction="none")
+        loss_sum = (ce_N * inputs.weights_BL[sel]).sum()
+        metrics = {"masked_ce_sum": ce_N.detach().sum(), "num_masked": sel.sum()}
+        return LossOutput(loss_sum=loss_sum, metrics=metrics)
