@@ -1,0 +1,1 @@
+"""Training: assembly from a RunSpec (build.py) and the loop (trainer.py)."""

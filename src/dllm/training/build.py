@@ -1,0 +1,99 @@
+"""Assemble a Trainer from a RunSpec: the only code that sees the whole spec.
+
+process group -> ParallelDims -> mesh -> model on meta -> parallel.apply -> materialize weights ->
+objective -> optimizer / LR -> loader -> CheckpointManager (resume when a checkpoint exists).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+from dllm.checkpoint.manager import CheckpointManager
+from dllm.config.rules import check_topology
+from dllm.config.spec import ModelConfig, RunSpec
+from dllm.data.artifact import open_artifact
+from dllm.data.loader import StepLoader
+from dllm.diffusion.objectives import OBJECTIVES
+from dllm.models import MODELS
+from dllm.parallel.apply import apply_parallelism, wrap_replicated
+from dllm.parallel.dims import DistEnv, ParallelDims, init_process_group, pick_device
+from dllm.tokenization import build_tokenizer
+from dllm.training.lr import LRSchedule
+from dllm.training.metrics import MetricsLogger
+from dllm.training.optim import build_optimizer
+from dllm.training.trainer import Trainer
+
+
+def initial_state(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
+    """The seeded initial weights as a full CPU state dict (identical on every rank and world size)."""
+    model = MODELS.get(cfg.family)(cfg)
+    model.init_weights(torch.Generator().manual_seed(seed))
+    return model.state_dict()
+
+
+def materialize(model: nn.Module, cfg: ModelConfig, seed: int, device: torch.device, env: DistEnv) -> None:
+    """Allocate a meta-device (possibly sharded) model on `device` and load the initial weights;
+    in a process group, rank 0 builds them and broadcasts."""
+    model.to_empty(device=device)
+    model.init_buffers()
+    full = initial_state(cfg, seed) if env.is_main or not env.distributed else {}
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=env.distributed)
+    set_model_state_dict(model, full, options=options)
+
+
+def build_model(cfg: ModelConfig, seed: int, device: torch.device, env: DistEnv, spec: RunSpec) -> nn.Module:
+    dims = ParallelDims.from_topology(spec.topology, env.world_size)
+    mesh = dims.build_mesh(device)
+    with torch.device("meta"):
+        model = MODELS.get(cfg.family)(cfg)
+    model = apply_parallelism(model, dims, mesh, spec.topology, compile=spec.training.compile)
+    materialize(model, cfg, seed, device, env)
+    return wrap_replicated(model, mesh, spec.topology)
+
+
+def build_trainer(spec: RunSpec, run_dir: Path, env: DistEnv | None = None) -> Trainer:
+    """Everything a run needs, resumed from the newest checkpoint when `checkpointing.resume: auto`."""
+    env = env or DistEnv.from_environ()
+    check_topology(spec, env.world_size)  # a worker started by hand with another world size
+    device = pick_device(spec.training.device, env)
+    init_process_group(env, spec.topology, device)
+    tok = build_tokenizer(spec.tokenizer)
+    artifact = open_artifact(spec.data.path)
+    dims = ParallelDims.from_topology(spec.topology, env.world_size)
+    model = build_model(spec.model, spec.training.seed, device, env, spec)
+    tr = spec.training
+    loader = StepLoader(
+        artifact,
+        global_batch_size=tr.global_batch_size,
+        micro_batch_size=tr.micro_batch_size,
+        dp_rank=env.rank,
+        dp_size=dims.dp,
+        seed=tr.seed,
+        shuffle=spec.data.shuffle,
+        document_ids=spec.data.document_mask,
+    )
+    identity: dict[str, Any] = {"tokenizer": tok.identity(), "artifact_fingerprint": artifact.fingerprint}
+    trainer = Trainer(
+        model=model,
+        objective=OBJECTIVES.get(spec.objective.name)(spec.objective, mask_id=tok.mask_id),
+        optimizer=build_optimizer(model, spec.optimizer),
+        lr_schedule=LRSchedule(spec.scheduler, spec.optimizer.lr, tr.steps),
+        loader=loader,
+        checkpoints=CheckpointManager(run_dir / "checkpoints", spec.checkpointing, env),
+        metrics=MetricsLogger(run_dir, spec.logging, enabled=env.is_main),
+        cfg=tr,
+        log_cfg=spec.logging,
+        env=env,
+        dims=dims,
+        device=device,
+        identity=identity,
+    )
+    latest = trainer.checkpoints.latest() if spec.checkpointing.resume == "auto" else None
+    if latest is not None:
+        trainer.resume(latest)
+    return trainer

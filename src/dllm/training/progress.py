@@ -1,0 +1,56 @@
+"""Progress display on the main rank: a rich bar on a terminal, plain lines otherwise."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+from dllm.config.spec import LoggingConfig
+
+
+def _fmt_eta(seconds: float) -> str:
+    seconds = max(int(seconds), 0)
+    return f"{seconds // 3600:d}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+class Progress:
+    def __init__(self, cfg: LoggingConfig, total_steps: int, start_step: int, enabled: bool) -> None:
+        mode = cfg.progress
+        if mode == "auto":
+            mode = "bar" if sys.stderr.isatty() else "lines"
+        self.mode = mode if enabled else "off"
+        self.total = total_steps
+        self.start_step = start_step
+        self.every = cfg.every_steps
+        self._t0 = time.perf_counter()
+        self._bar: Any = None
+        self._task: Any = None
+        if self.mode == "bar":
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self._bar = Progress(
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[info]}"),
+                TimeRemainingColumn(),
+                transient=False,
+            )
+            self._bar.start()
+            self._task = self._bar.add_task("train", total=total_steps, completed=start_step, info="")
+
+    def update(self, step: int, loss: float, tokens_per_s: float) -> None:
+        info = f"loss {loss:.4f}  {tokens_per_s:,.0f} tok/s"
+        if self.mode == "bar":
+            self._bar.update(self._task, completed=step, info=info)
+        elif self.mode == "lines" and (step % self.every == 0 or step == self.total):
+            done = step - self.start_step
+            elapsed = time.perf_counter() - self._t0
+            eta = elapsed / max(done, 1) * (self.total - step)
+            print(f"step {step}/{self.total}  {info}  eta {_fmt_eta(eta)}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None

@@ -1,0 +1,93 @@
+"""Run folders and the worker entry point.
+
+`prepare_run_dir` (in the launching process) creates output_dir/name, writes the resolved config
+there, points output_dir/latest at it and refuses to mix a different model into a folder that
+already holds checkpoints. Workers (`python -m dllm.training.worker RUN_DIR/config.yaml`) read that
+resolved config.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import yaml
+
+from dllm.config.loading import dump_config, load_config
+from dllm.config.spec import RunSpec
+from dllm.errors import CheckpointError
+
+CONFIG_NAME = "config.yaml"
+
+
+def run_dir_of(spec: RunSpec) -> Path:
+    return Path(spec.run.output_dir) / spec.run.name
+
+
+def prepare_run_dir(spec: RunSpec) -> Path:
+    run_dir = run_dir_of(spec)
+    cfg_path = run_dir / CONFIG_NAME
+    has_ckpt = (run_dir / "checkpoints" / "latest").is_file()
+    if has_ckpt and spec.checkpointing.resume == "auto" and cfg_path.is_file():
+        _check_same_model(spec, cfg_path)
+    if has_ckpt and spec.checkpointing.resume == "never":
+        _set_aside(run_dir / "checkpoints")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tmp = cfg_path.with_suffix(".yaml.tmp")
+    tmp.write_text(dump_config(spec), encoding="utf-8")
+    os.replace(tmp, cfg_path)
+    _point_latest(run_dir)
+    return run_dir
+
+
+def _check_same_model(spec: RunSpec, cfg_path: Path) -> None:
+    old = yaml.safe_load(cfg_path.read_text(encoding="utf-8")) or {}
+    new = spec.model_dump(mode="json")
+    for section in ("model", "tokenizer", "objective"):
+        if old.get(section) != new[section]:
+            diff = sorted(k for k in new[section] if old.get(section, {}).get(k) != new[section][k])
+            where = ", ".join(f"{section}.{k}" for k in diff) or section
+            raise CheckpointError(
+                f"{cfg_path.parent} holds checkpoints of a different {section} ({where} changed); "
+                "use another run.name, or set checkpointing.resume: never to start over"
+            )
+
+
+def _set_aside(folder: Path) -> None:
+    """Starting over in a folder with checkpoints: keep the old ones, renamed, so that nothing
+    resumes from them by accident and nothing is deleted."""
+    n = 1
+    while folder.with_name(f"{folder.name}.replaced-{n}").exists():
+        n += 1
+    target = folder.with_name(f"{folder.name}.replaced-{n}")
+    os.replace(folder, target)
+    print(f"dllm: checkpointing.resume is never: moved the old checkpoints to {target}", file=sys.stderr)
+
+
+def _point_latest(run_dir: Path) -> None:
+    link = run_dir.parent / "latest"
+    tmp = run_dir.parent / f".latest.tmp-{os.getpid()}"
+    if tmp.is_symlink() or tmp.exists():
+        tmp.unlink()
+    tmp.symlink_to(run_dir.name)
+    os.replace(tmp, link)
+
+
+def train_from_run_dir(run_dir: Path) -> list[float]:
+    """Build and run the trainer described by RUN_DIR/config.yaml (one worker process)."""
+    from dllm.parallel.dims import DistEnv
+    from dllm.training.build import build_trainer
+
+    spec = load_config(RunSpec, run_dir / CONFIG_NAME)
+    env = DistEnv.from_environ()
+    trainer = build_trainer(spec, run_dir, env)
+    try:
+        return trainer.fit()
+    finally:
+        trainer.metrics.close()
+        if env.distributed:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()

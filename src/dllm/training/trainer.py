@@ -1,0 +1,186 @@
+"""The training loop. `train_step` runs one optimizer step over this rank's micro-batches.
+
+The loss of a step is sum(weighted token losses) / (global number of supervised tokens), so it is
+the same number whatever the number of ranks and micro-batches. Gradients are averaged over ranks
+by FSDP/DDP, so each rank's loss is scaled by the data-parallel size to turn that average into the
+sum the normalisation needs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from dllm.checkpoint.manager import CheckpointManager
+from dllm.config.spec import LoggingConfig, TrainingConfig
+from dllm.data.loader import Batch, StepLoader
+from dllm.diffusion.corruption import NoiseKeys
+from dllm.diffusion.objectives.base import Objective
+from dllm.errors import CheckpointError
+from dllm.parallel.apply import set_grad_sync
+from dllm.parallel.dims import DistEnv, ParallelDims, all_reduce_sum
+from dllm.training.lr import LRSchedule
+from dllm.training.metrics import MetricsLogger
+from dllm.training.progress import Progress
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class StepStats:
+    loss: float
+    masked_ce: float
+    grad_norm: float
+    lr: float
+    num_targets: int
+    times_s: dict[str, float]
+
+
+class Trainer:
+    def __init__(
+        self,
+        *,
+        model: nn.Module,
+        objective: Objective,
+        optimizer: torch.optim.Optimizer,
+        lr_schedule: LRSchedule,
+        loader: StepLoader,
+        checkpoints: CheckpointManager,
+        metrics: MetricsLogger,
+        cfg: TrainingConfig,
+        log_cfg: LoggingConfig,
+        env: DistEnv,
+        dims: ParallelDims,
+        device: torch.device,
+        identity: dict[str, Any],
+    ) -> None:
+        self.model, self.objective, self.optimizer = model, objective, optimizer
+        self.lr_schedule, self.loader = lr_schedule, loader
+        self.checkpoints, self.metrics = checkpoints, metrics
+        self.cfg, self.log_cfg = cfg, log_cfg
+        self.env, self.dims, self.device = env, dims, device
+        self.identity = identity  # tokenizer identity + artifact fingerprint, checked on resume
+        self.noise = NoiseKeys(cfg.seed, group_size=cfg.global_batch_size)
+        self.step = 0
+        self.autocast_dtype = _DTYPES[cfg.autocast_dtype]
+        self.tokens_per_step = cfg.global_batch_size * loader.seq_len
+
+    # -- resume -----------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "loader": self.loader.state_dict(),
+            "lr_schedule": self.lr_schedule.state_dict(),
+            "noise": {"seed": self.noise.seed, "group_size": self.noise.group_size},
+            "identity": self.identity,
+            "world_size": self.env.world_size,
+        }
+
+    def resume(self, path: Any) -> None:
+        state = self.checkpoints.load(path, self.model, self.optimizer)
+        saved = state.get("identity", {}).get("tokenizer", {})
+        if saved.get("vocab_hash") != self.identity["tokenizer"]["vocab_hash"]:
+            raise CheckpointError(
+                f"{path}: the checkpoint was trained with a different tokenizer; "
+                "use the original tokenizer or start a new run (another run.name)"
+            )
+        self.loader.load_state_dict(state["loader"])
+        self.lr_schedule.load_state_dict(state["lr_schedule"])
+        self.noise = NoiseKeys(int(state["noise"]["seed"]), int(state["noise"]["group_size"]))
+        self.step = int(state["step"])
+        self.metrics.truncate_after(self.step)
+
+    # -- one step ---------------------------------------------------------------------------------
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.autocast_dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def _no_sync(self, last: bool) -> contextlib.AbstractContextManager:
+        set_grad_sync(self.model, last)
+        no_sync = getattr(self.model, "no_sync", None)  # DDP
+        return contextlib.nullcontext() if last or no_sync is None else no_sync()
+
+    def train_step(self, micro_batches: list[Batch]) -> StepStats:
+        times = {"forward": 0.0, "backward": 0.0}
+        local_targets = sum(b.num_targets for b in micro_batches)
+        counts = all_reduce_sum(torch.tensor([float(local_targets)], device=self.device), self.env)
+        global_targets = max(float(counts.item()), 1.0)
+        scale = self.dims.dp / global_targets
+        sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # loss, masked CE, masked count
+        lr = self.lr_schedule.apply(self.optimizer, self.step)
+        for i, batch in enumerate(micro_batches):
+            last = i == len(micro_batches) - 1
+            with self._no_sync(last):
+                t0 = time.perf_counter()
+                inputs = self.objective.prepare(batch.to(self.device), self.noise)
+                with self._autocast():
+                    logits = self.model(inputs.tokens_BL, inputs.positions_BL, inputs.mask)
+                out = self.objective.loss(logits, inputs)
+                t1 = time.perf_counter()
+                (out.loss_sum * scale).backward()
+                times["forward"] += t1 - t0
+                times["backward"] += time.perf_counter() - t1
+            sums[0] += out.loss_sum.detach().double()
+            sums[1] += out.metrics.get("masked_ce_sum", torch.zeros(())).double()
+            sums[2] += out.metrics.get("num_masked", torch.zeros(())).double()
+        t0 = time.perf_counter()
+        max_norm = self.cfg.grad_clip if self.cfg.grad_clip is not None else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        times["optimizer"] = time.perf_counter() - t0
+        sums = all_reduce_sum(sums, self.env)
+        self.step += 1
+        return StepStats(
+            loss=float(sums[0] / global_targets),
+            masked_ce=float(sums[1] / sums[2].clamp_min(1)),
+            grad_norm=float(grad_norm),
+            lr=lr,
+            num_targets=int(global_targets),
+            times_s=times,
+        )
+
+    # -- the loop ---------------------------------------------------------------------------------
+    def fit(self) -> list[float]:
+        """Train up to `training.steps`; returns the losses of the steps run in this call."""
+        progress = Progress(self.log_cfg, self.cfg.steps, self.step, enabled=self.env.is_main)
+        losses: list[float] = []
+        every = self.log_cfg.every_steps
+        try:
+            while self.step < self.cfg.steps:
+                t0 = time.perf_counter()
+                batches = self.loader.next_step()
+                t_data = time.perf_counter() - t0
+                stats = self.train_step(batches)
+                step_s = time.perf_counter() - t0
+                losses.append(stats.loss)
+                tps = self.tokens_per_step / step_s
+                progress.update(self.step, stats.loss, tps)
+                if self.step % every == 0 or self.step == self.cfg.steps:
+                    self.metrics.log(self.step, self._record(stats, t_data, step_s, tps))
+                if self.checkpoints.should_save(self.step, self.cfg.steps):
+                    self.checkpoints.save(self.step, self.model, self.optimizer, self.state_dict())
+        finally:
+            progress.close()
+        return losses
+
+    def _record(self, stats: StepStats, t_data: float, step_s: float, tps: float) -> dict[str, Any]:
+        return {
+            "loss": stats.loss,
+            "masked_ce": stats.masked_ce,
+            "grad_norm": stats.grad_norm,
+            "lr": stats.lr,
+            "num_targets": stats.num_targets,
+            "epoch": round(self.loader.epoch, 4),
+            "tokens_per_s": round(tps, 1),
+            "step_s": round(step_s, 4),
+            "data_s": round(t_data, 4),
+            **{f"{k}_s": round(v, 4) for k, v in stats.times_s.items()},
+        }
