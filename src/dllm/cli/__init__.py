@@ -1,0 +1,1 @@
+"""The `dllm` command line: one typer app, one module per command group."""

@@ -1,0 +1,92 @@
+"""`dllm init DIR`: a ready-to-run folder with prepare.yaml, train.yaml, sample data and a README."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from dllm.cli.common import info
+from dllm.config.prepare import PrepareSpec
+from dllm.config.spec import RunSpec
+from dllm.config.templates import commented_yaml
+from dllm.data.synthetic import demo_records
+from dllm.errors import UserError
+
+NUM_RECORDS = 20000
+
+PREPARE_VALUES: dict[str, Any] = {
+    "tokenizer": {"kind": "byte"},
+    "sources": [
+        {"kind": "jsonl", "path": "data/sentences.jsonl", "format": "text", "text_field": "text"},
+        {
+            "kind": "jsonl",
+            "path": "data/arithmetic.jsonl",
+            "format": "prompt_completion",
+            "supervision": "completion_only",
+        },
+    ],
+    "output": "data/prepared",
+    "seq_len": 64,
+    "append_eos": True,
+    "pad_to_multiple": 16,
+}
+
+TRAIN_VALUES: dict[str, Any] = {
+    "run": {"name": "demo", "output_dir": "runs"},
+    "model": {"preset": "demo"},
+    "tokenizer": {"kind": "byte"},
+    "data": {"path": "data/prepared", "seq_len": 64},
+    "objective": {"name": "mdlm", "schedule": "linear", "eps": 0.001, "antithetic": True},
+    "training": {"steps": 600, "global_batch_size": 64, "micro_batch_size": 32, "seed": 0, "device": "auto"},
+    "optimizer": {"name": "adamw", "lr": 3e-3, "weight_decay": 0.1},
+    "scheduler": {"name": "cosine", "warmup_steps": 30, "min_lr_ratio": 0.05},
+    "checkpointing": {"every_steps": 100, "keep_last_n": 2},
+    "logging": {"every_steps": 20},
+    "topology": {"nproc_per_node": 1, "data_parallel": "fsdp"},
+}
+
+README = """# A dllm run folder
+
+    dllm data prepare --config prepare.yaml          # data/*.jsonl -> data/prepared
+    dllm data validate data/prepared --config train.yaml
+    dllm config validate --config train.yaml
+    dllm launch --config train.yaml                  # add --nproc-per-node 2 for two processes
+    dllm generate --run runs/latest --prompt "12 + 7 ="
+
+The data is generated so that you can see the model learn: `data/sentences.jsonl` holds templated
+sentences ({"text": ...} records, every token trained on) and `data/arithmetic.jsonl` addition
+problems ({"prompt": "12 + 7 =", "completion": " 19"}; only the completion is noised and trained on).
+Replace them with your own JSONL records and edit `sources` in prepare.yaml.
+Every config field is described in `dllm config schema`.
+"""
+
+
+def init(
+    directory: Path = typer.Argument(..., help="Folder to create (must be empty or absent)."),
+    force: bool = typer.Option(False, "--force", help="Write into a non-empty folder, replacing these files."),
+    num_records: int = typer.Option(NUM_RECORDS, "--num-records", min=1, help="Sample records to generate."),
+) -> None:
+    """Create a run folder with configs and a generated sample corpus."""
+    directory = Path(directory)
+    if directory.exists() and not directory.is_dir():
+        raise UserError(f"{directory} exists and is not a folder")
+    if directory.exists() and any(directory.iterdir()) and not force:
+        raise UserError(f"{directory} is not empty; choose a new folder or pass --force")
+    (directory / "data").mkdir(parents=True, exist_ok=True)
+    texts, sums = demo_records(num_records, seed=0)
+    for name, records in (("sentences.jsonl", texts), ("arithmetic.jsonl", sums)):
+        with open(directory / "data" / name, "w", encoding="utf-8") as fh:
+            fh.writelines(json.dumps(r) + "\n" for r in records)
+    header = "dllm data preparation config. `dllm config schema --prepare` lists every field."
+    (directory / "prepare.yaml").write_text(commented_yaml(PrepareSpec, PREPARE_VALUES, header), encoding="utf-8")
+    header = "dllm training config (RunSpec). `dllm config schema` lists every field; paths are relative to this file."
+    (directory / "train.yaml").write_text(commented_yaml(RunSpec, TRAIN_VALUES, header), encoding="utf-8")
+    (directory / "README.md").write_text(README, encoding="utf-8")
+    info(
+        f"wrote {directory}/prepare.yaml, train.yaml, data/sentences.jsonl ({len(texts)} records), "
+        f"data/arithmetic.jsonl ({len(sums)} records), README.md"
+    )
+    info(f"next: cd {directory} && dllm data prepare --config prepare.yaml")

@@ -1,0 +1,61 @@
+"""`dllm launch`: validate, write the run folder, then train in-process or under torchrun."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from dllm.cli.common import SetOption, info, out, warn
+from dllm.config.loading import load_config
+from dllm.config.spec import RunSpec
+
+
+def launch(
+    config: Path = typer.Option(..., "--config", "-c", help="train.yaml"),
+    set_: list[str] = SetOption,
+    nproc_per_node: int = typer.Option(None, "--nproc-per-node", min=1, help="Worker processes on this machine."),
+    nnodes: int = typer.Option(None, "--nnodes", min=1, help="Machines taking part."),
+    node_rank: int = typer.Option(None, "--node-rank", min=0, help="This machine's rank (multi-node)."),
+    rdzv_endpoint: str = typer.Option(None, "--rdzv-endpoint", help="HOST:PORT of the rendezvous (multi-node)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Validate and print the command, start nothing."),
+) -> None:
+    """Train: checks the config and world size before any worker starts."""
+    from dllm.config.rules import resolve_run_spec
+    from dllm.errors import ConfigError
+    from dllm.parallel.launch import format_command, run_command, worker_command
+    from dllm.training.run import CONFIG_NAME, prepare_run_dir, run_dir_of, train_from_run_dir
+
+    overrides = list(set_ or [])
+    if nproc_per_node is not None:
+        overrides.append(f"topology.nproc_per_node={nproc_per_node}")
+    if nnodes is not None:
+        overrides.append(f"topology.nnodes={nnodes}")
+    spec = load_config(RunSpec, config, overrides)
+    spec, warnings = resolve_run_spec(spec)
+    for w in warnings:
+        warn(w)
+    topo = spec.topology
+    if topo.nnodes > 1 and not rdzv_endpoint:
+        raise ConfigError("--rdzv-endpoint HOST:PORT is needed when topology.nnodes > 1")
+    spec_path = run_dir_of(spec) / CONFIG_NAME
+    in_process = topo.world_size == 1
+    cmd = (
+        ["python", "-m", "dllm.training.worker", str(spec_path)]
+        if in_process
+        else worker_command(spec_path, topo, rdzv_endpoint, node_rank)
+    )
+    if dry_run:
+        out(format_command(cmd))
+        info(f"dry run: config ok for {topo.world_size} process(es); {spec_path} is written at launch")
+        return
+    run_dir = prepare_run_dir(spec)
+    info(f"run folder: {run_dir}")
+    if in_process:
+        train_from_run_dir(run_dir)
+    else:
+        info(format_command(cmd))
+        code = run_command(cmd)
+        if code != 0:
+            raise typer.Exit(code)
+    info(f"done: {run_dir} (next: dllm generate --run {run_dir})")

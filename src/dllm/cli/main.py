@@ -1,0 +1,84 @@
+"""The `dllm` command. User errors print one line `dllm: error: ...` and exit 2; no tracebacks."""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from dllm.cli import config_cmd, data_cmd
+from dllm.cli.doctor_cmd import doctor
+from dllm.cli.generate_cmd import generate
+from dllm.cli.init_cmd import init
+from dllm.cli.launch_cmd import launch
+from dllm.errors import UserError
+
+app = typer.Typer(
+    name="dllm",
+    help="Train, sample and evaluate diffusion language models.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+app.command()(init)
+app.add_typer(data_cmd.app, name="data")
+app.add_typer(config_cmd.app, name="config")
+app.command()(launch)
+app.command()(generate)
+app.command()(doctor)
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _click_classes() -> tuple[tuple[type, ...], tuple[type, ...], tuple[type, ...]]:
+    """(usage errors, exits, aborts) of the click that typer runs on: recent typer versions vendor
+    their own copy of click, older ones use the click package."""
+    errors: list[type] = [getattr(typer, "TyperException", UserError)]
+    exits: list[type] = [typer.Exit]
+    aborts: list[type] = [typer.Abort]
+    try:
+        import click
+
+        errors.append(click.ClickException)
+        exits.append(click.exceptions.Exit)
+        aborts.append(click.exceptions.Abort)
+    except ImportError:
+        pass
+    return tuple(errors), tuple(exits), tuple(aborts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI; returns the exit code (the console script exits with it)."""
+    command = typer.main.get_command(app)
+    args = sys.argv[1:] if argv is None else argv
+    usage_errors, exits, aborts = _click_classes()
+    try:
+        result = command.main(args=args, prog_name="dllm", standalone_mode=False)
+    except UserError as e:
+        print(f"dllm: error: {_one_line(str(e))}", file=sys.stderr)
+        return e.exit_code
+    except exits as e:
+        return int(getattr(e, "exit_code", 0) or 0)
+    except aborts:
+        print("dllm: aborted", file=sys.stderr)
+        return 130
+    except usage_errors as e:
+        if type(e).__name__ == "NoArgsIsHelpError":  # `dllm` or `dllm data` alone: show the help
+            print(e.format_message(), file=sys.stderr)
+            return 0
+        print(f"dllm: error: {_one_line(e.format_message())} (see dllm --help)", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("dllm: interrupted", file=sys.stderr)
+        return 130
+    return result if isinstance(result, int) else 0
+
+
+def entry() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    entry()
