@@ -1,0 +1,352 @@
+"""Contract tests for every registry and every registered implementation.
+
+Registries: MODELS, OBJECTIVES, SCHEDULES, POLICIES, SOURCES, ATTENTION_BACKENDS. A new entry is
+covered here without writing a test: names come from the registries and the config Literals.
+
+Shapes: B batch, L sequence, V vocabulary, H query heads, K key/value heads, D head width.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import typing
+from pathlib import Path
+
+import pytest
+import torch
+from pydantic import BaseModel
+
+from dllm.attention.backends import ATTENTION_BACKENDS
+from dllm.attention.masks import AttentionMask
+from dllm.config.prepare import JsonlSourceConfig, PrepareSpec
+from dllm.config.spec import ModelConfig, ObjectiveConfig, SamplerConfig
+from dllm.data.loader import Batch
+from dllm.data.prepare.sources import SOURCES
+from dllm.diffusion.corruption import NoiseKeys
+from dllm.diffusion.objectives import OBJECTIVES, LossOutput, ModelInputs
+from dllm.diffusion.schedules import SCHEDULES
+from dllm.models import MODELS
+from dllm.registry import Registry
+from dllm.sampling.policies import POLICIES, select_topk
+
+REGISTRIES: dict[str, Registry] = {
+    "MODELS": MODELS,
+    "OBJECTIVES": OBJECTIVES,
+    "SCHEDULES": SCHEDULES,
+    "POLICIES": POLICIES,
+    "SOURCES": SOURCES,
+    "ATTENTION_BACKENDS": ATTENTION_BACKENDS,
+}
+
+
+def literal_names(model_cls, field: str) -> set[str]:
+    """The strings a pydantic field's Literal annotation accepts (through Optional/list/Union)."""
+
+    def walk(tp) -> set[str]:
+        if typing.get_origin(tp) is typing.Literal:
+            return {a for a in typing.get_args(tp) if isinstance(a, str)}
+        out: set[str] = set()
+        for arg in typing.get_args(tp):
+            out |= walk(arg)
+        return out
+
+    return walk(model_cls.model_fields[field].annotation)
+
+
+def source_kinds() -> set[str]:
+    """Every `kind` a source entry of prepare.yaml accepts (through list/Union/Annotated)."""
+
+    def walk(tp) -> set[str]:
+        if isinstance(tp, type) and issubclass(tp, BaseModel):
+            return literal_names(tp, "kind") if "kind" in tp.model_fields else set()
+        out: set[str] = set()
+        for arg in typing.get_args(tp):
+            out |= walk(arg)
+        return out
+
+    return walk(PrepareSpec.model_fields["sources"].annotation)
+
+
+CONFIG_LITERALS = {  # registry -> names its config accepts
+    "MODELS": lambda: literal_names(ModelConfig, "family"),
+    "ATTENTION_BACKENDS": lambda: literal_names(ModelConfig, "attention_backend"),
+    "OBJECTIVES": lambda: literal_names(ObjectiveConfig, "name"),
+    "SCHEDULES": lambda: literal_names(ObjectiveConfig, "schedule"),
+    "POLICIES": lambda: literal_names(SamplerConfig, "policy"),
+    "SOURCES": source_kinds,
+}
+
+
+# --------------------------------------------------------------------------------------------------
+# the Registry class and every registry instance
+
+
+def test_registry_class_behaviour():
+    reg: Registry[int] = Registry("widget")
+    reg.add("b", 2)
+
+    @reg.register("a")
+    def a():
+        return 1
+
+    assert reg.get("a") is a and reg.get("b") == 2
+    assert reg.names() == ["a", "b"] and list(reg) == ["a", "b"] and len(reg) == 2
+    assert "a" in reg and "c" not in reg
+    with pytest.raises(KeyError, match="widget 'a' is already registered"):
+        reg.add("a", 3)
+    with pytest.raises(KeyError, match="already registered"):
+        reg.register("b")(4)
+    assert reg.get("a") is a and reg.get("b") == 2 and len(reg) == 2
+    with pytest.raises(KeyError, match=r"unknown widget 'zzz'; known: a, b"):
+        reg.get("zzz")
+
+
+@pytest.mark.parametrize("reg_name", sorted(REGISTRIES))
+def test_registry_rejects_duplicate_names(reg_name):
+    reg = REGISTRIES[reg_name]
+    assert len(reg) > 0, f"{reg_name} is empty"
+    before = {n: reg.get(n) for n in reg.names()}
+    for name in reg.names():
+        with pytest.raises(KeyError, match="already registered"):
+            reg.add(name, object())
+        with pytest.raises(KeyError, match="already registered"):
+            reg.register(name)(object())
+    assert {n: reg.get(n) for n in reg.names()} == before
+
+
+@pytest.mark.parametrize("reg_name", sorted(REGISTRIES))
+def test_registry_unknown_name_lists_known(reg_name):
+    reg = REGISTRIES[reg_name]
+    with pytest.raises(KeyError) as info:
+        reg.get("no-such-name")
+    for name in reg.names():
+        assert name in str(info.value)
+
+
+@pytest.mark.parametrize("reg_name", sorted(CONFIG_LITERALS))
+def test_every_config_name_is_registered(reg_name):
+    accepted = CONFIG_LITERALS[reg_name]()
+    assert accepted, f"no Literal names found for {reg_name}"
+    missing = accepted - set(REGISTRIES[reg_name].names())
+    assert not missing, f"{reg_name}: config accepts {sorted(missing)} but nothing is registered under them"
+
+
+@pytest.mark.parametrize("reg_name", sorted(CONFIG_LITERALS))
+def test_every_registered_name_is_selectable_from_config(reg_name):
+    """Strings stop at the YAML boundary: a registered name no config accepts is unreachable."""
+    unreachable = set(REGISTRIES[reg_name].names()) - CONFIG_LITERALS[reg_name]()
+    assert not unreachable, f"{reg_name}: {sorted(unreachable)} registered but no config Literal accepts them"
+
+
+# --------------------------------------------------------------------------------------------------
+# models
+
+V = 48
+MASK_ID = V - 1
+
+
+def tiny_model(family: str, seed: int = 0):
+    cfg = ModelConfig(preset="tiny", family=family, vocab_size=V, num_layers=1)
+    model = MODELS.get(family)(cfg)
+    model.init_weights(torch.Generator().manual_seed(seed))
+    return model
+
+
+@pytest.mark.parametrize("family", MODELS.names())
+def test_model_contract(family):
+    model = tiny_model(family)
+    tokens = torch.randint(0, V, (2, 6), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(6).expand(2, 6)
+    out = model(tokens, positions, AttentionMask())
+    assert out.shape == (2, 6, V) and bool(torch.isfinite(out).all())
+    # same seed, same weights
+    other = tiny_model(family)
+    torch.testing.assert_close(other(tokens, positions, AttentionMask()), out, atol=0, rtol=0)
+
+
+# --------------------------------------------------------------------------------------------------
+# objectives
+
+
+def make_batch(B: int, L: int, first_id: int = 0) -> Batch:
+    g = torch.Generator().manual_seed(first_id + 100)
+    tokens = torch.randint(0, MASK_ID, (B, L), generator=g)
+    loss_mask = torch.rand(B, L, generator=g) < 0.6
+    loss_mask[:, 0] = False  # an unsupervised prefix, like a prompt
+    loss_mask[:, -1] = True
+    return Batch(tokens, loss_mask, torch.arange(first_id, first_id + B, dtype=torch.int64))
+
+
+OBJECTIVE_CASES = [(o, s) for o in OBJECTIVES.names() for s in SCHEDULES.names()]
+
+
+def build_objective(name: str, schedule: str):
+    return OBJECTIVES.get(name)(ObjectiveConfig(name=name, schedule=schedule), mask_id=MASK_ID)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(MODELS.names()[0]).eval()
+
+
+@pytest.mark.parametrize(("name", "schedule"), OBJECTIVE_CASES)
+def test_objective_prepare_contract(name, schedule):
+    obj = build_objective(name, schedule)
+    batch = make_batch(8, 12)
+    inp = obj.prepare(batch, NoiseKeys(0, 8))
+    assert isinstance(inp, ModelInputs)
+    assert isinstance(inp.mask, AttentionMask)
+    for t in (inp.tokens_BL, inp.positions_BL, inp.targets_BL, inp.weights_BL):
+        assert t.shape[0] == 8
+    assert inp.tokens_BL.dtype == torch.long and inp.positions_BL.dtype == torch.long
+    assert inp.weights_BL.is_floating_point()
+    assert bool(torch.isfinite(inp.weights_BL).all()) and bool((inp.weights_BL >= 0).all())
+    assert bool(((inp.tokens_BL >= 0) & (inp.tokens_BL < V)).all())
+    # nothing outside the supervision mask carries loss weight
+    assert bool((inp.weights_BL[~batch.loss_mask_BL] == 0).all())
+    assert float(inp.weights_BL.sum()) > 0
+
+
+@pytest.mark.parametrize(("name", "schedule"), OBJECTIVE_CASES)
+def test_objective_loss_finite_and_gradients_only_at_supervised_positions(name, schedule, model):
+    obj = build_objective(name, schedule)
+    batch = make_batch(8, 12)
+    inp = obj.prepare(batch, NoiseKeys(0, 8))
+    logits = model(inp.tokens_BL, inp.positions_BL, inp.mask).detach().requires_grad_(True)
+    out = obj.loss(logits, inp)
+    assert isinstance(out, LossOutput)
+    assert out.loss_sum.dim() == 0 and bool(torch.isfinite(out.loss_sum))
+    assert float(out.loss_sum.detach()) > 0
+    assert all(isinstance(v, torch.Tensor) and bool(torch.isfinite(v.float()).all()) for v in out.metrics.values())
+    out.loss_sum.backward()
+    grad = logits.grad
+    assert grad is not None and bool(torch.isfinite(grad).all())
+    assert bool((grad[~batch.loss_mask_BL] == 0).all()), "gradient at an unsupervised position"
+    assert float(grad[batch.loss_mask_BL].abs().sum()) > 0
+
+
+@pytest.mark.parametrize(("name", "schedule"), OBJECTIVE_CASES)
+def test_objective_gradients_reach_model_parameters(name, schedule):
+    obj = build_objective(name, schedule)
+    m = tiny_model(MODELS.names()[0])
+    inp = obj.prepare(make_batch(4, 12), NoiseKeys(0, 4))
+    obj.loss(m(inp.tokens_BL, inp.positions_BL, inp.mask), inp).loss_sum.backward()
+    assert all(p.grad is not None and bool(torch.isfinite(p.grad).all()) for p in m.parameters())
+    assert float(m.embed_tokens.weight.grad.abs().sum()) > 0
+
+
+@pytest.mark.parametrize(("name", "schedule"), OBJECTIVE_CASES)
+def test_objective_deterministic_under_same_noise_keys(name, schedule, model):
+    obj = build_objective(name, schedule)
+    batch = make_batch(8, 12)
+    a = obj.prepare(batch, NoiseKeys(3, 8))
+    b = build_objective(name, schedule).prepare(batch, NoiseKeys(3, 8))
+    for field in ("tokens_BL", "positions_BL", "targets_BL", "weights_BL"):
+        assert torch.equal(getattr(a, field), getattr(b, field)), field
+    logits = model(a.tokens_BL, a.positions_BL, a.mask)
+    assert torch.equal(obj.loss(logits, a).loss_sum, obj.loss(logits, b).loss_sum)
+    c = obj.prepare(batch, NoiseKeys(4, 8))
+    assert not torch.equal(a.weights_BL, c.weights_BL), "the noise seed has no effect"
+
+
+@pytest.mark.parametrize(("name", "schedule"), OBJECTIVE_CASES)
+def test_objective_noise_is_per_sample(name, schedule):
+    """Splitting a batch (micro-batches, ranks) gives every sample the same corruption."""
+    obj = build_objective(name, schedule)
+    batch = make_batch(8, 12, first_id=8)
+    noise = NoiseKeys(1, 8)
+    whole = obj.prepare(batch, noise)
+    for sl in (slice(0, 3), slice(3, 8)):
+        part = obj.prepare(Batch(batch.tokens_BL[sl], batch.loss_mask_BL[sl], batch.sample_ids_B[sl]), noise)
+        assert torch.equal(part.tokens_BL, whole.tokens_BL[sl])
+        assert torch.equal(part.weights_BL, whole.weights_BL[sl])
+
+
+# --------------------------------------------------------------------------------------------------
+# policies
+
+
+@pytest.mark.parametrize("name", POLICIES.names())
+def test_policy_scores_contract(name):
+    policy = POLICIES.get(name)()
+    probs = torch.rand(3, 10, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    scores = policy.scores(probs, torch.Generator().manual_seed(1))
+    assert scores.shape == probs.shape
+    assert scores.is_floating_point() and bool(torch.isfinite(scores).all())
+    again = policy.scores(probs, torch.Generator().manual_seed(1))
+    assert torch.equal(scores, again), "not reproducible with the same generator"
+    eligible = torch.rand(3, 10, generator=torch.Generator().manual_seed(2)) < 0.5
+    eligible[:, 0] = True
+    k = torch.tensor([1, 0, int(eligible[2].sum())])
+    sel = select_topk(scores, eligible, k)
+    assert torch.equal(sel.sum(-1), k) and not bool((sel & ~eligible).any())
+
+
+# --------------------------------------------------------------------------------------------------
+# attention backends
+
+
+def dense_reference(q, k, v, mask: AttentionMask):
+    B, H, Lq, D = q.shape
+    Lk, K = k.shape[2], k.shape[1]
+    i = torch.arange(Lq)[:, None]
+    j = torch.arange(Lk)[None, :]
+    allowed = (i >= j) if mask.kind == "causal" else torch.ones(Lq, Lk, dtype=torch.bool)
+    allowed = allowed.expand(B, Lq, Lk).clone()
+    if mask.doc_ids_BL is not None:
+        allowed &= mask.doc_ids_BL[:, :, None] == mask.doc_ids_BL[:, None, :]
+    if mask.key_valid_BL is not None:
+        allowed &= mask.key_valid_BL[:, None, :]
+    k = k.repeat_interleave(H // K, dim=1)
+    v = v.repeat_interleave(H // K, dim=1)
+    s = (q @ k.transpose(-1, -2) / math.sqrt(D)).masked_fill(~allowed[:, None], float("-inf"))
+    return torch.softmax(s, -1) @ v
+
+
+BACKEND_MASKS = {
+    "bidirectional": AttentionMask("bidirectional"),
+    "causal": AttentionMask("causal"),
+    "padding": AttentionMask(key_valid_BL=torch.tensor([[False, True, True, True, True, True], [True] * 6])),
+    "documents": AttentionMask("causal", doc_ids_BL=torch.tensor([[0, 0, 1, 1, 1, 2], [0, 0, 0, 0, 1, 1]])),
+    "padding_documents": AttentionMask(
+        key_valid_BL=torch.tensor([[True] * 6, [False, True, True, True, True, True]]),
+        doc_ids_BL=torch.tensor([[0, 0, 0, 1, 1, 1], [0, 0, 1, 1, 1, 1]]),
+    ),
+}
+
+
+@pytest.mark.parametrize("mask_name", sorted(BACKEND_MASKS))
+@pytest.mark.parametrize("kv_heads", [4, 2])
+@pytest.mark.parametrize("backend", ATTENTION_BACKENDS.names())
+def test_attention_backend_matches_dense_reference(backend, kv_heads, mask_name):
+    attend = ATTENTION_BACKENDS.get(backend)
+    mask = BACKEND_MASKS[mask_name]
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 6, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, kv_heads, 6, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, kv_heads, 6, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    out = attend(q, k, v, mask)
+    ref = dense_reference(q, k, v, mask)
+    torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-10)
+    w = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    got = torch.autograd.grad((out * w).sum(), (q, k, v))
+    want = torch.autograd.grad((ref * w).sum(), (q, k, v))
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+
+
+# --------------------------------------------------------------------------------------------------
+# sources
+
+
+@pytest.mark.parametrize("kind", SOURCES.names())
+def test_source_yields_records_in_order_with_locations(kind, tmp_path: Path):
+    assert kind in source_kinds()
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join(json.dumps({"text": f"doc {i}"}) for i in range(3)) + "\n\n", encoding="utf-8")
+    cfg = JsonlSourceConfig(kind=kind, path="d.jsonl")
+    records = list(SOURCES.get(kind)(cfg, tmp_path))
+    assert [r.data["text"] for r in records] == ["doc 0", "doc 1", "doc 2"]
+    assert all(str(path) in r.where for r in records)
+    assert records[1].where.endswith(":2")

@@ -1,0 +1,48 @@
+"""Helpers shared by the tests (importable as `tests.helpers`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from dllm.config.loading import load_config
+from dllm.config.spec import RunSpec
+from dllm.data.synthetic import demo_corpus
+
+
+def write_corpus(path: Path, num_records: int = 400, seed: int = 0) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as fh:
+        for text in demo_corpus(num_records, seed=seed):
+            fh.write(json.dumps({"text": text}) + "\n")
+    return path
+
+
+def write_yaml(path: Path, data: dict[str, Any]) -> Path:
+    path.write_text(yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
+    return path
+
+
+PREPARE = {"sources": [{"path": "data/train.jsonl"}], "output": "data/prepared", "seq_len": 32}
+
+
+def tiny_train_values(**sections: dict[str, Any]) -> dict[str, Any]:
+    values: dict[str, Any] = {
+        "run": {"name": "t"},
+        "model": {"preset": "tiny"},
+        "data": {"path": "data/prepared", "seq_len": 32},
+        "training": {"steps": 4, "global_batch_size": 8, "micro_batch_size": 4},
+        "optimizer": {"lr": 1e-3},
+        "checkpointing": {"every_steps": 2},
+        "logging": {"every_steps": 1, "progress": "off", "tensorboard": "off"},
+    }
+    for name, upd in sections.items():
+        values[name] = {**values.get(name, {}), **upd}
+    return values
+
+
+def load_spec(path: Path, *overrides: str) -> RunSpec:
+    return load_config(RunSpec, path, list(overrides))

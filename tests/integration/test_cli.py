@@ -1,0 +1,201 @@
+"""The CLI end to end, as a user drives it: init -> prepare -> validate -> launch -> interrupt ->
+resume -> generate; and every command answers bad input with one line and exit code 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dllm.training.metrics import read_metrics
+
+pytestmark = pytest.mark.slow
+
+SMALL = [
+    "--set",
+    "model.preset=tiny",
+    "--set",
+    "logging.every_steps=1",
+    "--set",
+    "logging.progress=lines",
+    "--set",
+    "logging.tensorboard=off",
+    "--set",
+    "checkpointing.every_steps=5",
+    "--set",
+    "training.global_batch_size=8",
+    "--set",
+    "training.micro_batch_size=4",
+]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def dllm(args: list[str], cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "dllm.cli.main", *args],
+        cwd=cwd,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def _ok(res: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert res.returncode == 0, f"exit {res.returncode}\n{res.stdout[-2000:]}\n{res.stderr[-3000:]}"
+    return res
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("cli")
+    _ok(dllm(["init", "proj", "--num-records", "1500"], root))
+    proj = root / "proj"
+    _ok(dllm(["data", "prepare", "--config", "prepare.yaml", "-q"], proj))
+    return proj
+
+
+def test_init_writes_a_commented_project(project: Path):
+    text = (project / "train.yaml").read_text()
+    assert "# Optimizer steps to run in total" in text
+    assert (project / "README.md").is_file()
+    assert json.loads((project / "data" / "sentences.jsonl").read_text().splitlines()[0])["text"]
+    first_sum = json.loads((project / "data" / "arithmetic.jsonl").read_text().splitlines()[0])
+    assert first_sum["prompt"].endswith(" =") and first_sum["completion"].startswith(" ")
+
+
+def test_validate_commands(project: Path):
+    res = _ok(dllm(["data", "validate", "data/prepared", "--config", "train.yaml"], project))
+    assert res.stdout.startswith("ok:") and "compatible with train.yaml" in res.stdout
+    res = _ok(dllm(["config", "validate", "--config", "train.yaml", "--set", "training.steps=7"], project))
+    assert "steps: 7" in res.stdout and "vocab_size: 320" in res.stdout
+    res = _ok(dllm(["config", "schema"], project))
+    assert json.loads(res.stdout)["properties"]["training"]
+    res = _ok(dllm(["launch", "--config", "train.yaml", "--dry-run", "--nproc-per-node", "2"], project))
+    assert "torch.distributed.run" in res.stdout and "--nproc-per-node=2" in res.stdout
+    assert not (project / "runs").exists()  # a dry run writes nothing
+
+
+def test_interrupt_resume_generate(project: Path):
+    steps = ["--set", "training.steps=40"]
+    _ok(dllm(["launch", "--config", "train.yaml", *SMALL, *steps, "--set", "run.name=whole"], project))
+    whole = [r["loss"] for r in read_metrics(project / "runs" / "whole")]
+    assert len(whole) == 40
+
+    args = [
+        sys.executable,
+        "-m",
+        "dllm.cli.main",
+        "launch",
+        "--config",
+        "train.yaml",
+        *SMALL,
+        *steps,
+        "--set",
+        "run.name=cut",
+    ]
+    proc = subprocess.Popen(args, cwd=project, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    metrics = project / "runs" / "cut" / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 12:
+            break
+        time.sleep(0.01)
+    assert proc.poll() is None, "the run ended before it could be interrupted"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    done = len(read_metrics(project / "runs" / "cut"))
+    assert 12 <= done < 40
+    latest = (project / "runs" / "cut" / "checkpoints" / "latest").read_text().strip()
+    assert latest in {"step_00000010", "step_00000015", "step_00000020", "step_00000025"}
+
+    res = _ok(dllm(["launch", "--config", "train.yaml", *SMALL, *steps, "--set", "run.name=cut"], project))
+    resumed = [r["loss"] for r in read_metrics(project / "runs" / "cut")]
+    assert resumed == whole, "a resumed run must give the same losses, bit for bit"
+
+    res = _ok(
+        dllm(
+            [
+                "generate",
+                "--run",
+                "runs/latest",
+                "--prompt",
+                "12 + 7 =",
+                "--prompt",
+                "the cat",
+                "--gen-length",
+                "8",
+                "--block-length",
+                "4",
+                "--steps",
+                "8",
+                "--json",
+            ],
+            project,
+        )
+    )
+    lines = [json.loads(x) for x in res.stdout.splitlines()]
+    assert [x["prompt"] for x in lines] == ["12 + 7 =", "the cat"]
+    assert all(x["nfe"] <= 8 for x in lines) and "NFE" in res.stderr
+    res = _ok(
+        dllm(
+            ["generate", "--checkpoint", f"runs/cut/checkpoints/{latest_name(project)}", "-p", "1 + 1 ="],
+            project,
+        )
+    )
+    assert res.stdout.startswith("1 + 1 =")
+
+
+def latest_name(project: Path) -> str:
+    return (project / "runs" / "cut" / "checkpoints" / "latest").read_text().strip()
+
+
+def test_doctor(project: Path):
+    res = _ok(dllm(["doctor"], project))
+    assert "torch" in res.stdout and "gloo" in res.stdout
+
+
+BAD_INPUTS = [
+    (["launch", "--config", "missing.yaml"], "missing.yaml: no such config file"),
+    (["launch", "--config", "train.yaml", "--set", "optimizer.lr=-1"], "--set optimizer.lr"),
+    (["launch", "--config", "train.yaml", "--set", "training.stepz=3"], "training.stepz: unknown field"),
+    (["launch", "--config", "train.yaml", "--set", "training.steps"], "expected KEY=VALUE"),
+    (["launch", "--config", "train.yaml", "--nproc-per-node", "3"], "training.global_batch_size"),
+    (["launch", "--config", "train.yaml", "--set", "data.seq_len=48"], "data.seq_len"),
+    (["launch", "--config", "train.yaml", "--set", "training.device=cuda"], "training.device"),
+    (["launch", "--config", "bad.yaml"], "bad.yaml:3: optimizer.lr"),
+    (["launch", "--config", "broken.yaml"], "broken.yaml:3: invalid YAML"),
+    (["config", "validate", "--config", "train.yaml", "--set", "model.preset=huge"], "model: unknown preset"),
+    (["data", "prepare", "--config", "prepare.yaml"], "already exists; pass --overwrite"),
+    (["data", "validate", "nowhere"], "nowhere: no manifest.json"),
+    (["generate", "--run", "nowhere", "-p", "x"], "nowhere: not a run folder"),
+    (["generate", "--run", "runs/latest"], "at least one --prompt"),
+    (["generate", "--run", "runs/latest", "-p", "x", "--block-length", "5"], "block_length 5 must divide"),
+    (["init", "."], "is not empty"),
+    (["launch", "--config", "train.yaml", "--bogus"], "No such option"),
+    (["nonsense"], "No such command"),
+]
+
+
+@pytest.mark.parametrize(("args", "expected"), BAD_INPUTS, ids=[" ".join(a)[:50] for a, _ in BAD_INPUTS])
+def test_bad_input_is_one_line_exit_2(project: Path, args: list[str], expected: str):
+    (project / "bad.yaml").write_text(
+        "data: {path: data/prepared, seq_len: 64}\noptimizer:\n  lr: -3\n"
+        "training: {steps: 1, global_batch_size: 2, micro_batch_size: 1}\n"
+    )
+    (project / "broken.yaml").write_text("training:\n  steps: 1\n   lr: 2\n")
+    res = dllm(args, project)
+    assert res.returncode == 2, res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1, res.stderr
+    assert lines[0].startswith("dllm: error: ") and expected in lines[0], lines[0]
+    assert "Traceback" not in res.stderr

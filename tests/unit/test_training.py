@@ -1,0 +1,178 @@
+"""Trainer, LR schedule, optimizer groups, checkpoint publish/prune/resume (one process, CPU)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from dllm.checkpoint.manager import latest_checkpoint
+from dllm.config.rules import resolve_run_spec
+from dllm.config.spec import ModelConfig, OptimizerConfig, SchedulerConfig
+from dllm.errors import CheckpointError
+from dllm.models import Transformer
+from dllm.training import build as build_mod
+from dllm.training.build import build_trainer
+from dllm.training.lr import LRSchedule
+from dllm.training.metrics import read_metrics
+from dllm.training.optim import build_optimizer
+from dllm.training.run import prepare_run_dir, train_from_run_dir
+from tests.helpers import load_spec, tiny_train_values, write_yaml
+
+
+def _run_dir(train_yaml: Path, *overrides: str) -> Path:
+    spec, _ = resolve_run_spec(load_spec(train_yaml, *overrides))
+    return prepare_run_dir(spec)
+
+
+def _trainer(train_yaml: Path, *overrides: str):
+    spec, _ = resolve_run_spec(load_spec(train_yaml, *overrides))
+    run_dir = prepare_run_dir(spec)
+    return build_trainer(spec, run_dir), run_dir
+
+
+def test_lr_schedule_shapes():
+    cos = LRSchedule(SchedulerConfig(name="cosine", warmup_steps=4, min_lr_ratio=0.1), 1.0, 20)
+    assert [cos.lr_at(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert cos.lr_at(4) == pytest.approx(1.0)
+    assert cos.lr_at(20) == pytest.approx(0.1)
+    assert cos.lr_at(12) == pytest.approx(0.55)  # half way: floor + (1 - floor) / 2
+    lin = LRSchedule(SchedulerConfig(name="linear", warmup_steps=0, min_lr_ratio=0.0), 2.0, 10)
+    assert lin.lr_at(5) == pytest.approx(1.0)
+    const = LRSchedule(SchedulerConfig(name="constant", warmup_steps=2), 3.0, 10)
+    assert const.lr_at(0) == 1.5 and const.lr_at(9) == 3.0
+    assert all(cos.lr_at(s) >= cos.lr_at(s + 1) for s in range(4, 25))
+
+
+def test_optimizer_decays_only_matrices():
+    model = Transformer(ModelConfig(preset="tiny", vocab_size=64, qkv_bias=True))
+    opt = build_optimizer(model, OptimizerConfig(weight_decay=0.1))
+    decay, no_decay = opt.param_groups
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert all(p.ndim == 2 and "embed" not in names[id(p)] for p in decay["params"])
+    assert any("embed" in names[id(p)] for p in no_decay["params"])
+    assert any(names[id(p)].endswith("bias") for p in no_decay["params"])
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+
+
+def test_loss_is_global_mean_over_supervised_tokens(train_yaml: Path):
+    """train_step's loss = sum of weighted token losses / number of supervised tokens."""
+    trainer, _ = _trainer(train_yaml)
+    batches = trainer.loader.next_step()
+    model = trainer.model
+    expected_sum = 0.0
+    with torch.no_grad():
+        for b in batches:
+            inputs = trainer.objective.prepare(b, trainer.noise)
+            logits = model(inputs.tokens_BL, inputs.positions_BL, inputs.mask)
+            expected_sum += float(trainer.objective.loss(logits, inputs).loss_sum)
+    targets = sum(int(b.loss_mask_BL.sum()) for b in batches)
+    stats = trainer.train_step(batches)
+    assert stats.num_targets == targets
+    assert stats.loss == pytest.approx(expected_sum / targets, rel=1e-5)
+    trainer.metrics.close()
+
+
+def test_micro_batching_does_not_change_the_step(train_yaml: Path):
+    """Accumulating 2 micro-batches of 4 equals one micro-batch of 8 (same loss, same update)."""
+    a, _ = _trainer(train_yaml, "run.name=a")
+    b, _ = _trainer(train_yaml, "run.name=b", "training.micro_batch_size=8")
+    sa = a.train_step(a.loader.next_step())
+    sb = b.train_step(b.loader.next_step())
+    assert sa.loss == pytest.approx(sb.loss, rel=1e-5)
+    assert sa.grad_norm == pytest.approx(sb.grad_norm, rel=1e-4)
+    for pa, pb in zip(a.model.parameters(), b.model.parameters(), strict=True):
+        torch.testing.assert_close(pa, pb, rtol=1e-4, atol=1e-6)
+    a.metrics.close()
+    b.metrics.close()
+
+
+def test_training_reduces_loss(train_yaml: Path):
+    run_dir = _run_dir(train_yaml, "training.steps=40", "optimizer.lr=3e-3", "checkpointing.every_steps=null")
+    losses = train_from_run_dir(run_dir)
+    assert len(losses) == 40
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.5
+
+
+def test_resume_is_bit_identical(train_yaml: Path, monkeypatch: pytest.MonkeyPatch):
+    steps = ("training.steps=6", "checkpointing.every_steps=2")
+    full = train_from_run_dir(_run_dir(train_yaml, "run.name=full", *steps))
+
+    run_dir = _run_dir(train_yaml, "run.name=cut", *steps)
+    real_step = build_mod.Trainer.train_step
+
+    def crash_at_step_5(self, batches):
+        if self.step == 4:
+            raise KeyboardInterrupt("simulated interrupt")
+        return real_step(self, batches)
+
+    monkeypatch.setattr(build_mod.Trainer, "train_step", crash_at_step_5)
+    with pytest.raises(KeyboardInterrupt):
+        train_from_run_dir(run_dir)
+    monkeypatch.setattr(build_mod.Trainer, "train_step", real_step)
+    assert latest_checkpoint(run_dir / "checkpoints").name == "step_00000004"
+    resumed = train_from_run_dir(run_dir)
+    assert resumed == full[4:]  # exact float equality: same bits
+    logged = [r["loss"] for r in read_metrics(run_dir)]
+    assert logged == full  # the metrics file holds each step once
+
+
+def test_checkpoint_keep_last_n_and_latest(train_yaml: Path):
+    run_dir = _run_dir(train_yaml, "training.steps=8", "checkpointing.every_steps=2", "checkpointing.keep_last_n=2")
+    train_from_run_dir(run_dir)
+    ckpts = sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.is_dir())
+    assert ckpts == ["step_00000006", "step_00000008"]
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000008"
+    state = json.loads((run_dir / "checkpoints" / "step_00000008" / "trainer_state.json").read_text())
+    assert state["step"] == 8 and state["loader"]["position"] == 8 * 8
+
+
+def test_crash_during_save_keeps_previous_checkpoint(train_yaml: Path, monkeypatch: pytest.MonkeyPatch):
+    import dllm.checkpoint.manager as mgr
+
+    run_dir = _run_dir(train_yaml, "training.steps=4", "checkpointing.every_steps=2")
+    real_save = mgr.dcp.save
+    calls = {"n": 0}
+
+    def failing_save(state, checkpoint_id, **kw):
+        calls["n"] += 1
+        if calls["n"] == 2:  # the save at step 4 dies after writing part of its files
+            Path(checkpoint_id).mkdir(parents=True, exist_ok=True)
+            (Path(checkpoint_id) / "__0_0.distcp").write_bytes(b"partial")
+            raise OSError("disk full")
+        return real_save(state, checkpoint_id=checkpoint_id, **kw)
+
+    monkeypatch.setattr(mgr.dcp, "save", failing_save)
+    with pytest.raises(OSError):
+        train_from_run_dir(run_dir)
+    assert latest_checkpoint(run_dir / "checkpoints").name == "step_00000002"
+    monkeypatch.setattr(mgr.dcp, "save", real_save)
+    losses = train_from_run_dir(run_dir)  # resumes from step 2 and publishes step 4
+    assert len(losses) == 2
+    assert latest_checkpoint(run_dir / "checkpoints").name == "step_00000004"
+    assert not list((run_dir / "checkpoints").glob("*.tmp"))
+
+
+def test_resume_refuses_another_artifact(workdir: Path):
+    from dllm.config.loading import load_config
+    from dllm.config.prepare import PrepareSpec
+    from dllm.data.prepare import prepare
+    from tests.helpers import write_corpus
+
+    train_yaml = write_yaml(workdir / "train.yaml", tiny_train_values())
+    train_from_run_dir(_run_dir(train_yaml, "training.steps=2"))
+    write_corpus(workdir / "data" / "train.jsonl", seed=7)  # different content, same shape
+    prepare(load_config(PrepareSpec, workdir / "prepare.yaml"), workdir, overwrite=True)
+    with pytest.raises(CheckpointError, match="data.path"):
+        train_from_run_dir(_run_dir(train_yaml, "training.steps=4"))
+
+
+def test_run_dir_refuses_a_different_model(train_yaml: Path):
+    train_from_run_dir(_run_dir(train_yaml, "training.steps=2"))
+    with pytest.raises(CheckpointError, match="model.hidden_size"):
+        _run_dir(train_yaml, "model.hidden_size=128")
+    _run_dir(train_yaml, "model.hidden_size=128", "checkpointing.resume=never")  # explicit start-over is allowed
+    assert (train_yaml.parent / "runs" / "latest").resolve() == (train_yaml.parent / "runs" / "t").resolve()
