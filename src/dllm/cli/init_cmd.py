@@ -41,7 +41,7 @@ TRAIN_VALUES: dict[str, Any] = {
     "data": {"path": "data/prepared", "seq_len": 64},
     "objective": {"name": "mdlm", "schedule": "linear", "eps": 0.001, "antithetic": True},
     "training": {"steps": 600, "global_batch_size": 64, "micro_batch_size": 32, "seed": 0, "device": "auto"},
-    "optimizer": {"name": "adamw", "lr": 3e-3, "weight_decay": 0.1},
+    "optimizer": {"name": "adamw", "lr": 5e-3, "weight_decay": 0.1},
     "scheduler": {"name": "cosine", "warmup_steps": 30, "min_lr_ratio": 0.05},
     "checkpointing": {"every_steps": 100, "keep_last_n": 2},
     "logging": {"every_steps": 20},

@@ -39,6 +39,8 @@ def resolve_run_spec(
         )
     if check_data:
         _check_artifact(spec, tok.identity())
+    if spec.topology.world_size == 1 and spec.topology.backend != "auto":
+        warnings.append(f"topology.backend {spec.topology.backend} has no effect with one process")
     every = spec.checkpointing.every_steps
     if every is not None and every > spec.training.steps:
         warnings.append(

@@ -15,6 +15,8 @@ class MetricsLogger:
         self.enabled = enabled
         self.path = run_dir / "metrics.jsonl"
         self._tb = None
+        if enabled:
+            run_dir.mkdir(parents=True, exist_ok=True)
         if enabled and cfg.tensorboard != "off":
             try:
                 from torch.utils.tensorboard import SummaryWriter
