@@ -17,16 +17,12 @@ def _read_prompts(prompt: list[str] | None, prompts_file: Path | None) -> list[s
     if prompts_file is not None:
         if not prompts_file.is_file():
             raise DataError(f"--prompts-file: {prompts_file} does not exist")
-        for i, line in enumerate(prompts_file.read_text(encoding="utf-8").splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{prompts_file}:{i}: invalid JSON ({e.msg})") from None
-            if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), str):
-                raise DataError(f'{prompts_file}:{i}: expected {{"prompt": "..."}}')
-            prompts.append(rec["prompt"])
+        from dllm.data.prepare.sources import jsonl_records
+
+        for rec in jsonl_records(prompts_file):
+            if not isinstance(rec.data.get("prompt"), str):
+                raise DataError(f'{rec.where}: expected {{"prompt": "..."}}')
+            prompts.append(rec.data["prompt"])
     if not prompts:
         raise ConfigError("give at least one --prompt TEXT or --prompts-file FILE.jsonl")
     return prompts

@@ -153,7 +153,7 @@ def open_artifact(path: str | Path) -> Artifact:
     return Artifact(path=path, manifest=read_manifest(path))
 
 
-def _sha256_file(path: Path) -> str:
+def sha256_file(path: Path) -> str:
     sha = hashlib.sha256()
     with open(path, "rb") as fh:
         for chunk in iter(lambda: fh.read(1 << 20), b""):
@@ -182,7 +182,7 @@ def validate_artifact(path: str | Path, checksums: bool = True) -> Artifact:
         expected = int(entry["count"]) * np.dtype(entry["dtype"]).itemsize
         if fp.stat().st_size != expected:
             raise DataError(f"{fp}: {fp.stat().st_size} bytes, the manifest says {expected}")
-        if checksums and _sha256_file(fp) != entry["sha256"]:
+        if checksums and sha256_file(fp) != entry["sha256"]:
             raise DataError(f"{fp}: SHA-256 differs from the manifest (the file changed or is corrupt)")
     n_tokens = art.num_sequences * art.seq_len
     for name in ("tokens", "loss_mask"):

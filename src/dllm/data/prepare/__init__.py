@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import bisect
-import hashlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ from dllm.data.artifact import (
     FORMAT_VERSION,
     ArrayWriter,
     fingerprint,
+    sha256_file,
     staged_folder,
     token_dtype,
     write_manifest,
@@ -38,14 +38,6 @@ def _portable_config(spec: PrepareSpec) -> dict[str, Any]:
     for src in cfg["sources"]:
         src["path"] = Path(src["path"]).name
     return cfg
-
-
-def _file_sha256(path: Path) -> str:
-    sha = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            sha.update(chunk)
-    return sha.hexdigest()
 
 
 def prepare(
@@ -95,7 +87,7 @@ def prepare(
             "provenance": {
                 "dllm_version": __version__,
                 "sources": [
-                    {"file": p.name, "bytes": p.stat().st_size, "sha256": _file_sha256(p)}
+                    {"file": p.name, "bytes": p.stat().st_size, "sha256": sha256_file(p)}
                     for src in spec.sources
                     for p in source_files(src, base_dir)
                 ],

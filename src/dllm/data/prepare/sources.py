@@ -35,25 +35,30 @@ def expand_paths(pattern: str, base_dir: Path, field: str) -> list[Path]:
     return matches
 
 
+def jsonl_records(path: Path) -> Iterator[Record]:
+    """JSON objects of a JSON Lines file, streamed; blank lines skipped; errors name file:line."""
+    with open(path, "rb") as fh:
+        for lineno, raw in enumerate(fh, start=1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{where}: not valid UTF-8 (byte {e.start}); re-encode the file as UTF-8") from None
+            if not line.strip():
+                continue
+            try:
+                data = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{where}: invalid JSON ({e.msg}); fix or remove the line") from None
+            if not isinstance(data, dict):
+                raise DataError(f"{where}: expected a JSON object per line, got {type(data).__name__}")
+            yield Record(data=data, where=where)
+
+
 @SOURCES.register("jsonl")
 def read_jsonl(cfg: JsonlSourceConfig, base_dir: Path) -> Iterator[Record]:
     for path in expand_paths(cfg.path, base_dir, "sources.path"):
-        with open(path, "rb") as fh:
-            for lineno, raw in enumerate(fh, start=1):
-                where = f"{path}:{lineno}"
-                try:
-                    line = raw.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    raise DataError(f"{where}: not valid UTF-8 (byte {e.start}); re-encode the file as UTF-8") from None
-                if not line.strip():
-                    continue
-                try:
-                    data = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{where}: invalid JSON ({e.msg}); fix or remove the line") from None
-                if not isinstance(data, dict):
-                    raise DataError(f"{where}: expected a JSON object per line, got {type(data).__name__}")
-                yield Record(data=data, where=where)
+        yield from jsonl_records(path)
 
 
 def source_files(cfg: Any, base_dir: Path) -> list[Path]:
