@@ -176,3 +176,16 @@ def test_run_dir_refuses_a_different_model(train_yaml: Path):
         _run_dir(train_yaml, "model.hidden_size=128")
     _run_dir(train_yaml, "model.hidden_size=128", "checkpointing.resume=never")  # explicit start-over is allowed
     assert (train_yaml.parent / "runs" / "latest").resolve() == (train_yaml.parent / "runs" / "t").resolve()
+
+
+def test_bfloat16_autocast_trains(train_yaml: Path):
+    """autocast bf16 on CPU: parameters stay float32, the loss stays finite and close to float32's."""
+    fp32 = train_from_run_dir(_run_dir(train_yaml, "run.name=fp32", "training.steps=3"))
+    bf16_dir = _run_dir(train_yaml, "run.name=bf16", "training.steps=3", "training.autocast_dtype=bfloat16")
+    bf16 = train_from_run_dir(bf16_dir)
+    assert all(torch.isfinite(torch.tensor(bf16)))
+    assert bf16 == pytest.approx(fp32, rel=0.05)
+    from dllm.checkpoint.inference import load_for_inference
+
+    loaded = load_for_inference(bf16_dir)
+    assert all(p.dtype == torch.float32 for p in loaded.model.parameters())
