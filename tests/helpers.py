@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from dllm.config.loading import load_config
@@ -46,3 +47,32 @@ def tiny_train_values(**sections: dict[str, Any]) -> dict[str, Any]:
 
 def load_spec(path: Path, *overrides: str) -> RunSpec:
     return load_config(RunSpec, path, list(overrides))
+
+
+EOS = "<|endoftext|>"
+
+
+def save_bpe(folder: Path, *, eos: bool = True, chat_template: str | None = None) -> Path:
+    """A byte-level BPE trained here on generated text, saved as a transformers tokenizer folder."""
+    pytest.importorskip("transformers")
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    raw = RawTokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=[EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    raw.train_from_iterator(list(demo_corpus(300, seed=1)), trainer=trainer)
+    kwargs = {"eos_token": EOS} if eos else {}
+    fast = PreTrainedTokenizerFast(tokenizer_object=raw, clean_up_tokenization_spaces=False, **kwargs)
+    assert fast.mask_token_id is None
+    if chat_template is not None:
+        fast.chat_template = chat_template
+    fast.save_pretrained(str(folder))
+    return folder

@@ -19,7 +19,7 @@ from pydantic import BaseModel
 
 from dllm.attention.backends import ATTENTION_BACKENDS
 from dllm.attention.masks import AttentionMask
-from dllm.config.prepare import JsonlSourceConfig, PrepareSpec
+from dllm.config.prepare import PrepareSpec
 from dllm.config.spec import ModelConfig, ObjectiveConfig, SamplerConfig
 from dllm.data.loader import Batch
 from dllm.data.prepare.sources import SOURCES
@@ -340,13 +340,46 @@ def test_attention_backend_matches_dense_reference(backend, kv_heads, mask_name)
 # sources
 
 
+def _source_input(kind: str, root: Path) -> tuple[dict, list[str]]:
+    """A source config (as YAML would give it) over three documents, and the file its records name."""
+    docs = [f"doc {i}" for i in range(3)]
+    if kind == "jsonl":
+        (root / "d.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs), encoding="utf-8")
+        return {"kind": kind, "path": "d.jsonl"}, "d.jsonl"
+    if kind == "text":
+        (root / "d.txt").write_text("\n".join(docs) + "\n", encoding="utf-8")
+        return {"kind": kind, "path": "d.txt", "per_line": True}, "d.txt"
+    if kind == "npy":
+        import numpy as np
+
+        np.save(root / "d.npy", np.array([list(d.encode()) for d in docs], dtype=np.int32))
+        return {"kind": kind, "path": "d.npy"}, "d.npy"
+    if kind == "parquet":
+        pq = pytest.importorskip("pyarrow.parquet")
+        import pyarrow as pa
+
+        pq.write_table(pa.table({"text": docs}), root / "d.parquet")
+        return {"kind": kind, "path": "d.parquet"}, "d.parquet"
+    if kind == "hf_dataset":
+        datasets = pytest.importorskip("datasets")
+        datasets.Dataset.from_dict({"text": docs}).save_to_disk(str(root / "ds"))
+        return {"kind": kind, "path": "ds"}, "ds"
+    raise AssertionError(f"add an input for source kind {kind!r} to this contract test")
+
+
 @pytest.mark.parametrize("kind", SOURCES.names())
 def test_source_yields_records_in_order_with_locations(kind, tmp_path: Path):
+    """Every source: records in order, each naming where it came from, rendering to the documents."""
+    from dllm.data.prepare.render import render
+    from dllm.tokenization import ByteTokenizer
+
     assert kind in source_kinds()
-    path = tmp_path / "d.jsonl"
-    path.write_text("\n".join(json.dumps({"text": f"doc {i}"}) for i in range(3)) + "\n\n", encoding="utf-8")
-    cfg = JsonlSourceConfig(kind=kind, path="d.jsonl")
+    raw, name = _source_input(kind, tmp_path)
+    spec = PrepareSpec.model_validate({"sources": [raw], "output": "out", "seq_len": 8})
+    cfg = spec.sources[0]
     records = list(SOURCES.get(kind)(cfg, tmp_path))
-    assert [r.data["text"] for r in records] == ["doc 0", "doc 1", "doc 2"]
-    assert all(str(path) in r.where for r in records)
-    assert records[1].where.endswith(":2")
+    tok = ByteTokenizer()
+    texts = [tok.decode(render(r, cfg, tok, add_bos=False, append_eos=False).ids) for r in records]
+    assert texts == ["doc 0", "doc 1", "doc 2"]
+    assert all(name in r.where for r in records)
+    assert len({r.where for r in records}) == 3

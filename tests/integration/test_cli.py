@@ -159,6 +159,21 @@ def latest_name(project: Path) -> str:
     return (project / "runs" / "cut" / "checkpoints" / "latest").read_text().strip()
 
 
+def test_data_inspect_stats_and_workers(project: Path):
+    res = _ok(dllm(["data", "prepare", "--config", "prepare.yaml", "-q", "--workers", "2", "--output", "w2"], project))
+    assert "wrote" in res.stdout
+    a = (project / "data" / "prepared" / "tokens.bin").read_bytes()
+    assert (project / "w2" / "tokens.bin").read_bytes() == a  # the same bytes with 2 worker processes
+    res = _ok(dllm(["data", "inspect", "data/prepared", "-i", "0", "-i", "3"], project))
+    assert "packed sample 0 of" in res.stdout and "packed sample 3 of" in res.stdout and "<|eos|>" in res.stdout
+    res = _ok(dllm(["data", "stats", "data/prepared", "--json", "--plot", "lengths.png"], project))
+    stats = json.loads(res.stdout)
+    assert stats["records_read"] == 1500 and stats["supervised_tokens"] > 0
+    assert (project / "lengths.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    res = _ok(dllm(["data", "stats", "data/prepared"], project))
+    assert "records read" in res.stdout
+
+
 def test_doctor(project: Path):
     res = _ok(dllm(["doctor"], project))
     assert "torch" in res.stdout and "gloo" in res.stdout
@@ -177,6 +192,9 @@ BAD_INPUTS = [
     (["config", "validate", "--config", "train.yaml", "--set", "model.preset=huge"], "model: unknown preset"),
     (["data", "prepare", "--config", "prepare.yaml"], "already exists; pass --overwrite"),
     (["data", "validate", "nowhere"], "nowhere: no manifest.json"),
+    (["data", "inspect", "data/prepared", "-i", "999999"], "sample 999999 is out of range"),
+    (["data", "stats", "nowhere"], "nowhere: no manifest.json"),
+    (["data", "prepare", "--config", "prepare.yaml", "--workers", "0"], "--workers"),
     (["generate", "--run", "nowhere", "-p", "x"], "nowhere: not a run folder"),
     (["generate", "--run", "runs/latest"], "at least one --prompt"),
     (["generate", "--run", "runs/latest", "-p", "x", "--block-length", "5"], "block_length 5 must divide"),

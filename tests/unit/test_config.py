@@ -31,7 +31,7 @@ from dllm.config.spec import (
     SamplerConfig,
     TokenizerConfig,
 )
-from dllm.config.templates import _section_class, commented_yaml
+from dllm.config.templates import _section_class, commented_yaml, section_classes
 from dllm.data.prepare import prepare
 from dllm.errors import ConfigError, UserError
 from tests.helpers import PREPARE, tiny_train_values, write_corpus, write_yaml
@@ -45,9 +45,9 @@ def _sections(cls: type[BaseModel], seen: set[type[BaseModel]] | None = None) ->
     seen = set() if seen is None else seen
     seen.add(cls)
     for field in cls.model_fields.values():
-        sub = _section_class(field.annotation)
-        if sub is not None and sub not in seen:
-            _sections(sub, seen)
+        for sub in section_classes(field.annotation):
+            if sub not in seen:
+                _sections(sub, seen)
     return seen
 
 
@@ -156,8 +156,7 @@ def _check_descriptions(cls: type[BaseModel], where: str) -> list[str]:
         desc = (field.description or "").strip()
         if not desc or "\n" in desc:
             problems.append(f"{where}.{name}: {field.description!r}")
-        sub = _section_class(field.annotation)
-        if sub is not None:
+        for sub in section_classes(field.annotation):
             problems += _check_descriptions(sub, f"{where}.{name}")
     return problems
 

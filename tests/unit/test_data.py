@@ -94,7 +94,9 @@ def test_manifest_contents(workdir: Path):
     assert m["prepare_config"]["sources"][0]["path"] == "train.jsonl"
     assert str(workdir) not in json.dumps(m)
     src = workdir / "data" / "train.jsonl"
-    assert m["provenance"]["sources"] == [{"file": "train.jsonl", "bytes": src.stat().st_size, "sha256": _sha(src)}]
+    assert m["provenance"]["sources"] == [
+        {"file": "data/train.jsonl", "bytes": src.stat().st_size, "sha256": _sha(src)}
+    ]
     docs = _docs(src)
     lengths = [len(TOK.encode(d)) + 1 for d in docs]
     st = m["stats"]
@@ -169,7 +171,7 @@ def test_glob_sources_read_in_sorted_order(tmp_path: Path):
     docs = [d for name in ("a.jsonl", "b.jsonl", "c.jsonl") for d in _docs(parts / name)]
     expected = [i for d in docs for i in [*TOK.encode(d), TOK.eos_id]]
     assert _array(spec.output, "tokens")[: len(expected)].tolist() == expected
-    assert [s["file"] for s in m["provenance"]["sources"]] == ["a.jsonl", "b.jsonl", "c.jsonl"]
+    assert [s["file"] for s in m["provenance"]["sources"]] == [f"data/parts/{n}.jsonl" for n in "abc"]
     with pytest.raises(DataError, match=r"^sources.path: no file matches 'data/none/\*.jsonl'"):
         prepare(_spec(tmp_path, sources=[{"path": "data/none/*.jsonl"}]), tmp_path, overwrite=True)
 
@@ -712,7 +714,7 @@ def test_prompt_completion_missing_field_names_the_option(tmp_path: Path):
 def test_completion_only_needs_prompt_completion(tmp_path: Path):
     from dllm.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="completion_only needs format prompt_completion"):
+    with pytest.raises(ConfigError, match=r"sources\.0: supervision completion_only does not apply to format text"):
         _spec(tmp_path, sources=[{"path": "x.jsonl", "supervision": "completion_only"}])
 
 

@@ -15,10 +15,11 @@ from dllm.config.spec import TokenizerConfig
 from dllm.data.artifact import validate_artifact
 from dllm.data.prepare import prepare
 from dllm.data.synthetic import demo_corpus
-from dllm.errors import ConfigError
+from dllm.errors import ConfigError, DataError
 from dllm.tokenization import ByteTokenizer, ChatEncoding, Tokenizer, build_tokenizer
 from dllm.tokenization import byte as byte_mod
-from tests.helpers import write_corpus, write_yaml
+from tests.helpers import EOS, write_corpus, write_yaml
+from tests.helpers import save_bpe as _save_bpe
 
 TEXTS = [
     "",
@@ -185,36 +186,15 @@ def offline(monkeypatch: pytest.MonkeyPatch) -> None:
     _offline(monkeypatch)
 
 
-EOS = "<|endoftext|>"
-
-
-def _save_bpe(folder: Path, *, eos: bool = True, chat_template: str | None = None) -> Path:
-    pytest.importorskip("transformers")
-    from tokenizers import Tokenizer as RawTokenizer
-    from tokenizers import decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    raw = RawTokenizer(models.BPE())
-    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    raw.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400,
-        special_tokens=[EOS],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    raw.train_from_iterator(list(demo_corpus(300, seed=1)), trainer=trainer)
-    kwargs = {"eos_token": EOS} if eos else {}
-    fast = PreTrainedTokenizerFast(tokenizer_object=raw, clean_up_tokenization_spaces=False, **kwargs)
-    assert fast.mask_token_id is None
-    if chat_template is not None:
-        fast.chat_template = chat_template
-    fast.save_pretrained(str(folder))
-    return folder
-
-
 CHAT = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+# the same template, with the assistant's words marked for `return_assistant_tokens_mask`
+CHAT_SPANS = (
+    "{% for m in messages %}{{ m['role'] }}: "
+    "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}{% endgeneration %}"
+    "{% else %}{{ m['content'] }}{% endif %}\n{% endfor %}"
     "{% if add_generation_prompt %}assistant:{% endif %}"
 )
 
@@ -227,6 +207,7 @@ def hf_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         return {
             "plain": _save_bpe(root / "plain"),
             "chat": _save_bpe(root / "chat", chat_template=CHAT),
+            "spans": _save_bpe(root / "spans", chat_template=CHAT_SPANS),
             "no_eos": _save_bpe(root / "no_eos", eos=False),
         }
 
@@ -338,3 +319,35 @@ def test_hf_tokenizer_prepares_data(hf_dirs: dict[str, Path], tmp_path: Path):
     docs = [json.loads(line)["text"] for line in (tmp_path / "data" / "train.jsonl").read_text().splitlines()]
     expected = [i for d in docs for i in [*tok.encode(d), tok.eos_id]]
     assert ids[: len(expected)] == expected
+
+
+TURNS = [
+    {"role": "user", "content": "the cat sees"},
+    {"role": "assistant", "content": "a red ball"},
+    {"role": "user", "content": "and then"},
+    {"role": "assistant", "content": "the map"},
+]
+
+
+def test_hf_assistant_spans_come_from_generation_markers(hf_dirs: dict[str, Path]):
+    tok = _hf(hf_dirs["spans"])
+    enc = tok.apply_chat_template(TURNS)
+    assert len(enc.assistant_mask) == len(enc.ids)
+    spoken = tok.decode([i for i, m in zip(enc.ids, enc.assistant_mask, strict=True) if m])
+    assert spoken.split() == ["a", "red", "ball", "the", "map"]
+    assert (
+        tok.apply_chat_template(TURNS[:1], add_generation_prompt=True).ids
+        == enc.ids[: len(tok.apply_chat_template(TURNS[:1], add_generation_prompt=True).ids)]
+    )
+
+
+def test_hf_template_without_markers_gives_no_spans(hf_dirs: dict[str, Path], tmp_path: Path):
+    """assistant_only supervision is refused rather than guessed from the text."""
+    tok = _hf(hf_dirs["chat"])
+    assert tok.apply_chat_template(TURNS).assistant_mask == []
+    (tmp_path / "chat.jsonl").write_text(json.dumps({"messages": TURNS}) + "\n")
+    cfg = {"tokenizer": {"kind": "hf", "path": str(hf_dirs["chat"])}, "sources": [{"path": "chat.jsonl",
+           "format": "messages"}], "output": "out", "seq_len": 64}  # fmt: skip
+    spec = load_config(PrepareSpec, write_yaml(tmp_path / "prepare.yaml", cfg))
+    with pytest.raises(DataError, match=r"chat\.jsonl:1: the tokenizer's chat template marks no assistant spans"):
+        prepare(spec, tmp_path)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -189,3 +190,26 @@ def test_bfloat16_autocast_trains(train_yaml: Path):
 
     loaded = load_for_inference(bf16_dir)
     assert all(p.dtype == torch.float32 for p in loaded.model.parameters())
+
+
+def test_trains_on_an_indexed_sft_artifact(tmp_path: Path):
+    """Prompt/completion samples in the indexed layout: only completions are noised and trained on."""
+    from dllm.config.loading import validate_config
+    from dllm.config.prepare import PrepareSpec
+    from dllm.data.prepare import prepare
+
+    rows = [{"prompt": f"{i} + {i} =", "completion": f" {2 * i}"} for i in range(40)]
+    (tmp_path / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    values = {"sources": [{"path": "sft.jsonl", "format": "prompt_completion"}], "output": "data/prepared",
+              "seq_len": 32, "layout": "indexed"}  # fmt: skip
+    prepare(validate_config(PrepareSpec, values, source="prepare.yaml", base_dir=tmp_path), tmp_path)
+    train_yaml = write_yaml(tmp_path / "train.yaml", tiny_train_values())
+    trainer, _ = _trainer(train_yaml)
+    batch = trainer.loader.next_step()[0]
+    inputs = trainer.objective.prepare(batch, trainer.noise)
+    # prompts (unsupervised) and padding are never noised; the mask keeps samples off their padding
+    assert not bool((inputs.tokens_BL != batch.tokens_BL)[~batch.loss_mask_BL].any())
+    assert inputs.mask.doc_ids_BL is not None
+    losses = trainer.fit()
+    assert len(losses) == 4 and all(math.isfinite(x) for x in losses)
+    trainer.metrics.close()

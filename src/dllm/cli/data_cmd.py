@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -18,20 +19,40 @@ app = typer.Typer(help="Prepare, validate and look at training data.", no_args_i
 
 
 class _Rate:
-    """Records/s and tokens/s on stderr, at most twice a second."""
+    """Records, tokens and their rates: a live rich line on a terminal, a line every 5 s otherwise."""
 
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
         self.t0 = self.last = time.perf_counter()
-        self.tokens = 0
+        self.tokens = self.records = 0
+        self._live = None
+        if enabled and sys.stderr.isatty():
+            from rich.console import Console
+            from rich.live import Live
+
+            self._live = Live(console=Console(stderr=True), refresh_per_second=4, transient=True)
+            self._live.start()
+
+    def _line(self) -> str:
+        dt = max(time.perf_counter() - self.t0, 1e-9)
+        rates = f"{self.records / dt:,.0f} rec/s  {self.tokens / dt:,.0f} tok/s"
+        return f"{self.records:,} records  {self.tokens:,} tokens  {rates}"
 
     def __call__(self, records: int, tokens: int) -> None:
+        self.records = records
         self.tokens += tokens
         now = time.perf_counter()
-        if self.enabled and now - self.last > 0.5:
-            dt = now - self.t0
-            info(f"  {records:,} records  {records / dt:,.0f} rec/s  {self.tokens / dt:,.0f} tok/s")
+        if self._live is not None and now - self.last > 0.25:
+            self._live.update(self._line())
             self.last = now
+        elif self.enabled and self._live is None and now - self.last > 5:
+            info(self._line())
+            self.last = now
+
+    def close(self) -> None:
+        if self._live is not None:
+            self._live.stop()
+            self._live = None
 
 
 @app.command()
@@ -39,24 +60,35 @@ def prepare(
     config: Path = typer.Option(..., "--config", "-c", help="prepare.yaml"),
     output: Path = typer.Option(None, "--output", help="Artifact folder (default: `output` in the config)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing artifact."),
+    workers: int = typer.Option(1, "--workers", min=1, help="Tokenizer processes (same bytes for any number)."),
     as_json: bool = typer.Option(False, "--json", help="Print the manifest as JSON."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress lines."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress display."),
 ) -> None:
-    """Tokenize and pack a corpus into a memory-mapped artifact (deterministic bytes)."""
+    """Tokenize and lay out a corpus into a memory-mapped artifact (deterministic bytes)."""
     from dllm.data.prepare import prepare as run_prepare
 
     spec = load_config(PrepareSpec, config)
     target = output if output is not None else spec.output
     t0 = time.perf_counter()
-    manifest = run_prepare(spec, config.parent, output=output, overwrite=overwrite, progress=_Rate(not quiet))
+    rate = _Rate(not quiet and not as_json)
+    try:
+        manifest = run_prepare(spec, config.parent, output=output, overwrite=overwrite, workers=workers, progress=rate)
+    finally:
+        rate.close()
     if as_json:
         out(json.dumps(manifest, indent=2, sort_keys=True))
         return
     st = manifest["stats"]
+    dropped = (
+        f", {st['records_skipped']:,} skipped, {st['rejected']:,} rejected"
+        if st["records_skipped"] or st["rejected"]
+        else ""
+    )
     out(
-        f"wrote {target}: {manifest['num_sequences']:,} sequences x {manifest['seq_len']} tokens from "
-        f"{st['records_read']:,} records ({st['tokens']:,} tokens, {st['padding_tokens']:,} padding) "
-        f"in {time.perf_counter() - t0:.1f}s; fingerprint {manifest['fingerprint'][:16]}"
+        f"wrote {target} ({manifest['layout']}): {manifest['num_sequences']:,} rows x {manifest['seq_len']} from "
+        f"{st['records_read']:,} records{dropped} ({st['tokens']:,} tokens, {st['supervised_tokens']:,} supervised, "
+        f"{st['padding_tokens']:,} padding) in {time.perf_counter() - t0:.1f}s; "
+        f"fingerprint {manifest['fingerprint'][:16]}"
     )
 
 
@@ -82,3 +114,64 @@ def validate(
         f"(vocab {art.tokenizer['vocab_size']}), fingerprint {art.fingerprint[:16]}"
         + (f"; compatible with {config}" if config is not None else "")
     )
+
+
+def _artifact_tokenizer(art, tokenizer: Path | None):
+    """The tokenizer that prepared an artifact: byte, or the HF folder recorded in (or given for) it."""
+    from dllm.config.spec import TokenizerConfig
+    from dllm.tokenization import build_tokenizer
+
+    kind = art.tokenizer["kind"]
+    if kind == "byte":
+        return build_tokenizer(TokenizerConfig())
+    path = tokenizer or (art.path / art.manifest["tokenizer_path"] if "tokenizer_path" in art.manifest else None)
+    if path is None:
+        raise DataError(f"{art.path}: the artifact records no tokenizer folder; pass --tokenizer DIR")
+    tok = build_tokenizer(TokenizerConfig(kind="hf", path=Path(path).resolve()))
+    if tok.identity()["vocab_hash"] != art.tokenizer["vocab_hash"]:
+        raise DataError(f"--tokenizer: {path} is not the tokenizer that prepared {art.path}")
+    return tok
+
+
+@app.command()
+def inspect(
+    artifact: Path = typer.Argument(..., help="Artifact folder."),
+    index: list[int] = typer.Option(None, "--index", "-i", help="Row / sample to show (repeatable; default 0)."),
+    tokenizer: Path = typer.Option(None, "--tokenizer", help="Tokenizer folder, if the artifact's has moved."),
+) -> None:
+    """Decode samples, with the supervised (trained and noised) tokens highlighted."""
+    from rich.console import Console
+
+    from dllm.data.artifact import open_artifact
+    from dllm.data.report import num_samples, render_sample, sample_tokens
+
+    art = open_artifact(artifact)
+    tok = _artifact_tokenizer(art, tokenizer)
+    console = Console(highlight=False)
+    total = num_samples(art)
+    for i in index or [0]:
+        tokens, mask = sample_tokens(art, i)
+        console.rule(f"{art.manifest['layout']} sample {i} of {total}: {int(mask.sum())}/{len(mask)} supervised")
+        console.print(render_sample(tokens, mask, tok))
+
+
+@app.command()
+def stats(
+    artifact: Path = typer.Argument(..., help="Artifact folder."),
+    plot: Path = typer.Option(None, "--plot", help="Write a document-length histogram to this PNG."),
+    as_json: bool = typer.Option(False, "--json", help="Print the recorded stats as JSON."),
+) -> None:
+    """Show what preparation recorded: records, tokens, supervision, padding, lengths."""
+    from rich.console import Console
+
+    from dllm.data.artifact import read_manifest
+    from dllm.data.report import plot_lengths, stats_table
+
+    manifest = read_manifest(artifact)
+    if as_json:
+        out(json.dumps(manifest["stats"], indent=2, sort_keys=True))
+    else:
+        Console().print(stats_table(manifest))
+    if plot is not None:
+        plot_lengths(manifest, plot)
+        info(f"wrote {plot}")

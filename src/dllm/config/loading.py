@@ -6,8 +6,9 @@ the YAML node is known), the dotted field path and what is wrong.
 
 from __future__ import annotations
 
+import typing
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -87,14 +88,59 @@ def _field_line(node: yaml.Node | None, loc: tuple[Any, ...]) -> int | None:
     return line
 
 
+def union_tags(cls: type[BaseModel]) -> set[str]:
+    """The tag values of every discriminated union (`kind`/`name` literals) inside a config class."""
+    tags: set[str] = set()
+    seen: set[type] = set()
+
+    def visit(annotation: Any) -> None:
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            if annotation in seen:
+                return
+            seen.add(annotation)
+            for name, f in annotation.model_fields.items():
+                if name in ("kind", "name") and typing.get_origin(f.annotation) is Literal:
+                    tags.update(str(a) for a in typing.get_args(f.annotation))
+                visit(f.annotation)
+            return
+        for arg in typing.get_args(annotation):
+            visit(arg)
+
+    visit(cls)
+    return tags
+
+
+def _strip_union_tags(loc: tuple[Any, ...], data: Any, tags: set[str]) -> tuple[Any, ...]:
+    """Drop the tag pydantic inserts for a discriminated union (`sources.0.jsonl.path` -> `sources.0.path`)."""
+    out: list[Any] = []
+    node = data
+    for part in loc:
+        if part in tags and not (isinstance(node, dict) and part in node):
+            continue
+        out.append(part)
+        if isinstance(node, dict):
+            node = node.get(part)
+        elif isinstance(node, list) and isinstance(part, int) and part < len(node):
+            node = node[part]
+        else:
+            node = None
+    return tuple(out)
+
+
 def format_validation_error(
-    err: ValidationError, source: str, node: yaml.Node | None, overridden: set[str] | None = None
+    err: ValidationError,
+    source: str,
+    node: yaml.Node | None,
+    overridden: set[str] | None = None,
+    data: Any = None,
+    tags: set[str] | None = None,
 ) -> str:
     """One line for the first error: `file:line: field.path: problem (got value)`."""
     # an unknown key is usually the root cause (a typo) of a "missing" error next to it: report it first
     errors = sorted(err.errors(include_url=False), key=lambda e: e["type"] != "extra_forbidden")
     first = errors[0]
     loc = tuple(p for p in first["loc"] if not (isinstance(p, str) and p.startswith("function-")))
+    loc = _strip_union_tags(loc, data, tags or set())
     dotted = ".".join(str(p) for p in loc) or "(top level)"
     msg = first["msg"]
     if msg.startswith("Value error, "):
@@ -138,7 +184,7 @@ def validate_config(
         return cls.model_validate(data, context={"base_dir": base_dir})
     except ValidationError as e:
         keys = {o.partition("=")[0].strip() for o in overrides or []}
-        raise ConfigError(format_validation_error(e, source, node, keys)) from None
+        raise ConfigError(format_validation_error(e, source, node, keys, data, union_tags(cls))) from None
 
 
 def dump_config(spec: BaseModel) -> str:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import types
 import typing
 from typing import Any
 
@@ -10,16 +9,24 @@ import yaml
 from pydantic import BaseModel
 
 
-def _section_class(annotation: Any) -> type[BaseModel] | None:
-    """The config section class inside an annotation (T, T | None, list[T])."""
+def section_classes(annotation: Any) -> list[type[BaseModel]]:
+    """Every config section class inside an annotation (T, T | None, list[T], a tagged union)."""
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType, list):
-        for arg in typing.get_args(annotation):
-            found = _section_class(arg)
-            if found is not None:
-                return found
-    return None
+        return [annotation]
+    return [c for arg in typing.get_args(annotation) for c in section_classes(arg)]
+
+
+def _section_class(annotation: Any, value: Any = None) -> type[BaseModel] | None:
+    """The section class for `value`: in a tagged union, the member whose kind/name matches."""
+    members = section_classes(annotation)
+    if isinstance(value, dict):
+        for cls in members:
+            for tag in ("kind", "name"):
+                f = cls.model_fields.get(tag)
+                is_literal = f is not None and typing.get_origin(f.annotation) is typing.Literal
+                if is_literal and value.get(tag, f.default) in typing.get_args(f.annotation):
+                    return cls
+    return members[0] if members else None
 
 
 def _scalar(value: Any) -> str:
@@ -34,7 +41,7 @@ def render_commented(cls: type[BaseModel], values: dict[str, Any], indent: int =
         field = cls.model_fields[key]
         if field.description:
             lines += [f"{pad}# {line.strip()}" for line in field.description.splitlines()]
-        sub = _section_class(field.annotation)
+        sub = _section_class(field.annotation, value)
         if sub is not None and isinstance(value, (dict, list)) and not value:
             lines.append(f"{pad}{key}: {'{}' if isinstance(value, dict) else '[]'}")
         elif sub is not None and isinstance(value, dict):
@@ -43,7 +50,7 @@ def render_commented(cls: type[BaseModel], values: dict[str, Any], indent: int =
         elif sub is not None and isinstance(value, list):
             lines.append(f"{pad}{key}:")
             for item in value:
-                item_lines = render_commented(sub, item, indent + 4)
+                item_lines = render_commented(_section_class(field.annotation, item) or sub, item, indent + 4)
                 first = next(i for i, ln in enumerate(item_lines) if not ln.lstrip().startswith("#"))
                 item_lines[first] = f"{pad}  - {item_lines[first].lstrip()}"
                 lines += item_lines

@@ -1,9 +1,11 @@
 """Prepared-data artifacts: a folder with manifest.json and flat little-endian arrays.
 
-Layout `packed`:
-  tokens.bin      token ids, uint16 when the vocabulary fits, else uint32; num_sequences * seq_len
-  loss_mask.bin   uint8, 1 where the token is a training target
-  doc_starts.bin  uint64 offsets (into tokens) where each document begins
+Both layouts hold the same three arrays:
+  tokens.bin      token ids, uint16 when the vocabulary fits, else uint32
+  loss_mask.bin   uint8, 1 where the token is a training target (and may be noised)
+  doc_starts.bin  uint64 offsets (into tokens) where each document / sample begins
+`packed`: tokens holds num_sequences * seq_len ids (rows cut from one stream of documents).
+`indexed`: one sample per document at its own length (<= seq_len); the loader pads it to seq_len.
 
 The writer stages everything in a temporary sibling folder and renames it into place, so a crash
 never leaves a half-written artifact. Same input + same config gives the same bytes.
@@ -184,7 +186,8 @@ def validate_artifact(path: str | Path, checksums: bool = True) -> Artifact:
             raise DataError(f"{fp}: {fp.stat().st_size} bytes, the manifest says {expected}")
         if checksums and sha256_file(fp) != entry["sha256"]:
             raise DataError(f"{fp}: SHA-256 differs from the manifest (the file changed or is corrupt)")
-    n_tokens = art.num_sequences * art.seq_len
+    indexed = art.manifest["layout"] == "indexed"
+    n_tokens = int(files["tokens"]["count"]) if indexed else art.num_sequences * art.seq_len
     for name in ("tokens", "loss_mask"):
         if int(files[name]["count"]) != n_tokens:
             raise DataError(f"{mf}: files.{name}.count is {files[name]['count']}, expected {n_tokens}")
@@ -195,7 +198,13 @@ def validate_artifact(path: str | Path, checksums: bool = True) -> Artifact:
     mask = art.array("loss_mask")
     if mask.size and int(mask.max()) > 1:
         raise DataError(f"{art.path}: loss_mask holds values other than 0 and 1")
-    starts = art.array("doc_starts")
-    if starts.size and (np.any(np.diff(starts.astype(np.int64)) <= 0) or int(starts[-1]) >= max(n_tokens, 1)):
+    starts = np.asarray(art.array("doc_starts"), dtype=np.int64)
+    if starts.size and (np.any(np.diff(starts) <= 0) or int(starts[-1]) >= max(n_tokens, 1)):
         raise DataError(f"{art.path}: doc_starts are not increasing offsets inside tokens")
+    if indexed:
+        lengths = np.diff(np.append(starts, n_tokens))
+        if starts.size != art.num_sequences or (starts.size and starts[0] != 0):
+            raise DataError(f"{mf}: an indexed artifact needs one doc_start per sample, the first at 0")
+        if lengths.size and int(lengths.max()) > art.seq_len:
+            raise DataError(f"{art.path}: a sample has {int(lengths.max())} tokens, more than seq_len {art.seq_len}")
     return art

@@ -75,8 +75,13 @@ class StepLoader:
         self.num_micro = per_rank // micro_batch_size
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.seed, self.shuffle = seed, shuffle
-        # document start offsets, in memory (8 bytes per document) for the per-token document index
-        self.doc_starts = np.asarray(artifact.array("doc_starts"), dtype=np.int64) if document_ids else None
+        self.indexed = artifact.manifest["layout"] == "indexed"
+        self.pad_id = int(artifact.tokenizer["special_ids"]["pad"])
+        # document start offsets in memory (8 bytes per document): per-token document index (packed),
+        # sample boundaries (indexed, which always needs them: padding must not be attended to)
+        starts = np.asarray(artifact.array("doc_starts"), dtype=np.int64)
+        self.doc_starts = starts if document_ids or self.indexed else None
+        self.sample_ends = np.append(starts[1:], len(self.tokens)) if self.indexed else None
         self.position = 0
         self._perm_epoch = -1
         self._perm = np.arange(self.num_rows)
@@ -100,6 +105,8 @@ class StepLoader:
     def read(self, positions: np.ndarray) -> Batch:
         """Rows for the given stream positions (also used by evaluation)."""
         rows = self._rows(positions)
+        if self.indexed:
+            return self._read_samples(rows, positions)
         L = self.seq_len
         idx = (rows[:, None] * L + np.arange(L)[None, :]).reshape(-1)
         tokens = torch.from_numpy(self.tokens[idx].astype(np.int64)).view(-1, L)
@@ -108,6 +115,22 @@ class StepLoader:
         if self.doc_starts is not None:
             doc = torch.from_numpy(np.searchsorted(self.doc_starts, idx, side="right").astype(np.int64)).view(-1, L)
         return Batch(tokens, mask, torch.from_numpy(positions.astype(np.int64)), doc)
+
+    def _read_samples(self, rows: np.ndarray, positions: np.ndarray) -> Batch:
+        """Indexed layout: each sample padded to seq_len; padding is unsupervised and a separate
+        "document", so neither side attends to the other."""
+        assert self.doc_starts is not None and self.sample_ends is not None
+        B, L = len(rows), self.seq_len
+        tokens = np.full((B, L), self.pad_id, dtype=np.int64)
+        mask = np.zeros((B, L), dtype=np.bool_)
+        doc = np.ones((B, L), dtype=np.int64)
+        for i, r in enumerate(rows):
+            lo, hi = int(self.doc_starts[r]), int(self.sample_ends[r])
+            tokens[i, : hi - lo] = self.tokens[lo:hi]
+            mask[i, : hi - lo] = self.loss_mask[lo:hi]
+            doc[i, : hi - lo] = 0
+        pos = torch.from_numpy(positions.astype(np.int64))
+        return Batch(torch.from_numpy(tokens), torch.from_numpy(mask), pos, torch.from_numpy(doc))
 
     def next_step(self) -> list[Batch]:
         per_rank = self.global_batch_size // self.dp_size

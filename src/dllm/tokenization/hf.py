@@ -6,11 +6,14 @@ masked diffusion works with any causal LM tokenizer.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
 from dllm.errors import ConfigError
 from dllm.tokenization.base import ChatEncoding, sha256_json
+
+_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
 class HFTokenizer:
@@ -51,10 +54,18 @@ class HFTokenizer:
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> ChatEncoding:
         if not getattr(self._tok, "chat_template", None):
             raise ConfigError(f"tokenizer.path: the tokenizer in {self.path} has no chat template")
+        # assistant spans only from a template that marks them with {% generation %} (never guessed)
+        spans = bool(_GENERATION_TAG.search(self._tok.chat_template))
         out = self._tok.apply_chat_template(
-            messages, tokenize=True, add_generation_prompt=add_generation_prompt, return_dict=True
+            messages,
+            tokenize=True,
+            add_generation_prompt=add_generation_prompt,
+            return_dict=True,
+            return_assistant_tokens_mask=spans,
         )
-        return ChatEncoding(ids=list(out["input_ids"]))
+        ids = list(out["input_ids"])
+        mask = [int(m) for m in out["assistant_masks"]] if spans else []
+        return ChatEncoding(ids=ids, assistant_mask=mask)
 
     def identity(self) -> dict[str, Any]:
         vocab = sorted(self._tok.get_vocab().items())

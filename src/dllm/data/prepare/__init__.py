@@ -1,9 +1,18 @@
-"""`dllm data prepare`: sources -> records -> documents (ids + supervision) -> packing -> artifact."""
+"""`dllm data prepare`: sources -> records -> documents (ids + supervision) -> length -> layout -> artifact.
+
+Records are read in order in this process; rendering (tokenization) runs here or in N worker
+processes, with results consumed in input order, so the artifact is the same bytes whatever N is.
+At most a few chunks are in flight, so memory stays flat however large the input is.
+"""
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable
+import collections
+import multiprocessing as mp
+import os
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,83 +30,94 @@ from dllm.data.artifact import (
     token_dtype,
     write_manifest,
 )
-from dllm.data.prepare.packing import Packer
-from dllm.data.prepare.render import render
-from dllm.data.prepare.sources import SOURCES, source_files
-from dllm.tokenization import build_tokenizer
+from dllm.data.prepare.packing import LAYOUTS
+from dllm.data.prepare.render import Document, fit_length, pad_to_multiple, render
+from dllm.data.prepare.sources import SOURCES, Record, source_files
+from dllm.errors import DataError
+from dllm.tokenization import Tokenizer, build_tokenizer
 
 ProgressFn = Callable[[int, int], None]
+CHUNK = 256  # records per task sent to a worker
 
 
-def _portable_config(spec: PrepareSpec) -> dict[str, Any]:
-    """The preparation config without machine-specific paths (part of the fingerprint)."""
-    cfg = spec.model_dump(mode="json")
-    cfg.pop("output", None)
-    if cfg["tokenizer"].get("path"):
-        cfg["tokenizer"]["path"] = Path(cfg["tokenizer"]["path"]).name
-    for src in cfg["sources"]:
-        src["path"] = Path(src["path"]).name
-    return cfg
+@dataclass
+class Outcome:
+    """What became of one record."""
+
+    pieces: list[Document]
+    status: str  # ok | truncated | split | rejected | skipped
+    length: int = 0
+    error: str = ""
 
 
-def prepare(
-    spec: PrepareSpec,
-    base_dir: Path,
-    *,
-    output: Path | None = None,
-    overwrite: bool = False,
-    progress: ProgressFn | None = None,
-) -> dict[str, Any]:
-    """Build the artifact described by `spec`; returns its manifest."""
-    tok = build_tokenizer(spec.tokenizer)
-    out = Path(output) if output is not None else spec.output
-    dtype = token_dtype(tok.vocab_size)
-    lengths = LengthStats()
-    num_records = num_supervised = 0
-    with staged_folder(out, overwrite) as stage:
-        writers = {
-            "tokens": ArrayWriter(stage, "tokens", dtype),
-            "loss_mask": ArrayWriter(stage, "loss_mask", np.dtype("u1")),
-            "doc_starts": ArrayWriter(stage, "doc_starts", np.dtype("<u8")),
-        }
-        packer = Packer(spec.seq_len, tok.pad_id, writers["tokens"], writers["loss_mask"], writers["doc_starts"])
-        for src in spec.sources:
-            for record in SOURCES.get(src.kind)(src, base_dir):
-                doc = render(record, src, tok, spec.add_bos, spec.append_eos, spec.pad_to_multiple)
-                packer.add(doc)
-                num_records += 1
-                num_supervised += sum(doc.loss_mask)
-                lengths.add(len(doc.ids))
-                if progress is not None:
-                    progress(num_records, len(doc.ids))
-        packer.finish()
-        files = {name: w.close() for name, w in writers.items()}
-        portable = _portable_config(spec)
-        identity = tok.identity()
-        manifest = {
-            "format": FORMAT,
-            "format_version": FORMAT_VERSION,
-            "layout": spec.layout,
-            "seq_len": spec.seq_len,
-            "num_sequences": packer.num_sequences,
-            "files": files,
-            "tokenizer": identity,
-            "fingerprint": fingerprint(portable, identity, files),
-            "prepare_config": portable,
-            "provenance": {
-                "dllm_version": __version__,
-                "sources": [
-                    {"file": p.name, "bytes": p.stat().st_size, "sha256": sha256_file(p)}
-                    for src in spec.sources
-                    for p in source_files(src, base_dir)
-                ],
-            },
-            "stats": _stats(num_records, lengths, num_supervised, packer.num_padding),
-        }
-        write_manifest(stage, manifest)
-    return manifest
+def process_record(record: Record, src: Any, spec: PrepareSpec, tok: Tokenizer) -> Outcome:
+    try:
+        doc = render(record, src, tok, spec.add_bos, spec.append_eos)
+    except DataError as e:
+        if spec.on_bad_record == "fail":
+            raise
+        return Outcome([], "skipped", error=str(e))
+    pieces = fit_length(doc, spec.length_limit, spec.overflow)
+    if not pieces:
+        status = "rejected"
+    elif len(pieces) > 1:
+        status = "split"
+    else:
+        status = "ok" if len(pieces[0]) == len(doc) else "truncated"
+    pieces = [pad_to_multiple(p, spec.pad_to_multiple, tok.eos_id) for p in pieces]
+    return Outcome(pieces, status, len(doc))
 
 
+# -- worker processes: each builds its tokenizer once ------------------------------------------------
+_WORKER: dict[str, Any] = {}
+
+
+def _init_worker(spec: PrepareSpec) -> None:
+    _WORKER["spec"] = spec
+    _WORKER["tok"] = build_tokenizer(spec.tokenizer)
+
+
+def _process_chunk(chunk: list[tuple[int, Record]]) -> list[Outcome]:
+    spec, tok = _WORKER["spec"], _WORKER["tok"]
+    return [process_record(rec, spec.sources[i], spec, tok) for i, rec in chunk]
+
+
+def _chunks(spec: PrepareSpec, base_dir: Path) -> Iterator[list[tuple[int, Record]]]:
+    chunk: list[tuple[int, Record]] = []
+    for i, src in enumerate(spec.sources):
+        for record in SOURCES.get(src.kind)(src, base_dir):
+            chunk.append((i, record))
+            if len(chunk) == CHUNK:
+                yield chunk
+                chunk = []
+    if chunk:
+        yield chunk
+
+
+def _ordered_map(fn: Callable, items: Iterable, pool: Any, ahead: int) -> Iterator:
+    """pool.imap with at most `ahead` tasks in flight (imap itself reads its input eagerly)."""
+    pending: collections.deque = collections.deque()
+    for item in items:
+        pending.append(pool.apply_async(fn, (item,)))
+        if len(pending) >= ahead:
+            yield pending.popleft().get()
+    while pending:
+        yield pending.popleft().get()
+
+
+def outcomes(spec: PrepareSpec, base_dir: Path, tok: Tokenizer, workers: int) -> Iterator[Outcome]:
+    chunks = _chunks(spec, base_dir)
+    if workers <= 1:
+        for chunk in chunks:
+            yield from (process_record(rec, spec.sources[i], spec, tok) for i, rec in chunk)
+        return
+    ctx = mp.get_context("spawn" if os.name == "nt" else "fork")
+    with ctx.Pool(workers, initializer=_init_worker, initargs=(spec,)) as pool:
+        for results in _ordered_map(_process_chunk, chunks, pool, ahead=4 * workers):
+            yield from results
+
+
+# -- statistics --------------------------------------------------------------------------------------
 class LengthStats:
     """Running document-length statistics (constant memory)."""
 
@@ -116,15 +136,118 @@ class LengthStats:
         self.hist[bisect.bisect_right(self.EDGES, n) - 1] += 1
 
 
-def _stats(num_records: int, lengths: LengthStats, num_supervised: int, num_padding: int) -> dict[str, Any]:
-    mean = lengths.total / lengths.count if lengths.count else 0.0
-    return {
-        "records_read": num_records,
-        "records_skipped": 0,
-        "documents": lengths.count,
-        "tokens": lengths.total,
-        "supervised_tokens": int(num_supervised),
-        "padding_tokens": int(num_padding),
-        "doc_length": {"min": lengths.min, "max": lengths.max, "mean": round(mean, 3)},
-        "doc_length_histogram": {"edges": list(LengthStats.EDGES), "counts": lengths.hist},
-    }
+@dataclass
+class PrepareStats:
+    counts: collections.Counter = field(default_factory=collections.Counter)
+    lengths: LengthStats = field(default_factory=LengthStats)
+    supervised: int = 0
+    skip_examples: list[str] = field(default_factory=list)
+
+    def add(self, out: Outcome) -> None:
+        self.counts["records_read"] += 1
+        self.counts[out.status] += 1
+        if out.error and len(self.skip_examples) < 5:
+            self.skip_examples.append(out.error)
+        for piece in out.pieces:
+            self.lengths.add(len(piece))
+            self.supervised += sum(piece.loss_mask)
+
+    def to_dict(self, padding: int, layout_rows: int) -> dict[str, Any]:
+        L = self.lengths
+        return {
+            "records_read": self.counts["records_read"],
+            "records_skipped": self.counts["skipped"],
+            "rejected": self.counts["rejected"],
+            "truncated": self.counts["truncated"],
+            "split": self.counts["split"],
+            "skip_examples": self.skip_examples,
+            "documents": L.count,
+            "tokens": L.total,
+            "supervised_tokens": self.supervised,
+            "padding_tokens": padding,
+            "rows": layout_rows,
+            "doc_length": {"min": L.min, "max": L.max, "mean": round(L.total / L.count, 3) if L.count else 0.0},
+            "doc_length_histogram": {"edges": list(LengthStats.EDGES), "counts": L.hist},
+        }
+
+
+# -- the artifact ------------------------------------------------------------------------------------
+def _portable_config(spec: PrepareSpec) -> dict[str, Any]:
+    """The preparation config without machine-specific paths (part of the fingerprint)."""
+    cfg = spec.model_dump(mode="json")
+    cfg.pop("output", None)
+    if cfg["tokenizer"].get("path"):
+        cfg["tokenizer"]["path"] = Path(cfg["tokenizer"]["path"]).name
+    for src in cfg["sources"]:
+        src["path"] = Path(src["path"]).name
+        if src.get("data_files"):
+            src["data_files"] = [Path(p).name for p in src["data_files"]]
+    return cfg
+
+
+def _relative(path: Path, base_dir: Path) -> str:
+    try:
+        return path.resolve().relative_to(base_dir.resolve()).as_posix()
+    except ValueError:  # outside the config folder: the name is all that is portable
+        return path.name
+
+
+def _provenance(spec: PrepareSpec, base_dir: Path) -> dict[str, Any]:
+    files = [
+        {"file": _relative(p, base_dir), "bytes": p.stat().st_size, "sha256": sha256_file(p)}
+        for src in spec.sources
+        for p in source_files(src, base_dir)
+    ]
+    return {"dllm_version": __version__, "sources": files}
+
+
+def prepare(
+    spec: PrepareSpec,
+    base_dir: Path,
+    *,
+    output: Path | None = None,
+    overwrite: bool = False,
+    workers: int = 1,
+    progress: ProgressFn | None = None,
+) -> dict[str, Any]:
+    """Build the artifact described by `spec`; returns its manifest."""
+    tok = build_tokenizer(spec.tokenizer)
+    out = Path(output) if output is not None else spec.output
+    stats = PrepareStats()
+    with staged_folder(out, overwrite) as stage:
+        writers = {
+            "tokens": ArrayWriter(stage, "tokens", token_dtype(tok.vocab_size)),
+            "loss_mask": ArrayWriter(stage, "loss_mask", np.dtype("u1")),
+            "doc_starts": ArrayWriter(stage, "doc_starts", np.dtype("<u8")),
+        }
+        layout = LAYOUTS[spec.layout](spec.seq_len, tok.pad_id, *writers.values())
+        for outcome in outcomes(spec, base_dir, tok, workers):
+            stats.add(outcome)
+            for piece in outcome.pieces:
+                layout.add(piece)
+            if progress is not None:
+                progress(stats.counts["records_read"], sum(len(p) for p in outcome.pieces))
+        layout.finish()
+        if layout.num_sequences == 0:
+            raise DataError(f"{out}: no document survived preparation; check the sources, max_length and overflow")
+        files = {name: w.close() for name, w in writers.items()}
+        portable = _portable_config(spec)
+        identity = tok.identity()
+        manifest = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "layout": spec.layout,
+            "seq_len": spec.seq_len,
+            "num_sequences": layout.num_sequences,
+            "files": files,
+            "tokenizer": identity,
+            "fingerprint": fingerprint(portable, identity, files),
+            "prepare_config": portable,
+            "provenance": _provenance(spec, base_dir),
+            "stats": stats.to_dict(layout.num_padding, layout.num_sequences),
+        }
+        if spec.tokenizer.path is not None:
+            # relative, so that the artifact and its tokenizer can move together
+            manifest["tokenizer_path"] = os.path.relpath(spec.tokenizer.path, out.absolute())
+        write_manifest(stage, manifest)
+    return manifest

@@ -1,4 +1,12 @@
-"""Packing: concatenate documents into one stream and cut it into fixed-length sequences."""
+"""Layouts: how documents become training rows.
+
+packed   documents are concatenated into one stream (EOS between them) and cut into seq_len rows;
+         the last partial row is padded with unsupervised pad tokens. doc_starts records where each
+         document begins, so attention can be kept inside documents.
+indexed  one document per sample, stored at its own length; doc_starts are the sample offsets. The
+         loader pads each sample to seq_len (pad tokens are not supervised and never attended to);
+         the padding this will cost is recorded at preparation.
+"""
 
 from __future__ import annotations
 
@@ -8,18 +16,34 @@ from dllm.data.artifact import ArrayWriter
 from dllm.data.prepare.render import Document
 
 
-class Packer:
-    """Streams documents into `seq_len` rows; the last partial row is padded (not supervised)."""
+class Layout:
+    """Writes documents into the tokens / loss_mask / doc_starts arrays."""
 
     def __init__(self, seq_len: int, pad_id: int, tokens: ArrayWriter, mask: ArrayWriter, starts: ArrayWriter):
         self.seq_len = seq_len
         self.pad_id = pad_id
         self._tokens, self._mask, self._starts = tokens, mask, starts
-        self._buf_ids: list[int] = []
-        self._buf_mask: list[int] = []
         self._offset = 0  # tokens written so far
         self.num_sequences = 0
         self.num_padding = 0
+
+    def _write(self, ids: list[int], mask: list[int]) -> None:
+        self._tokens.write(np.asarray(ids))
+        self._mask.write(np.asarray(mask))
+        self._offset += len(ids)
+
+    def add(self, doc: Document) -> None:
+        raise NotImplementedError
+
+    def finish(self) -> None:
+        pass
+
+
+class Packed(Layout):
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self._buf_ids: list[int] = []
+        self._buf_mask: list[int] = []
 
     def add(self, doc: Document) -> None:
         if not doc.ids:
@@ -40,7 +64,19 @@ class Packer:
             self._buf_ids, self._buf_mask = [], []
 
     def _emit(self, ids: list[int], mask: list[int]) -> None:
-        self._tokens.write(np.asarray(ids))
-        self._mask.write(np.asarray(mask))
-        self._offset += len(ids)
+        self._write(ids, mask)
         self.num_sequences += len(ids) // self.seq_len
+
+
+class Indexed(Layout):
+    def add(self, doc: Document) -> None:
+        if not doc.ids:
+            return
+        assert len(doc) <= self.seq_len, "fit_length keeps samples within seq_len"
+        self._starts.write([self._offset])
+        self._write(doc.ids, doc.loss_mask)
+        self.num_sequences += 1
+        self.num_padding += self.seq_len - len(doc)
+
+
+LAYOUTS: dict[str, type[Layout]] = {"packed": Packed, "indexed": Indexed}

@@ -1,17 +1,36 @@
-"""Sources: where records come from. Each yields (record, location) pairs in a fixed order."""
+"""Sources: where records come from. Each yields (record, location) pairs in a fixed order.
+
+Readers stream (memory stays flat for big files) and raise `DataError` naming the file and the line or
+row. pyarrow (parquet) and datasets (hf_dataset) are optional and imported only when a source needs them.
+"""
 
 from __future__ import annotations
 
 import glob
+import gzip
+import importlib
 import json
-from collections.abc import Callable, Iterator
+import os
+import zlib
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import IO, Any
 
-from dllm.config.prepare import JsonlSourceConfig
+import numpy as np
+
+from dllm.config.prepare import (
+    HFDatasetSourceConfig,
+    JsonlSourceConfig,
+    NpySourceConfig,
+    ParquetSourceConfig,
+    TextSourceConfig,
+)
 from dllm.errors import DataError
 from dllm.registry import Registry
+
+PARQUET_BATCH_ROWS = 1024  # rows held in memory at once when reading a Parquet file
 
 
 @dataclass(frozen=True)
@@ -26,33 +45,88 @@ SourceReader = Callable[[Any, Path], Iterator[Record]]
 SOURCES: Registry[SourceReader] = Registry("source")
 
 
+# --------------------------------------------------------------------------------------------------
+# shared pieces
+
+
+def _resolve(path: str, base_dir: Path) -> Path:
+    return Path(path) if Path(path).is_absolute() else base_dir / path
+
+
 def expand_paths(pattern: str, base_dir: Path, field: str) -> list[Path]:
     """Sorted files matching a path or glob relative to `base_dir`; an empty match is an error."""
-    full = pattern if Path(pattern).is_absolute() else str(base_dir / pattern)
-    matches = sorted(Path(p) for p in glob.glob(full, recursive=True) if Path(p).is_file())
+    matches = sorted(Path(p) for p in glob.glob(str(_resolve(pattern, base_dir)), recursive=True) if Path(p).is_file())
     if not matches:
         raise DataError(f"{field}: no file matches {pattern!r} (looked in {base_dir})")
     return matches
 
 
+def _first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+
+
+def _require(module: str, kind: str) -> ModuleType:
+    """An optional dependency, imported when a source first needs it."""
+    package = module.split(".")[0]
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise DataError(f"sources: kind {kind} needs the {package} package; pip install {package}") from None
+
+
+def _numbered(rows: Iterable[dict[str, Any]], prefix: str) -> Iterator[Record]:
+    """Records `prefix:row N` (1-based); an error of the underlying reader names the row it failed at."""
+    num = 0
+    try:
+        for num, row in enumerate(rows, start=1):
+            yield Record(data=row, where=f"{prefix}:row {num}")
+    except DataError:
+        raise
+    except Exception as e:  # third-party readers raise many types (ArrowInvalid, OSError, DatasetsError, ...)
+        raise DataError(f"{prefix}:row {num + 1}: cannot read ({_first_line(e)}); check or re-create it") from e
+
+
+def _open_binary(path: Path) -> IO[bytes]:
+    """A file opened for reading bytes; `.gz` is decompressed on the fly."""
+    return gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")
+
+
+def _decode(raw: bytes, where: str) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{where}: not valid UTF-8 (byte {e.start}); re-encode the file as UTF-8") from None
+
+
+def _lines(path: Path) -> Iterator[tuple[str, str]]:
+    """(file:line, decoded line) of a text file (plain or .gz), streamed."""
+    lineno = 0
+    try:
+        with _open_binary(path) as fh:
+            for lineno, raw in enumerate(fh, start=1):
+                where = f"{path}:{lineno}"
+                yield where, _decode(raw, where)
+    except (OSError, EOFError, zlib.error) as e:  # unreadable file, corrupt or truncated gzip
+        raise DataError(f"{path}:{lineno + 1}: cannot read ({_first_line(e)}); check or re-create the file") from None
+
+
+# --------------------------------------------------------------------------------------------------
+# jsonl and text
+
+
 def jsonl_records(path: Path) -> Iterator[Record]:
-    """JSON objects of a JSON Lines file, streamed; blank lines skipped; errors name file:line."""
-    with open(path, "rb") as fh:
-        for lineno, raw in enumerate(fh, start=1):
-            where = f"{path}:{lineno}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise DataError(f"{where}: not valid UTF-8 (byte {e.start}); re-encode the file as UTF-8") from None
-            if not line.strip():
-                continue
-            try:
-                data = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{where}: invalid JSON ({e.msg}); fix or remove the line") from None
-            if not isinstance(data, dict):
-                raise DataError(f"{where}: expected a JSON object per line, got {type(data).__name__}")
-            yield Record(data=data, where=where)
+    """JSON objects of a JSON Lines file (plain or .gz), streamed; blank lines skipped; errors name file:line."""
+    for where, line in _lines(path):
+        if not line.strip():
+            continue
+        try:
+            data = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{where}: invalid JSON ({e.msg}); fix or remove the line") from None
+        if not isinstance(data, dict):
+            raise DataError(f"{where}: expected a JSON object per line, got {type(data).__name__}")
+        yield Record(data=data, where=where)
 
 
 @SOURCES.register("jsonl")
@@ -61,6 +135,153 @@ def read_jsonl(cfg: JsonlSourceConfig, base_dir: Path) -> Iterator[Record]:
         yield from jsonl_records(path)
 
 
+def _text_file(path: Path) -> Record:
+    try:
+        with _open_binary(path) as fh:
+            raw = fh.read()
+    except (OSError, EOFError, zlib.error) as e:
+        raise DataError(f"{path}: cannot read ({_first_line(e)}); check or re-create the file") from None
+    try:
+        return Record(data={"text": raw.decode("utf-8")}, where=str(path))
+    except UnicodeDecodeError as e:
+        lineno = raw.count(b"\n", 0, e.start) + 1
+        raise DataError(f"{path}:{lineno}: not valid UTF-8 (byte {e.start}); re-encode the file as UTF-8") from None
+
+
+def _text_lines(path: Path) -> Iterator[Record]:
+    for where, line in _lines(path):
+        text = line.rstrip("\r\n")
+        if text.strip():
+            yield Record(data={"text": text}, where=where)
+
+
+@SOURCES.register("text")
+def read_text(cfg: TextSourceConfig, base_dir: Path) -> Iterator[Record]:
+    """One record per file, or one per non-empty line (`per_line`), as {"text": ...}."""
+    for path in expand_paths(cfg.path, base_dir, "sources.path"):
+        if cfg.per_line:
+            yield from _text_lines(path)
+        else:
+            yield _text_file(path)
+
+
+# --------------------------------------------------------------------------------------------------
+# parquet
+
+
+def _parquet_rows(path: Path) -> Iterator[dict[str, Any]]:
+    pq = _require("pyarrow.parquet", "parquet")
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=PARQUET_BATCH_ROWS):
+        yield from batch.to_pylist()  # nested columns (struct, list) become dicts and lists
+
+
+@SOURCES.register("parquet")
+def read_parquet(cfg: ParquetSourceConfig, base_dir: Path) -> Iterator[Record]:
+    """Each row of each file (a batch of rows in memory at a time), `file:row N`."""
+    for path in expand_paths(cfg.path, base_dir, "sources.path"):
+        yield from _numbered(_parquet_rows(path), str(path))
+
+
+# --------------------------------------------------------------------------------------------------
+# npy
+
+
+def _load_npy(path: Path) -> np.ndarray:
+    try:
+        array = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (OSError, ValueError, EOFError) as e:
+        raise DataError(f"{path}: not a readable .npy array ({_first_line(e)}); save it with numpy.save") from None
+    if not isinstance(array, np.ndarray):  # an .npz archive
+        raise DataError(f"{path}: expected one array saved with numpy.save, got an archive of arrays")
+    if not np.issubdtype(array.dtype, np.integer) or array.ndim not in (1, 2):
+        raise DataError(
+            f"{path}: expected a 1-D or 2-D integer array of token ids, got {array.ndim}-D {array.dtype}; "
+            "convert it with numpy.asarray(ids, dtype=numpy.int32)"
+        )
+    return array
+
+
+@SOURCES.register("npy")
+def read_npy(cfg: NpySourceConfig, base_dir: Path) -> Iterator[Record]:
+    """A 1-D array is one document; a 2-D array one per row with negative ids (padding) dropped."""
+    for path in expand_paths(cfg.path, base_dir, "sources.path"):
+        array = _load_npy(path)
+        if array.ndim == 1:
+            yield Record(data={"input_ids": array.tolist()}, where=str(path))
+        else:
+            yield from _numbered(({"input_ids": row[row >= 0].tolist()} for row in array), str(path))
+
+
+# --------------------------------------------------------------------------------------------------
+# hf_dataset
+
+
+def _import_datasets() -> ModuleType:
+    # never download: the variables are read when datasets / huggingface_hub are first imported
+    for var in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):
+        os.environ.setdefault(var, "1")
+    return _require("datasets", "hf_dataset")
+
+
+def _hf_data_files(cfg: HFDatasetSourceConfig, base_dir: Path) -> list[Path]:
+    assert cfg.data_files is not None
+    return [p for pattern in cfg.data_files for p in expand_paths(pattern, base_dir, "sources.data_files")]
+
+
+def _hf_folder(cfg: HFDatasetSourceConfig, base_dir: Path) -> Path:
+    folder = _resolve(cfg.path, base_dir)
+    if not folder.is_dir():
+        raise DataError(
+            f"sources.path: {folder} is not a folder written by save_to_disk; "
+            "to read files with a builder (json, parquet, csv, text) also give data_files"
+        )
+    return folder
+
+
+def _hf_from_disk(cfg: HFDatasetSourceConfig, base_dir: Path) -> tuple[Any, str]:
+    """The split of a save_to_disk folder (a Dataset is read whole) and the folder's name."""
+    datasets = _import_datasets()
+    folder = _hf_folder(cfg, base_dir)
+    try:
+        loaded = datasets.load_from_disk(str(folder))
+    except FileNotFoundError as e:
+        raise DataError(f"{folder}: not a dataset written by save_to_disk ({_first_line(e)})") from None
+    if not isinstance(loaded, datasets.DatasetDict):
+        return loaded, str(folder)
+    if cfg.split not in loaded:
+        raise DataError(f"{folder}: no split {cfg.split!r}; set split to one of {', '.join(sorted(loaded))}")
+    return loaded[cfg.split], str(folder)
+
+
+def _hf_from_files(cfg: HFDatasetSourceConfig, base_dir: Path) -> tuple[Any, str]:
+    """The data_files as split `split` of builder `path`, streamed, and the builder's name."""
+    datasets = _import_datasets()
+    files = [str(p) for p in _hf_data_files(cfg, base_dir)]
+    try:  # streaming: rows are read lazily from the files, no Arrow copy in the cache
+        dataset = datasets.load_dataset(cfg.path, data_files={cfg.split: files}, split=cfg.split, streaming=True)
+    except Exception as e:  # an unknown builder name, a missing builder dependency, ...
+        raise DataError(
+            f"sources.path: load_dataset({cfg.path!r}) failed ({_first_line(e)}); "
+            "use a builder such as json, parquet, csv or text"
+        ) from e
+    return dataset, cfg.path
+
+
+@SOURCES.register("hf_dataset")
+def read_hf_dataset(cfg: HFDatasetSourceConfig, base_dir: Path) -> Iterator[Record]:
+    """Rows of a save_to_disk folder, or of local data_files through a `datasets` builder; never downloads."""
+    dataset, name = _hf_from_disk(cfg, base_dir) if cfg.data_files is None else _hf_from_files(cfg, base_dir)
+    yield from _numbered(dataset.with_format(None), f"{name}[{cfg.split}]")  # plain Python values, not tensors
+
+
+# --------------------------------------------------------------------------------------------------
+# provenance
+
+
 def source_files(cfg: Any, base_dir: Path) -> list[Path]:
     """The files a source reads (for provenance hashes)."""
+    if isinstance(cfg, HFDatasetSourceConfig):
+        if cfg.data_files is not None:
+            return _hf_data_files(cfg, base_dir)
+        return sorted(p for p in _hf_folder(cfg, base_dir).rglob("*") if p.is_file())
     return expand_paths(cfg.path, base_dir, "sources.path")
