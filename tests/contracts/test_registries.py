@@ -24,7 +24,7 @@ from dllm.config.spec import ModelConfig, ObjectiveConfig, SamplerConfig
 from dllm.data.loader import Batch
 from dllm.data.prepare.sources import SOURCES
 from dllm.diffusion.corruption import NoiseKeys
-from dllm.diffusion.objectives import OBJECTIVES, LossOutput, ModelInputs
+from dllm.diffusion.objectives import OBJECTIVES, LossOutput, ModelInputs, ModelOutput
 from dllm.diffusion.schedules import SCHEDULES
 from dllm.models import MODELS
 from dllm.registry import Registry
@@ -214,7 +214,7 @@ def test_objective_loss_finite_and_gradients_only_at_supervised_positions(name, 
     batch = make_batch(8, 12)
     inp = obj.prepare(batch, NoiseKeys(0, 8))
     logits = model(inp.tokens_BL, inp.positions_BL, inp.mask).detach().requires_grad_(True)
-    out = obj.loss(logits, inp)
+    out = obj.loss(ModelOutput.of_logits(logits), inp)
     assert isinstance(out, LossOutput)
     assert out.loss_sum.dim() == 0 and bool(torch.isfinite(out.loss_sum))
     assert float(out.loss_sum.detach()) > 0
@@ -231,7 +231,7 @@ def test_objective_gradients_reach_model_parameters(name, schedule):
     obj = build_objective(name, schedule)
     m = tiny_model(MODELS.names()[0])
     inp = obj.prepare(make_batch(4, 12), NoiseKeys(0, 4))
-    obj.loss(m(inp.tokens_BL, inp.positions_BL, inp.mask), inp).loss_sum.backward()
+    obj.loss(ModelOutput.of_logits(m(inp.tokens_BL, inp.positions_BL, inp.mask)), inp).loss_sum.backward()
     assert all(p.grad is not None and bool(torch.isfinite(p.grad).all()) for p in m.parameters())
     assert float(m.embed_tokens.weight.grad.abs().sum()) > 0
 
@@ -245,7 +245,9 @@ def test_objective_deterministic_under_same_noise_keys(name, schedule, model):
     for field in ("tokens_BL", "positions_BL", "targets_BL", "weights_BL"):
         assert torch.equal(getattr(a, field), getattr(b, field)), field
     logits = model(a.tokens_BL, a.positions_BL, a.mask)
-    assert torch.equal(obj.loss(logits, a).loss_sum, obj.loss(logits, b).loss_sum)
+    assert torch.equal(
+        obj.loss(ModelOutput.of_logits(logits), a).loss_sum, obj.loss(ModelOutput.of_logits(logits), b).loss_sum
+    )
     c = obj.prepare(batch, NoiseKeys(4, 8))
     assert not torch.equal(a.weights_BL, c.weights_BL), "the noise seed has no effect"
 

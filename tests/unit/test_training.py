@@ -12,6 +12,7 @@ import torch
 from dllm.checkpoint.manager import latest_checkpoint
 from dllm.config.rules import resolve_run_spec
 from dllm.config.spec import ModelConfig, OptimizerConfig, SchedulerConfig
+from dllm.diffusion.objectives import ModelOutput
 from dllm.errors import CheckpointError
 from dllm.models import Transformer
 from dllm.training import build as build_mod
@@ -69,7 +70,7 @@ def test_loss_is_global_mean_over_supervised_tokens(train_yaml: Path):
         for b in batches:
             inputs = trainer.objective.prepare(b, trainer.noise)
             logits = model(inputs.tokens_BL, inputs.positions_BL, inputs.mask)
-            expected_sum += float(trainer.objective.loss(logits, inputs).loss_sum)
+            expected_sum += float(trainer.objective.loss(ModelOutput.of_logits(logits), inputs).loss_sum)
     targets = sum(int(b.loss_mask_BL.sum()) for b in batches)
     stats = trainer.train_step(batches)
     assert stats.num_targets == targets
@@ -213,3 +214,60 @@ def test_trains_on_an_indexed_sft_artifact(tmp_path: Path):
     losses = trainer.fit()
     assert len(losses) == 4 and all(math.isfinite(x) for x in losses)
     trainer.metrics.close()
+
+
+def test_moe_trains_with_its_load_balancing_loss(train_yaml: Path):
+    trainer, run_dir = _trainer(
+        train_yaml, "model.family=qwen3_moe", "model.num_experts=4", "model.router_aux_loss_coef=0.01"
+    )
+    losses = trainer.fit()
+    trainer.metrics.close()
+    assert all(math.isfinite(x) for x in losses)
+    records = read_metrics(run_dir)
+    assert all(r["aux_loss"] >= 1.0 - 1e-4 for r in records)  # 1 is perfectly balanced
+    router = trainer.model.layers[0].mlp.gate.weight
+    assert router.requires_grad and trainer.optimizer.state[router]  # the router is trained
+
+
+def test_lora_run_trains_only_adapters_and_resumes(train_yaml: Path, monkeypatch: pytest.MonkeyPatch):
+    """Only adapter weights change and are checkpointed; a resumed LoRA run matches an uninterrupted one;
+    generation loads base + adapters and merges them."""
+    from dllm.checkpoint.inference import load_for_inference
+    from dllm.models.lora import LoraLinear
+
+    lora = ("lora.rank=4", "lora.alpha=8", "lora.targets=[q_proj, v_proj, up_proj]", "optimizer.lr=1e-2")
+    steps = ("training.steps=4", "checkpointing.every_steps=2")
+    trainer, run_dir = _trainer(train_yaml, "run.name=lora", *lora, *steps)
+    base_before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if not p.requires_grad}
+    assert base_before and all("lora_" not in n for n in base_before)
+    full = trainer.fit()
+    trainer.metrics.close()
+    for n, p in trainer.model.named_parameters():
+        if n in base_before:
+            assert torch.equal(p, base_before[n]), n  # frozen: bit-identical
+    import torch.distributed.checkpoint as dcp
+
+    meta = dcp.FileSystemReader(str(run_dir / "checkpoints" / "step_00000004")).read_metadata()
+    model_keys = {k for k in meta.state_dict_metadata if k.startswith("model.")}
+    assert model_keys and all(".lora_" in k for k in model_keys)  # only adapters are checkpointed
+
+    cut_dir = _run_dir(train_yaml, "run.name=lora_cut", *lora, *steps)
+    real_step = build_mod.Trainer.train_step
+
+    def crash_at_step_3(self, batches):
+        if self.step == 2:
+            raise KeyboardInterrupt("simulated interrupt")
+        return real_step(self, batches)
+
+    monkeypatch.setattr(build_mod.Trainer, "train_step", crash_at_step_3)
+    with pytest.raises(KeyboardInterrupt):
+        train_from_run_dir(cut_dir)
+    monkeypatch.setattr(build_mod.Trainer, "train_step", real_step)
+    assert train_from_run_dir(cut_dir) == full[2:]
+
+    loaded = load_for_inference(run_dir)
+    assert not any(isinstance(m, LoraLinear) for m in loaded.model.modules())  # merged for inference
+    x = torch.randint(0, 200, (1, 16))
+    pos = torch.arange(16)[None]
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.model(x, pos), trainer.model(x, pos), atol=1e-5, rtol=0)

@@ -1,36 +1,93 @@
 """Attention masks as small frozen descriptions plus pure mask functions.
 
 A mask function has the FlexAttention `mask_mod` signature `(b, h, q_idx, kv_idx) -> bool` and works
-on broadcast index tensors, so the same function builds a dense boolean mask for SDPA (the reference)
-and, later, a BlockMask. True means "query may attend to key".
+on broadcast index tensors, so the same function builds the dense boolean mask of SDPA (the
+reference) and the BlockMask of FlexAttention. True means "query may attend to key".
+
+Mask functions never compare two bool tensors (`create_block_mask(..., _compile=True)` fails on
+that): flags are combined with `&`, `|`, `~` and only integers are compared.
+
+Shapes: B batch, L sequence length (of the per-position tensors), 2L the block-diffusion layout.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import torch
 
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+MaskKind = Literal["bidirectional", "causal", "block_causal", "block_diffusion"]
+BLOCK_KINDS = ("block_causal", "block_diffusion")
 
 
 @dataclass(frozen=True)
 class AttentionMask:
-    """Which (query, key) pairs may interact. Backends turn this into what they need."""
+    """Which (query, key) pairs may interact. Backends turn this into what they need.
 
-    kind: Literal["bidirectional", "causal"] = "bidirectional"
-    """Base pattern."""
+    The base pattern (`kind`) is intersected with the optional sliding window, documents and key
+    padding. For `block_diffusion` the sequence is the 2L layout [x_t ; x_0] and the per-position
+    tensors (`key_valid_BL`, `doc_ids_BL`) have length L: position i of either half reads entry
+    i mod L, because x_t and x_0 are the same L tokens (noisy and clean). The tensors must not be
+    mutated after the mask is built: backends cache what they derive from them (see `memo`).
+    """
+
+    kind: MaskKind = "bidirectional"
+    """Base pattern: bidirectional, causal, block_causal (needs block_size) or block_diffusion (2L layout)."""
     key_valid_BL: torch.Tensor | None = None
     """False at padding keys (batched prompts of different lengths); None means all valid."""
     doc_ids_BL: torch.Tensor | None = None
     """Document id per position; attention stays inside a document. None means one document."""
+    block_size: int | None = None
+    """Tokens per block for block_causal and block_diffusion (required there, rejected elsewhere)."""
+    window: int | None = None
+    """Sliding window: q attends kv only if |pos(q) - pos(kv)| < window (pos = i mod L in 2L); None = off."""
+    _memo: dict[Any, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        needs_block = self.kind in BLOCK_KINDS
+        if needs_block and (self.block_size is None or self.block_size < 1):
+            raise ValueError(f"attention mask kind {self.kind!r} needs block_size >= 1, got {self.block_size}")
+        if not needs_block and self.block_size is not None:
+            raise ValueError(f"block_size has no effect with attention mask kind {self.kind!r}; leave it None")
+        if self.window is not None and self.window < 1:
+            raise ValueError(f"attention window must be >= 1 (or None for no window), got {self.window}")
+        _check_per_position(self.key_valid_BL, self.doc_ids_BL)
 
     @property
     def is_plain(self) -> bool:
-        """No restriction beyond the base pattern (backends can skip building a mask)."""
-        return self.key_valid_BL is None and self.doc_ids_BL is None
+        """Plain bidirectional or causal: no mask tensor needed (backends can skip building one)."""
+        restricted = self.key_valid_BL is not None or self.doc_ids_BL is not None or self.window is not None
+        return self.kind in ("bidirectional", "causal") and not restricted
+
+    def memo(self, key: Any, build: Callable[[], Any]) -> Any:
+        """`build()` once per key for the lifetime of this description (one training step, one sampling call).
+
+        Every layer of a model gets the same description, so a backend derives its mask (dense
+        tensor, BlockMask) once instead of once per layer; dropping the description frees it.
+        Inside a compiled region the build is traced into the graph instead (no side effects for dynamo).
+        """
+        if torch.compiler.is_compiling():
+            return build()
+        if key not in self._memo:
+            self._memo[key] = build()
+        return self._memo[key]
+
+
+def _check_per_position(key_valid_BL: torch.Tensor | None, doc_ids_BL: torch.Tensor | None) -> None:
+    for name, t in (("key_valid_BL", key_valid_BL), ("doc_ids_BL", doc_ids_BL)):
+        if t is not None and t.dim() != 2:
+            raise ValueError(f"AttentionMask.{name} must be [batch, length], got shape {tuple(t.shape)}")
+    if key_valid_BL is not None and key_valid_BL.dtype != torch.bool:
+        raise ValueError(f"AttentionMask.key_valid_BL must be bool, got {key_valid_BL.dtype}")
+    if key_valid_BL is not None and doc_ids_BL is not None and key_valid_BL.shape != doc_ids_BL.shape:
+        raise ValueError(f"key_valid_BL {tuple(key_valid_BL.shape)} and doc_ids_BL {tuple(doc_ids_BL.shape)} differ")
+
+
+# --------------------------------------------------------------------------------------------------
+# base patterns
 
 
 def causal() -> MaskMod:
@@ -43,6 +100,49 @@ def causal() -> MaskMod:
 def bidirectional() -> MaskMod:
     def mod(b, h, q, kv):
         return torch.ones_like(q >= kv)
+
+    return mod
+
+
+def block_causal(block_size: int) -> MaskMod:
+    """Bidirectional inside a block, causal across blocks: kv // B <= q // B."""
+
+    def mod(b, h, q, kv):
+        return kv // block_size <= q // block_size
+
+    return mod
+
+
+def block_diffusion(seq_len: int, block_size: int) -> MaskMod:
+    """BD3LM's vectorised training mask over [x_t ; x_0] of length 2L (Arriola et al. 2025, Sec. 3.2).
+
+    Blocks are indexed by (i mod L) // B in both halves. A noisy query (i < L) sees the noisy keys of
+    its own block (block-diagonal) and the clean keys of strictly earlier blocks (offset
+    block-causal: the context it would have at sampling time); a clean query sees clean keys of the
+    same or earlier blocks (block-causal). Clean never sees noisy, so x_0's states equal those of a
+    block-causal pass over x_0. Allowed pairs: L*L + L*B of 4*L*L.
+    """
+
+    def mod(b, h, q, kv):
+        q_clean, kv_clean = q >= seq_len, kv >= seq_len
+        q_block, kv_block = (q % seq_len) // block_size, (kv % seq_len) // block_size
+        noisy_noisy = ~q_clean & ~kv_clean & (q_block == kv_block)
+        noisy_clean = ~q_clean & kv_clean & (kv_block < q_block)
+        clean_clean = q_clean & kv_clean & (kv_block <= q_block)
+        return noisy_noisy | noisy_clean | clean_clean
+
+    return mod
+
+
+# --------------------------------------------------------------------------------------------------
+# restrictions intersected with a base pattern
+
+
+def sliding_window(window: int) -> MaskMod:
+    """Local attention: |q - kv| < window."""
+
+    def mod(b, h, q, kv):
+        return (q - kv).abs() < window
 
     return mod
 
@@ -61,6 +161,15 @@ def same_document(doc_ids_BL: torch.Tensor) -> MaskMod:
     return mod
 
 
+def in_both_halves(inner: MaskMod, seq_len: int) -> MaskMod:
+    """Apply a per-position mask function to the 2L layout: index i reads position i mod L."""
+
+    def mod(b, h, q, kv):
+        return inner(b, h, q % seq_len, kv % seq_len)
+
+    return mod
+
+
 def and_masks(*mods: MaskMod) -> MaskMod:
     def mod(b, h, q, kv):
         out = mods[0](b, h, q, kv)
@@ -71,14 +180,58 @@ def and_masks(*mods: MaskMod) -> MaskMod:
     return mod
 
 
-def mask_mod(mask: AttentionMask) -> MaskMod:
-    """The mask function of a description (base pattern AND document AND padding)."""
-    mods = [causal() if mask.kind == "causal" else bidirectional()]
+# --------------------------------------------------------------------------------------------------
+# description -> mask function
+
+
+def mask_mod(mask: AttentionMask, kv_len: int | None = None) -> MaskMod:
+    """The mask function of a description: base pattern AND window AND document AND padding.
+
+    `kv_len` is the key length the function will be evaluated on; block_diffusion needs it (the 2L
+    layout is halved to find L), the other kinds use it only to check the per-position tensors.
+    """
+    seq_len = layout_length(mask, kv_len)
+    restrictions = []
+    if mask.window is not None:
+        restrictions.append(sliding_window(mask.window))
     if mask.doc_ids_BL is not None:
-        mods.append(same_document(mask.doc_ids_BL))
+        restrictions.append(same_document(mask.doc_ids_BL))
     if mask.key_valid_BL is not None:
-        mods.append(key_padding(mask.key_valid_BL))
+        restrictions.append(key_padding(mask.key_valid_BL))
+    if mask.kind == "block_diffusion":
+        restrictions = [in_both_halves(m, seq_len) for m in restrictions]
+    mods = [base_mod(mask, seq_len), *restrictions]
     return mods[0] if len(mods) == 1 else and_masks(*mods)
+
+
+def base_mod(mask: AttentionMask, seq_len: int | None) -> MaskMod:
+    if mask.kind == "bidirectional":
+        return bidirectional()
+    if mask.kind == "causal":
+        return causal()
+    assert mask.block_size is not None  # checked in AttentionMask.__post_init__
+    if mask.kind == "block_causal":
+        return block_causal(mask.block_size)
+    assert seq_len is not None  # layout_length raises for block_diffusion without kv_len
+    return block_diffusion(seq_len, mask.block_size)
+
+
+def layout_length(mask: AttentionMask, kv_len: int | None) -> int | None:
+    """L of the per-position tensors (kv_len // 2 for block_diffusion); raises on a mismatch."""
+    seq_len = kv_len
+    if mask.kind == "block_diffusion":
+        if kv_len is None or kv_len % 2:
+            raise ValueError(
+                f"block_diffusion attends over the 2L layout [x_t ; x_0]: needs an even length, got {kv_len}"
+            )
+        seq_len = kv_len // 2
+        assert mask.block_size is not None  # checked in AttentionMask.__post_init__
+        if seq_len % mask.block_size:
+            raise ValueError(f"block_diffusion: L={seq_len} is not a multiple of block_size={mask.block_size}")
+    for name, t in (("key_valid_BL", mask.key_valid_BL), ("doc_ids_BL", mask.doc_ids_BL)):
+        if t is not None and seq_len is not None and t.shape[1] != seq_len:
+            raise ValueError(f"AttentionMask.{name} has length {t.shape[1]}, expected {seq_len} (kind {mask.kind})")
+    return seq_len
 
 
 def dense_mask(mod: MaskMod, batch: int, q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
@@ -88,3 +241,8 @@ def dense_mask(mod: MaskMod, batch: int, q_len: int, kv_len: int, device: torch.
     q = torch.arange(q_len, device=device)[None, None, :, None]
     kv = torch.arange(kv_len, device=device)[None, None, None, :]
     return mod(b, h, q, kv).expand(batch, 1, q_len, kv_len)
+
+
+def depends_on_batch(mask: AttentionMask) -> bool:
+    """Whether the pattern differs between batch rows (per-position tensors), else it broadcasts."""
+    return mask.key_valid_BL is not None or mask.doc_ids_BL is not None

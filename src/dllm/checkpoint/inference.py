@@ -10,9 +10,10 @@ from torch import nn
 
 from dllm.checkpoint.manager import TRAINER_STATE, latest_checkpoint, load_model_weights
 from dllm.config.loading import load_config
-from dllm.config.spec import RunSpec
+from dllm.config.spec import ModelConfig, RunSpec
 from dllm.errors import CheckpointError
-from dllm.models import MODELS
+from dllm.models import MODELS, factory
+from dllm.models.lora import merge_lora
 from dllm.tokenization import Tokenizer, build_tokenizer
 
 RUN_CONFIG = "config.yaml"
@@ -22,8 +23,11 @@ RUN_CONFIG = "config.yaml"
 class LoadedModel:
     model: nn.Module
     tokenizer: Tokenizer
-    spec: RunSpec
-    checkpoint: Path
+    model_cfg: ModelConfig
+    source: Path
+    """The checkpoint or pretrained folder the weights came from."""
+    spec: RunSpec | None = None
+    """The run's config, when loaded from a run."""
 
 
 def resolve_checkpoint(run: Path | None, checkpoint: Path | None) -> tuple[Path, Path]:
@@ -45,14 +49,43 @@ def resolve_checkpoint(run: Path | None, checkpoint: Path | None) -> tuple[Path,
 
 
 def load_for_inference(
-    run: Path | None = None, checkpoint: Path | None = None, device: torch.device | None = None
+    run: Path | None = None,
+    checkpoint: Path | None = None,
+    device: torch.device | None = None,
+    model_dir: Path | None = None,
+    merge: bool = True,
 ) -> LoadedModel:
+    """A model ready to sample: from a run folder, one checkpoint, or a pretrained folder (Hugging
+    Face or `dllm convert`)."""
+    if model_dir is not None:
+        if run is not None or checkpoint is not None:
+            raise CheckpointError("give one of --run, --checkpoint or --model")
+        return _load_pretrained(Path(model_dir), device)
     run_dir, ckpt = resolve_checkpoint(run, checkpoint)
     spec = load_config(RunSpec, run_dir / RUN_CONFIG)
     tok = build_tokenizer(spec.tokenizer)
-    model = MODELS.get(spec.model.family)(spec.model)
+    model = factory.build_model(spec.model, spec.lora, spec.training.seed)
+    if spec.lora is not None:  # the checkpoint holds the adapters; the frozen base is rebuilt
+        model.load_state_dict(factory.initial_state(spec.model, spec.lora, spec.training.seed))
     load_model_weights(ckpt, model)
+    if spec.lora is not None and merge:
+        merge_lora(model)  # one matrix per layer again: as fast as the base model
+    return LoadedModel(model=_ready(model, device), tokenizer=tok, model_cfg=spec.model, source=ckpt, spec=spec)
+
+
+def _ready(model: nn.Module, device: torch.device | None) -> nn.Module:
     model.eval()
-    if device is not None:
-        model.to(device)
-    return LoadedModel(model=model, tokenizer=tok, spec=spec, checkpoint=ckpt)
+    return model.to(device) if device is not None else model
+
+
+def _load_pretrained(folder: Path, device: torch.device | None) -> LoadedModel:
+    from dllm.config.spec import TokenizerConfig
+    from dllm.models.pretrained import pretrained_config, pretrained_state, pretrained_tokenizer
+
+    cfg = pretrained_config(folder)
+    tok = build_tokenizer(pretrained_tokenizer(folder) or TokenizerConfig())
+    vocab = max(cfg.vocab_size or 0, tok.vocab_size)
+    cfg = cfg.model_copy(update={"vocab_size": vocab, "init_from": folder})
+    model = MODELS.get(cfg.family)(cfg)
+    model.load_state_dict(pretrained_state(cfg), strict=True)
+    return LoadedModel(model=_ready(model, device), tokenizer=tok, model_cfg=cfg, source=folder)

@@ -43,6 +43,13 @@ def _step_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
+def _options(model: nn.Module) -> StateDictOptions:
+    """Checkpoints hold what trains: frozen parameters (a LoRA base) are rebuilt from the config,
+    not saved, and are then absent when loading (hence strict only without them)."""
+    frozen = any(not p.requires_grad for p in model.parameters())
+    return StateDictOptions(ignore_frozen_params=True, strict=not frozen)
+
+
 def _dcp_kwargs(env: DistEnv) -> dict[str, Any]:
     return {} if env.distributed else {"no_dist": True}
 
@@ -75,7 +82,7 @@ class CheckpointManager:
             self.folder.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
         barrier(self.env)
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(model))
         with _quiet_dcp():
             dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp), **_dcp_kwargs(self.env))
         barrier(self.env)
@@ -91,11 +98,12 @@ class CheckpointManager:
 
     def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """Restore model and optimizer in place; returns the trainer state (step, loader, ...)."""
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        options = _options(model)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
         sd = {"model": model_sd, "optim": optim_sd}
         with _quiet_dcp():
             dcp.load(sd, checkpoint_id=str(path), **_dcp_kwargs(self.env))
-        set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"], options=options)
         return read_trainer_state(path)
 
     def _prune(self) -> None:
@@ -129,8 +137,10 @@ def read_trainer_state(path: Path) -> dict[str, Any]:
 
 
 def load_model_weights(path: Path, model: nn.Module) -> None:
-    """Load only the model weights of a checkpoint into a single-process model (any saved world size)."""
-    sd = {"model": get_model_state_dict(model)}
+    """Load the saved (trainable) weights of a checkpoint into a single-process model, whatever world
+    size saved it; frozen base weights must already be in place (see models.factory)."""
+    options = _options(model)
+    sd = {"model": get_model_state_dict(model, options=options)}
     with _quiet_dcp():
         dcp.load(sd, checkpoint_id=str(path), no_dist=True)
-    set_model_state_dict(model, sd["model"], options=StateDictOptions(strict=True))
+    set_model_state_dict(model, sd["model"], options=options)

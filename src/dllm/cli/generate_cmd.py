@@ -31,6 +31,7 @@ def _read_prompts(prompt: list[str] | None, prompts_file: Path | None) -> list[s
 def generate(
     run: Path = typer.Option(None, "--run", help="Run folder (its newest checkpoint is used)."),
     checkpoint: Path = typer.Option(None, "--checkpoint", help="One checkpoint folder (step_XXXXXXXX)."),
+    model: Path = typer.Option(None, "--model", help="A Hugging Face or `dllm convert` model folder."),
     prompt: list[str] = typer.Option(None, "--prompt", "-p", help="Prompt text (repeatable)."),
     prompts_file: Path = typer.Option(None, "--prompts-file", help='JSONL with {"prompt": ...} per line.'),
     gen_length: int = typer.Option(32, "--gen-length", help="Tokens to generate."),
@@ -63,7 +64,7 @@ def generate(
     texts = _read_prompts(prompt, prompts_file)
     if device not in ("cpu", "cuda") or (device == "cuda" and not torch.cuda.is_available()):
         raise ConfigError(f"--device: {device!r} is not available here; use cpu")
-    loaded = load_for_inference(run, checkpoint, torch.device(device))
+    loaded = load_for_inference(run, checkpoint, torch.device(device), model_dir=model)
     tok = loaded.tokenizer
     special = SpecialIds(mask_id=tok.mask_id, pad_id=tok.pad_id, eos_id=tok.eos_id)
     gen = torch.Generator(device=device).manual_seed(cfg.seed)
@@ -77,6 +78,6 @@ def generate(
         else:
             out(f"{text}{completion}")
     info(
-        f"{loaded.checkpoint}: {len(texts)} prompt(s), NFE {result.nfe}, "
+        f"{loaded.source}: {len(texts)} prompt(s), NFE {result.nfe}, "
         f"{result.tokens_per_forward:.2f} tokens/forward, {elapsed:.2f}s"
     )

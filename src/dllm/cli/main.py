@@ -7,6 +7,7 @@ import sys
 import typer
 
 from dllm.cli import config_cmd, data_cmd
+from dllm.cli.convert_cmd import convert
 from dllm.cli.doctor_cmd import doctor
 from dllm.cli.generate_cmd import generate
 from dllm.cli.init_cmd import init
@@ -25,6 +26,7 @@ app.add_typer(data_cmd.app, name="data")
 app.add_typer(config_cmd.app, name="config")
 app.command()(launch)
 app.command()(generate)
+app.command()(convert)
 app.command()(doctor)
 
 

@@ -7,7 +7,7 @@ warnings for settings that have no effect.
 
 from __future__ import annotations
 
-from dllm.config.spec import RunSpec
+from dllm.config.spec import ModelConfig, RunSpec
 from dllm.errors import ConfigError, DataError
 
 
@@ -23,20 +23,26 @@ def resolve_run_spec(
 
     warnings: list[str] = []
     tok = build_tokenizer(spec.tokenizer)
-    vocab = spec.model.vocab_size
+    model = spec.model
+    if model.init_from is not None:
+        model, note = _resolve_pretrained(spec, tok.vocab_size)
+        warnings += note
+    vocab = model.vocab_size
     if vocab is None:
         vocab = round_up(tok.vocab_size, 64)
-    elif vocab < tok.vocab_size:
+    elif vocab < tok.vocab_size and model.init_from is None:
         raise ConfigError(
             f"model.vocab_size: {vocab} is smaller than the tokenizer's {tok.vocab_size}; raise it or set it to null"
         )
-    spec = spec.model_copy(update={"model": spec.model.model_copy(update={"vocab_size": vocab})})
+    spec = spec.model_copy(update={"model": model.model_copy(update={"vocab_size": max(vocab, tok.vocab_size)})})
     check_topology(spec, world_size if world_size is not None else spec.topology.world_size)
     _check_device(spec)
     if spec.data.seq_len > spec.model.max_seq_len:
         raise ConfigError(
             f"data.seq_len: {spec.data.seq_len} exceeds model.max_seq_len {spec.model.max_seq_len}; raise max_seq_len"
         )
+    if spec.lora is not None:
+        _check_lora(spec)
     if check_data:
         _check_artifact(spec, tok.identity())
     if spec.topology.world_size == 1 and spec.topology.backend != "auto":
@@ -49,6 +55,39 @@ def resolve_run_spec(
     if spec.logging.tensorboard == "on" and not _has_tensorboard():
         raise ConfigError("logging.tensorboard: 'on' needs tensorboard installed (pip install tensorboard) or use auto")
     return spec, warnings
+
+
+def _resolve_pretrained(spec: RunSpec, tok_vocab: int) -> tuple[ModelConfig, list[str]]:
+    """The architecture of model.init_from, and a warning when the tokenizer is not the checkpoint's."""
+    from dllm.models.pretrained import merge_pretrained, pretrained_tokenizer
+
+    model = merge_pretrained(spec.model)
+    warnings = []
+    ships = pretrained_tokenizer(spec.model.init_from)
+    if ships is not None and ships.kind == "hf" and spec.tokenizer.kind != "hf":
+        warnings.append(
+            f"model.init_from ships a tokenizer but tokenizer.kind is {spec.tokenizer.kind}; "
+            f"set tokenizer: {{kind: hf, path: {spec.model.init_from}}} to use it"
+        )
+    if model.vocab_size is not None and tok_vocab > model.vocab_size:
+        warnings.append(
+            f"the tokenizer has {tok_vocab} ids, the checkpoint {model.vocab_size}: the embeddings grow "
+            "(new rows start at the mean embedding)"
+        )
+    return model, warnings
+
+
+def _check_lora(spec: RunSpec) -> None:
+    """The adapter targets must name linear layers of this model (checked on a meta-device model)."""
+    import torch
+
+    from dllm.models.factory import build_model
+
+    try:
+        with torch.device("meta"):
+            build_model(spec.model, spec.lora)
+    except ValueError as e:
+        raise ConfigError(f"lora.targets: {e}") from None
 
 
 def check_topology(spec: RunSpec, world_size: int) -> None:
@@ -81,6 +120,11 @@ def _check_device(spec: RunSpec) -> None:
     on_gpu = dev == "cuda" or (dev == "auto" and gpu)
     if topo.backend == "nccl" and not on_gpu:
         raise ConfigError("topology.backend: nccl needs GPUs; use gloo (or auto) on CPU")
+    if spec.model.attention_backend == "flex" and not on_gpu:
+        raise ConfigError(
+            "model.attention_backend: flex has no backward on CPU in this torch, so it cannot train here; "
+            "use auto (flex where it helps, sdpa for gradients) or sdpa"
+        )
     if spec.training.autocast_dtype == "float16" and not on_gpu:
         raise ConfigError("training.autocast_dtype: float16 autocast is GPU-only; use bfloat16 or float32 on CPU")
     if on_gpu and topo.nproc_per_node > torch.cuda.device_count():

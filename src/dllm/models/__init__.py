@@ -5,7 +5,9 @@ from __future__ import annotations
 from dllm.models.transformer import Transformer
 from dllm.registry import Registry
 
+# every family is the one native Transformer with other layout fields (see families.py)
 MODELS: Registry[type] = Registry("model family")
-MODELS.add("llama", Transformer)
+for _family in ("llama", "qwen2", "qwen3", "qwen3_moe", "llada", "dream", "gpt2", "bert"):
+    MODELS.add(_family, Transformer)
 
 __all__ = ["MODELS", "Transformer"]

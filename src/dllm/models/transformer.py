@@ -1,14 +1,19 @@
-"""The native transformer: one single-device block stack (RMSNorm, RoPE, SwiGLU, GQA).
+"""The native transformer: one single-device block stack for every family.
 
-It is used with bidirectional attention for masked diffusion and knows nothing about meshes,
-objectives or samplers; parallelism is applied from outside (dllm.parallel.apply).
+A family (llama, qwen2/3, qwen3_moe, llada, dream, gpt2, bert) is a set of layout fields on
+ModelConfig (norm kind and position, positions, MLP kind, biases, head), not a copy of this file;
+`families.py` maps each family's Hugging Face weight names onto these modules. The model is used
+with whatever attention pattern the objective asks for and knows nothing about meshes, objectives or
+samplers; parallelism is applied from outside (dllm.parallel.apply).
 
-Shapes: B batch, L sequence, V vocabulary, H heads, K key/value heads, D head width, E hidden width.
+Shapes: B batch, L sequence, V vocabulary, H heads, K key/value heads, D head width, E hidden width,
+N tokens (flattened), X experts.
 """
 
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Any
 
 import torch
@@ -18,6 +23,8 @@ from torch import nn
 from dllm.attention.backends import ATTENTION_BACKENDS
 from dllm.attention.masks import AttentionMask
 from dllm.config.spec import ModelConfig
+
+ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": partial(F.gelu, approximate="tanh")}
 
 
 class RMSNorm(nn.Module):
@@ -29,6 +36,25 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # normalise in float32 for stability under autocast, as LLaMA does
         return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
+
+
+class LayerNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, bias: bool) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.float()
+        return F.layer_norm(x.float(), (x.shape[-1],), self.weight.float(), bias, self.eps).to(x.dtype)
+
+
+def make_norm(cfg: ModelConfig, dim: int | None = None) -> nn.Module:
+    dim = dim or cfg.hidden_size
+    if cfg.norm == "layernorm":
+        return LayerNorm(dim, cfg.norm_eps, cfg.norm_bias)
+    return RMSNorm(dim, cfg.norm_eps)
 
 
 def rope_cos_sin(positions_BL: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,65 +78,140 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(E, H * D, bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(E, K * D, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(E, K * D, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(H * D, E, bias=False)
+        self.o_proj = nn.Linear(H * D, E, bias=cfg.attn_out_bias)
         self.q_norm = RMSNorm(D, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(D, cfg.norm_eps) if cfg.qk_norm else None
         self.attend = ATTENTION_BACKENDS.get(cfg.attention_backend)
 
-    def forward(self, x_BLE: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
+    def forward(self, x_BLE: torch.Tensor, rope: tuple | None, mask: AttentionMask) -> torch.Tensor:
         B, L, _ = x_BLE.shape
         q = self.q_proj(x_BLE).view(B, L, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x_BLE).view(B, L, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x_BLE).view(B, L, self.num_kv_heads, self.head_dim).transpose(1, 2)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         out_BHLD = self.attend(q, k, v, mask)
         return self.o_proj(out_BHLD.transpose(1, 2).reshape(B, L, -1))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """Gated (act(gate) * up, then down: SwiGLU) or plain (act(up), then down: GPT-2, BERT)."""
+
+    def __init__(self, cfg: ModelConfig, width: int | None = None) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.mlp_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.mlp_size, bias=False)
-        self.down_proj = nn.Linear(cfg.mlp_size, cfg.hidden_size, bias=False)
+        E, inner = cfg.hidden_size, width or cfg.mlp_size
+        self.gate_proj = nn.Linear(E, inner, bias=cfg.mlp_bias) if cfg.mlp == "gated" else None
+        self.up_proj = nn.Linear(E, inner, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(inner, E, bias=cfg.mlp_bias)
+        self.act = ACTIVATIONS[cfg.activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_proj is None:
+            return self.down_proj(self.act(self.up_proj(x)))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Experts(nn.Module):
+    """X gated experts stored as 3-D tensors (the transformers 5 Qwen3-MoE layout)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        X, E, inner = cfg.num_experts, cfg.hidden_size, cfg.expert_size
+        self.gate_up_proj = nn.Parameter(torch.empty(X, 2 * inner, E))
+        self.down_proj = nn.Parameter(torch.empty(X, E, inner))
+        self.act = ACTIVATIONS[cfg.activation]
+
+    def forward(self, x_NE: torch.Tensor, experts_NK: torch.Tensor, weights_NK: torch.Tensor) -> torch.Tensor:
+        out_NE = torch.zeros_like(x_NE)
+        for x in experts_NK.unique().tolist():  # only the experts some token was routed to
+            token, slot = torch.where(experts_NK == x)
+            gate, up = F.linear(x_NE[token], self.gate_up_proj[x]).chunk(2, dim=-1)
+            y = F.linear(self.act(gate) * up, self.down_proj[x]) * weights_NK[token, slot, None]
+            out_NE.index_add_(0, token, y.to(out_NE.dtype))
+        return out_NE
+
+
+class MoE(nn.Module):
+    """Top-k routed experts (Qwen3-MoE) with the Switch Transformer load-balancing loss
+    (Fedus et al. 2021, eq. 4-6), kept in `aux_loss` after each forward."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.top_k, self.num_experts, self.norm_topk = cfg.num_experts_per_tok, cfg.num_experts, cfg.norm_topk_prob
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = Experts(cfg)
+        self.aux_loss: torch.Tensor | None = None
+
+    def forward(self, x_BLE: torch.Tensor) -> torch.Tensor:
+        x_NE = x_BLE.reshape(-1, x_BLE.shape[-1])
+        probs_NX = torch.softmax(self.gate(x_NE).float(), dim=-1)
+        top_p, top_i = probs_NX.topk(self.top_k, dim=-1)
+        if self.norm_topk:
+            top_p = top_p / top_p.sum(-1, keepdim=True)
+        routed_X = F.one_hot(top_i, self.num_experts).float().sum(1).mean(0) / self.top_k
+        self.aux_loss = self.num_experts * (routed_X * probs_NX.mean(0)).sum()
+        return self.experts(x_NE, top_i, top_p.to(x_NE.dtype)).view_as(x_BLE)
 
 
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.post_norm = cfg.norm_position == "post"
+        self.input_layernorm = make_norm(cfg)
         self.self_attn = Attention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.mlp = MLP(cfg)
+        self.post_attention_layernorm = make_norm(cfg)
+        self.mlp = MoE(cfg) if cfg.num_experts else MLP(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+    def forward(self, x: torch.Tensor, rope: tuple | None, mask: AttentionMask) -> torch.Tensor:
+        if self.post_norm:  # BERT: normalise after each residual add
+            x = self.input_layernorm(x + self.self_attn(x, rope, mask))
+            return self.post_attention_layernorm(x + self.mlp(x))
+        x = x + self.self_attn(self.input_layernorm(x), rope, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class MLMHead(nn.Module):
+    """BERT's prediction head transform: dense, activation, norm (the decoder is the output matrix)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.dense = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.act = ACTIVATIONS[cfg.activation]
+        self.norm = make_norm(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.act(self.dense(x)))
+
+
+def shift_right(x_BL_: torch.Tensor) -> torch.Tensor:
+    """Position i gets what position i-1 had (position 0 keeps its own): Dream's logit shift."""
+    return torch.cat([x_BL_[:, :1], x_BL_[:, :-1]], dim=1)
+
+
 class Transformer(nn.Module):
-    """tokens [B, L] + positions [B, L] + mask -> logits [B, L, V] (or hidden [B, L, E])."""
+    """tokens [B, L] + positions [B, L] + mask -> logits [B, L, V] (or the final hidden [B, L, E])."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         assert cfg.vocab_size is not None, "resolve model.vocab_size from the tokenizer first"
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        E, V = cfg.hidden_size, cfg.vocab_size
+        self.embed_tokens = nn.Embedding(V, E)
+        self.embed_positions = nn.Embedding(cfg.max_seq_len, E) if cfg.position == "learned" else None
+        self.embed_norm = make_norm(cfg) if cfg.embedding_norm else None
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        D = cfg.dim_per_head
+        self.norm = make_norm(cfg) if cfg.final_norm else None
+        self.head_transform = MLMHead(cfg) if cfg.head == "mlm" else None
+        self.head_bias = nn.Parameter(torch.zeros(V)) if cfg.head == "mlm" else None
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(E, V, bias=False)
         self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
-        assert D % 2 == 0
+        self.aux_loss: torch.Tensor | None = None
 
     def _inv_freq(self) -> torch.Tensor:
         D = self.cfg.dim_per_head
-        return 1.0 / (self.cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
+        return 1.0 / (self.cfg.rope_theta ** (torch.arange(0, D - D % 2, 2, dtype=torch.float32) / D))
 
     def forward(
         self,
@@ -120,32 +221,54 @@ class Transformer(nn.Module):
         cache: Any = None,
         return_hidden: bool = False,
     ) -> torch.Tensor:
+        """Logits aligned with positions: for `shift_logits` models position i's prediction is
+        computed from the hidden state at i-1, so callers never need to know about the shift."""
         assert cache is None, "KV caches arrive with the sampling issue"
         mask = mask if mask is not None else AttentionMask()
-        cos, sin = rope_cos_sin(positions_BL, self.inv_freq)
         x = self.embed_tokens(tokens_BL)
+        if self.embed_positions is not None:
+            x = x + self.embed_positions(positions_BL)
+        if self.embed_norm is not None:
+            x = self.embed_norm(x)
+        rope = rope_cos_sin(positions_BL, self.inv_freq) if self.cfg.position == "rope" else None
         for layer in self.layers:
-            x = layer(x, cos, sin, mask)
-        x = self.norm(x)
+            x = layer(x, rope, mask)
+        if self.norm is not None:
+            x = self.norm(x)
+        self.aux_loss = self._collect_aux_loss()
+        if self.cfg.shift_logits:
+            x = shift_right(x)
         return x if return_hidden else self.logits(x)
 
-    def logits(self, hidden_BLE: torch.Tensor) -> torch.Tensor:
+    def _collect_aux_loss(self) -> torch.Tensor | None:
+        losses = [layer.mlp.aux_loss for layer in self.layers if isinstance(layer.mlp, MoE)]
+        return torch.stack(losses).mean() if losses else None
+
+    def head(self, hidden_BLE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(features, output weight [V, E], output bias [V] or None): logits = features @ weight.T + bias.
+        The chunked cross-entropy takes these instead of logits."""
+        if self.head_transform is not None:
+            hidden_BLE = self.head_transform(hidden_BLE)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden_BLE, weight)
+        return hidden_BLE, weight, self.head_bias
+
+    def logits(self, hidden_BLE: torch.Tensor) -> torch.Tensor:
+        features, weight, bias = self.head(hidden_BLE)
+        return F.linear(features, weight, bias)
 
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator) -> None:
         """Normal(0, init_std) weights; residual output projections scaled by 1/sqrt(2 * layers)
-        (GPT-2 / Megatron practice) so the residual stream does not grow with depth."""
+        (GPT-2 / Megatron practice) so the residual stream does not grow with depth; norms 1, biases 0."""
         std = self.cfg.init_std
         out_std = std / math.sqrt(2 * self.cfg.num_layers)
         for name, p in self.named_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
-            elif name.endswith(".bias"):
+            elif name.endswith("bias"):
                 p.zero_()
             else:
-                s = out_std if name.endswith(("o_proj.weight", "down_proj.weight")) else std
+                s = out_std if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")) else std
                 p.copy_(torch.randn(p.shape, generator=generator, dtype=torch.float32) * s)
         self.init_buffers()
 
@@ -155,10 +278,11 @@ class Transformer(nn.Module):
         self.inv_freq.copy_(self._inv_freq().to(self.inv_freq.device))
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
-        """Parameter count; `exclude_embeddings` leaves out the embedding and an untied LM head."""
+        """Parameter count; `exclude_embeddings` leaves out the embeddings and an untied LM head."""
         n = sum(p.numel() for p in self.parameters())
         if exclude_embeddings:
             n -= self.embed_tokens.weight.numel()
+            n -= self.embed_positions.weight.numel() if self.embed_positions is not None else 0
             n -= self.lm_head.weight.numel() if self.lm_head is not None else 0
         return n
 
@@ -166,7 +290,7 @@ class Transformer(nn.Module):
 def train_flops_per_token(cfg: ModelConfig, num_params_no_embed: int, seq_len: int) -> float:
     """Model FLOPs per trained token: 6 N (dense matmuls, forward + backward; N without embedding
     and head) + attention scores and values 12 * layers * heads * head_dim * seq_len (PaLM
-    appendix B) + the LM head 6 * hidden * vocab."""
+    appendix B) + the LM head 6 * hidden * vocab. For MoE, N counts every expert (an upper bound)."""
     assert cfg.vocab_size is not None
     head = 6 * cfg.hidden_size * cfg.vocab_size
     attn = 12 * cfg.num_layers * cfg.num_heads * cfg.dim_per_head * seq_len

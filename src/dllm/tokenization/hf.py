@@ -67,6 +67,10 @@ class HFTokenizer:
         mask = [int(m) for m in out["assistant_masks"]] if spans else []
         return ChatEncoding(ids=ids, assistant_mask=mask)
 
+    def save(self, folder: Path) -> None:
+        """Write the tokenizer files, the added mask token included."""
+        self._tok.save_pretrained(str(folder))
+
     def identity(self) -> dict[str, Any]:
         vocab = sorted(self._tok.get_vocab().items())
         specials = {"pad": self.pad_id, "bos": self.bos_id, "eos": self.eos_id, "mask": self.mask_id}

@@ -15,12 +15,12 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 
 from dllm.checkpoint.manager import CheckpointManager
 from dllm.config.rules import check_topology
-from dllm.config.spec import ModelConfig, RunSpec
+from dllm.config.spec import RunSpec
 from dllm.data.artifact import open_artifact
 from dllm.data.loader import StepLoader
 from dllm.diffusion.objectives import OBJECTIVES
-from dllm.models import MODELS
-from dllm.parallel.apply import apply_parallelism, wrap_replicated
+from dllm.models import factory
+from dllm.parallel.apply import apply_parallelism, unwrap, wrap_replicated
 from dllm.parallel.dims import DistEnv, ParallelDims, init_process_group, pick_device
 from dllm.tokenization import build_tokenizer
 from dllm.training.lr import LRSchedule
@@ -29,30 +29,25 @@ from dllm.training.optim import build_optimizer
 from dllm.training.trainer import Trainer
 
 
-def initial_state(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
-    """The seeded initial weights as a full CPU state dict (identical on every rank and world size)."""
-    model = MODELS.get(cfg.family)(cfg)
-    model.init_weights(torch.Generator().manual_seed(seed))
-    return model.state_dict()
-
-
-def materialize(model: nn.Module, cfg: ModelConfig, seed: int, device: torch.device, env: DistEnv) -> None:
+def materialize(model: nn.Module, full: dict[str, torch.Tensor], device: torch.device, env: DistEnv) -> None:
     """Allocate a meta-device (possibly sharded) model on `device` and load the initial weights;
-    in a process group, rank 0 builds them and broadcasts."""
+    in a process group only rank 0 holds them (`full` is empty elsewhere) and broadcasts."""
     model.to_empty(device=device)
-    model.init_buffers()
-    full = initial_state(cfg, seed) if env.is_main or not env.distributed else {}
+    unwrap(model).init_buffers()
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=env.distributed)
     set_model_state_dict(model, full, options=options)
 
 
-def build_model(cfg: ModelConfig, seed: int, device: torch.device, env: DistEnv, spec: RunSpec) -> nn.Module:
+def build_model(spec: RunSpec, device: torch.device, env: DistEnv) -> nn.Module:
+    """Model on meta -> adapters -> parallel.apply -> materialize -> DDP wrap (when replicated)."""
+    cfg, lora, seed = spec.model, spec.lora, spec.training.seed
     dims = ParallelDims.from_topology(spec.topology, env.world_size)
     mesh = dims.build_mesh(device)
     with torch.device("meta"):
-        model = MODELS.get(cfg.family)(cfg)
+        model = factory.build_model(cfg, lora, seed)
     model = apply_parallelism(model, dims, mesh, spec.topology, compile=spec.training.compile)
-    materialize(model, cfg, seed, device, env)
+    full = factory.initial_state(cfg, lora, seed) if env.is_main or not env.distributed else {}
+    materialize(model, full, device, env)
     return wrap_replicated(model, mesh, spec.topology)
 
 
@@ -65,7 +60,7 @@ def build_trainer(spec: RunSpec, run_dir: Path, env: DistEnv | None = None) -> T
     tok = build_tokenizer(spec.tokenizer)
     artifact = open_artifact(spec.data.path)
     dims = ParallelDims.from_topology(spec.topology, env.world_size)
-    model = build_model(spec.model, spec.training.seed, device, env, spec)
+    model = build_model(spec, device, env)
     tr = spec.training
     loader = StepLoader(
         artifact,
@@ -80,7 +75,9 @@ def build_trainer(spec: RunSpec, run_dir: Path, env: DistEnv | None = None) -> T
     identity: dict[str, Any] = {"tokenizer": tok.identity(), "artifact_fingerprint": artifact.fingerprint}
     trainer = Trainer(
         model=model,
-        objective=OBJECTIVES.get(spec.objective.name)(spec.objective, mask_id=tok.mask_id),
+        objective=OBJECTIVES.get(spec.objective.name)(
+            spec.objective, mask_id=tok.mask_id, chunked_loss=tr.chunked_loss
+        ),
         optimizer=build_optimizer(model, spec.optimizer),
         lr_schedule=LRSchedule(spec.scheduler, spec.optimizer.lr, tr.steps),
         loader=loader,
@@ -92,6 +89,7 @@ def build_trainer(spec: RunSpec, run_dir: Path, env: DistEnv | None = None) -> T
         dims=dims,
         device=device,
         identity=identity,
+        aux_loss_coef=spec.model.router_aux_loss_coef,
     )
     latest = trainer.checkpoints.latest() if spec.checkpointing.resume == "auto" else None
     if latest is not None:

@@ -20,9 +20,9 @@ from dllm.checkpoint.manager import CheckpointManager
 from dllm.config.spec import LoggingConfig, TrainingConfig
 from dllm.data.loader import Batch, StepLoader
 from dllm.diffusion.corruption import NoiseKeys
-from dllm.diffusion.objectives.base import Objective
+from dllm.diffusion.objectives.base import ModelOutput, Objective
 from dllm.errors import CheckpointError
-from dllm.parallel.apply import set_grad_sync
+from dllm.parallel.apply import set_grad_sync, unwrap
 from dllm.parallel.dims import DistEnv, ParallelDims, all_reduce_sum
 from dllm.training.lr import LRSchedule
 from dllm.training.metrics import MetricsLogger
@@ -37,6 +37,7 @@ class StepStats:
     masked_ce: float
     grad_norm: float
     lr: float
+    aux_loss: float
     num_targets: int
     times_s: dict[str, float]
 
@@ -58,6 +59,7 @@ class Trainer:
         dims: ParallelDims,
         device: torch.device,
         identity: dict[str, Any],
+        aux_loss_coef: float = 0.0,
     ) -> None:
         self.model, self.objective, self.optimizer = model, objective, optimizer
         self.lr_schedule, self.loader = lr_schedule, loader
@@ -65,6 +67,7 @@ class Trainer:
         self.cfg, self.log_cfg = cfg, log_cfg
         self.env, self.dims, self.device = env, dims, device
         self.identity = identity  # tokenizer identity + artifact fingerprint, checked on resume
+        self.aux_loss_coef = aux_loss_coef
         self.noise = NoiseKeys(cfg.seed, group_size=cfg.global_batch_size)
         self.step = 0
         self.autocast_dtype = _DTYPES[cfg.autocast_dtype]
@@ -112,6 +115,7 @@ class Trainer:
         global_targets = max(float(counts.item()), 1.0)
         scale = self.dims.dp / global_targets
         sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # loss, masked CE, masked count
+        aux_sum = 0.0
         lr = self.lr_schedule.apply(self.optimizer, self.step)
         for i, batch in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
@@ -119,10 +123,15 @@ class Trainer:
                 t0 = time.perf_counter()
                 inputs = self.objective.prepare(batch.to(self.device), self.noise)
                 with self._autocast():
-                    logits = self.model(inputs.tokens_BL, inputs.positions_BL, inputs.mask)
-                out = self.objective.loss(logits, inputs)
+                    hidden = self.model(inputs.tokens_BL, inputs.positions_BL, inputs.mask, return_hidden=True)
+                    out = self.objective.loss(ModelOutput(hidden, unwrap(self.model).head), inputs)
+                total = out.loss_sum * scale
+                aux = getattr(unwrap(self.model), "aux_loss", None)
+                if aux is not None:  # MoE load balancing: a mean over micro-batches (and ranks, by DDP/FSDP)
+                    total = total + self.aux_loss_coef * aux / len(micro_batches)
+                    aux_sum += float(aux.detach())
                 t1 = time.perf_counter()
-                (out.loss_sum * scale).backward()
+                total.backward()
                 times["forward"] += t1 - t0
                 times["backward"] += time.perf_counter() - t1
             sums[0] += out.loss_sum.detach().double()
@@ -143,6 +152,7 @@ class Trainer:
             masked_ce=float(sums[1] / sums[2].clamp_min(1)),
             grad_norm=float(grad_norm),
             lr=lr,
+            aux_loss=aux_sum / len(micro_batches),
             num_targets=int(global_targets),
             times_s=times,
         )
@@ -176,6 +186,7 @@ class Trainer:
             "loss": stats.loss,
             "masked_ce": stats.masked_ce,
             "grad_norm": stats.grad_norm,
+            **({"aux_loss": stats.aux_loss} if stats.aux_loss else {}),
             "lr": stats.lr,
             "num_targets": stats.num_targets,
             "epoch": round(self.loader.epoch, 4),

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 
 from dllm.attention.masks import AttentionMask
 from dllm.data.loader import Batch
@@ -25,6 +27,29 @@ class ModelInputs:
     """Per-token loss weight; 0 where a position is not in the loss."""
 
 
+HeadFn = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]]
+
+
+@dataclass(frozen=True)
+class ModelOutput:
+    """What the model returns to an objective: final hidden states and its output head, so that the
+    loss can compute logits only where it needs them, and in chunks (never the full [B, L, V])."""
+
+    hidden_BLE: torch.Tensor
+    head: HeadFn
+    """hidden [..., E] -> (features [..., E], output weight [V, E], output bias [V] or None)."""
+
+    def logits(self) -> torch.Tensor:
+        features, weight, bias = self.head(self.hidden_BLE)
+        return F.linear(features, weight, bias)
+
+    @classmethod
+    def of_logits(cls, logits_BLV: torch.Tensor) -> ModelOutput:
+        """Wrap ready-made logits (tests, reference paths): an identity head over V features."""
+        eye = torch.eye(logits_BLV.shape[-1], dtype=logits_BLV.dtype, device=logits_BLV.device)
+        return cls(logits_BLV, lambda h: (h, eye, None))
+
+
 @dataclass(frozen=True)
 class LossOutput:
     loss_sum: torch.Tensor
@@ -36,4 +61,4 @@ class LossOutput:
 class Objective(Protocol):
     def prepare(self, batch: Batch, noise: NoiseKeys) -> ModelInputs: ...
 
-    def loss(self, logits_BLV: torch.Tensor, inputs: ModelInputs) -> LossOutput: ...
+    def loss(self, out: ModelOutput, inputs: ModelInputs) -> LossOutput: ...

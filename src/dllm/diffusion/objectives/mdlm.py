@@ -8,20 +8,22 @@ schedule). The mask token itself is never a valid prediction.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from dllm.attention.masks import AttentionMask
 from dllm.config.spec import ObjectiveConfig
 from dllm.data.loader import Batch
 from dllm.diffusion.corruption import NoiseKeys, mask_tokens
-from dllm.diffusion.objectives.base import LossOutput, ModelInputs
+from dllm.diffusion.objectives.base import LossOutput, ModelInputs, ModelOutput
 from dllm.diffusion.schedules import SCHEDULES
+from dllm.models.chunked_ce import linear_cross_entropy, plain_cross_entropy
 
 
 class MDLMObjective:
-    def __init__(self, cfg: ObjectiveConfig, mask_id: int) -> None:
+    def __init__(self, cfg: ObjectiveConfig, mask_id: int, chunked_loss: bool = True) -> None:
         self.cfg = cfg
         self.mask_id = mask_id
+        # the chunked LM head + CE never materialises [tokens x vocab] logits; the plain one is its reference
+        self.cross_entropy = linear_cross_entropy if chunked_loss else plain_cross_entropy
         self.schedule = SCHEDULES.get(cfg.schedule)()
 
     def sample_time(self, batch: Batch, noise: NoiseKeys) -> torch.Tensor:
@@ -41,11 +43,13 @@ class MDLMObjective:
         mask = AttentionMask("bidirectional", doc_ids_BL=batch.doc_ids_BL)
         return ModelInputs(noised, positions, mask, tokens, weights)
 
-    def loss(self, logits_BLV: torch.Tensor, inputs: ModelInputs) -> LossOutput:
+    def loss(self, out: ModelOutput, inputs: ModelInputs) -> LossOutput:
+        """Weighted CE on the masked positions only; the head runs on just those rows."""
         sel = inputs.weights_BL > 0
-        logits_NV = logits_BLV[sel].float()
-        logits_NV[:, self.mask_id] = float("-inf")
-        ce_N = F.cross_entropy(logits_NV, inputs.targets_BL[sel], reduction="none")
-        loss_sum = (ce_N * inputs.weights_BL[sel]).sum()
+        features_NE, weight_VE, bias_V = out.head(out.hidden_BLE[sel])
+        loss_sum, ce_N = self.cross_entropy(
+            features_NE, weight_VE, inputs.targets_BL[sel], inputs.weights_BL[sel],
+            exclude_ids=(self.mask_id,), bias_V=bias_V,
+        )  # fmt: skip
         metrics = {"masked_ce_sum": ce_N.detach().sum(), "num_masked": sel.sum()}
         return LossOutput(loss_sum=loss_sum, metrics=metrics)

@@ -1,0 +1,89 @@
+"""`dllm convert`: Hugging Face folders in (`--from-hf`) and out (`--to-hf`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from dllm.cli.common import info
+from dllm.errors import ConfigError
+
+
+def convert(
+    from_hf: Path = typer.Option(None, "--from-hf", help="A Hugging Face model folder to import."),
+    to: Path = typer.Option(None, "--to", help="Where to write the dllm model folder (with --from-hf)."),
+    to_hf: Path = typer.Option(None, "--to-hf", help="Where to write a Hugging Face folder."),
+    run: Path = typer.Option(None, "--run", help="Export the newest checkpoint of this run (with --to-hf)."),
+    checkpoint: Path = typer.Option(None, "--checkpoint", help="Export this checkpoint (with --to-hf)."),
+    model: Path = typer.Option(None, "--model", help="Export this dllm model folder (with --to-hf)."),
+    adapter_only: bool = typer.Option(
+        False, "--adapter-only", help="With --to-hf and a LoRA run: write a PEFT adapter folder, not merged weights."
+    ),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty output folder."),
+) -> None:
+    """Import a Hugging Face checkpoint as a dllm model folder, or export a run / model to one."""
+    if (from_hf is None) == (to_hf is None):
+        raise ConfigError("give --from-hf DIR --to OUT, or --to-hf OUT with --run, --checkpoint or --model")
+    out = to if from_hf is not None else to_hf
+    if out is None:
+        raise ConfigError("--from-hf needs --to OUT (the dllm model folder to write)")
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise ConfigError(f"{out} is not empty; pass --overwrite to replace its files")
+    if from_hf is not None:
+        _import(from_hf, out)
+    elif adapter_only:
+        _export_adapter(out, run, checkpoint)
+    else:
+        _export(out, run, checkpoint, model)
+
+
+def _import(src: Path, out: Path) -> None:
+    from dllm.config.spec import TokenizerConfig
+    from dllm.models.hf_io import import_hf, model_config_from_hf
+    from dllm.models.pretrained import pretrained_tokenizer, save_model_folder
+    from dllm.tokenization import build_tokenizer
+
+    cfg = model_config_from_hf(src)
+    tok_cfg = pretrained_tokenizer(src) or TokenizerConfig()
+    tok = build_tokenizer(tok_cfg)
+    cfg = cfg.model_copy(update={"vocab_size": max(cfg.vocab_size or 0, tok.vocab_size)})
+    folder = save_model_folder(out, import_hf(src, cfg), cfg, tok_cfg)
+    _save_tokenizer(tok, folder)
+    info(f"wrote {folder}: {cfg.family}, {cfg.num_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}")
+    info(f"use it with model.init_from: {folder}, or dllm generate --model {folder}")
+
+
+def _export(out: Path, run: Path | None, checkpoint: Path | None, model: Path | None) -> None:
+    from dllm.checkpoint.inference import load_for_inference
+    from dllm.models.hf_io import export_hf
+
+    loaded = load_for_inference(run, checkpoint, model_dir=model)
+    folder = export_hf(loaded.model.state_dict(), loaded.model_cfg, out)
+    _save_tokenizer(loaded.tokenizer, folder)
+    info(f"wrote {folder} ({loaded.model_cfg.family}) from {loaded.source}")
+
+
+def _export_adapter(out: Path, run: Path | None, checkpoint: Path | None) -> None:
+    """A PEFT adapter folder whose module paths are those of the family's Hugging Face model."""
+    from dllm.checkpoint.inference import load_for_inference
+    from dllm.models.factory import lora_spec
+    from dllm.models.families import FAMILIES, module_path_to_hf
+    from dllm.models.lora import save_adapter
+
+    loaded = load_for_inference(run, checkpoint, merge=False)
+    if loaded.spec is None or loaded.spec.lora is None:
+        raise ConfigError("--adapter-only needs a run trained with a lora section")
+    family = FAMILIES.get(loaded.model_cfg.family)
+    base = str(loaded.model_cfg.init_from) if loaded.model_cfg.init_from else None
+    save_adapter(loaded.model, out, lora_spec(loaded.spec.lora), base_model_name_or_path=base,
+                 rename_module=lambda path: module_path_to_hf(family, path))  # fmt: skip
+    info(f"wrote {out}: a LoRA adapter for a {family.architecture} (peft.PeftModel.from_pretrained)")
+
+
+def _save_tokenizer(tok, folder: Path) -> None:
+    save = getattr(tok, "save", None)
+    if save is not None:
+        save(folder)  # the HF tokenizer files, the added mask token included
+    else:
+        info(f"{folder}: the byte tokenizer needs no files (tokenizer.kind: byte)")

@@ -1,0 +1,46 @@
+"""Building a model from its config sections: the architecture, initial weights, LoRA adapters.
+
+Training (`training/build.py`) and inference (`checkpoint/inference.py`) share these, so a run's
+model is rebuilt the same way everywhere: base weights (seeded init or `model.init_from`), then
+adapters with their own seeded generator.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dllm.config.spec import LoraConfig, ModelConfig
+from dllm.diffusion.corruption import mix_key
+from dllm.models import MODELS
+from dllm.models.lora import LoraSpec, apply_lora
+from dllm.models.pretrained import pretrained_state
+
+_LORA_STREAM = 0x10AA  # keeps the adapters' random stream apart from the base initialisation
+
+
+def lora_spec(cfg: LoraConfig) -> LoraSpec:
+    return LoraSpec(rank=cfg.rank, alpha=cfg.alpha, dropout=cfg.dropout, targets=tuple(cfg.targets))
+
+
+def build_model(cfg: ModelConfig, lora: LoraConfig | None, seed: int = 0) -> nn.Module:
+    """The module tree (on the current default device, e.g. meta), adapters included."""
+    model = MODELS.get(cfg.family)(cfg)
+    if lora is not None:
+        apply_lora(model, lora_spec(lora), torch.Generator().manual_seed(mix_key(seed, _LORA_STREAM)))
+    return model
+
+
+def initial_state(cfg: ModelConfig, lora: LoraConfig | None, seed: int) -> dict[str, torch.Tensor]:
+    """The initial weights as a full CPU state dict, identical on every rank and world size: the
+    `model.init_from` checkpoint or a seeded initialisation, plus fresh adapters (B = 0)."""
+    if cfg.init_from is not None and lora is None:
+        return pretrained_state(cfg)  # no second copy of a large model in memory
+    model = MODELS.get(cfg.family)(cfg)
+    if cfg.init_from is not None:
+        model.load_state_dict(pretrained_state(cfg), strict=True)
+    else:
+        model.init_weights(torch.Generator().manual_seed(seed))
+    if lora is not None:
+        apply_lora(model, lora_spec(lora), torch.Generator().manual_seed(mix_key(seed, _LORA_STREAM)))
+    return model.state_dict()

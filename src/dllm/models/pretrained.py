@@ -1,0 +1,104 @@
+"""Pretrained weights: `model.init_from` folders (Hugging Face or `dllm convert`) and their configs.
+
+A dllm model folder holds model.yaml (the ModelConfig and the tokenizer section), model.safetensors
+with native parameter names, and the tokenizer files when the tokenizer is a Hugging Face one.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from dllm.config.spec import ModelConfig, TokenizerConfig
+from dllm.errors import ConfigError
+from dllm.models.families import StateDict
+from dllm.models.hf_io import (
+    TOKENIZER_FILES,
+    copy_tokenizer_files,
+    import_hf,
+    is_hf_folder,
+    model_config_from_hf,
+    resize_vocab,
+)
+
+MODEL_YAML = "model.yaml"
+WEIGHTS = "model.safetensors"
+
+# fields that may differ from the checkpoint's: how the weights are used, not what they are
+_USAGE_FIELDS = {"preset", "init_from", "vocab_size", "max_seq_len", "attention_backend", "init_std",
+                 "router_aux_loss_coef", "shift_logits"}  # fmt: skip
+
+
+def is_model_folder(path: Path) -> bool:
+    return (Path(path) / MODEL_YAML).is_file()
+
+
+def pretrained_config(path: Path) -> ModelConfig:
+    path = Path(path)
+    if is_model_folder(path):
+        data = yaml.safe_load((path / MODEL_YAML).read_text(encoding="utf-8")) or {}
+        return ModelConfig.model_validate({**data.get("model", {}), "init_from": None})
+    if is_hf_folder(path):
+        return model_config_from_hf(path)
+    raise ConfigError(f"model.init_from: {path} is neither a Hugging Face folder (config.json) nor a dllm model folder")
+
+
+def pretrained_tokenizer(path: Path) -> TokenizerConfig | None:
+    """The tokenizer a pretrained folder ships: its own files (HF), or the section in model.yaml."""
+    path = Path(path)
+    if is_model_folder(path):
+        data = yaml.safe_load((path / MODEL_YAML).read_text(encoding="utf-8")) or {}
+        tok = data.get("tokenizer", {})
+        if tok.get("kind") == "hf":
+            return TokenizerConfig(kind="hf", path=path, mask_token=tok.get("mask_token", "<|mask|>"))
+        return TokenizerConfig.model_validate(tok) if tok else None
+    if any((path / name).is_file() for name in TOKENIZER_FILES):
+        return TokenizerConfig(kind="hf", path=path)
+    return None
+
+
+def merge_pretrained(user: ModelConfig) -> ModelConfig:
+    """The checkpoint's architecture plus the user's usage fields; an architecture field the user set
+    to something else than the checkpoint's is an error naming it."""
+    assert user.init_from is not None
+    pre = pretrained_config(user.init_from)
+    for name in sorted(user.model_fields_set - _USAGE_FIELDS):
+        if getattr(user, name) != getattr(pre, name):
+            raise ConfigError(
+                f"model.{name}: {getattr(user, name)!r} but the checkpoint in {user.init_from} has "
+                f"{getattr(pre, name)!r}; remove it from the config (model.init_from sets the architecture)"
+            )
+    usage = {name: getattr(user, name) for name in user.model_fields_set & _USAGE_FIELDS if name != "preset"}
+    data = {**pre.model_dump(exclude={"preset"}), **usage, "init_from": user.init_from}
+    if "vocab_size" not in user.model_fields_set:
+        data["vocab_size"] = pre.vocab_size
+    return ModelConfig.model_validate(data)
+
+
+def pretrained_state(cfg: ModelConfig) -> StateDict:
+    """Native float32 weights of `cfg.init_from`, the vocabulary grown to cfg.vocab_size if needed."""
+    assert cfg.init_from is not None and cfg.vocab_size is not None
+    path = Path(cfg.init_from)
+    if is_model_folder(path):
+        from safetensors.torch import load_file
+
+        state = {k: v.float() for k, v in load_file(str(path / WEIGHTS)).items()}
+        return resize_vocab(state, cfg.vocab_size)
+    return import_hf(path, cfg)
+
+
+def save_model_folder(folder: Path, state: StateDict, cfg: ModelConfig, tokenizer: TokenizerConfig) -> Path:
+    """Write a dllm model folder (what `dllm convert --from-hf` produces and `init_from` reads)."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().cpu().contiguous().clone() for k, v in state.items()}, str(folder / WEIGHTS))
+    tok = tokenizer.model_dump(mode="json", exclude={"path"})
+    if tokenizer.kind == "hf" and tokenizer.path is not None:
+        copy_tokenizer_files(tokenizer.path, folder)
+    model = cfg.model_dump(mode="json", exclude={"init_from", "preset"})
+    text = yaml.safe_dump({"model": model, "tokenizer": tok}, sort_keys=False)
+    (folder / MODEL_YAML).write_text(text, encoding="utf-8")
+    return folder
