@@ -155,3 +155,14 @@ def test_moe_aux_loss_and_routing(tokens):
     assert float(model.aux_loss.detach()) >= 1.0 - 1e-4
     (logits.sum() + model.aux_loss).backward()
     assert model.layers[0].mlp.gate.weight.grad is not None
+
+
+def test_sharded_checkpoint_imports(tmp_path: Path, tokens):
+    hf = _hf_model("qwen3")
+    hf.save_pretrained(tmp_path / "hf", max_shard_size="20KB")
+    assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+    assert len(list((tmp_path / "hf").glob("model-*.safetensors"))) > 1
+    ours = _import(tmp_path / "hf")
+    x, pos = tokens
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x, pos, AttentionMask("causal")), hf(x).logits, atol=1e-4, rtol=0)
