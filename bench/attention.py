@@ -1,11 +1,13 @@
-"""Block-diffusion attention (BD3LM 2L mask, Arriola et al. 2025): dense SDPA vs FlexAttention.
+"""Block-diffusion attention (BD3LM 2L mask, Arriola et al. 2025): dense SDPA vs FlexAttention vs blockwise.
 
 For each L (sequence 2L = [x_t ; x_0]), batch 2, 8 query/key heads, head dim 64, block size 32:
 - forward without grad (sampling, evaluation): SDPA with the dense bool mask, compiled FlexAttention
   and eager FlexAttention, both with the BlockMask; masks are built once and reused, as the
   per-description cache does for every layer of a step;
-- forward + backward of every backend with a backward on this device (CPU: SDPA only);
-- the one-off cost per step of building each mask (dense bool tensor vs BlockMask).
+- forward + backward of every backend with a backward on this device (CPU: dense SDPA and blockwise,
+  the exact chunked SDPA that `auto` trains with on CPU; `--chunk-counts 4 8 16` adds blockwise
+  forward + backward at those chunk counts, to tune `DEFAULT_NUM_CHUNKS`);
+- the one-off cost per step of building each mask (dense bool tensor vs BlockMask vs chunk masks).
 Variants are measured interleaved (A B C A B C ...) in this one process; the JSON line reports
 medians and ratios. The first compiled call per shape compiles (~30 s on a 2-core CPU) in warm-up.
 
@@ -13,6 +15,7 @@ One intra-op thread by default: on a 2-core machine shared with other work, two 
 on each other and small elementwise ops take 10-100x longer, which would swamp the comparison.
 
     python bench/attention.py [--rounds 7] [--lengths 512 1024] [--block-size 32] [--threads 1]
+                              [--chunk-counts 4 8 16]
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from collections.abc import Callable
 import torch
 from torch.nn.attention.flex_attention import flex_attention
 
+from dllm.attention.backends.blockwise import DEFAULT_NUM_CHUNKS, blockwise_attention, chunk_masks, chunk_plan
 from dllm.attention.backends.flex import compiled_flex, flex_block_mask
 from dllm.attention.backends.sdpa import sdpa_attention, sdpa_mask
 from dllm.attention.masks import AttentionMask
@@ -41,7 +45,7 @@ def make_inputs(seq_len: int, grad: bool, seed: int) -> list[torch.Tensor]:
     return [torch.randn(shape, generator=g).requires_grad_(grad) for _ in range(3)]
 
 
-def variants(seq_len: int, block_size: int) -> dict[str, Callable[[], object]]:
+def variants(seq_len: int, block_size: int, chunk_counts: list[int]) -> dict[str, Callable[[], object]]:
     """name -> one timed call; masks are prebuilt on one description (steady state of a step).
 
     Only the fwd_bwd inputs require grad, so the forward variants record no autograd graph.
@@ -52,20 +56,31 @@ def variants(seq_len: int, block_size: int) -> dict[str, Callable[[], object]]:
     S, device = 2 * seq_len, q.device
     block_mask = flex_block_mask(mask, BATCH, S, S, device)
     sdpa_mask(mask, BATCH, S, S, device)  # prebuild the dense mask into the same cache
+    for n in {DEFAULT_NUM_CHUNKS, *chunk_counts}:  # and the chunk masks of every chunk count
+        blockwise_attention(q, k, v, mask, num_chunks=n)
 
-    def fwd_bwd_sdpa() -> None:
-        sdpa_attention(qg, kg, vg, mask).sum().backward()
+    def fwd_bwd(attend: Callable[..., torch.Tensor], **kw: int) -> Callable[[], None]:
+        return lambda: attend(qg, kg, vg, mask, **kw).sum().backward()
 
     def fresh() -> AttentionMask:
         return AttentionMask("block_diffusion", block_size=block_size)
 
+    def build_chunk_masks() -> None:
+        new = fresh()
+        chunk_masks(new, chunk_plan(new, S, S, DEFAULT_NUM_CHUNKS), BATCH, S, device)
+
+    tuning = {f"fwd_bwd_blockwise_S{n}": fwd_bwd(blockwise_attention, num_chunks=n) for n in chunk_counts}
     return {
         "fwd_sdpa_dense": lambda: sdpa_attention(q, k, v, mask),
         "fwd_flex_compiled": lambda: compiled_flex()(q, k, v, block_mask=block_mask),
         "fwd_flex_eager": lambda: flex_attention(q, k, v, block_mask=block_mask),
-        "fwd_bwd_sdpa_dense": fwd_bwd_sdpa,
+        "fwd_blockwise": lambda: blockwise_attention(q, k, v, mask),
+        "fwd_bwd_sdpa_dense": fwd_bwd(sdpa_attention),
+        "fwd_bwd_blockwise": fwd_bwd(blockwise_attention),
+        **tuning,
         "build_dense_mask": lambda: sdpa_mask(fresh(), BATCH, S, S, device),
         "build_block_mask": lambda: flex_block_mask(fresh(), BATCH, S, S, device),
+        "build_chunk_masks": build_chunk_masks,
     }
 
 
@@ -75,8 +90,8 @@ def timed_ms(fn: Callable[[], object]) -> float:
     return 1e3 * (time.perf_counter() - t0)
 
 
-def measure(seq_len: int, block_size: int, rounds: int, warmup: int) -> dict[str, float]:
-    fns = variants(seq_len, block_size)
+def measure(seq_len: int, block_size: int, rounds: int, warmup: int, chunk_counts: list[int]) -> dict[str, float]:
+    fns = variants(seq_len, block_size, chunk_counts)
     for _ in range(warmup):  # compiles the flex kernel for this shape
         for fn in fns.values():
             timed_ms(fn)
@@ -117,6 +132,7 @@ def main() -> int:
     ap.add_argument("--lengths", type=int, nargs="+", default=[512, 1024])
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads; 2 threads on a shared 2-core box spin")
+    ap.add_argument("--chunk-counts", type=int, nargs="*", default=[], help="also time blockwise fwd+bwd at these")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
@@ -128,16 +144,24 @@ def main() -> int:
         "shape": {"batch": BATCH, "heads": HEADS, "kv_heads": HEADS, "head_dim": HEAD_DIM, "dtype": "float32"},
         "block_size": args.block_size,
         "rounds": args.rounds,
-        "backward_backends": ["sdpa"],  # FlexAttention has no CPU backward (torch 2.13)
+        "backward_backends": ["sdpa", "blockwise"],  # FlexAttention has no CPU backward (torch 2.13)
+        "blockwise_num_chunks": DEFAULT_NUM_CHUNKS,
     }
     for L in args.lengths:
-        ms = measure(L, args.block_size, args.rounds, args.warmup)
+        ms = measure(L, args.block_size, args.rounds, args.warmup, args.chunk_counts)
         result[f"L{L}"] = {"seq_2L": 2 * L, "allowed_fraction": (L * L + L * args.block_size) / (4 * L * L), "ms": ms}
         dense = ms["fwd_sdpa_dense"]
         result[f"flex_compiled_fwd_speedup_vs_dense_L{L}"] = round(dense / ms["fwd_flex_compiled"], 3)
         result[f"flex_eager_fwd_speedup_vs_dense_L{L}"] = round(dense / ms["fwd_flex_eager"], 3)
         result[f"block_mask_build_vs_dense_mask_L{L}"] = round(ms["build_block_mask"] / ms["build_dense_mask"], 3)
         result[f"fwd_bwd_vs_fwd_sdpa_L{L}"] = round(ms["fwd_bwd_sdpa_dense"] / dense, 3)
+        result[f"blockwise_fwd_speedup_vs_dense_L{L}"] = round(dense / ms["fwd_blockwise"], 3)
+        dense_bwd = ms["fwd_bwd_sdpa_dense"]
+        result[f"blockwise_fwd_bwd_speedup_vs_dense_L{L}"] = round(dense_bwd / ms["fwd_bwd_blockwise"], 3)
+        for n in args.chunk_counts:
+            tuned = ms[f"fwd_bwd_blockwise_S{n}"]
+            result[f"blockwise_S{n}_fwd_bwd_speedup_vs_dense_L{L}"] = round(dense_bwd / tuned, 3)
+        result[f"chunk_masks_build_vs_dense_mask_L{L}"] = round(ms["build_chunk_masks"] / ms["build_dense_mask"], 3)
     result.update(chunked_ce_memory())
     print(json.dumps(result))
     return 0

@@ -20,11 +20,19 @@ from pydantic import BaseModel
 from dllm.attention.backends import ATTENTION_BACKENDS
 from dllm.attention.masks import AttentionMask
 from dllm.config.prepare import PrepareSpec
-from dllm.config.spec import ModelConfig, ObjectiveConfig, SamplerConfig
+from dllm.config.spec import (
+    BD3LMConfig,
+    FastDLLMv2Config,
+    MDLMConfig,
+    ModelConfig,
+    ObjectiveConfig,
+    SamplerConfig,
+    UniformConfig,
+)
 from dllm.data.loader import Batch
 from dllm.data.prepare.sources import SOURCES
 from dllm.diffusion.corruption import NoiseKeys
-from dllm.diffusion.objectives import OBJECTIVES, LossOutput, ModelInputs, ModelOutput
+from dllm.diffusion.objectives import OBJECTIVES, LossOutput, ModelInputs, ModelOutput, TokenIds
 from dllm.diffusion.schedules import SCHEDULES
 from dllm.models import MODELS
 from dllm.registry import Registry
@@ -54,6 +62,15 @@ def literal_names(model_cls, field: str) -> set[str]:
     return walk(model_cls.model_fields[field].annotation)
 
 
+def union_literals(annotation, field: str) -> set[str]:
+    """The strings a field accepts across the members of a tagged union of config classes."""
+    out: set[str] = set()
+    for member in typing.get_args(typing.get_args(annotation)[0]):
+        if field in member.model_fields:
+            out |= literal_names(member, field)
+    return out
+
+
 def source_kinds() -> set[str]:
     """Every `kind` a source entry of prepare.yaml accepts (through list/Union/Annotated)."""
 
@@ -71,8 +88,8 @@ def source_kinds() -> set[str]:
 CONFIG_LITERALS = {  # registry -> names its config accepts
     "MODELS": lambda: literal_names(ModelConfig, "family"),
     "ATTENTION_BACKENDS": lambda: literal_names(ModelConfig, "attention_backend"),
-    "OBJECTIVES": lambda: literal_names(ObjectiveConfig, "name"),
-    "SCHEDULES": lambda: literal_names(ObjectiveConfig, "schedule"),
+    "OBJECTIVES": lambda: union_literals(ObjectiveConfig, "name"),
+    "SCHEDULES": lambda: union_literals(ObjectiveConfig, "schedule"),
     "POLICIES": lambda: literal_names(SamplerConfig, "policy"),
     "SOURCES": source_kinds,
 }
@@ -178,11 +195,44 @@ def make_batch(B: int, L: int, first_id: int = 0) -> Batch:
     return Batch(tokens, loss_mask, torch.arange(first_id, first_id + B, dtype=torch.int64))
 
 
-OBJECTIVE_CASES = [(o, s) for o in OBJECTIVES.names() for s in SCHEDULES.names()]
+# every objective with a small config (block size 4 divides L = 12); schedules where the objective has one
+OBJECTIVE_CONFIGS = {
+    "mdlm": lambda s: MDLMConfig(schedule=s),
+    "bd3lm": lambda s: BD3LMConfig(schedule=s, block_size=4),
+    "bd3lm_shift_uniform": lambda s: BD3LMConfig(schedule=s, block_size=4, shift=True, corruption="uniform"),
+    "fast_dllm_v2": lambda s: FastDLLMv2Config(block_size=4, sub_block_size=2),
+    "uniform": lambda s: UniformConfig(schedule=s),
+}
+OBJECTIVE_CASES = [
+    (case, sched)
+    for case, make in OBJECTIVE_CONFIGS.items()
+    for sched in (SCHEDULES.names() if "schedule" in type(make("linear")).model_fields else ["linear"])
+]
+TOKEN_IDS = TokenIds(mask_id=MASK_ID, eos_id=MASK_ID - 1, pad_id=MASK_ID - 2, num_tokens=V)
 
 
-def build_objective(name: str, schedule: str):
-    return OBJECTIVES.get(name)(ObjectiveConfig(name=name, schedule=schedule), mask_id=MASK_ID)
+def test_every_registered_objective_has_a_contract_case():
+    assert {type(make("linear")).model_fields["name"].default for make in OBJECTIVE_CONFIGS.values()} == set(
+        OBJECTIVES.names()
+    )
+
+
+def build_objective(case: str, schedule: str):
+    cfg = OBJECTIVE_CONFIGS[case](schedule)
+    return OBJECTIVES.get(cfg.name)(cfg, TOKEN_IDS)
+
+
+def views(inp: ModelInputs, B: int) -> int:
+    """How many rows of model input each sample has (Fast-dLLM v2 trains two complementary views)."""
+    assert inp.targets_BL.shape[0] % B == 0
+    return inp.targets_BL.shape[0] // B
+
+
+def predictor_positions(inp: ModelInputs) -> torch.Tensor:
+    """[rows, L] index of the hidden position that predicts each target."""
+    if inp.loss_rows is not None:
+        return inp.loss_rows
+    return torch.arange(inp.targets_BL.shape[1]).expand_as(inp.targets_BL)
 
 
 @pytest.fixture(scope="module")
@@ -197,15 +247,18 @@ def test_objective_prepare_contract(name, schedule):
     inp = obj.prepare(batch, NoiseKeys(0, 8))
     assert isinstance(inp, ModelInputs)
     assert isinstance(inp.mask, AttentionMask)
-    for t in (inp.tokens_BL, inp.positions_BL, inp.targets_BL, inp.weights_BL):
-        assert t.shape[0] == 8
+    n = views(inp, 8)
+    assert inp.tokens_BL.shape == inp.positions_BL.shape and inp.tokens_BL.shape[0] == 8 * n
+    assert inp.targets_BL.shape == inp.weights_BL.shape == (8 * n, 12)
     assert inp.tokens_BL.dtype == torch.long and inp.positions_BL.dtype == torch.long
     assert inp.weights_BL.is_floating_point()
     assert bool(torch.isfinite(inp.weights_BL).all()) and bool((inp.weights_BL >= 0).all())
     assert bool(((inp.tokens_BL >= 0) & (inp.tokens_BL < V)).all())
-    # nothing outside the supervision mask carries loss weight
-    assert bool((inp.weights_BL[~batch.loss_mask_BL] == 0).all())
+    # nothing outside the supervision mask carries loss weight, and the targets are the clean tokens
+    assert bool((inp.weights_BL[~batch.loss_mask_BL.repeat(n, 1)] == 0).all())
+    assert torch.equal(inp.targets_BL, batch.tokens_BL.repeat(n, 1))
     assert float(inp.weights_BL.sum()) > 0
+    assert obj.normalizer(batch) > 0
 
 
 @pytest.mark.parametrize(("name", "schedule"), OBJECTIVE_CASES)
@@ -222,8 +275,12 @@ def test_objective_loss_finite_and_gradients_only_at_supervised_positions(name, 
     out.loss_sum.backward()
     grad = logits.grad
     assert grad is not None and bool(torch.isfinite(grad).all())
-    assert bool((grad[~batch.loss_mask_BL] == 0).all()), "gradient at an unsupervised position"
-    assert float(grad[batch.loss_mask_BL].abs().sum()) > 0
+    # the gradient reaches exactly the hidden positions that predict a supervised, weighted target
+    expected = torch.zeros(grad.shape[:2], dtype=torch.bool)
+    expected.scatter_(1, predictor_positions(inp), inp.weights_BL > 0)
+    touched = grad.abs().sum(-1) > 0
+    assert not bool((touched & ~expected).any()), "gradient at a position that predicts no target"
+    assert bool(touched[expected].any())
 
 
 @pytest.mark.parametrize(("name", "schedule"), OBJECTIVE_CASES)
@@ -249,7 +306,7 @@ def test_objective_deterministic_under_same_noise_keys(name, schedule, model):
         obj.loss(ModelOutput.of_logits(logits), a).loss_sum, obj.loss(ModelOutput.of_logits(logits), b).loss_sum
     )
     c = obj.prepare(batch, NoiseKeys(4, 8))
-    assert not torch.equal(a.weights_BL, c.weights_BL), "the noise seed has no effect"
+    assert not torch.equal(a.tokens_BL, c.tokens_BL), "the noise seed has no effect"
 
 
 @pytest.mark.parametrize(("name", "schedule"), OBJECTIVE_CASES)
@@ -259,10 +316,29 @@ def test_objective_noise_is_per_sample(name, schedule):
     batch = make_batch(8, 12, first_id=8)
     noise = NoiseKeys(1, 8)
     whole = obj.prepare(batch, noise)
+    n = views(whole, 8)
     for sl in (slice(0, 3), slice(3, 8)):
         part = obj.prepare(Batch(batch.tokens_BL[sl], batch.loss_mask_BL[sl], batch.sample_ids_B[sl]), noise)
-        assert torch.equal(part.tokens_BL, whole.tokens_BL[sl])
-        assert torch.equal(part.weights_BL, whole.weights_BL[sl])
+        rows = torch.cat([torch.arange(8)[sl] + v * 8 for v in range(n)])
+        assert torch.equal(part.tokens_BL, whole.tokens_BL[rows])
+        assert torch.equal(part.weights_BL, whole.weights_BL[rows])
+
+
+@pytest.mark.parametrize(("name", "schedule"), OBJECTIVE_CASES)
+def test_objective_loss_normalisation_ignores_padding(name, schedule, model):
+    """Rows of pure padding (unsupervised) add nothing to the loss sum or the normaliser."""
+    obj = build_objective(name, schedule)
+    batch = make_batch(4, 12)
+    pad = Batch(torch.full((2, 12), TOKEN_IDS.pad_id), torch.zeros(2, 12, dtype=torch.bool), torch.tensor([90, 91]))
+    padded = Batch(*(torch.cat([a, b]) for a, b in zip(
+        (batch.tokens_BL, batch.loss_mask_BL, batch.sample_ids_B), (pad.tokens_BL, pad.loss_mask_BL, pad.sample_ids_B),
+        strict=True)))  # fmt: skip
+    assert obj.normalizer(padded) == obj.normalizer(batch)
+    a, b = obj.prepare(batch, NoiseKeys(0, 6)), obj.prepare(padded, NoiseKeys(0, 6))
+    n = views(a, 4)
+    rows = torch.cat([torch.arange(4) + v * 6 for v in range(n)])
+    assert float(b.weights_BL.sum()) == pytest.approx(float(a.weights_BL.sum()))
+    assert torch.equal(b.weights_BL[rows], a.weights_BL)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -37,28 +37,18 @@ def dp_yaml(workdir: Path) -> Path:
     return write_yaml(workdir / "train.yaml", tiny_train_values(training={"steps": 4}))
 
 
-@pytest.mark.parametrize("mode", ["fsdp", "ddp"])
-def test_two_processes_match_one(dp_yaml: Path, mode: str):
+@pytest.mark.parametrize(("mode", "objective"), [("fsdp", "mdlm"), ("ddp", "mdlm"), ("fsdp", "bd3lm")])
+def test_two_processes_match_one(dp_yaml: Path, mode: str, objective: str):
     from dllm.config.rules import resolve_run_spec
     from dllm.training.run import prepare_run_dir, train_from_run_dir
     from tests.helpers import load_spec
 
-    spec, _ = resolve_run_spec(load_spec(dp_yaml, "run.name=one"))
+    extra = ["objective.name=bd3lm", "objective.block_size=8"] if objective == "bd3lm" else []
+    spec, _ = resolve_run_spec(load_spec(dp_yaml, "run.name=one", *extra))
     one = train_from_run_dir(prepare_run_dir(spec))
-    res = _dllm(
-        [
-            "launch",
-            "--config",
-            "train.yaml",
-            "--nproc-per-node",
-            "2",
-            "--set",
-            f"topology.data_parallel={mode}",
-            "--set",
-            "run.name=two",
-        ],
-        dp_yaml.parent,
-    )
+    args = ["launch", "--config", "train.yaml", "--nproc-per-node", "2", "--set", f"topology.data_parallel={mode}"]
+    args += ["--set", "run.name=two", *[a for o in extra for a in ("--set", o)]]
+    res = _dllm(args, dp_yaml.parent)
     assert res.returncode == 0, res.stderr[-2000:]
     two = _losses(dp_yaml.parent / "runs" / "two")
     assert len(two) == len(one) == 4

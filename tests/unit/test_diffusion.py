@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dllm.config.spec import ObjectiveConfig
+from dllm.config.spec import MDLMConfig
 from dllm.data.loader import Batch
 from dllm.diffusion.corruption import NoiseKeys, mask_tokens, mix_key
-from dllm.diffusion.objectives import OBJECTIVES, ModelInputs, ModelOutput
+from dllm.diffusion.objectives import OBJECTIVES, ModelInputs, ModelOutput, TokenIds
 from dllm.diffusion.objectives.mdlm import MDLMObjective
 from dllm.diffusion.schedules import SCHEDULES, CosineSchedule, LinearSchedule
 
@@ -30,7 +30,7 @@ def make_batch(B: int, L: int, first_id: int = 0, seed: int = 0, supervised: flo
 
 
 def objective(schedule: str = "linear", **kw) -> MDLMObjective:
-    return MDLMObjective(ObjectiveConfig(schedule=schedule, **kw), mask_id=MASK_ID)
+    return MDLMObjective(MDLMConfig(schedule=schedule, **kw), TokenIds(MASK_ID, MASK_ID - 1, MASK_ID - 2, V))
 
 
 def take(batch: Batch, sl: slice) -> Batch:

@@ -6,7 +6,7 @@ import sys
 
 import typer
 
-from dllm.cli import config_cmd, data_cmd
+from dllm.cli import config_cmd, data_cmd, recipe_cmd
 from dllm.cli.convert_cmd import convert
 from dllm.cli.doctor_cmd import doctor
 from dllm.cli.generate_cmd import generate
@@ -24,6 +24,7 @@ app = typer.Typer(
 app.command()(init)
 app.add_typer(data_cmd.app, name="data")
 app.add_typer(config_cmd.app, name="config")
+app.add_typer(recipe_cmd.app, name="recipe")
 app.command()(launch)
 app.command()(generate)
 app.command()(convert)

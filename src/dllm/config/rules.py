@@ -7,7 +7,7 @@ warnings for settings that have no effect.
 
 from __future__ import annotations
 
-from dllm.config.spec import ModelConfig, RunSpec
+from dllm.config.spec import BLOCK_OBJECTIVES, ModelConfig, RunSpec
 from dllm.errors import ConfigError, DataError
 
 
@@ -41,6 +41,7 @@ def resolve_run_spec(
         raise ConfigError(
             f"data.seq_len: {spec.data.seq_len} exceeds model.max_seq_len {spec.model.max_seq_len}; raise max_seq_len"
         )
+    _check_objective(spec)
     if spec.lora is not None:
         _check_lora(spec)
     if check_data:
@@ -75,6 +76,28 @@ def _resolve_pretrained(spec: RunSpec, tok_vocab: int) -> tuple[ModelConfig, lis
             "(new rows start at the mean embedding)"
         )
     return model, warnings
+
+
+def _check_objective(spec: RunSpec) -> None:
+    """Objective x model x data combinations that cannot work, with the reason."""
+    obj, model = spec.objective, spec.model
+    if obj.name in BLOCK_OBJECTIVES:
+        if spec.data.seq_len % obj.block_size:
+            raise ConfigError(
+                f"objective.block_size: {obj.block_size} does not divide data.seq_len {spec.data.seq_len}; "
+                "block diffusion needs whole blocks"
+            )
+        if model.shift_logits:
+            raise ConfigError(
+                f"model.shift_logits: {obj.name} shifts predictions itself across the two halves "
+                "(objective.shift / the Fast-dLLM v2 token shift); set model.shift_logits: false"
+            )
+        if model.family == "bert" and obj.name == "fast_dllm_v2":
+            raise ConfigError("objective.name: fast_dllm_v2 adapts autoregressive models; bert is an encoder")
+    if obj.name == "uniform" and obj.self_condition_prob > 0 and not model.self_condition:
+        raise ConfigError("objective.self_condition_prob: needs a model input for it; set model.self_condition: true")
+    if obj.name == "uniform" and model.shift_logits:
+        raise ConfigError("model.shift_logits: the uniform objective predicts x0 in place; set it to false")
 
 
 def _check_lora(spec: RunSpec) -> None:

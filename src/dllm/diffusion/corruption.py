@@ -58,6 +58,40 @@ class NoiseKeys:
         u_g = self.uniform(groups, (), purpose)
         return torch.remainder(u_g + (sample_ids_B % G).float() / G, 1.0)
 
+    def stratified_blocks(
+        self, sample_ids_B: torch.Tensor, num_blocks: int, purpose: str, antithetic: bool
+    ) -> torch.Tensor:
+        """U[0, 1) per (sample, block) [B, K]; with `antithetic` the G*K values of a group are evenly
+        spaced (BD3LM draws t per block and stratifies over batch x blocks)."""
+        if not antithetic:
+            return self.uniform(sample_ids_B, (num_blocks,), purpose)
+        G, K = self.group_size, num_blocks
+        groups = torch.div(sample_ids_B, G, rounding_mode="floor")
+        u_g = self.uniform(groups, (), purpose)
+        stratum_BK = (sample_ids_B % G)[:, None] * K + torch.arange(K, device=sample_ids_B.device)[None, :]
+        return torch.remainder(u_g[:, None] + stratum_BK.float() / (G * K), 1.0)
+
+
+def uniform_token_ids(u_BL: torch.Tensor, num_tokens: int, exclude_id: int) -> torch.Tensor:
+    """Ids uniform over [0, num_tokens) without `exclude_id` (the mask token), from U[0, 1) noise."""
+    ids = (u_BL * (num_tokens - 1)).long().clamp_max(num_tokens - 2)
+    return ids + (ids >= exclude_id).long()
+
+
+def corrupt_tokens(
+    tokens_BL: torch.Tensor,
+    eligible_BL: torch.Tensor,
+    p_BL: torch.Tensor,
+    u_BL: torch.Tensor,
+    replacement_BL: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Replace each eligible token with its replacement with probability p (per position).
+
+    Returns (noised tokens, corrupted positions). The replacement is the mask id (absorbing state,
+    MDLM) or a random token (uniform state)."""
+    hit_BL = (u_BL < p_BL) & eligible_BL
+    return torch.where(hit_BL, replacement_BL, tokens_BL), hit_BL
+
 
 def mask_tokens(
     tokens_BL: torch.Tensor,

@@ -201,6 +201,7 @@ class Transformer(nn.Module):
         self.embed_tokens = nn.Embedding(V, E)
         self.embed_positions = nn.Embedding(cfg.max_seq_len, E) if cfg.position == "learned" else None
         self.embed_norm = make_norm(cfg) if cfg.embedding_norm else None
+        self.self_cond_proj = nn.Linear(E, E, bias=False) if cfg.self_condition else None
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
         self.norm = make_norm(cfg) if cfg.final_norm else None
         self.head_transform = MLMHead(cfg) if cfg.head == "mlm" else None
@@ -220,12 +221,17 @@ class Transformer(nn.Module):
         mask: AttentionMask | None = None,
         cache: Any = None,
         return_hidden: bool = False,
+        self_cond_BL: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits aligned with positions: for `shift_logits` models position i's prediction is
-        computed from the hidden state at i-1, so callers never need to know about the shift."""
+        computed from the hidden state at i-1, so callers never need to know about the shift.
+        `self_cond_BL`: a previous pass's predicted ids (-1: no conditioning for that position)."""
         assert cache is None, "KV caches arrive with the sampling issue"
         mask = mask if mask is not None else AttentionMask()
         x = self.embed_tokens(tokens_BL)
+        if self.self_cond_proj is not None and self_cond_BL is not None:
+            on_BL1 = (self_cond_BL >= 0).unsqueeze(-1).to(x.dtype)
+            x = x + self.self_cond_proj(self.embed_tokens(self_cond_BL.clamp_min(0))) * on_BL1
         if self.embed_positions is not None:
             x = x + self.embed_positions(positions_BL)
         if self.embed_norm is not None:
@@ -265,8 +271,8 @@ class Transformer(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
-            elif name.endswith("bias"):
-                p.zero_()
+            elif name.endswith("bias") or name.startswith("self_cond_proj"):
+                p.zero_()  # self-conditioning starts as a no-op
             else:
                 s = out_std if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")) else std
                 p.copy_(torch.randn(p.shape, generator=generator, dtype=torch.float32) * s)

@@ -18,15 +18,19 @@ from dllm.config.rules import check_topology
 from dllm.config.spec import RunSpec
 from dllm.data.artifact import open_artifact
 from dllm.data.loader import StepLoader
-from dllm.diffusion.objectives import OBJECTIVES
+from dllm.diffusion.objectives import OBJECTIVES, TokenIds
 from dllm.models import factory
 from dllm.parallel.apply import apply_parallelism, unwrap, wrap_replicated
 from dllm.parallel.dims import DistEnv, ParallelDims, init_process_group, pick_device
-from dllm.tokenization import build_tokenizer
+from dllm.tokenization import Tokenizer, build_tokenizer
 from dllm.training.lr import LRSchedule
 from dllm.training.metrics import MetricsLogger
 from dllm.training.optim import build_optimizer
 from dllm.training.trainer import Trainer
+
+
+def token_ids(tok: Tokenizer) -> TokenIds:
+    return TokenIds(mask_id=tok.mask_id, eos_id=tok.eos_id, pad_id=tok.pad_id, num_tokens=tok.vocab_size)
 
 
 def materialize(model: nn.Module, full: dict[str, torch.Tensor], device: torch.device, env: DistEnv) -> None:
@@ -75,9 +79,7 @@ def build_trainer(spec: RunSpec, run_dir: Path, env: DistEnv | None = None) -> T
     identity: dict[str, Any] = {"tokenizer": tok.identity(), "artifact_fingerprint": artifact.fingerprint}
     trainer = Trainer(
         model=model,
-        objective=OBJECTIVES.get(spec.objective.name)(
-            spec.objective, mask_id=tok.mask_id, chunked_loss=tr.chunked_loss
-        ),
+        objective=OBJECTIVES.get(spec.objective.name)(spec.objective, token_ids(tok), chunked_loss=tr.chunked_loss),
         optimizer=build_optimizer(model, spec.optimizer),
         lr_schedule=LRSchedule(spec.scheduler, spec.optimizer.lr, tr.steps),
         loader=loader,

@@ -20,7 +20,7 @@ from dllm.checkpoint.manager import CheckpointManager
 from dllm.config.spec import LoggingConfig, TrainingConfig
 from dllm.data.loader import Batch, StepLoader
 from dllm.diffusion.corruption import NoiseKeys
-from dllm.diffusion.objectives.base import ModelOutput, Objective
+from dllm.diffusion.objectives.base import Objective, run_model
 from dllm.errors import CheckpointError
 from dllm.parallel.apply import set_grad_sync, unwrap
 from dllm.parallel.dims import DistEnv, ParallelDims, all_reduce_sum
@@ -110,7 +110,7 @@ class Trainer:
 
     def train_step(self, micro_batches: list[Batch]) -> StepStats:
         times = {"forward": 0.0, "backward": 0.0}
-        local_targets = sum(b.num_targets for b in micro_batches)
+        local_targets = sum(self.objective.normalizer(b) for b in micro_batches)
         counts = all_reduce_sum(torch.tensor([float(local_targets)], device=self.device), self.env)
         global_targets = max(float(counts.item()), 1.0)
         scale = self.dims.dp / global_targets
@@ -123,8 +123,7 @@ class Trainer:
                 t0 = time.perf_counter()
                 inputs = self.objective.prepare(batch.to(self.device), self.noise)
                 with self._autocast():
-                    hidden = self.model(inputs.tokens_BL, inputs.positions_BL, inputs.mask, return_hidden=True)
-                    out = self.objective.loss(ModelOutput(hidden, unwrap(self.model).head), inputs)
+                    out = self.objective.loss(run_model(self.model, inputs), inputs)
                 total = out.loss_sum * scale
                 aux = getattr(unwrap(self.model), "aux_loss", None)
                 if aux is not None:  # MoE load balancing: a mean over micro-batches (and ranks, by DDP/FSDP)

@@ -2,7 +2,8 @@
 
 A backend is a callable `(q_BHLD, k_BKSD, v_BKSD, mask) -> out_BHLD`; k/v may have fewer heads
 than q (grouped-query attention). `sdpa` is the reference (dense mask); `flex` uses FlexAttention
-with a BlockMask; `auto` picks one of them per call (see backends/auto.py).
+with a BlockMask; `blockwise` computes block masks exactly with SDPA over block-aligned query chunks
+(the CPU training fast path); `auto` picks one of them per call (see backends/auto.py).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import Callable
 import torch
 
 from dllm.attention.backends.auto import auto_attention
+from dllm.attention.backends.blockwise import blockwise_attention
 from dllm.attention.backends.flex import flex_attention_backend
 from dllm.attention.backends.sdpa import sdpa_attention
 from dllm.attention.masks import AttentionMask
@@ -21,6 +23,7 @@ AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMask]
 ATTENTION_BACKENDS: Registry[AttentionFn] = Registry("attention backend")
 ATTENTION_BACKENDS.add("sdpa", sdpa_attention)
 ATTENTION_BACKENDS.add("flex", flex_attention_backend)
+ATTENTION_BACKENDS.add("blockwise", blockwise_attention)
 ATTENTION_BACKENDS.add("auto", auto_attention)
 
 __all__ = ["ATTENTION_BACKENDS", "AttentionFn"]

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
-from dllm.diffusion.objectives.base import LossOutput, ModelInputs, ModelOutput, Objective
+from dllm.diffusion.objectives.base import LossOutput, ModelInputs, ModelOutput, Objective, TokenIds, run_model
+from dllm.diffusion.objectives.block import BD3LMObjective, FastDLLMv2Objective
 from dllm.diffusion.objectives.mdlm import MDLMObjective
+from dllm.diffusion.objectives.uniform import UniformObjective
 from dllm.registry import Registry
 
 OBJECTIVES: Registry[type] = Registry("objective")
 OBJECTIVES.add("mdlm", MDLMObjective)
+OBJECTIVES.add("bd3lm", BD3LMObjective)
+OBJECTIVES.add("fast_dllm_v2", FastDLLMv2Objective)
+OBJECTIVES.add("uniform", UniformObjective)
 
-__all__ = ["OBJECTIVES", "LossOutput", "MDLMObjective", "ModelInputs", "ModelOutput", "Objective"]
+__all__ = [
+    "OBJECTIVES", "BD3LMObjective", "FastDLLMv2Objective", "LossOutput", "MDLMObjective", "ModelInputs",
+    "ModelOutput", "Objective", "TokenIds", "UniformObjective", "run_model",
+]  # fmt: skip

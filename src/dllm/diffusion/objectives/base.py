@@ -25,6 +25,22 @@ class ModelInputs:
     """Token ids to predict."""
     weights_BL: torch.Tensor
     """Per-token loss weight; 0 where a position is not in the loss."""
+    loss_rows: torch.Tensor | None = None
+    """Which hidden positions predict the targets (per position an index into L), when the objective
+    shifts predictions (AR-initialised models); None means each position predicts itself."""
+    self_cond_rows_B: torch.Tensor | None = None
+    """Rows to self-condition on a detached first pass's predictions (uniform objective)."""
+
+
+@dataclass(frozen=True)
+class TokenIds:
+    """The tokenizer ids an objective needs."""
+
+    mask_id: int
+    eos_id: int
+    pad_id: int
+    num_tokens: int
+    """Ids the tokenizer can produce (the embedding may have more rows, rounded up)."""
 
 
 HeadFn = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]]
@@ -61,4 +77,32 @@ class LossOutput:
 class Objective(Protocol):
     def prepare(self, batch: Batch, noise: NoiseKeys) -> ModelInputs: ...
 
+    def normalizer(self, batch: Batch) -> int:
+        """This micro-batch's share of the loss normaliser (summed over the global batch)."""
+        ...
+
     def loss(self, out: ModelOutput, inputs: ModelInputs) -> LossOutput: ...
+
+
+def run_model(model: torch.nn.Module, inputs: ModelInputs) -> ModelOutput:
+    """THE model call of training and evaluation: one forward to hidden states (a detached first
+    pass before it for self-conditioned rows, Chen et al. 2022 "Analog Bits")."""
+    args = (inputs.tokens_BL, inputs.positions_BL, inputs.mask)
+    kwargs = {}
+    rows = inputs.self_cond_rows_B
+    if rows is not None and bool(rows.any()):
+        with torch.no_grad():
+            first = ModelOutput(model(*args, return_hidden=True), _head(model))
+            guess_BL = _argmax_tokens(first)
+        kwargs["self_cond_BL"] = torch.where(rows[:, None], guess_BL, torch.full_like(guess_BL, -1))
+    return ModelOutput(model(*args, return_hidden=True, **kwargs), _head(model))
+
+
+def _head(model: torch.nn.Module) -> HeadFn:
+    return getattr(model, "module", model).head  # DDP wraps; FSDP2 modifies in place
+
+
+def _argmax_tokens(out: ModelOutput, rows_per_chunk: int = 4) -> torch.Tensor:
+    """The most likely token per position, a few rows of logits at a time."""
+    chunks = [ModelOutput(h, out.head).logits().argmax(-1) for h in out.hidden_BLE.split(rows_per_chunk)]
+    return torch.cat(chunks)

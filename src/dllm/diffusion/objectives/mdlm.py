@@ -2,7 +2,9 @@
 
 Per sequence t ~ U(eps, 1]; each supervised token is replaced by the mask token with probability
 1 - alpha(t); the loss is the cross-entropy on masked tokens weighted by w(t) (1/t for the linear
-schedule). The mask token itself is never a valid prediction.
+schedule). The mask token itself is never a valid prediction. Unsupervised tokens (an SFT prompt)
+are never noised. Normalisation: by supervised tokens, or per sequence (LLaDA's SFT loss divides
+each answer by its own length).
 """
 
 from __future__ import annotations
@@ -10,26 +12,32 @@ from __future__ import annotations
 import torch
 
 from dllm.attention.masks import AttentionMask
-from dllm.config.spec import ObjectiveConfig
+from dllm.config.spec import MDLMConfig
 from dllm.data.loader import Batch
 from dllm.diffusion.corruption import NoiseKeys, mask_tokens
-from dllm.diffusion.objectives.base import LossOutput, ModelInputs, ModelOutput
+from dllm.diffusion.objectives.base import LossOutput, ModelInputs, ModelOutput, TokenIds
 from dllm.diffusion.schedules import SCHEDULES
 from dllm.models.chunked_ce import linear_cross_entropy, plain_cross_entropy
 
 
 class MDLMObjective:
-    def __init__(self, cfg: ObjectiveConfig, mask_id: int, chunked_loss: bool = True) -> None:
+    def __init__(self, cfg: MDLMConfig, ids: TokenIds, chunked_loss: bool = True) -> None:
         self.cfg = cfg
-        self.mask_id = mask_id
+        self.ids = ids
+        self.mask_id = ids.mask_id
+        self.schedule = SCHEDULES.get(cfg.schedule)()
         # the chunked LM head + CE never materialises [tokens x vocab] logits; the plain one is its reference
         self.cross_entropy = linear_cross_entropy if chunked_loss else plain_cross_entropy
-        self.schedule = SCHEDULES.get(cfg.schedule)()
 
     def sample_time(self, batch: Batch, noise: NoiseKeys) -> torch.Tensor:
         u_B = noise.stratified_time(batch.sample_ids_B, "mdlm.t", self.cfg.antithetic)
         # u in [0, 1) -> t in (eps, 1]
         return 1.0 - (1.0 - self.cfg.eps) * u_B
+
+    def normalizer(self, batch: Batch) -> int:
+        if self.cfg.normalize == "sequence":
+            return int(batch.loss_mask_BL.any(-1).sum())
+        return batch.num_targets
 
     def prepare(self, batch: Batch, noise: NoiseKeys) -> ModelInputs:
         tokens = batch.tokens_BL
@@ -39,17 +47,29 @@ class MDLMObjective:
         u_BL = noise.uniform(batch.sample_ids_B, (L,), "mdlm.mask")
         noised, masked_BL = mask_tokens(tokens, batch.loss_mask_BL, p_mask_B, u_BL, self.mask_id)
         weights = masked_BL.float() * self.schedule.weight(t_B)[:, None]
+        if self.cfg.normalize == "sequence":
+            weights = weights / batch.loss_mask_BL.sum(-1, keepdim=True).clamp_min(1)
         positions = torch.arange(L, device=tokens.device).expand(B, L)
         mask = AttentionMask("bidirectional", doc_ids_BL=batch.doc_ids_BL)
         return ModelInputs(noised, positions, mask, tokens, weights)
 
     def loss(self, out: ModelOutput, inputs: ModelInputs) -> LossOutput:
-        """Weighted CE on the masked positions only; the head runs on just those rows."""
-        sel = inputs.weights_BL > 0
-        features_NE, weight_VE, bias_V = out.head(out.hidden_BLE[sel])
-        loss_sum, ce_N = self.cross_entropy(
-            features_NE, weight_VE, inputs.targets_BL[sel], inputs.weights_BL[sel],
-            exclude_ids=(self.mask_id,), bias_V=bias_V,
-        )  # fmt: skip
-        metrics = {"masked_ce_sum": ce_N.detach().sum(), "num_masked": sel.sum()}
-        return LossOutput(loss_sum=loss_sum, metrics=metrics)
+        return weighted_ce(out, inputs, self.cross_entropy, self.mask_id)
+
+
+def weighted_ce(out: ModelOutput, inputs: ModelInputs, cross_entropy, exclude_id: int) -> LossOutput:
+    """sum(w * CE) over positions with a weight; the head runs on just those rows. Shared by every
+    objective: `inputs.loss_rows` says which hidden position predicts each target (shifted models)."""
+    sel_BL = inputs.weights_BL > 0
+    hidden_BLE = out.hidden_BLE
+    if inputs.loss_rows is not None:
+        hidden_BLE = hidden_BLE.gather(1, inputs.loss_rows[..., None].expand(-1, -1, hidden_BLE.shape[-1]))
+    else:
+        hidden_BLE = hidden_BLE[:, : sel_BL.shape[1]]
+    features_NE, weight_VE, bias_V = out.head(hidden_BLE[sel_BL])
+    loss_sum, ce_N = cross_entropy(
+        features_NE, weight_VE, inputs.targets_BL[sel_BL], inputs.weights_BL[sel_BL],
+        exclude_ids=(exclude_id,), bias_V=bias_V,
+    )  # fmt: skip
+    metrics = {"masked_ce_sum": ce_N.detach().sum(), "num_masked": sel_BL.sum()}
+    return LossOutput(loss_sum=loss_sum, metrics=metrics)

@@ -1,0 +1,135 @@
+"""Block diffusion objectives over the vectorised 2L layout [x_t ; x_0].
+
+BD3LM (Arriola et al. 2025): the model sees the noisy sequence and the clean one (both with positions
+0..L-1) under the block-diffusion mask: a noisy block attends itself and the clean blocks before it;
+the clean half is block-causal. One forward trains every block; the loss is on the noisy half only.
+t is drawn per block (stratified over batch x blocks) from a clipped interval [eps_min, eps_max].
+
+Fast-dLLM v2 (Wu et al. 2025): the same layout for an AR-initialised model, with complementary masks
+(two views of each sequence; every supervised token is masked in exactly one of them) and the AR
+token shift: token i is predicted from the hidden state at i-1, and a block's first token from the
+last clean token of the previous block (the only earlier state a noisy block can see).
+
+Shapes: B batch, L sequence, K blocks (L / block), E hidden.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dllm.attention.masks import AttentionMask
+from dllm.config.spec import BD3LMConfig, FastDLLMv2Config
+from dllm.data.loader import Batch
+from dllm.diffusion.corruption import NoiseKeys, corrupt_tokens, uniform_token_ids
+from dllm.diffusion.objectives.base import LossOutput, ModelInputs, ModelOutput, TokenIds
+from dllm.diffusion.objectives.mdlm import weighted_ce
+from dllm.diffusion.schedules import SCHEDULES
+from dllm.models.chunked_ce import linear_cross_entropy, plain_cross_entropy
+
+
+def pad_blocks_with_eos(batch: Batch, block: int, ids: TokenIds) -> Batch:
+    """A sample that ends in padding (indexed layout) is extended with supervised EOS to a whole
+    block, so that its last block is complete; the rest of the padding stays unsupervised."""
+    tokens, sup = batch.tokens_BL, batch.loss_mask_BL
+    is_pad = (tokens == ids.pad_id) & ~sup
+    L = tokens.shape[1]
+    pos = torch.arange(L, device=tokens.device)
+    # the sample ends where its trailing padding starts
+    trailing_BL = is_pad.flip(-1).long().cumprod(-1).flip(-1).bool()
+    end_B = torch.where(trailing_BL, pos, L).min(-1).values
+    stop_B = (end_B + block - 1) // block * block
+    fill_BL = (pos >= end_B[:, None]) & (pos < stop_B[:, None])
+    doc = batch.doc_ids_BL
+    if doc is not None:  # the EOS belong to the sample's document, not to the padding's
+        doc = torch.where(fill_BL, doc.gather(1, (end_B - 1).clamp_min(0)[:, None]).expand_as(doc), doc)
+    return Batch(torch.where(fill_BL, ids.eos_id, tokens), sup | fill_BL, batch.sample_ids_B, doc)
+
+
+def two_halves(noisy_BL: torch.Tensor, clean_BL: torch.Tensor, doc_BL: torch.Tensor | None, block: int):
+    """Tokens [x_t ; x_0], positions 0..L-1 twice, the block-diffusion mask (documents apply to both)."""
+    B, L = clean_BL.shape
+    positions = torch.arange(L, device=clean_BL.device).repeat(2).expand(B, 2 * L)
+    mask = AttentionMask("block_diffusion", block_size=block, doc_ids_BL=doc_BL)
+    return torch.cat([noisy_BL, clean_BL], dim=1), positions, mask
+
+
+def shifted_rows(L: int, block: int, device: torch.device) -> torch.Tensor:
+    """For each noisy position i, the hidden position (in 2L) that predicts token i: i-1 inside a
+    block, the clean L+i-1 at a block start; position 0 has no predictor (its weight is zeroed)."""
+    i = torch.arange(L, device=device)
+    rows = torch.where(i % block == 0, L + i - 1, i - 1)
+    return torch.where(i == 0, torch.zeros_like(i), rows)
+
+
+def block_times(batch: Batch, noise: NoiseKeys, num_blocks: int, lo: float, hi: float, antithetic: bool):
+    u_BK = noise.stratified_blocks(batch.sample_ids_B, num_blocks, "block.t", antithetic)
+    return lo + (hi - lo) * u_BK  # the clipped interval: t in [lo, hi)
+
+
+class BD3LMObjective:
+    def __init__(self, cfg: BD3LMConfig, ids: TokenIds, chunked_loss: bool = True) -> None:
+        self.cfg, self.ids = cfg, ids
+        self.schedule = SCHEDULES.get(cfg.schedule)()
+        self.cross_entropy = linear_cross_entropy if chunked_loss else plain_cross_entropy
+
+    def normalizer(self, batch: Batch) -> int:
+        sup = pad_blocks_with_eos(batch, self.cfg.block_size, self.ids).loss_mask_BL
+        return int(sup[:, 1:].sum() if self.cfg.shift else sup.sum())
+
+    def prepare(self, batch: Batch, noise: NoiseKeys) -> ModelInputs:
+        cfg = self.cfg
+        batch = pad_blocks_with_eos(batch, cfg.block_size, self.ids)
+        x0, sup = batch.tokens_BL, batch.loss_mask_BL
+        B, L = x0.shape
+        t_BL = block_times(batch, noise, L // cfg.block_size, cfg.eps_min, cfg.eps_max, cfg.antithetic)
+        t_BL = t_BL.repeat_interleave(cfg.block_size, dim=1)
+        u_BL = noise.uniform(batch.sample_ids_B, (L,), "bd3lm.corrupt")
+        if cfg.corruption == "mask":
+            replacement = torch.full_like(x0, self.ids.mask_id)
+        else:
+            u_ids = noise.uniform(batch.sample_ids_B, (L,), "bd3lm.ids")
+            replacement = uniform_token_ids(u_ids, self.ids.num_tokens, self.ids.mask_id)
+        noisy, hit = corrupt_tokens(x0, sup, 1.0 - self.schedule.alpha(t_BL), u_BL, replacement)
+        # absorbing noise: the masked tokens, ELBO-weighted; uniform noise: x0 prediction everywhere
+        weights = hit.float() * self.schedule.weight(t_BL) if cfg.corruption == "mask" else sup.float()
+        tokens, positions, mask = two_halves(noisy, x0, batch.doc_ids_BL, cfg.block_size)
+        rows = None
+        if cfg.shift:
+            rows = shifted_rows(L, cfg.block_size, x0.device).expand(B, L)
+            weights = torch.cat([torch.zeros_like(weights[:, :1]), weights[:, 1:]], dim=1)
+        return ModelInputs(tokens, positions, mask, x0, weights, loss_rows=rows)
+
+    def loss(self, out: ModelOutput, inputs: ModelInputs) -> LossOutput:
+        return weighted_ce(out, inputs, self.cross_entropy, self.ids.mask_id)
+
+
+class FastDLLMv2Objective:
+    def __init__(self, cfg: FastDLLMv2Config, ids: TokenIds, chunked_loss: bool = True) -> None:
+        self.cfg, self.ids = cfg, ids
+        self.cross_entropy = linear_cross_entropy if chunked_loss else plain_cross_entropy
+
+    def normalizer(self, batch: Batch) -> int:
+        # every supervised token is a target exactly once over the two views (bar position 0)
+        return int(pad_blocks_with_eos(batch, self.cfg.block_size, self.ids).loss_mask_BL[:, 1:].sum())
+
+    def prepare(self, batch: Batch, noise: NoiseKeys) -> ModelInputs:
+        cfg = self.cfg
+        batch = pad_blocks_with_eos(batch, cfg.block_size, self.ids)
+        x0, sup = batch.tokens_BL, batch.loss_mask_BL
+        B, L = x0.shape
+        t_BL = block_times(batch, noise, L // cfg.block_size, cfg.eps, 1.0, cfg.antithetic)
+        t_BL = t_BL.repeat_interleave(cfg.block_size, dim=1)
+        u_BL = noise.uniform(batch.sample_ids_B, (L,), "fast_dllm_v2.mask")
+        first = (u_BL < t_BL) & sup
+        second = ~first & sup  # the complement: together they mask each supervised token once
+        mask_BL = torch.full_like(x0, self.ids.mask_id)
+        views = [torch.where(m, mask_BL, x0) for m in (first, second)]
+        doc = None if batch.doc_ids_BL is None else batch.doc_ids_BL.repeat(2, 1)
+        tokens, positions, mask = two_halves(torch.cat(views), x0.repeat(2, 1), doc, cfg.block_size)
+        weights = torch.cat([first, second]).float()
+        weights[:, 0] = 0.0  # no hidden state predicts the first token
+        rows = shifted_rows(L, cfg.block_size, x0.device).expand(2 * B, L)
+        return ModelInputs(tokens, positions, mask, x0.repeat(2, 1), weights, loss_rows=rows)
+
+    def loss(self, out: ModelOutput, inputs: ModelInputs) -> LossOutput:
+        return weighted_ce(out, inputs, self.cross_entropy, self.ids.mask_id)

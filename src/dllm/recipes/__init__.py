@@ -1,0 +1,163 @@
+"""Packaged recipes: ready-made prepare.yaml + train.yaml pairs, listed in index.yaml.
+
+Smoke recipes train on a CPU in under a minute on a corpus that `copy_recipe` generates (and, for the
+AR-to-diffusion ones, a tiny random causal checkpoint to convert); templates carry realistic GPU
+settings and refer to model, tokenizer and data folders that the user provides.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Callable
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import Field, model_validator
+
+from dllm.config.base import Section
+from dllm.data.synthetic import addition_example, demo_corpus
+from dllm.errors import UserError
+
+CONFIG_FILES = ("prepare.yaml", "train.yaml")
+DATA_FILE = "data/train.jsonl"
+AR_MODEL_DIR = "ar-model"
+NUM_RECORDS = 2000
+# sft-smoke's seq_len 16 holds the longest sum "19 + 19 = 38" and its EOS; `dllm init` uses the same bound
+MAX_OPERAND = 19
+# the byte tokenizer's 260 ids rounded up to a multiple of 64, as `model.vocab_size: null` resolves it
+BYTE_VOCAB_SIZE = 320
+
+
+class RecipeInfo(Section):
+    """One entry of recipes/index.yaml."""
+
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9._-]*$")
+    """The recipe's folder next to index.yaml."""
+    objective: str
+    """objective.name of its train.yaml (checked by the tests)."""
+    kind: Literal["smoke", "template"]
+    """smoke: runs on a CPU in under a minute; template: realistic GPU settings to edit."""
+    description: str
+    """One line for `dllm recipe list`."""
+    data: Literal["demo_text", "demo_sums", "chat", "none"] = "none"
+    """The corpus `copy` generates into data/train.jsonl."""
+    ar_model: bool = False
+    """`copy` also writes ar-model/, a tiny random causal llama (Hugging Face folder) to convert."""
+
+    @model_validator(mode="after")
+    def _generated_only_for_smoke(self) -> RecipeInfo:
+        if self.kind == "smoke" and self.data == "none":
+            raise ValueError(f"recipe {self.name}: a smoke recipe must generate its data")
+        if self.kind == "template" and (self.data != "none" or self.ar_model):
+            raise ValueError(f"recipe {self.name}: a template brings its own data and model")
+        return self
+
+
+def _package() -> Any:
+    return resources.files(__name__)
+
+
+def list_recipes() -> list[RecipeInfo]:
+    """Every packaged recipe, in index order."""
+    index = yaml.safe_load((_package() / "index.yaml").read_text(encoding="utf-8"))
+    return [RecipeInfo.model_validate(entry) for entry in index["recipes"]]
+
+
+def get_recipe(name: str) -> RecipeInfo:
+    recipes = list_recipes()
+    for info in recipes:
+        if info.name == name:
+            return info
+    raise UserError(f"unknown recipe {name!r}; known: {', '.join(r.name for r in recipes)}")
+
+
+def recipe_files(name: str) -> dict[str, str]:
+    """The recipe's config files by name (prepare.yaml, train.yaml) and their text."""
+    folder = _package() / get_recipe(name).name
+    return {fname: (folder / fname).read_text(encoding="utf-8") for fname in CONFIG_FILES}
+
+
+def copy_recipe(name: str, dest: Path, force: bool = False) -> list[Path]:
+    """Write the recipe's configs into `dest`, plus its generated data and AR checkpoint; returns
+    the paths written. A non-empty `dest` needs `force` (the recipe's files are then replaced)."""
+    info = get_recipe(name)
+    files = recipe_files(name)
+    dest = Path(dest)
+    _check_dest(dest, force)
+    dest.mkdir(parents=True, exist_ok=True)
+    written = []
+    for fname, text in files.items():
+        (dest / fname).write_text(text, encoding="utf-8")
+        written.append(dest / fname)
+    if info.data != "none":
+        written.append(write_jsonl(dest / DATA_FILE, GENERATORS[info.data](NUM_RECORDS)))
+    if info.ar_model:
+        written.append(write_ar_model(dest / AR_MODEL_DIR))
+    return written
+
+
+def _check_dest(dest: Path, force: bool) -> None:
+    if dest.exists() and not dest.is_dir():
+        raise UserError(f"{dest} exists and is not a folder")
+    if dest.is_dir() and any(dest.iterdir()) and not force:
+        raise UserError(f"{dest} is not empty; choose a new folder or pass --force")
+
+
+def write_jsonl(path: Path, records: list[dict[str, Any]]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.writelines(json.dumps(r) + "\n" for r in records)
+    return path
+
+
+def demo_text(num_records: int, seed: int = 0) -> list[dict[str, Any]]:
+    """{"text": ...} records: addition facts and templated sentences, every token trained on."""
+    return [{"text": text} for text in demo_corpus(num_records, seed=seed)]
+
+
+def demo_sums(num_records: int, seed: int = 0) -> list[dict[str, Any]]:
+    """{"prompt": "12 + 7 =", "completion": " 19"} records."""
+    rng = random.Random(seed)
+    return [addition_example(rng, MAX_OPERAND) for _ in range(num_records)]
+
+
+def chat_records(num_records: int, seed: int = 0) -> list[dict[str, Any]]:
+    """{"messages": [user, assistant]} records: the user asks a sum, the assistant answers it."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(num_records):
+        sums = addition_example(rng, MAX_OPERAND)
+        question = sums["prompt"].removesuffix(" =")
+        turns = [
+            {"role": "user", "content": f"What is {question}?"},
+            {"role": "assistant", "content": f"{question} ={sums['completion']}."},
+        ]
+        out.append({"messages": turns})
+    return out
+
+
+GENERATORS: dict[str, Callable[[int], list[dict[str, Any]]]] = {
+    "demo_text": demo_text,
+    "demo_sums": demo_sums,
+    "chat": chat_records,
+}
+
+
+def write_ar_model(folder: Path, seed: int = 0) -> Path:
+    """A tiny random causal llama as a Hugging Face folder: the 'AR model' an A2D recipe converts."""
+    import torch
+
+    from dllm.config.spec import ModelConfig
+    from dllm.models import Transformer
+    from dllm.models.hf_io import export_hf
+
+    cfg = ModelConfig(family="llama", preset="tiny", vocab_size=BYTE_VOCAB_SIZE)
+    model = Transformer(cfg)
+    model.init_weights(torch.Generator().manual_seed(seed))
+    try:
+        return export_hf(model.state_dict(), cfg, folder)
+    except ImportError:
+        raise UserError("writing the recipe's ar-model needs safetensors: pip install 'dllm[hf]'") from None

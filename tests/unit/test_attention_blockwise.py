@@ -1,0 +1,178 @@
+"""The `blockwise` backend (exact block-sparse SDPA over query chunks) against the dense SDPA reference.
+
+Covers: block_diffusion (BD3LM 2L layout) over several (L, block, chunks) including uneven chunks,
+block = L, block = 1, more chunks than blocks; with batch-dependent documents, key padding (a row
+with no allowed key included), a window and all of them; GQA / MQA / MHA, batch 1 and 3; block_causal
+and causal with documents; outputs and gradients w.r.t. q, k, v. Also: every allowed pair lies in
+one chunk, the fallback kinds are the reference, the chunk-mask cache, and `auto`'s CPU routing.
+
+Shapes: B batch, H query heads, K key/value heads, L sequence (block_diffusion runs on S = 2L), D head width.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dllm.attention.backends.auto as auto_module
+from dllm.attention.backends import ATTENTION_BACKENDS
+from dllm.attention.backends.auto import auto_attention, choose_backend
+from dllm.attention.backends.blockwise import blockwise_attention, chunk_plan, span_indices
+from dllm.attention.backends.flex import COMPILE_ENV
+from dllm.attention.backends.sdpa import sdpa_attention
+from dllm.attention.masks import AttentionMask, dense_mask, mask_mod
+
+CPU = torch.device("cpu")
+D = 8
+
+
+def doc_ids_BL(batch: int, seq: int, seed: int) -> torch.Tensor:
+    """Different random document boundaries in every batch row."""
+    starts = torch.rand(batch, seq, generator=torch.Generator().manual_seed(seed)) < 0.15
+    return starts.long().cumsum(dim=1)
+
+
+def key_valid_BL(batch: int, seq: int) -> torch.Tensor:
+    """Row 0 left-padded (its first queries may see no key at all), the others right-padded by row."""
+    valid = torch.ones(batch, seq, dtype=torch.bool)
+    valid[0, : seq // 4] = False
+    for b in range(1, batch):
+        valid[b, seq - 3 * b :] = False
+    return valid
+
+
+def extras(name: str, batch: int, seq: int) -> dict:
+    docs, pad = {"doc_ids_BL": doc_ids_BL(batch, seq, seq)}, {"key_valid_BL": key_valid_BL(batch, seq)}
+    window = {"window": max(2, seq // 3)}
+    return {"alone": {}, "docs": docs, "pad": pad, "window": window, "all": {**docs, **pad, **window}}[name]
+
+
+def make_qkv(batch: int, heads: tuple[int, int], S: int, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(batch, n, S, D, generator=g, requires_grad=True) for n in (heads[0], heads[1], heads[1])]
+
+
+def assert_equals_sdpa(mask: AttentionMask, batch: int, heads: tuple[int, int], S: int, num_chunks: int) -> None:
+    q, k, v = make_qkv(batch, heads, S)
+    out = blockwise_attention(q, k, v, mask, num_chunks=num_chunks)
+    ref = sdpa_attention(q, k, v, mask)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    got = torch.autograd.grad((out * w).sum(), (q, k, v))
+    want = torch.autograd.grad((ref * w).sum(), (q, k, v))
+    for g_out, g_ref, which in zip(got, want, "qkv", strict=True):
+        torch.testing.assert_close(g_out, g_ref, atol=1e-5, rtol=1e-5, msg=f"grad {which}")
+
+
+# (L, block, chunks): uneven chunks (8 blocks / 3, 3 blocks / 2), one block per chunk, block = 1,
+# more chunks than blocks, the default chunk count, block = L (one chunk: the dense call itself)
+BD_CASES = [(64, 8, 3), (48, 16, 2), (32, 8, 4), (16, 1, 5), (24, 8, 100), (64, 4, 8), (32, 32, 4)]
+
+
+@pytest.mark.parametrize("extra", ["alone", "docs", "pad", "window", "all"])
+@pytest.mark.parametrize(("seq", "block", "num_chunks"), BD_CASES)
+def test_block_diffusion_equals_sdpa(seq, block, num_chunks, extra):
+    mask = AttentionMask("block_diffusion", block_size=block, **extras(extra, 3, seq))
+    assert (chunk_plan(mask, 2 * seq, 2 * seq, num_chunks) is None) == (block == seq)
+    assert_equals_sdpa(mask, batch=3, heads=(4, 2), S=2 * seq, num_chunks=num_chunks)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
+def test_block_diffusion_heads_and_batch(heads, batch):
+    mask = AttentionMask("block_diffusion", block_size=4, **extras("all", batch, 40))
+    assert_equals_sdpa(mask, batch=batch, heads=heads, S=80, num_chunks=4)
+
+
+@pytest.mark.parametrize("extra", ["alone", "docs", "pad", "window", "all"])
+@pytest.mark.parametrize(("kind", "block"), [("block_causal", 4), ("block_causal", 1), ("causal", None)])
+def test_block_causal_and_causal_equal_sdpa(kind, block, extra):
+    """30 = 7 blocks of 4 + a partial one; causal is blockwise only with documents / padding / window."""
+    mask = AttentionMask(kind, block_size=block, **extras(extra, 3, 30))
+    assert (chunk_plan(mask, 30, 30, 3) is None) == mask.is_plain
+    assert_equals_sdpa(mask, batch=3, heads=(4, 2), S=30, num_chunks=3)
+
+
+@pytest.mark.parametrize(
+    ("kind", "block", "extra"),
+    [
+        ("block_diffusion", 8, "all"),
+        ("block_diffusion", 1, "docs"),
+        ("block_causal", 4, "pad"),
+        ("causal", None, "all"),
+    ],
+)
+def test_every_allowed_pair_lies_in_exactly_its_query_chunk(kind, block, extra):
+    """Exactness by construction: each query row's chunk holds all the keys the dense mask allows it."""
+    seq = 32
+    mask = AttentionMask(kind, block_size=block, **extras(extra, 2, seq))
+    S = 2 * seq if kind == "block_diffusion" else seq
+    dense_B1SS = dense_mask(mask_mod(mask, S), 2, S, S, CPU)
+    chunks = chunk_plan(mask, S, S, 3)
+    queries = span_indices(sum((c.query_spans for c in chunks), ()), CPU)
+    assert torch.equal(queries.sort().values, torch.arange(S)), "query spans partition the sequence"
+    for chunk in chunks:
+        q, kv = span_indices(chunk.query_spans, CPU), span_indices(chunk.key_spans, CPU)
+        assert torch.equal(dense_B1SS[:, :, q][..., kv].sum(-1), dense_B1SS[:, :, q].sum(-1))
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {},
+        {"kind": "causal"},
+        {"doc_ids_BL": doc_ids_BL(2, 16, 0)},
+        {"window": 3},
+        {"key_valid_BL": key_valid_BL(2, 16)},
+    ],
+    ids=["bidirectional", "causal", "bidirectional_docs", "bidirectional_window", "bidirectional_pad"],
+)
+def test_other_kinds_are_the_sdpa_reference(fields):
+    mask = AttentionMask(**fields)
+    assert chunk_plan(mask, 16, 16, 4) is None
+    q, k, v = make_qkv(2, (4, 2), 16)
+    torch.testing.assert_close(blockwise_attention(q, k, v, mask), sdpa_attention(q, k, v, mask), atol=0, rtol=0)
+
+
+def test_chunk_masks_built_once_per_description_and_registered():
+    assert ATTENTION_BACKENDS.get("blockwise") is blockwise_attention
+    mask = AttentionMask("block_diffusion", block_size=4, doc_ids_BL=doc_ids_BL(2, 32, 0))
+    q, k, v = (t.detach() for t in make_qkv(2, (4, 2), 64))
+    first = blockwise_attention(q, k, v, mask)
+    for _ in range(2):  # more layers of one forward
+        torch.testing.assert_close(blockwise_attention(q, k, v, mask), first, atol=0, rtol=0)
+    assert len(mask._memo) == 1 and next(iter(mask._memo))[0] == "blockwise"
+
+
+def test_bad_chunk_count_and_odd_length_raise():
+    q, k, v = (t.detach() for t in make_qkv(1, (2, 2), 16))
+    with pytest.raises(ValueError, match="num_chunks >= 1"):
+        blockwise_attention(q, k, v, AttentionMask("block_causal", block_size=4), num_chunks=0)
+    with pytest.raises(ValueError, match="even length"):
+        blockwise_attention(q[:, :, :15], k[:, :, :15], v[:, :, :15], AttentionMask("block_diffusion", block_size=2))
+
+
+def test_choose_backend_sends_cpu_block_masks_to_blockwise():
+    for kind in ("block_causal", "block_diffusion"):
+        mask = AttentionMask(kind, block_size=4)
+        for flex_compiled in (False, True):
+            for grad in (False, True):
+                assert choose_backend(mask, "cpu", grad=grad, flex_compiled=flex_compiled) == "blockwise"
+        assert choose_backend(mask, "cuda", grad=True, flex_compiled=True) == "flex"
+    assert choose_backend(AttentionMask("causal", doc_ids_BL=doc_ids_BL(1, 8, 0)), "cpu", True, True) == "sdpa"
+
+
+def test_auto_calls_blockwise_for_block_diffusion_on_cpu(monkeypatch):
+    monkeypatch.setenv(COMPILE_ENV, "0")  # the no-grad call below would otherwise compile flex (~30 s)
+    calls = []
+    real = auto_module.blockwise_attention
+    monkeypatch.setattr(auto_module, "blockwise_attention", lambda *a: calls.append(a[3]) or real(*a))
+    mask = AttentionMask("block_diffusion", block_size=4, doc_ids_BL=doc_ids_BL(2, 32, 0))
+    q, k, v = make_qkv(2, (4, 2), 64)
+    out = auto_attention(q, k, v, mask)
+    assert calls == [mask]
+    torch.testing.assert_close(out, sdpa_attention(q, k, v, mask), atol=1e-5, rtol=1e-5)
+    out.sum().backward()
+    with torch.no_grad():  # sampling / evaluation: blockwise as well (faster than compiled flex on CPU)
+        auto_attention(q, k, v, mask)
+    assert len(calls) == 2

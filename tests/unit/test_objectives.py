@@ -1,0 +1,214 @@
+"""Objective-specific behaviour of bd3lm, fast_dllm_v2 and uniform, their config rules, and a
+convergence check of every objective on a generated deterministic task."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from dllm.attention.masks import AttentionMask
+from dllm.config.loading import validate_config
+from dllm.config.prepare import PrepareSpec
+from dllm.config.rules import resolve_run_spec
+from dllm.config.spec import BD3LMConfig, FastDLLMv2Config, ModelConfig, RunSpec, UniformConfig
+from dllm.data.loader import Batch
+from dllm.data.prepare import prepare
+from dllm.diffusion.corruption import NoiseKeys
+from dllm.diffusion.objectives import BD3LMObjective, FastDLLMv2Objective, TokenIds, UniformObjective
+from dllm.diffusion.objectives.block import pad_blocks_with_eos, shifted_rows
+from dllm.errors import ConfigError
+from dllm.models import Transformer
+from dllm.training.run import prepare_run_dir, train_from_run_dir
+
+V = 40
+IDS = TokenIds(mask_id=V - 1, eos_id=V - 2, pad_id=V - 3, num_tokens=V)
+
+
+def _batch(B: int = 4, L: int = 16, seed: int = 0, supervised: float = 0.8) -> Batch:
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, V - 3, (B, L), generator=g)
+    mask = torch.rand(B, L, generator=g) < supervised
+    return Batch(tokens, mask, torch.arange(B))
+
+
+def test_bd3lm_with_clean_noisy_half_equals_block_causal_attention():
+    """x_t = x_0: the clean half is block-causal attention on x_0, and so is the noisy half (a noisy
+    block sees itself plus the clean earlier blocks: the same keys)."""
+    model = Transformer(ModelConfig(preset="tiny", vocab_size=V)).eval()
+    model.init_weights(torch.Generator().manual_seed(0))
+    x0 = torch.randint(0, V, (2, 16), generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(16).expand(2, 16)
+    with torch.no_grad():
+        both = model(torch.cat([x0, x0], 1), pos.repeat(1, 2), AttentionMask("block_diffusion", block_size=4))
+        ref = model(x0, pos, AttentionMask("block_causal", block_size=4))
+    torch.testing.assert_close(both[:, 16:], ref, atol=1e-5, rtol=0)
+    torch.testing.assert_close(both[:, :16], ref, atol=1e-5, rtol=0)
+
+
+def test_bd3lm_layout_times_and_clipped_interval():
+    obj = BD3LMObjective(BD3LMConfig(block_size=4, eps_min=0.3, eps_max=0.8), IDS)
+    batch = _batch(B=64, L=16, supervised=1.0)
+    inp = obj.prepare(batch, NoiseKeys(0, 64))
+    assert inp.tokens_BL.shape == (64, 32) and torch.equal(inp.tokens_BL[:, 16:], batch.tokens_BL)
+    assert torch.equal(inp.positions_BL[0], torch.arange(16).repeat(2))
+    assert inp.mask.kind == "block_diffusion" and inp.mask.block_size == 4
+    masked = inp.tokens_BL[:, :16] == IDS.mask_id
+    # per block the masking rate follows one t in [0.3, 0.8): loss weight 1/t is the same within a block
+    w = inp.weights_BL.view(64, 4, 4)
+    block_t = 1.0 / w.max(-1).values[w.max(-1).values > 0]
+    assert bool((block_t >= 0.3 - 1e-6).all()) and bool((block_t < 0.8 + 1e-6).all())
+    rate = masked.float().mean().item()
+    assert 0.45 < rate < 0.65  # E[t] = 0.55
+    assert torch.equal(inp.weights_BL > 0, masked)
+
+
+def test_eos_fills_the_last_block_of_padded_samples():
+    tokens = torch.tensor([[5, 6, 7, 8, 9, IDS.pad_id, IDS.pad_id, IDS.pad_id, IDS.pad_id, IDS.pad_id]])
+    sup = torch.tensor([[0, 0, 1, 1, 1, 0, 0, 0, 0, 0]], dtype=torch.bool)
+    doc = torch.tensor([[0, 0, 0, 0, 0, 1, 1, 1, 1, 1]])
+    out = pad_blocks_with_eos(Batch(tokens, sup, torch.tensor([0]), doc), block=4, ids=IDS)
+    E, P = IDS.eos_id, IDS.pad_id
+    assert out.tokens_BL.tolist() == [[5, 6, 7, 8, 9, E, E, E, P, P]]
+    assert out.loss_mask_BL.long().tolist() == [[0, 0, 1, 1, 1, 1, 1, 1, 0, 0]]
+    assert out.doc_ids_BL.tolist() == [[0, 0, 0, 0, 0, 0, 0, 0, 1, 1]]
+
+
+def test_shifted_rows_point_at_the_previous_token():
+    rows = shifted_rows(8, 4, torch.device("cpu")).tolist()
+    # inside a block: i - 1 (noisy half); at a block start: the clean previous token L + i - 1
+    assert rows == [0, 0, 1, 2, 8 + 3, 4, 5, 6]
+
+
+def test_fast_dllm_v2_complementary_masks_cover_every_token_once():
+    obj = FastDLLMv2Objective(FastDLLMv2Config(block_size=4, sub_block_size=2), IDS)
+    batch = _batch(B=6, L=16)
+    inp = obj.prepare(batch, NoiseKeys(0, 6))
+    assert inp.tokens_BL.shape == (12, 32)
+    masked = inp.tokens_BL[:, :16] == IDS.mask_id
+    first, second = masked[:6], masked[6:]
+    assert not bool((first & second).any())
+    assert torch.equal(first | second, batch.loss_mask_BL)
+    assert inp.loss_rows is not None and bool((inp.weights_BL[:, 0] == 0).all())
+    assert obj.normalizer(batch) == int(batch.loss_mask_BL[:, 1:].sum()) == int((inp.weights_BL > 0).sum())
+
+
+@pytest.mark.parametrize("block", [False, True])
+def test_uniform_corruption_never_uses_the_mask_token(block: bool):
+    if block:
+        obj = BD3LMObjective(BD3LMConfig(block_size=4, corruption="uniform"), IDS)
+    else:
+        obj = UniformObjective(UniformConfig(self_condition_prob=0.5), IDS)
+    batch = _batch(B=64, L=16, supervised=1.0)
+    inp = obj.prepare(batch, NoiseKeys(0, 64))
+    assert not bool((inp.tokens_BL == IDS.mask_id).any())
+    changed = inp.tokens_BL[:, :16] != batch.tokens_BL
+    assert 0.2 < changed.float().mean().item() < 0.6  # random replacements (some equal the original)
+    assert bool((inp.weights_BL == 1.0).all())  # x0 prediction at every supervised position
+    if not block:
+        rows = inp.self_cond_rows_B
+        assert rows is not None and 10 < int(rows.sum()) < 54
+
+
+def test_self_conditioning_changes_the_second_pass():
+    cfg = ModelConfig(preset="tiny", vocab_size=V, self_condition=True)
+    model = Transformer(cfg)
+    model.init_weights(torch.Generator().manual_seed(0))
+    x = torch.randint(0, V, (2, 8))
+    pos = torch.arange(8).expand(2, 8)
+    with torch.no_grad():
+        plain = model(x, pos)
+        assert torch.equal(model(x, pos, self_cond_BL=x), plain)  # zero-initialised: a no-op at first
+        model.self_cond_proj.weight.normal_()
+        cond = model(x, pos, self_cond_BL=torch.where(torch.tensor([[True], [False]]), x, -1))
+    assert not torch.allclose(cond[0], plain[0]) and torch.allclose(cond[1], plain[1])
+
+
+# -- config rules ----------------------------------------------------------------------------------
+
+
+def _spec(tmp_path: Path, objective: dict, **model) -> RunSpec:
+    values = {"model": {"preset": "tiny", **model}, "data": {"path": "x", "seq_len": 32}, "objective": objective,
+              "training": {"steps": 1, "global_batch_size": 2, "micro_batch_size": 2}}  # fmt: skip
+    return validate_config(RunSpec, values, source="train.yaml", base_dir=tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("objective", "model", "message"),
+    [
+        ({"name": "bd3lm", "block_size": 12}, {}, r"objective.block_size: 12 does not divide data.seq_len 32"),
+        ({"name": "fast_dllm_v2", "block_size": 8}, {"shift_logits": True}, r"model.shift_logits: fast_dllm_v2"),
+        ({"name": "bd3lm", "block_size": 8}, {"family": "bert"}, None),
+        ({"name": "fast_dllm_v2", "block_size": 8}, {"family": "bert"}, "bert is an encoder"),
+        ({"name": "uniform", "self_condition_prob": 0.5}, {}, "set model.self_condition: true"),
+    ],
+)
+def test_objective_rules(tmp_path: Path, objective: dict, model: dict, message: str | None):
+    spec = _spec(tmp_path, objective, **model)
+    if message is None:
+        resolve_run_spec(spec, check_data=False)
+        return
+    with pytest.raises(ConfigError, match=message):
+        resolve_run_spec(spec, check_data=False)
+
+
+@pytest.mark.parametrize(
+    ("objective", "message"),
+    [
+        ({"name": "bd3lm", "eps_min": 0.5, "eps_max": 0.4}, "eps_min 0.5 must be below eps_max 0.4"),
+        ({"name": "fast_dllm_v2", "block_size": 8, "sub_block_size": 3}, "sub_block_size 3 must divide"),
+        ({"name": "mdlm", "block_size": 8}, r"objective.block_size: unknown field"),
+        ({"name": "nope"}, "objective"),
+    ],
+)
+def test_objective_config_errors(tmp_path: Path, objective: dict, message: str):
+    with pytest.raises(ConfigError, match=message):
+        _spec(tmp_path, objective)
+
+
+def test_objective_name_defaults_to_mdlm(tmp_path: Path):
+    assert _spec(tmp_path, {"eps": 0.01}).objective.name == "mdlm"
+
+
+# -- convergence ---------------------------------------------------------------------------------
+
+CYCLE = "abcdefghijklmnop"
+
+
+@pytest.fixture(scope="module")
+def cyclic_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Rotations of a 16-letter cycle: every masked letter follows from any neighbour."""
+    root = tmp_path_factory.mktemp("cyclic")
+    rows = (json.dumps({"text": CYCLE[i % 16 :] + CYCLE[: i % 16]}) + "\n" for i in range(400))
+    (root / "d.jsonl").write_text("".join(rows))
+    spec = validate_config(PrepareSpec, {"sources": [{"path": "d.jsonl"}], "output": "p", "seq_len": 32},
+                           source="prepare.yaml", base_dir=root)  # fmt: skip
+    prepare(spec, root)
+    return root
+
+
+CONVERGENCE = {
+    "mdlm": ({"name": "mdlm"}, {}, 2.3),  # the 1/t-weighted ELBO stays higher on fully masked rows
+    "bd3lm": ({"name": "bd3lm", "block_size": 8}, {}, 1.5),
+    "fast_dllm_v2": ({"name": "fast_dllm_v2", "block_size": 8, "sub_block_size": 4}, {}, 1.0),
+    "uniform": ({"name": "uniform", "self_condition_prob": 0.25}, {"self_condition": True}, 1.0),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONVERGENCE))
+def test_objective_converges_on_a_deterministic_task(cyclic_data: Path, name: str):
+    objective, model, threshold = CONVERGENCE[name]
+    values = {
+        "run": {"name": name}, "model": {"preset": "tiny", **model}, "data": {"path": "p", "seq_len": 32},
+        "objective": objective, "training": {"steps": 120, "global_batch_size": 16, "micro_batch_size": 16},
+        "optimizer": {"lr": 3e-3}, "scheduler": {"warmup_steps": 5}, "checkpointing": {"save_final": False},
+        "logging": {"progress": "off", "tensorboard": "off"},
+    }  # fmt: skip
+    spec, _ = resolve_run_spec(validate_config(RunSpec, values, source="train.yaml", base_dir=cyclic_data))
+    losses = train_from_run_dir(prepare_run_dir(spec))
+    start, end = sum(losses[:5]) / 5, sum(losses[-10:]) / 10
+    assert all(math.isfinite(x) for x in losses)
+    assert end < threshold < start, f"{name}: loss {start:.3f} -> {end:.3f}, threshold {threshold}"
