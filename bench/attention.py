@@ -5,7 +5,8 @@ For each L (sequence 2L = [x_t ; x_0]), batch 2, 8 query/key heads, head dim 64,
   and eager FlexAttention, both with the BlockMask; masks are built once and reused, as the
   per-description cache does for every layer of a step;
 - forward + backward of every backend with a backward on this device (CPU: dense SDPA and blockwise,
-  the exact chunked SDPA that `auto` trains with on CPU; `--chunk-counts 4 8 16` adds blockwise
+  the exact path that `auto` trains with on CPU: on CPU the split path of bd_split.py, compared with
+  `chunked_attention`, the one-SDPA-call-per-chunk path of other devices; `--chunk-counts 4 8 16` adds blockwise
   forward + backward at those chunk counts, to tune `DEFAULT_NUM_CHUNKS`);
 - the one-off cost per step of building each mask (dense bool tensor vs BlockMask vs chunk masks).
 Variants are measured interleaved (A B C A B C ...) in this one process; the JSON line reports
@@ -31,7 +32,13 @@ from collections.abc import Callable
 import torch
 from torch.nn.attention.flex_attention import flex_attention
 
-from dllm.attention.backends.blockwise import DEFAULT_NUM_CHUNKS, blockwise_attention, chunk_masks, chunk_plan
+from dllm.attention.backends.blockwise import (
+    DEFAULT_NUM_CHUNKS,
+    blockwise_attention,
+    chunk_masks,
+    chunk_plan,
+    chunked_attention,
+)
 from dllm.attention.backends.flex import compiled_flex, flex_block_mask
 from dllm.attention.backends.sdpa import sdpa_attention, sdpa_mask
 from dllm.attention.masks import AttentionMask
@@ -56,8 +63,9 @@ def variants(seq_len: int, block_size: int, chunk_counts: list[int]) -> dict[str
     S, device = 2 * seq_len, q.device
     block_mask = flex_block_mask(mask, BATCH, S, S, device)
     sdpa_mask(mask, BATCH, S, S, device)  # prebuild the dense mask into the same cache
-    for n in {DEFAULT_NUM_CHUNKS, *chunk_counts}:  # and the chunk masks of every chunk count
+    for n in {DEFAULT_NUM_CHUNKS, *chunk_counts}:  # and the chunk masks / split plans of every chunk count
         blockwise_attention(q, k, v, mask, num_chunks=n)
+        chunked_attention(q, k, v, mask, num_chunks=n)
 
     def fwd_bwd(attend: Callable[..., torch.Tensor], **kw: int) -> Callable[[], None]:
         return lambda: attend(qg, kg, vg, mask, **kw).sum().backward()
@@ -77,6 +85,8 @@ def variants(seq_len: int, block_size: int, chunk_counts: list[int]) -> dict[str
         "fwd_blockwise": lambda: blockwise_attention(q, k, v, mask),
         "fwd_bwd_sdpa_dense": fwd_bwd(sdpa_attention),
         "fwd_bwd_blockwise": fwd_bwd(blockwise_attention),
+        "fwd_chunked": lambda: chunked_attention(q, k, v, mask),
+        "fwd_bwd_chunked": fwd_bwd(chunked_attention),
         **tuning,
         "build_dense_mask": lambda: sdpa_mask(fresh(), BATCH, S, S, device),
         "build_block_mask": lambda: flex_block_mask(fresh(), BATCH, S, S, device),
@@ -158,6 +168,8 @@ def main() -> int:
         result[f"blockwise_fwd_speedup_vs_dense_L{L}"] = round(dense / ms["fwd_blockwise"], 3)
         dense_bwd = ms["fwd_bwd_sdpa_dense"]
         result[f"blockwise_fwd_bwd_speedup_vs_dense_L{L}"] = round(dense_bwd / ms["fwd_bwd_blockwise"], 3)
+        result[f"split_fwd_bwd_speedup_vs_chunked_L{L}"] = round(ms["fwd_bwd_chunked"] / ms["fwd_bwd_blockwise"], 3)
+        result[f"split_fwd_speedup_vs_chunked_L{L}"] = round(ms["fwd_chunked"] / ms["fwd_blockwise"], 3)
         for n in args.chunk_counts:
             tuned = ms[f"fwd_bwd_blockwise_S{n}"]
             result[f"blockwise_S{n}_fwd_bwd_speedup_vs_dense_L{L}"] = round(dense_bwd / tuned, 3)

@@ -17,7 +17,8 @@ import torch
 import dllm.attention.backends.auto as auto_module
 from dllm.attention.backends import ATTENTION_BACKENDS
 from dllm.attention.backends.auto import auto_attention, choose_backend
-from dllm.attention.backends.blockwise import blockwise_attention, chunk_plan, span_indices
+from dllm.attention.backends.bd_split import split_attention
+from dllm.attention.backends.blockwise import blockwise_attention, chunk_plan, chunked_attention, span_indices
 from dllm.attention.backends.flex import COMPILE_ENV
 from dllm.attention.backends.sdpa import sdpa_attention
 from dllm.attention.masks import AttentionMask, dense_mask, mask_mod
@@ -47,14 +48,29 @@ def extras(name: str, batch: int, seq: int) -> dict:
     return {"alone": {}, "docs": docs, "pad": pad, "window": window, "all": {**docs, **pad, **window}}[name]
 
 
-def make_qkv(batch: int, heads: tuple[int, int], S: int, seed: int = 0) -> list[torch.Tensor]:
+def make_qkv(batch: int, heads: tuple[int, int], S: int, seed: int = 0, q_len: int | None = None) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(batch, n, S, D, generator=g, requires_grad=True) for n in (heads[0], heads[1], heads[1])]
+    lens = (q_len or S, S, S)
+    return [
+        torch.randn(batch, n, s, D, generator=g, requires_grad=True)
+        for n, s in zip((heads[0], heads[1], heads[1]), lens, strict=True)
+    ]
 
 
-def assert_equals_sdpa(mask: AttentionMask, batch: int, heads: tuple[int, int], S: int, num_chunks: int) -> None:
-    q, k, v = make_qkv(batch, heads, S)
-    out = blockwise_attention(q, k, v, mask, num_chunks=num_chunks)
+IMPLS = {"blockwise": blockwise_attention, "split": split_attention, "chunked": chunked_attention}
+
+
+def assert_equals_sdpa(
+    mask: AttentionMask,
+    batch: int,
+    heads: tuple[int, int],
+    S: int,
+    num_chunks: int,
+    impl: str = "blockwise",
+    q_len: int | None = None,
+) -> None:
+    q, k, v = make_qkv(batch, heads, S, q_len=q_len)
+    out = IMPLS[impl](q, k, v, mask, num_chunks=num_chunks)
     ref = sdpa_attention(q, k, v, mask)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     w = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
@@ -71,17 +87,50 @@ BD_CASES = [(64, 8, 3), (48, 16, 2), (32, 8, 4), (16, 1, 5), (24, 8, 100), (64, 
 
 @pytest.mark.parametrize("extra", ["alone", "docs", "pad", "window", "all"])
 @pytest.mark.parametrize(("seq", "block", "num_chunks"), BD_CASES)
-def test_block_diffusion_equals_sdpa(seq, block, num_chunks, extra):
+@pytest.mark.parametrize("impl", ["split", "chunked"])
+@pytest.mark.parametrize("noisy_only", [False, True], ids=["both_halves", "noisy_queries"])
+def test_block_diffusion_equals_sdpa(seq, block, num_chunks, extra, impl, noisy_only):
+    """Both exact paths (CPU split into two merged parts, one call per chunk) on all 2L queries, and on
+    x_t's L queries only (a last layer whose x_0 outputs are unused)."""
     mask = AttentionMask("block_diffusion", block_size=block, **extras(extra, 3, seq))
-    assert (chunk_plan(mask, 2 * seq, 2 * seq, num_chunks) is None) == (block == seq)
-    assert_equals_sdpa(mask, batch=3, heads=(4, 2), S=2 * seq, num_chunks=num_chunks)
+    q_len = seq if noisy_only else 2 * seq
+    assert (chunk_plan(mask, q_len, 2 * seq, num_chunks) is None) == (block == seq)
+    assert_equals_sdpa(mask, 3, (4, 2), 2 * seq, num_chunks, impl=impl, q_len=q_len)
 
 
+@pytest.mark.parametrize("impl", ["split", "chunked"])
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
-def test_block_diffusion_heads_and_batch(heads, batch):
+def test_block_diffusion_heads_and_batch(heads, batch, impl):
     mask = AttentionMask("block_diffusion", block_size=4, **extras("all", batch, 40))
-    assert_equals_sdpa(mask, batch=batch, heads=heads, S=80, num_chunks=4)
+    assert_equals_sdpa(mask, batch=batch, heads=heads, S=80, num_chunks=4, impl=impl)
+
+
+def test_blockwise_takes_the_split_path_on_cpu(monkeypatch):
+    import dllm.attention.backends.bd_split as bd_split
+
+    calls = []
+    monkeypatch.setattr(bd_split, "split_attention", lambda *a: calls.append(a) or a[0])
+    mask = AttentionMask("block_diffusion", block_size=4)
+    blockwise_attention(*make_qkv(1, (2, 2), 16), mask)
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_split_in_low_and_high_precision(dtype):
+    """bf16 (autocast training) stays within bf16 rounding of the float64 reference; float64 is exact."""
+    mask = AttentionMask("block_diffusion", block_size=8, **extras("all", 2, 64))
+    q, k, v = (t.detach().double().requires_grad_() for t in make_qkv(2, (4, 2), 128))
+    ref = sdpa_attention(q, k, v, mask)
+    ref_grads = torch.autograd.grad(ref.sum(), (q, k, v))
+    qd, kd, vd = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
+    out = split_attention(qd, kd, vd, mask, 4)
+    grads = torch.autograd.grad(out.sum(), (qd, kd, vd))
+    assert out.dtype == dtype and all(g.dtype == dtype for g in grads)
+    tol = {"atol": 2e-2, "rtol": 2e-2} if dtype == torch.bfloat16 else {"atol": 1e-12, "rtol": 1e-12}
+    torch.testing.assert_close(out.double(), ref, **tol)
+    for g, r in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(g.double(), r, **tol)
 
 
 @pytest.mark.parametrize("extra", ["alone", "docs", "pad", "window", "all"])
@@ -91,6 +140,7 @@ def test_block_causal_and_causal_equal_sdpa(kind, block, extra):
     mask = AttentionMask(kind, block_size=block, **extras(extra, 3, 30))
     assert (chunk_plan(mask, 30, 30, 3) is None) == mask.is_plain
     assert_equals_sdpa(mask, batch=3, heads=(4, 2), S=30, num_chunks=3)
+    assert_equals_sdpa(mask, batch=3, heads=(4, 2), S=30, num_chunks=3, impl="chunked")
 
 
 @pytest.mark.parametrize(
@@ -141,7 +191,10 @@ def test_chunk_masks_built_once_per_description_and_registered():
     first = blockwise_attention(q, k, v, mask)
     for _ in range(2):  # more layers of one forward
         torch.testing.assert_close(blockwise_attention(q, k, v, mask), first, atol=0, rtol=0)
-    assert len(mask._memo) == 1 and next(iter(mask._memo))[0] == "blockwise"
+    assert len(mask._memo) == 1 and next(iter(mask._memo))[0] == "bd_split"  # the CPU path's plan
+    for _ in range(2):
+        chunked_attention(q, k, v, mask)
+    assert len(mask._memo) == 2 and "blockwise" in {key[0] for key in mask._memo}
 
 
 def test_bad_chunk_count_and_odd_length_raise():

@@ -212,3 +212,27 @@ def test_objective_converges_on_a_deterministic_task(cyclic_data: Path, name: st
     start, end = sum(losses[:5]) / 5, sum(losses[-10:]) / 10
     assert all(math.isfinite(x) for x in losses)
     assert end < threshold < start, f"{name}: loss {start:.3f} -> {end:.3f}, threshold {threshold}"
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "blockwise", "auto"])
+@pytest.mark.parametrize("family", ["llama", "bert"])
+def test_last_layer_skips_unused_outputs_exactly(backend: str, family: str):
+    """BD3LM reads only x_t's hidden states: computing just those in the last block changes nothing."""
+    model = Transformer(ModelConfig(family=family, preset="tiny", vocab_size=V, attention_backend=backend))
+    model.init_weights(torch.Generator().manual_seed(0))
+    x = torch.randint(0, V, (2, 32), generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(16).repeat(2).expand(2, 32)
+    mask = AttentionMask("block_diffusion", block_size=4, doc_ids_BL=torch.tensor([[0] * 10 + [1] * 6] * 2))
+    full = model(x, pos, mask, return_hidden=True)
+    part = model(x, pos, mask, return_hidden=True, num_outputs=16)
+    torch.testing.assert_close(part, full[:, :16], atol=1e-5, rtol=0)
+    g_full = torch.autograd.grad(full[:, :16].sum(), model.embed_tokens.weight)[0]
+    g_part = torch.autograd.grad(part.sum(), model.embed_tokens.weight)[0]
+    torch.testing.assert_close(g_part, g_full, atol=1e-5, rtol=1e-4)
+
+
+def test_bd3lm_asks_for_the_noisy_half_only():
+    inp = BD3LMObjective(BD3LMConfig(block_size=4), IDS).prepare(_batch(), NoiseKeys(0, 4))
+    assert inp.num_outputs == 16 and inp.loss_rows is None
+    shifted = BD3LMObjective(BD3LMConfig(block_size=4, shift=True), IDS).prepare(_batch(), NoiseKeys(0, 4))
+    assert shifted.num_outputs is None  # the shift reads clean positions too

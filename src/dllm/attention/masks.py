@@ -44,6 +44,9 @@ class AttentionMask:
     """Tokens per block for block_causal and block_diffusion (required there, rejected elsewhere)."""
     window: int | None = None
     """Sliding window: q attends kv only if |pos(q) - pos(kv)| < window (pos = i mod L in 2L); None = off."""
+    query_offset: int = 0
+    """Query row r is index r + query_offset of the key sequence (cached decoding runs a slice of the
+    canvas against cached keys); per-position tensors are indexed by key index."""
     _memo: dict[Any, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -52,6 +55,8 @@ class AttentionMask:
             raise ValueError(f"attention mask kind {self.kind!r} needs block_size >= 1, got {self.block_size}")
         if not needs_block and self.block_size is not None:
             raise ValueError(f"block_size has no effect with attention mask kind {self.kind!r}; leave it None")
+        if self.query_offset < 0 or (self.query_offset and self.kind == "block_diffusion"):
+            raise ValueError(f"query_offset must be >= 0 and is not used with block_diffusion, got {self.query_offset}")
         if self.window is not None and self.window < 1:
             raise ValueError(f"attention window must be >= 1 (or None for no window), got {self.window}")
         _check_per_position(self.key_valid_BL, self.doc_ids_BL)
@@ -60,7 +65,8 @@ class AttentionMask:
     def is_plain(self) -> bool:
         """Plain bidirectional or causal: no mask tensor needed (backends can skip building one)."""
         restricted = self.key_valid_BL is not None or self.doc_ids_BL is not None or self.window is not None
-        return self.kind in ("bidirectional", "causal") and not restricted
+        shifted_causal = self.kind == "causal" and self.query_offset != 0  # SDPA's is_causal is top-left aligned
+        return self.kind in ("bidirectional", "causal") and not restricted and not shifted_causal
 
     def memo(self, key: Any, build: Callable[[], Any]) -> Any:
         """`build()` once per key for the lifetime of this description (one training step, one sampling call).
@@ -201,7 +207,17 @@ def mask_mod(mask: AttentionMask, kv_len: int | None = None) -> MaskMod:
     if mask.kind == "block_diffusion":
         restrictions = [in_both_halves(m, seq_len) for m in restrictions]
     mods = [base_mod(mask, seq_len), *restrictions]
-    return mods[0] if len(mods) == 1 else and_masks(*mods)
+    mod = mods[0] if len(mods) == 1 else and_masks(*mods)
+    return mod if not mask.query_offset else offset_queries(mod, mask.query_offset)
+
+
+def offset_queries(inner: MaskMod, offset: int) -> MaskMod:
+    """Query row r is index r + offset (a slice of the canvas against keys from its start)."""
+
+    def mod(b, h, q, kv):
+        return inner(b, h, q + offset, kv)
+
+    return mod
 
 
 def base_mod(mask: AttentionMask, seq_len: int | None) -> MaskMod:

@@ -83,17 +83,31 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(D, cfg.norm_eps) if cfg.qk_norm else None
         self.attend = ATTENTION_BACKENDS.get(cfg.attention_backend)
 
-    def forward(self, x_BLE: torch.Tensor, rope: tuple | None, mask: AttentionMask) -> torch.Tensor:
+    def forward(
+        self,
+        x_BLE: torch.Tensor,
+        rope: tuple | None,
+        mask: AttentionMask,
+        num_queries: int | None = None,
+        kv: Any = None,
+    ) -> torch.Tensor:
+        """Keys and values from all L positions; queries (and outputs) from the first `num_queries`.
+        `kv` (a sampling.cache.LayerKV): this forward's keys/values are written into the cache, and
+        attention reads the cached keys/values of the whole attended range."""
         B, L, _ = x_BLE.shape
-        q = self.q_proj(x_BLE).view(B, L, self.num_heads, self.head_dim).transpose(1, 2)
+        Q = L if num_queries is None else num_queries
+        q = self.q_proj(x_BLE[:, :Q]).view(B, Q, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x_BLE).view(B, L, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x_BLE).view(B, L, self.num_kv_heads, self.head_dim).transpose(1, 2)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        out_BHLD = self.attend(q, k, v, mask)
-        return self.o_proj(out_BHLD.transpose(1, 2).reshape(B, L, -1))
+            cos, sin = rope
+            q, k = apply_rope(q, cos[:, :, :Q], sin[:, :, :Q]), apply_rope(k, cos, sin)
+        if kv is not None:
+            k, v = kv.update(k, v)
+        out_BHQD = self.attend(q, k, v, mask)
+        return self.o_proj(out_BHQD.transpose(1, 2).reshape(B, Q, -1))
 
 
 class MLP(nn.Module):
@@ -164,12 +178,21 @@ class Block(nn.Module):
         self.post_attention_layernorm = make_norm(cfg)
         self.mlp = MoE(cfg) if cfg.num_experts else MLP(cfg)
 
-    def forward(self, x: torch.Tensor, rope: tuple | None, mask: AttentionMask) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple | None,
+        mask: AttentionMask,
+        num_queries: int | None = None,
+        kv: Any = None,
+    ) -> torch.Tensor:
+        """The block's output for the first `num_queries` positions (all by default)."""
+        x_q = x if num_queries is None else x[:, :num_queries]
         if self.post_norm:  # BERT: normalise after each residual add
-            x = self.input_layernorm(x + self.self_attn(x, rope, mask))
-            return self.post_attention_layernorm(x + self.mlp(x))
-        x = x + self.self_attn(self.input_layernorm(x), rope, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+            x_q = self.input_layernorm(x_q + self.self_attn(x, rope, mask, num_queries, kv))
+            return self.post_attention_layernorm(x_q + self.mlp(x_q))
+        x_q = x_q + self.self_attn(self.input_layernorm(x), rope, mask, num_queries, kv)
+        return x_q + self.mlp(self.post_attention_layernorm(x_q))
 
 
 class MLMHead(nn.Module):
@@ -222,11 +245,18 @@ class Transformer(nn.Module):
         cache: Any = None,
         return_hidden: bool = False,
         self_cond_BL: torch.Tensor | None = None,
+        num_outputs: int | None = None,
+        apply_shift: bool = True,
     ) -> torch.Tensor:
         """Logits aligned with positions: for `shift_logits` models position i's prediction is
         computed from the hidden state at i-1, so callers never need to know about the shift.
-        `self_cond_BL`: a previous pass's predicted ids (-1: no conditioning for that position)."""
-        assert cache is None, "KV caches arrive with the sampling issue"
+        `self_cond_BL`: a previous pass's predicted ids (-1: no conditioning for that position).
+        `num_outputs`: only the first N positions' outputs are needed (BD3LM's noisy half): the last
+        block then computes queries, attention and MLP for those positions only.
+        `cache` (sampling.cache.KVCache): the tokens are the canvas slice starting at
+        `cache.query_start`; they attend to cached keys/values of [0, cache.key_end) (the mask's
+        `query_offset` must say where the slice sits). `apply_shift=False` returns the unshifted
+        outputs of a `shift_logits` model (a cached sampler shifts across slices itself)."""
         mask = mask if mask is not None else AttentionMask()
         x = self.embed_tokens(tokens_BL)
         if self.self_cond_proj is not None and self_cond_BL is not None:
@@ -237,12 +267,13 @@ class Transformer(nn.Module):
         if self.embed_norm is not None:
             x = self.embed_norm(x)
         rope = rope_cos_sin(positions_BL, self.inv_freq) if self.cfg.position == "rope" else None
-        for layer in self.layers:
-            x = layer(x, rope, mask)
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            x = layer(x, rope, mask, num_outputs if i == last else None, None if cache is None else cache.layer(i))
         if self.norm is not None:
             x = self.norm(x)
         self.aux_loss = self._collect_aux_loss()
-        if self.cfg.shift_logits:
+        if self.cfg.shift_logits and apply_shift:
             x = shift_right(x)
         return x if return_hidden else self.logits(x)
 

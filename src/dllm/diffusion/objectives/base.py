@@ -30,6 +30,8 @@ class ModelInputs:
     shifts predictions (AR-initialised models); None means each position predicts itself."""
     self_cond_rows_B: torch.Tensor | None = None
     """Rows to self-condition on a detached first pass's predictions (uniform objective)."""
+    num_outputs: int | None = None
+    """Only the first N positions' hidden states are used by the loss (the model may skip the rest)."""
 
 
 @dataclass(frozen=True)
@@ -88,11 +90,11 @@ def run_model(model: torch.nn.Module, inputs: ModelInputs) -> ModelOutput:
     """THE model call of training and evaluation: one forward to hidden states (a detached first
     pass before it for self-conditioned rows, Chen et al. 2022 "Analog Bits")."""
     args = (inputs.tokens_BL, inputs.positions_BL, inputs.mask)
-    kwargs = {}
+    kwargs: dict = {"num_outputs": inputs.num_outputs} if inputs.num_outputs is not None else {}
     rows = inputs.self_cond_rows_B
     if rows is not None and bool(rows.any()):
         with torch.no_grad():
-            first = ModelOutput(model(*args, return_hidden=True), _head(model))
+            first = ModelOutput(model(*args, return_hidden=True, **kwargs), _head(model))
             guess_BL = _argmax_tokens(first)
         kwargs["self_cond_BL"] = torch.where(rows[:, None], guess_BL, torch.full_like(guess_BL, -1))
     return ModelOutput(model(*args, return_hidden=True, **kwargs), _head(model))

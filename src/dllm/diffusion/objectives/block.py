@@ -93,10 +93,10 @@ class BD3LMObjective:
         # absorbing noise: the masked tokens, ELBO-weighted; uniform noise: x0 prediction everywhere
         weights = hit.float() * self.schedule.weight(t_BL) if cfg.corruption == "mask" else sup.float()
         tokens, positions, mask = two_halves(noisy, x0, batch.doc_ids_BL, cfg.block_size)
-        rows = None
-        if cfg.shift:
-            rows = shifted_rows(L, cfg.block_size, x0.device).expand(B, L)
-            weights = torch.cat([torch.zeros_like(weights[:, :1]), weights[:, 1:]], dim=1)
+        if not cfg.shift:  # the loss reads only x_t's hidden states: the last layer skips x_0's queries
+            return ModelInputs(tokens, positions, mask, x0, weights, num_outputs=L)
+        rows = shifted_rows(L, cfg.block_size, x0.device).expand(B, L)
+        weights = torch.cat([torch.zeros_like(weights[:, :1]), weights[:, 1:]], dim=1)
         return ModelInputs(tokens, positions, mask, x0, weights, loss_rows=rows)
 
     def loss(self, out: ModelOutput, inputs: ModelInputs) -> LossOutput:
