@@ -155,6 +155,29 @@ def test_interrupt_resume_generate(project: Path):
     assert res.stdout.startswith("1 + 1 =")
 
 
+def test_generate_sampler_options_and_chat(project: Path):
+    """Runs after the resume test (its run is runs/latest): sampler file + flags, caches, stop
+    strings, JSONL to a file, the chat template, and an interactive chat fed on stdin."""
+    (project / "sampler.yaml").write_text("gen_length: 16\nblock_length: 8\nsteps: 8\npolicy: margin\n")
+    args = ["generate", "--run", "runs/latest", "--sampler-config", "sampler.yaml", "--cache", "dual"]
+    res = _ok(dllm([*args, "-p", "1 + 2 =", "-p", "13 + 4 =", "--stop", "\n", "-o", "out.jsonl"], project))
+    rows = [json.loads(x) for x in (project / "out.jsonl").read_text().splitlines()]
+    assert [r["prompt"] for r in rows] == ["1 + 2 =", "13 + 4 ="] and res.stdout == ""
+    assert all(r["cached_tokens"] > 0 and r["nfe"] >= 1 and "\n" not in r["completion"] for r in rows)
+    assert "margin/dual/bidirectional" in res.stderr
+    res = _ok(dllm(["generate", "--run", "runs/latest", "--chat", "-p", "hi", "--gen-length", "8", "--json"], project))
+    assert json.loads(res.stdout)["prompt"] == "hi"
+    res = _ok(dllm(["generate", "--run", "runs/latest", "-p", "hi", "--policy", "threshold", "--json"], project))
+    assert json.loads(res.stdout)["nfe"] <= 32
+    chat = subprocess.run(
+        [sys.executable, "-m", "dllm.cli.main", "chat", "--run", "runs/latest", "--gen-length", "8", "--live"],
+        cwd=project, env=_env(), input="1 + 1 =\n/reset\n2 + 2 =\n", capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert chat.returncode == 0, chat.stderr
+    assert "history cleared" in chat.stderr and chat.stderr.count("[NFE ") == 2
+    assert len(chat.stdout.splitlines()) <= 2
+
+
 def latest_name(project: Path) -> str:
     return (project / "runs" / "cut" / "checkpoints" / "latest").read_text().strip()
 
@@ -198,6 +221,11 @@ BAD_INPUTS = [
     (["generate", "--run", "nowhere", "-p", "x"], "nowhere: not a run folder"),
     (["generate", "--run", "runs/latest"], "at least one --prompt"),
     (["generate", "--run", "runs/latest", "-p", "x", "--block-length", "5"], "block_length 5 must divide"),
+    (["generate", "--run", "runs/latest", "-p", "x", "--cache", "block"], "need block attention"),
+    (["generate", "--run", "runs/latest", "-p", "x", "--set", "polcy=x"], "--set polcy: unknown field"),
+    (["generate", "--run", "runs/latest", "-p", "x", "--policy", "uniform"], "uniform decodes uniform-state"),
+    (["generate", "--run", "runs/latest", "-p", "x", "--sampler-config", "nope.yaml"], "nope.yaml does not exist"),
+    (["chat", "--run", "nowhere"], "nowhere: not a run folder"),
     (["init", "."], "is not empty"),
     (["launch", "--config", "train.yaml", "--bogus"], "No such option"),
     (["nonsense"], "No such command"),

@@ -313,7 +313,7 @@ def test_yaml_on_boolean_is_accepted_for_progress(tmp_path: Path):
 
 def test_sampler_config_rules():
     cfg = SamplerConfig()
-    assert (cfg.gen_length, cfg.block_length, cfg.steps) == (32, 32, 32)
+    assert (cfg.gen_length, cfg.block, cfg.total_steps) == (32, 32, 32)  # block_length, steps unset: gen_length
     assert SamplerConfig(gen_length=64, block_length=16, steps=8).steps == 8
     with pytest.raises(ValidationError, match="must divide gen_length"):
         SamplerConfig(gen_length=30, block_length=8, steps=30)
@@ -322,7 +322,7 @@ def test_sampler_config_rules():
     with pytest.raises(ValidationError):
         SamplerConfig(temperature=-0.1)
     with pytest.raises(ValidationError):
-        SamplerConfig(policy="entropy")  # type: ignore[arg-type]
+        SamplerConfig(policy="entropic")  # type: ignore[arg-type]
     with pytest.raises(ValidationError):
         SamplerConfig(gen_length=0)
     with pytest.raises(ValidationError):

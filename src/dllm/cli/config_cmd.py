@@ -11,6 +11,7 @@ from dllm.cli.common import SetOption, out, warn
 from dllm.config.loading import dump_config, load_config
 from dllm.config.prepare import PrepareSpec
 from dllm.config.spec import RunSpec
+from dllm.errors import ConfigError
 
 app = typer.Typer(help="Check configs and print their schema.", no_args_is_help=True)
 
@@ -38,7 +39,12 @@ def validate(
 @app.command()
 def schema(
     prepare: bool = typer.Option(False, "--prepare", help="The schema of prepare.yaml instead of train.yaml."),
+    sampler: bool = typer.Option(False, "--sampler", help="The schema of a --sampler-config file."),
 ) -> None:
     """Print the JSON schema (point your editor's YAML plugin at it)."""
-    cls = PrepareSpec if prepare else RunSpec
+    from dllm.config.spec import SamplerConfig
+
+    if prepare and sampler:
+        raise ConfigError("give at most one of --prepare and --sampler")
+    cls = PrepareSpec if prepare else SamplerConfig if sampler else RunSpec
     out(json.dumps(cls.model_json_schema(), indent=2))

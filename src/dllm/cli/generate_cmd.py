@@ -1,4 +1,4 @@
-"""`dllm generate`: sample from a trained run or checkpoint."""
+"""`dllm generate`: sample from a trained run, a checkpoint or a model folder; JSONL or text out."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 import typer
 
 from dllm.cli.common import info, out
+from dllm.cli.sampling_common import SAMPLER_CONFIG_OPTION, SET_OPTION, cut_at_stop, setup_sampling, stop_function
 from dllm.errors import ConfigError, DataError
 
 
@@ -34,50 +35,68 @@ def generate(
     model: Path = typer.Option(None, "--model", help="A Hugging Face or `dllm convert` model folder."),
     prompt: list[str] = typer.Option(None, "--prompt", "-p", help="Prompt text (repeatable)."),
     prompts_file: Path = typer.Option(None, "--prompts-file", help='JSONL with {"prompt": ...} per line.'),
-    gen_length: int = typer.Option(32, "--gen-length", help="Tokens to generate."),
-    block_length: int = typer.Option(32, "--block-length", help="Semi-autoregressive block length."),
-    steps: int = typer.Option(32, "--steps", help="Model calls over all blocks."),
-    policy: str = typer.Option("low_confidence", "--policy", help="low_confidence or random."),
-    temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy."),
-    seed: int = typer.Option(0, "--seed", help="Sampling seed."),
+    chat: bool = typer.Option(False, "--chat", help="Wrap each prompt as a user turn in the chat template."),
+    sampler_config: Path = SAMPLER_CONFIG_OPTION,
+    overrides: list[str] = SET_OPTION,
+    gen_length: int = typer.Option(None, "--gen-length", "--max-new-tokens", help="Tokens to generate."),
+    block_length: int = typer.Option(None, "--block-length", help="Semi-autoregressive block length."),
+    steps: int = typer.Option(None, "--steps", help="Step budget over all blocks."),
+    policy: str = typer.Option(None, "--policy", help="low_confidence, random, margin, entropy, threshold, ..."),
+    cache: str = typer.Option(None, "--cache", help="none, prefix, dual (bidirectional) or block (block models)."),
+    temperature: float = typer.Option(None, "--temperature", help="0 = greedy."),
+    stop: list[str] = typer.Option(None, "--stop", help="Stop string (repeatable)."),
+    batch_size: int = typer.Option(8, "--batch-size", help="Prompts decoded together."),
+    seed: int = typer.Option(None, "--seed", help="Sampling seed."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
-    as_json: bool = typer.Option(False, "--json", help="One JSON line per prompt."),
+    output: Path = typer.Option(None, "--output", "-o", help="Write JSONL here instead of stdout."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON line per prompt on stdout."),
 ) -> None:
-    """Generate continuations of prompts with the masked-diffusion sampler."""
+    """Generate continuations of prompts with any sampler configuration."""
     import torch
 
-    from dllm.checkpoint.inference import load_for_inference
-    from dllm.config.loading import validate_config
-    from dllm.config.spec import SamplerConfig
-    from dllm.sampling.generate import SpecialIds
     from dllm.sampling.generate import generate as sample
 
-    values = {
-        "gen_length": gen_length,
-        "block_length": block_length,
-        "steps": steps,
-        "policy": policy,
-        "temperature": temperature,
-        "seed": seed,
-    }
-    cfg = validate_config(SamplerConfig, values, source="generate options", base_dir=None)
+    if batch_size < 1:
+        raise ConfigError("--batch-size must be >= 1")
+    flags = {"gen_length": gen_length, "block_length": block_length, "steps": steps, "policy": policy,
+             "cache": cache, "temperature": temperature, "seed": seed, "stop_strings": stop or None}  # fmt: skip
     texts = _read_prompts(prompt, prompts_file)
-    if device not in ("cpu", "cuda") or (device == "cuda" and not torch.cuda.is_available()):
-        raise ConfigError(f"--device: {device!r} is not available here; use cpu")
-    loaded = load_for_inference(run, checkpoint, torch.device(device), model_dir=model)
-    tok = loaded.tokenizer
-    special = SpecialIds(mask_id=tok.mask_id, pad_id=tok.pad_id, eos_id=tok.eos_id)
-    gen = torch.Generator(device=device).manual_seed(cfg.seed)
+    s = setup_sampling(run, checkpoint, model, device, sampler_config, overrides, flags)
+    tok, cfg = s.loaded.tokenizer, s.cfg
+
+    def encode(text: str) -> list[int]:
+        if not chat:
+            return tok.encode(text)
+        return tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True).ids
+
+    stop_fn = stop_function(tok, cfg.stop_strings)
+    gen = torch.Generator(device=s.device).manual_seed(cfg.seed)
+    records, total_nfe, total_tokens = [], 0, 0
     t0 = time.perf_counter()
-    result = sample(loaded.model, [tok.encode(t) for t in texts], cfg, special, generator=gen)
+    for i in range(0, len(texts), batch_size):
+        chunk = texts[i : i + batch_size]
+        tb = time.perf_counter()
+        result = sample(s.loaded.model, [encode(t) for t in chunk], cfg, s.special, generator=gen, stop=stop_fn)
+        wall = time.perf_counter() - tb
+        counters = result.counters.as_dict()
+        total_nfe += result.nfe
+        total_tokens += result.tokens_committed
+        for text, ids in zip(chunk, result.sequences, strict=True):
+            completion = cut_at_stop(tok.decode(ids), cfg.stop_strings)
+            records.append({"prompt": text, "completion": completion, "batch_wall_s": round(wall, 4), **counters})
     elapsed = time.perf_counter() - t0
-    for text, ids in zip(texts, result.sequences, strict=True):
-        completion = tok.decode(ids)
-        if as_json:
-            out(json.dumps({"prompt": text, "completion": completion, "nfe": result.nfe}))
-        else:
-            out(f"{text}{completion}")
+    lines = [json.dumps(r) for r in records]
+    if output is not None:
+        tmp = output.with_name(output.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+        tmp.replace(output)  # never a half-written file
+    elif as_json:
+        for line in lines:
+            out(line)
+    else:
+        for r in records:
+            out(f"{r['prompt']}{r['completion']}")
     info(
-        f"{loaded.source}: {len(texts)} prompt(s), NFE {result.nfe}, "
-        f"{result.tokens_per_forward:.2f} tokens/forward, {elapsed:.2f}s"
+        f"{s.loaded.source}: {len(texts)} prompt(s), {cfg.policy}/{cfg.cache}/{cfg.attention}, NFE {total_nfe}, "
+        f"{total_tokens / max(total_nfe, 1):.2f} tokens/forward, {elapsed:.2f}s"
     )

@@ -7,6 +7,7 @@ import sys
 import typer
 
 from dllm.cli import config_cmd, data_cmd, recipe_cmd
+from dllm.cli.chat_cmd import chat
 from dllm.cli.convert_cmd import convert
 from dllm.cli.doctor_cmd import doctor
 from dllm.cli.generate_cmd import generate
@@ -27,6 +28,7 @@ app.add_typer(config_cmd.app, name="config")
 app.add_typer(recipe_cmd.app, name="recipe")
 app.command()(launch)
 app.command()(generate)
+app.command()(chat)
 app.command()(convert)
 app.command()(doctor)
 

@@ -1,0 +1,97 @@
+"""`dllm chat`: an interactive conversation through the tokenizer's chat template, optionally showing
+the canvas being unmasked live."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import typer
+
+from dllm.cli.common import info, out
+from dllm.cli.sampling_common import SAMPLER_CONFIG_OPTION, SET_OPTION, cut_at_stop, setup_sampling, stop_function
+
+MASK_GLYPH = "_"
+
+
+def render_canvas(tokenizer, ids: list[int], mask_id: int) -> str:
+    """Decoded text of a partly unmasked canvas, one MASK_GLYPH per masked position."""
+    parts, run = [], []
+    for i in ids:
+        if i == mask_id:
+            if run:
+                parts.append(tokenizer.decode(run))
+                run = []
+            parts.append(MASK_GLYPH)
+        else:
+            run.append(i)
+    if run:
+        parts.append(tokenizer.decode(run))
+    return "".join(parts)
+
+
+def chat(
+    run: Path = typer.Option(None, "--run", help="Run folder (its newest checkpoint is used)."),
+    checkpoint: Path = typer.Option(None, "--checkpoint", help="One checkpoint folder."),
+    model: Path = typer.Option(None, "--model", help="A Hugging Face or `dllm convert` model folder."),
+    sampler_config: Path = SAMPLER_CONFIG_OPTION,
+    overrides: list[str] = SET_OPTION,
+    gen_length: int = typer.Option(None, "--gen-length", "--max-new-tokens", help="Tokens per reply."),
+    block_length: int = typer.Option(None, "--block-length", help="Semi-autoregressive block length."),
+    steps: int = typer.Option(None, "--steps", help="Step budget over all blocks."),
+    policy: str = typer.Option(None, "--policy", help="Sampling policy."),
+    cache: str = typer.Option(None, "--cache", help="KV cache: none, prefix, dual or block."),
+    temperature: float = typer.Option(None, "--temperature", help="0 = greedy."),
+    system: str = typer.Option(None, "--system", help="A system message opening the conversation."),
+    live: bool = typer.Option(False, "--live", help="Show the reply being unmasked, step by step."),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
+) -> None:
+    """Chat with a model: type a message, get a reply; /reset clears the history, /exit (or EOF) quits."""
+    import torch
+
+    from dllm.sampling.generate import generate as sample
+
+    flags = {"gen_length": gen_length, "block_length": block_length, "steps": steps, "policy": policy,
+             "cache": cache, "temperature": temperature}  # fmt: skip
+    s = setup_sampling(run, checkpoint, model, device, sampler_config, overrides, flags)
+    tok, cfg = s.loaded.tokenizer, s.cfg
+    gen = torch.Generator(device=s.device).manual_seed(cfg.seed)
+    history: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
+    stop_fn = stop_function(tok, cfg.stop_strings)
+    interactive = sys.stdin.isatty()
+    info(f"{s.loaded.source}: chatting ({cfg.policy}, cache {cfg.cache}); /reset, /exit")
+    while True:
+        if interactive:
+            sys.stderr.write("you> ")
+            sys.stderr.flush()
+        line = sys.stdin.readline()
+        if not line:
+            break
+        text = line.rstrip("\n")
+        if text.strip() == "/exit":
+            break
+        if text.strip() == "/reset":
+            history = history[:1] if system else []
+            info("(history cleared)")
+            continue
+        if not text.strip():
+            continue
+        history.append({"role": "user", "content": text})
+        ids = tok.apply_chat_template(history, add_generation_prompt=True).ids
+
+        def show(event, _start=len(ids)) -> None:
+            row = event.canvas_BT[0].tolist()
+            g = event.gen_start_B[0]
+            sys.stderr.write("\r\033[K" + render_canvas(tok, row[g : g + cfg.gen_length], event.mask_id)[-200:])
+            sys.stderr.flush()
+
+        t0 = time.perf_counter()
+        result = sample(s.loaded.model, [ids], cfg, s.special, generator=gen, callback=show if live else None,
+                        stop=stop_fn)  # fmt: skip
+        if live:
+            sys.stderr.write("\r\033[K")
+        reply = cut_at_stop(tok.decode(result.sequences[0]), cfg.stop_strings).strip()
+        history.append({"role": "assistant", "content": reply})
+        out(reply)
+        info(f"[NFE {result.nfe}, {result.tokens_per_forward:.2f} tokens/forward, {time.perf_counter() - t0:.2f}s]")

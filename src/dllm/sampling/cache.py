@@ -1,0 +1,68 @@
+"""Key/value caches for decoding: buffers over the whole canvas that a forward reads and writes.
+
+A forward over a slice [query_start, query_start + Q) of the canvas writes its keys and values
+(post-RoPE) into the buffers at those positions and attends to buffer positions [0, key_end). What
+the rest of the buffer holds decides what kind of cache it is (sampling/generate.py chooses):
+
+- prefix cache (Fast-dLLM, approximate for bidirectional models): refreshed by a full forward, then
+  the active block and everything after it run against the prefix's cached keys;
+- dual cache (Fast-dLLM, approximate): only the active block runs, against cached prefix and suffix;
+- exact block cache (block diffusion: BD3LM, Fast-dLLM v2): with block-causal attention a clean
+  block's keys never change, so each clean block is computed once (folded into the next block's first
+  forward) and only the active block runs afterwards.
+
+The model duck-types this: `Transformer.forward(..., cache=KVCache)` hands `cache.layer(i)` to layer i.
+Shapes: B batch, K key/value heads, T canvas length, Q query rows, D head width.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class LayerKV:
+    """One layer's buffers [B, K, T, D] (allocated on the first write)."""
+
+    owner: KVCache
+    k_BKTD: torch.Tensor | None = None
+    v_BKTD: torch.Tensor | None = None
+
+    def update(self, k_BKQD: torch.Tensor, v_BKQD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write this forward's keys/values at [query_start, +Q); return the keys/values [0, key_end)."""
+        c = self.owner
+        if self.k_BKTD is None:
+            B, K, _, D = k_BKQD.shape
+            self.k_BKTD = k_BKQD.new_zeros(B, K, c.length, D)
+            self.v_BKTD = v_BKQD.new_zeros(B, K, c.length, D)
+        assert self.v_BKTD is not None
+        s, Q = c.query_start, k_BKQD.shape[2]
+        if s + Q > c.length or c.key_end < s + Q:
+            raise ValueError(f"cache: queries [{s}, {s + Q}) do not fit keys [0, {c.key_end}) of a {c.length} canvas")
+        self.k_BKTD[:, :, s : s + Q] = k_BKQD
+        self.v_BKTD[:, :, s : s + Q] = v_BKQD
+        return self.k_BKTD[:, :, : c.key_end], self.v_BKTD[:, :, : c.key_end]
+
+
+@dataclass
+class KVCache:
+    """Per-layer K/V buffers over a canvas of `length` positions, plus where the next forward sits."""
+
+    length: int
+    query_start: int = 0
+    """Canvas index of the next forward's first query token."""
+    key_end: int = 0
+    """The next forward attends to canvas positions [0, key_end)."""
+    layers: dict[int, LayerKV] = field(default_factory=dict)
+
+    def layer(self, i: int) -> LayerKV:
+        if i not in self.layers:
+            self.layers[i] = LayerKV(self)
+        return self.layers[i]
+
+    def at(self, query_start: int, key_end: int) -> KVCache:
+        """Position the next forward: queries from `query_start`, keys [0, key_end)."""
+        self.query_start, self.key_end = query_start, key_end
+        return self
