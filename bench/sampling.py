@@ -125,7 +125,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--work", type=Path, default=Path("/tmp/dllm-bench-sampling"))
     ap.add_argument("--prompts", type=int, default=16, help="Prompts per configuration (a multiple of 8).")
-    ap.add_argument("--steps", type=int, default=1500, help="Training steps of each model.")
+    ap.add_argument("--steps", type=int, default=300, help="Training steps of each model.")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--retrain", action="store_true")
     args = ap.parse_args()

@@ -20,7 +20,9 @@ cache only the active block (plus the previous block's clean tokens once, whose 
 Shifted models (position i predicted from hidden i-1) run one extra query row before the slice.
 
 The loop never returns a mask: a block that is not done after its step budget keeps going, one step
-at a time (counted in `overrun_steps`). Shapes: B batch, T canvas, V vocabulary, R region, Q query rows.
+at a time (counted in `overrun_steps`). The budget is steps / (gen_length / block_length) per canvas
+block; for block models a prompt that ends inside a block makes one block more (partial at both ends).
+Shapes: B batch, T canvas, V vocabulary, R region, Q query rows.
 """
 
 from __future__ import annotations
@@ -99,6 +101,7 @@ class StepEvent:
     """Passed to the per-step callback (streaming, live views): the canvas after the step."""
 
     canvas_BT: torch.Tensor
+    """The loop's own canvas (updated in place by later steps: clone it to keep it)."""
     committed_BT: torch.Tensor
     """Positions decoded at this step."""
     block: int
@@ -202,11 +205,18 @@ class Canvas:
     block_length: int
 
     @staticmethod
-    def build(prompts: list[list[int]], cfg: SamplerConfig, special: SpecialIds, block_attention: bool, device):
+    def build(
+        prompts: list[list[int]], cfg: SamplerConfig, special: SpecialIds, block_attention: bool, device,
+        shift: bool = False,
+    ) -> Canvas:  # fmt: skip
+        """`shift`: a shifted block model reads the row before the first active block, so that block
+        never starts at canvas index 0 (one more block of padding when it would)."""
         B, G, bl = len(prompts), cfg.gen_length, cfg.block
         lens = [len(p) for p in prompts]
         if block_attention:  # whole blocks of left padding: blocks stay aligned to each prompt's start
             A = max(-(-n // bl) * bl for n in lens)
+            if shift and min(lens) < bl:  # some row's first active block would start at index 0
+                A += bl
             starts = [A - (-(-n // bl) * bl) for n in lens]
             T = -(-max(s + n + G for s, n in zip(starts, lens, strict=True)) // bl) * bl
         else:
@@ -248,8 +258,6 @@ class Runner:
         self.clean_upto = 0  # exact block cache: keys of [0, clean_upto) are final
         self._masks: dict[tuple[int, int], AttentionMask] = {}
         self.mask_col = torch.tensor([special.mask_id], device=canvas.x_BT.device)
-        if self.shift and min(canvas.gen_start_B) == 0:
-            raise ValueError("a shifted model predicts position i from i-1: every prompt needs at least one token")
 
     def mask(self, qs: int, ke: int) -> AttentionMask:
         """Queries from canvas index qs, keys [0, ke)."""
@@ -277,11 +285,13 @@ class Runner:
         mask = self.mask(qs, ke)
         if self.cfg.cfg_scale > 0:  # one batched call: conditional rows, then the prompt masked
             uncond = torch.where(self.canvas.prompt_BT[:, qs:qe], self.special.mask_id, tokens)
-            both = self.model(torch.cat([tokens, uncond]), positions.repeat(2, 1), _twice(mask), **kwargs).float()
+            both = _at_least_float32(
+                self.model(torch.cat([tokens, uncond]), positions.repeat(2, 1), _twice(mask), **kwargs)
+            )
             cond, unc = both.chunk(2)
             logits = unc + (1 + self.cfg.cfg_scale) * (cond - unc)
         else:
-            logits = self.model(tokens, positions, mask, **kwargs).float()
+            logits = _at_least_float32(self.model(tokens, positions, mask, **kwargs))
         self.counters.nfe += 1
         self.counters.query_tokens += tokens.numel() * (2 if self.cfg.cfg_scale > 0 else 1)
         return logits.index_fill(-1, self.mask_col, float("-inf"))  # the mask token is never a prediction
@@ -310,6 +320,11 @@ class Runner:
             qs = lo - s
             raw = self.forward(x_BT, qs, hi, T)
         return raw[:, lo - s - qs : hi - s - qs]
+
+
+def _at_least_float32(logits: torch.Tensor) -> torch.Tensor:
+    """bf16 / fp16 logits upcast for the proposal; float64 (a float64 model) kept as it is."""
+    return logits if logits.dtype == torch.float64 else logits.float()
 
 
 def _twice(mask: AttentionMask) -> AttentionMask:
@@ -343,9 +358,12 @@ def generate(
         raise ValueError("generate needs at least one prompt")
     device = next(model.parameters()).device
     block_attention = cfg.attention == "block"
-    canvas = Canvas.build(prompts, cfg, special, block_attention, device)
+    shift = resolve_shift(cfg, model)
+    if shift and min(len(p) for p in prompts) == 0:
+        raise ValueError("a shifted model predicts position i from i-1: every prompt needs at least one token")
+    canvas = Canvas.build(prompts, cfg, special, block_attention, device, shift)
     counters = Counters()
-    runner = Runner(model, canvas, cfg, special, resolve_shift(cfg, model), counters)
+    runner = Runner(model, canvas, cfg, special, shift, counters)
     loop = Loop(runner, canvas, cfg, special, generator, callback, stop)
     if cfg.policy in ("ancestral", "first_hitting"):
         loop.reverse_process()
@@ -483,6 +501,8 @@ class Loop:
                 step += 1
                 if cfg.stop_at_eos and self.all_rows_ended():
                     return self.finish_early()
+            if self.stop is not None and self.all_rows_ended():
+                return self.finish_early()
         return None
 
     _dirty = False
@@ -515,6 +535,8 @@ class Loop:
                     committed[:, lo:hi] = keep
                     self.callback(StepEvent(self.x, committed, b, step, self.canvas.gen_start_B, special.mask_id))
             self.counters.tokens_committed += int(n_B.sum())
+            if self.all_rows_ended():  # EOS or a stop string in every row's decoded blocks
+                return self.finish_early()
         return None
 
     def _random_tokens(self, shape) -> torch.Tensor:
