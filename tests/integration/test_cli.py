@@ -178,6 +178,40 @@ def test_generate_sampler_options_and_chat(project: Path):
     assert len(chat.stdout.splitlines()) <= 2
 
 
+def test_eval_likelihood_and_tasks(project: Path):
+    """Runs after the resume test: the bound on prepared rows (and the exact AR number on the same rows),
+    and task accuracy that matches a count by hand over the written outputs."""
+    base = ["eval", "likelihood", "--run", "runs/latest", "--data", "data/prepared", "--limit", "8", "--json"]
+    res = _ok(dllm([*base, "--mc-samples", "4"], project))
+    rec = json.loads(res.stdout)
+    assert rec["kind"] == "mdlm" and rec["rows"] == 8 and rec["mc_samples"] == 4 and rec["forward_passes"] == 4
+    assert 0 < rec["nelbo_per_token"] < 10 and rec["mc_stderr"] > 0 and not rec["exact"]
+    ar = json.loads(_ok(dllm([*base, "--kind", "ar"], project)).stdout)
+    assert ar["exact"] and ar["mc_stderr"] == 0 and ar["tokens"] < rec["tokens"]  # a first token has no predictor
+    text = _ok(dllm(base[:-1], project)).stdout
+    assert "NELBO (upper bound on NLL) per token" in text and "perplexity bound" in text
+
+    args = ["eval", "tasks", "--run", "runs/latest", "--limit", "6", "--batch-size", "4"]
+    res = _ok(dllm([*args, "--tasks", "addition,copy", "-o", "outs.jsonl", "--json"], project))
+    summaries = [json.loads(x) for x in res.stdout.splitlines()]
+    outputs = [json.loads(x) for x in (project / "outs.jsonl").read_text().splitlines()]
+    for summary in summaries:
+        mine = [o for o in outputs if o["task"] == summary["name"]]
+        by_hand = sum(o["output"].strip() == o["answer"].strip() for o in mine) / len(mine)
+        assert summary["accuracy"] == pytest.approx(by_hand) and summary["examples"] == 6
+        assert summary["forwards_per_answer"] > 0 and summary["tokens_per_forward"] > 0
+    # a user task whose answers are the model's own (greedy, deterministic) outputs for half the prompts
+    mine = [o for o in outputs if o["task"] == "addition"]
+    rows = [
+        {"prompt": o["prompt"], "answer": o["output"] if i % 2 == 0 else o["output"] + "#"} for i, o in enumerate(mine)
+    ]
+    (project / "mine.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    res = _ok(dllm([*args, "--tasks", "mine.jsonl", "--json", "--gen-length", "8"], project))
+    assert json.loads(res.stdout)["accuracy"] == pytest.approx(0.5)
+    table = _ok(dllm([*args, "--tasks", "pattern"], project)).stdout
+    assert table.splitlines()[0].split()[:2] == ["task", "accuracy"] and "pattern" in table
+
+
 def latest_name(project: Path) -> str:
     return (project / "runs" / "cut" / "checkpoints" / "latest").read_text().strip()
 
@@ -226,6 +260,9 @@ BAD_INPUTS = [
     (["generate", "--run", "runs/latest", "-p", "x", "--policy", "uniform"], "uniform decodes uniform-state"),
     (["generate", "--run", "runs/latest", "-p", "x", "--sampler-config", "nope.yaml"], "nope.yaml does not exist"),
     (["chat", "--run", "nowhere"], "nowhere: not a run folder"),
+    (["eval", "tasks", "--run", "runs/latest", "--tasks", "nope"], "neither a built-in task"),
+    (["eval", "likelihood", "--run", "runs/latest", "--data", "nowhere"], "nowhere"),
+    (["eval", "likelihood", "--run", "runs/latest", "--data", "data/prepared", "--sampling", "odd"], "--sampling"),
     (["init", "."], "is not empty"),
     (["launch", "--config", "train.yaml", "--bogus"], "No such option"),
     (["nonsense"], "No such command"),

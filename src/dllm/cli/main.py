@@ -6,7 +6,7 @@ import sys
 
 import typer
 
-from dllm.cli import config_cmd, data_cmd, recipe_cmd
+from dllm.cli import config_cmd, data_cmd, eval_cmd, recipe_cmd
 from dllm.cli.chat_cmd import chat
 from dllm.cli.convert_cmd import convert
 from dllm.cli.doctor_cmd import doctor
@@ -26,6 +26,7 @@ app.command()(init)
 app.add_typer(data_cmd.app, name="data")
 app.add_typer(config_cmd.app, name="config")
 app.add_typer(recipe_cmd.app, name="recipe")
+app.add_typer(eval_cmd.app, name="eval")
 app.command()(launch)
 app.command()(generate)
 app.command()(chat)

@@ -1,0 +1,174 @@
+"""`dllm eval likelihood | tasks`: numbers comparable across checkpoints, diffusion and AR models."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+from dllm.cli.common import info, out
+from dllm.cli.sampling_common import SAMPLER_CONFIG_OPTION, SET_OPTION, cut_at_stop, setup_sampling, stop_function
+from dllm.errors import ConfigError
+
+app = typer.Typer(help="Evaluate a run: likelihood bounds and task accuracy.", no_args_is_help=True)
+
+
+@app.command()
+def likelihood(
+    run: Path = typer.Option(None, "--run", help="Run folder (its newest checkpoint is used)."),
+    checkpoint: Path = typer.Option(None, "--checkpoint", help="One checkpoint folder."),
+    model: Path = typer.Option(None, "--model", help="A Hugging Face or `dllm convert` model folder."),
+    data: Path = typer.Option(..., "--data", help="A prepared artifact folder (held-out rows)."),
+    mc_samples: int = typer.Option(16, "--mc-samples", help="Monte Carlo samples of the bound per row."),
+    sampling: str = typer.Option("stratified", "--sampling", help="Time sampling: stratified or plain."),
+    kind: str = typer.Option("auto", "--kind", help="auto (from the run), mdlm, block, or ar (exact NLL)."),
+    limit: int = typer.Option(None, "--limit", help="Score only the first N rows."),
+    batch_size: int = typer.Option(8, "--batch-size", help="Rows per forward."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the Monte Carlo noise."),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON line instead of the text summary."),
+) -> None:
+    """Negative ELBO per token (and the perplexity bound) on prepared data; exact NLL for --kind ar."""
+    import numpy as np
+    import torch
+
+    from dllm.checkpoint.inference import load_for_inference
+    from dllm.data.artifact import validate_artifact
+    from dllm.data.loader import StepLoader
+    from dllm.evaluation.likelihood import nelbo_samples, scoring_for, summarize
+
+    if mc_samples < 1 or batch_size < 1:
+        raise ConfigError("--mc-samples and --batch-size must be >= 1")
+    if sampling not in ("stratified", "plain"):
+        raise ConfigError(f"--sampling: {sampling!r} is not stratified or plain")
+    if device not in ("cpu", "cuda") or (device == "cuda" and not torch.cuda.is_available()):
+        raise ConfigError(f"--device: {device!r} is not available here; use cpu")
+    loaded = load_for_inference(run, checkpoint, torch.device(device), model_dir=model)
+    how = scoring_for(loaded, kind)
+    artifact = validate_artifact(data, checksums=False)
+    tok_id = loaded.tokenizer.identity()
+    for key in ("vocab_hash", "special_ids"):
+        if artifact.tokenizer.get(key) != tok_id.get(key):
+            raise ConfigError(f"--data: {data} was prepared with another tokenizer than the model's ({key} differs)")
+    if artifact.seq_len > loaded.model_cfg.max_seq_len:
+        raise ConfigError(
+            f"--data: rows of {artifact.seq_len} tokens exceed the model's max_seq_len {loaded.model_cfg.max_seq_len}"
+        )
+    if how.kind == "block" and artifact.seq_len % (how.block_size or 1):
+        raise ConfigError(f"--data: seq_len {artifact.seq_len} is not a multiple of the block size {how.block_size}")
+    loader = StepLoader(artifact, global_batch_size=1, micro_batch_size=1, shuffle=False)
+    rows = artifact.num_sequences if limit is None else min(limit, artifact.num_sequences)
+    gen = torch.Generator().manual_seed(seed)
+    parts = []
+    for lo in range(0, rows, batch_size):
+        batch = loader.read(np.arange(lo, min(lo + batch_size, rows)))
+        valid = None if batch.doc_ids_BL is None or artifact.manifest["layout"] != "indexed" else batch.doc_ids_BL == 0
+        parts.append(
+            nelbo_samples(
+                loaded.model, batch.tokens_BL.to(device), batch.loss_mask_BL.to(device), how,
+                num_samples=1 if how.kind == "ar" else mc_samples, antithetic=sampling == "stratified",
+                generator=gen, valid_BL=None if valid is None else valid.to(device),
+            )
+        )  # fmt: skip
+    result = summarize(parts, exact=how.kind == "ar")
+    record = {
+        "source": str(loaded.source),
+        "data": str(data),
+        "kind": how.kind,
+        "sampling": sampling,
+        **result.as_dict(),
+    }
+    if as_json:
+        out(json.dumps(record))
+        return
+    what = "exact NLL" if result.exact else "NELBO (upper bound on NLL)"
+    out(f"{what} per token: {result.nelbo_per_token:.4f} nats  (MC stderr {result.mc_stderr:.4f}, "
+        f"data stderr {result.data_stderr:.4f})")  # fmt: skip
+    bound = "" if result.exact else " bound"
+    out(f"perplexity{bound}: {result.ppl_bound:.3f}")
+    out(f"{result.rows} rows, {result.tokens} scored tokens, {result.mc_samples} sample(s) per row, "
+        f"{result.forward_passes} forward passes ({how.kind}, {sampling})")  # fmt: skip
+
+
+@app.command()
+def tasks(
+    run: Path = typer.Option(None, "--run", help="Run folder (its newest checkpoint is used)."),
+    checkpoint: Path = typer.Option(None, "--checkpoint", help="One checkpoint folder."),
+    model: Path = typer.Option(None, "--model", help="A Hugging Face or `dllm convert` model folder."),
+    task_names: str = typer.Option(
+        ..., "--tasks", help="Comma-separated: addition, addition3, copy, pattern, FILE.jsonl."
+    ),
+    sampler_config: Path = SAMPLER_CONFIG_OPTION,
+    overrides: list[str] = SET_OPTION,
+    gen_length: int = typer.Option(None, "--gen-length", help="Tokens to generate (default: per task)."),
+    policy: str = typer.Option(None, "--policy", help="Sampling policy."),
+    cache: str = typer.Option(None, "--cache", help="KV cache: none, prefix, dual or block."),
+    limit: int = typer.Option(50, "--limit", help="Examples per task."),
+    batch_size: int = typer.Option(8, "--batch-size", help="Prompts decoded together."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the generated tasks."),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
+    output: Path = typer.Option(None, "--output", "-o", help="Write every example's output (JSONL) here."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON line per task instead of the table."),
+) -> None:
+    """Exact-match accuracy through any sampler, with NFE, tokens per forward and wall time."""
+    import torch
+
+    from dllm.config.rules import resolve_sampler
+    from dllm.evaluation.tasks import load_task, run_task
+    from dllm.sampling.generate import generate as sample
+
+    if limit < 1 or batch_size < 1:
+        raise ConfigError("--limit and --batch-size must be >= 1")
+    names = [n.strip() for n in task_names.split(",") if n.strip()]
+    if not names:
+        raise ConfigError("--tasks: give at least one task name or JSONL file")
+    loaded_tasks = [load_task(n, limit, seed) for n in names]
+    flags = {"policy": policy, "cache": cache, "gen_length": gen_length}
+    s = setup_sampling(run, checkpoint, model, device, sampler_config, overrides, flags)
+    tok = s.loaded.tokenizer
+    gen = torch.Generator(device=s.device).manual_seed(s.cfg.seed)
+    results = []
+    for task in loaded_tasks:
+        cfg = s.cfg
+        if gen_length is None and "gen_length" not in _file_and_set_fields(sampler_config, overrides):
+            block = cfg.block_length or task.max_new_tokens
+            n = -(-task.max_new_tokens // block) * block
+            cfg = resolve_sampler(cfg.model_copy(update={"gen_length": n}), s.loaded.spec, s.loaded.model_cfg)
+        stops = list(cfg.stop_strings) or list(task.stop_strings)
+        stop_fn = stop_function(tok, stops)
+
+        def generate_batch(prompts: list[str], cfg=cfg, stops=stops, stop_fn=stop_fn):
+            res = sample(s.loaded.model, [tok.encode(p) for p in prompts], cfg, s.special, generator=gen, stop=stop_fn)
+            return [cut_at_stop(tok.decode(ids), stops) for ids in res.sequences], res.counters
+
+        results.append(run_task(task, generate_batch, batch_size))
+    if output is not None:
+        tmp = output.with_name(output.name + ".tmp")
+        tmp.write_text("".join(json.dumps(o) + "\n" for r in results for o in r.outputs), encoding="utf-8")
+        tmp.replace(output)
+    if as_json:
+        for r in results:
+            out(
+                json.dumps(
+                    {"source": str(s.loaded.source), "policy": s.cfg.policy, "cache": s.cfg.cache, **r.summary()}
+                )
+            )
+        return
+    header = f"{'task':<16}{'accuracy':>10}{'n':>6}{'NFE/call':>10}{'fwd/answer':>12}{'tok/fwd':>9}{'wall s':>9}"
+    out(header)
+    for r in results:
+        out(f"{r.name:<16}{r.accuracy:>10.3f}{r.examples:>6}{r.nfe_per_call:>10.1f}{r.forwards_per_answer:>12.2f}"
+            f"{r.tokens_per_forward:>9.2f}{r.wall_s:>9.2f}")  # fmt: skip
+    info(f"{s.loaded.source}: {s.cfg.policy}/{s.cfg.cache}/{s.cfg.attention}")
+
+
+def _file_and_set_fields(sampler_config: Path | None, overrides: list[str] | None) -> set[str]:
+    """Sampler fields the user set in the file or with --set (they win over a task's defaults)."""
+    fields = {o.partition("=")[0].strip() for o in overrides or []}
+    if sampler_config is not None:
+        from dllm.config.loading import read_yaml
+
+        data, _ = read_yaml(Path(sampler_config))
+        fields |= set(data or {})
+    return fields

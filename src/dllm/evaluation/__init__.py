@@ -1,0 +1,1 @@
+"""Evaluation: likelihood bounds, exact-answer tasks, the lm-evaluation-harness adapter."""

@@ -1,0 +1,148 @@
+"""Tasks with exact answers: built-in generated ones and user JSONL files, scored through any sampler.
+
+Built-in tasks are generated from a seed, so every run scores the same examples:
+- `addition`: "a + b =" -> " a+b" with operands 0..19 (the format `dllm init` / `make demo` trains on);
+- `addition3`: the same with three-digit operands (multi-digit carries);
+- `copy`: "copy: <word> ->" -> " <word>" (random lowercase words of 4-8 letters);
+- `pattern`: a cycle of 2-3 words shown twice and cut, "-> " the next three words.
+A user task is a JSONL file of {"prompt": ..., "answer": ...} records.
+
+An output is right when the generated text, cut at the first stop string (a newline by default) and
+EOS, equals the answer after stripping surrounding whitespace on both.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import string
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dllm.errors import DataError
+
+WORDS = ("red", "blue", "green", "cat", "dog", "sun", "moon", "tree", "fish", "star", "rain", "snow")
+
+
+@dataclass(frozen=True)
+class Example:
+    prompt: str
+    answer: str
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str
+    examples: list[Example]
+    max_new_tokens: int
+    """Default generation length (the sampler's gen_length unless the user sets one)."""
+    stop_strings: tuple[str, ...] = ("\n",)
+
+
+def _addition(rng: random.Random, hi: int) -> Example:
+    a, b = rng.randint(0, hi), rng.randint(0, hi)
+    return Example(f"{a} + {b} =", f" {a + b}")
+
+
+def _copy(rng: random.Random) -> Example:
+    word = "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(4, 8)))
+    return Example(f"copy: {word} ->", f" {word}")
+
+
+def _pattern(rng: random.Random) -> Example:
+    cycle = rng.sample(WORDS, rng.randint(2, 3))
+    shown = (cycle * 3)[: 2 * len(cycle) + 1]
+    nxt = (cycle * 4)[len(shown) : len(shown) + 3]
+    return Example(" ".join(shown) + " ->", " " + " ".join(nxt))
+
+
+BUILTIN: dict[str, tuple[Callable[[random.Random], Example], int]] = {
+    "addition": (lambda r: _addition(r, 19), 8),
+    "addition3": (lambda r: _addition(r, 999), 8),
+    "copy": (_copy, 16),
+    "pattern": (_pattern, 24),
+}
+
+
+def load_task(name_or_path: str, limit: int, seed: int = 0) -> Task:
+    """A built-in task (`limit` generated examples) or a JSONL file of prompt/answer records."""
+    if name_or_path in BUILTIN:
+        make, max_new = BUILTIN[name_or_path]
+        rng = random.Random(f"{name_or_path}:{seed}")
+        return Task(name_or_path, [make(rng) for _ in range(limit)], max_new)
+    path = Path(name_or_path)
+    if not path.is_file():
+        raise DataError(f"--tasks: {name_or_path!r} is neither a built-in task ({', '.join(BUILTIN)}) nor a JSONL file")
+    examples = []
+    with open(path, encoding="utf-8") as fh:
+        for n, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{n}: invalid JSON ({e.msg})") from None
+            if (
+                not isinstance(rec, dict)
+                or not isinstance(rec.get("prompt"), str)
+                or not isinstance(rec.get("answer"), str)
+            ):
+                raise DataError(f'{path}:{n}: expected {{"prompt": "...", "answer": "..."}}')
+            examples.append(Example(rec["prompt"], rec["answer"]))
+            if len(examples) >= limit:
+                break
+    if not examples:
+        raise DataError(f"{path}: no records")
+    longest = max(len(e.answer) for e in examples)
+    return Task(path.stem, examples, max(8, longest + 4))
+
+
+def is_correct(output: str, answer: str) -> bool:
+    return output.strip() == answer.strip()
+
+
+@dataclass
+class TaskResult:
+    name: str
+    accuracy: float
+    examples: int
+    correct: int
+    nfe_per_call: float
+    forwards_per_answer: float
+    tokens_per_forward: float
+    wall_s: float
+    outputs: list[dict[str, Any]] = field(default_factory=list)
+
+    def summary(self) -> dict[str, Any]:
+        d = {k: v for k, v in self.__dict__.items() if k != "outputs"}
+        return {k: round(v, 4) if isinstance(v, float) else v for k, v in d.items()}
+
+
+def run_task(
+    task: Task,
+    generate_batch: Callable[[list[str]], tuple[list[str], Any]],
+    batch_size: int,
+) -> TaskResult:
+    """Generate every prompt (batches of `batch_size`) and score exact matches. `generate_batch`
+    returns (decoded outputs cut at the stop strings, the call's Counters)."""
+    outputs, nfe, calls, committed, right = [], 0, 0, 0, 0
+    t0 = time.perf_counter()
+    for i in range(0, len(task.examples), batch_size):
+        chunk = task.examples[i : i + batch_size]
+        texts, counters = generate_batch([e.prompt for e in chunk])
+        nfe += counters.nfe
+        committed += counters.tokens_committed
+        calls += 1
+        for ex, out in zip(chunk, texts, strict=True):
+            ok = is_correct(out, ex.answer)
+            right += ok
+            outputs.append({"task": task.name, "prompt": ex.prompt, "answer": ex.answer, "output": out, "correct": ok})
+    wall = time.perf_counter() - t0
+    n = len(task.examples)
+    return TaskResult(
+        name=task.name, accuracy=right / n, examples=n, correct=right, nfe_per_call=nfe / calls,
+        forwards_per_answer=nfe / n, tokens_per_forward=committed / max(nfe, 1), wall_s=wall, outputs=outputs,
+    )  # fmt: skip
