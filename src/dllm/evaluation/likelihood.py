@@ -9,9 +9,10 @@ For a masked diffusion model with schedule alpha(t) the continuous-time bound on
 w(t) = -alpha'(t) / (1 - alpha(t)) (1/t for the linear schedule), each scored token masked with
 probability 1 - alpha(t). A block diffusion model's bound is the sum over blocks of that bound for
 the block given the clean blocks before it (BD3LM, Arriola et al. 2025), estimated in the 2L layout
-[x_t ; x_0] with one t per block. K Monte Carlo samples per row; `antithetic` (stratified) time
-sampling spaces the K times of a row (and block) evenly, t_k = 1 - frac(u + k / K), instead of
-drawing them independently: the same expectation, a lower variance at equal cost.
+[x_t ; x_0] with one t per block. K Monte Carlo samples per row (and block): `plain` draws t and
+the masks independently; `stratified` (antithetic) spaces the K samples evenly, over the number of
+masked tokens for the linear schedule (the discrete form of the same bound, see `_corrupt`) or over
+t otherwise: the same expectation, a lower variance at equal cost.
 
 Shapes: B batch, L sequence, K samples, E hidden, N selected positions.
 """
@@ -96,18 +97,14 @@ def nelbo_samples(
     out = torch.zeros(B, num_samples, dtype=torch.float64)
     passes = 0
     if how.kind == "mdlm":
-        t_BK = time_samples(torch.rand(B, generator=gen_device, dtype=torch.float64), num_samples, antithetic,
-                            gen_device)  # fmt: skip
+        u_B = torch.rand(B, generator=gen_device, dtype=torch.float64)
         positions = torch.arange(L, device=device).expand(B, L)
+        mask = AttentionMask("bidirectional", doc_ids_BL=docs)
         for k in range(num_samples):
-            t_B = t_BK[:, k].to(device)
-            u_BL = torch.rand(B, L, generator=gen_device, dtype=torch.float64).to(device)
-            masked = scored & (u_BL < (1.0 - schedule.alpha(t_B))[:, None])
+            masked, w_B = _corrupt(scored, u_B, k, num_samples, antithetic, schedule, how.schedule, gen_device)
             noisy = torch.where(masked, how.mask_id, tokens_BL)
-            mask = AttentionMask("bidirectional", doc_ids_BL=docs)
             hidden = _hidden(model, noisy, positions, mask, cfg_scale, tokens_BL, scored, how.mask_id)
-            ce = _row_ce(model, hidden, masked, tokens_BL, how.mask_id)
-            out[:, k] = (ce * schedule.weight(t_B).double().cpu()).cpu()
+            out[:, k] = _row_ce(model, hidden, masked, tokens_BL, how.mask_id) * w_B.cpu()
             passes += 1
         return NelboSamples(out, scored.sum(-1).cpu(), passes)
     assert how.kind == "block" and how.block_size is not None
@@ -115,26 +112,51 @@ def nelbo_samples(
     if L % bs:
         raise ValueError(f"block likelihood: length {L} is not a multiple of block_size {bs}")
     nb = L // bs
-    u_BN = torch.rand(B, nb, generator=gen_device, dtype=torch.float64)
-    t_BNK = torch.stack([time_samples(u_BN[:, j], num_samples, antithetic, gen_device) for j in range(nb)], 1)
     rows = shifted_rows(L, bs, device).expand(B, L) if how.shift else None
-    doc_2 = docs
+    if rows is not None:  # position 0 has no predictor in a shifted model: it is not scored
+        scored = scored & (torch.arange(L, device=device) > 0)[None, :]
+    u_G = torch.rand(B * nb, generator=gen_device, dtype=torch.float64)
     for k in range(num_samples):
-        t_BL = t_BNK[:, :, k].repeat_interleave(bs, dim=1).to(device)
-        u_BL = torch.rand(B, L, generator=gen_device, dtype=torch.float64).to(device)
-        masked = scored & (u_BL < 1.0 - schedule.alpha(t_BL))
+        masked_G, w_G = _corrupt(scored.reshape(B * nb, bs), u_G, k, num_samples, antithetic, schedule, how.schedule,
+                                 gen_device)  # fmt: skip
+        masked = masked_G.reshape(B, L)
+        w_BL = w_G.reshape(B, nb).repeat_interleave(bs, dim=1).to(device)
         noisy = torch.where(masked, how.mask_id, tokens_BL)
-        tokens2, positions2, mask2 = two_halves(noisy, tokens_BL, doc_2, bs)
+        tokens2, positions2, mask2 = two_halves(noisy, tokens_BL, docs, bs)
         hidden = model(tokens2, positions2, mask2, return_hidden=True, num_outputs=None if rows is not None else L)
         if rows is not None:  # position i predicted from hidden i-1 (the clean one at a block start)
             hidden = hidden.gather(1, rows[..., None].expand(-1, -1, hidden.shape[-1]))
-            masked = masked & (torch.arange(L, device=device) > 0)[None, :]
         else:
             hidden = hidden[:, :L]
-        w_BL = schedule.weight(t_BL).double()
-        out[:, k] = _row_ce(model, hidden, masked, tokens_BL, how.mask_id, w_BL).cpu()
+        out[:, k] = _row_ce(model, hidden, masked, tokens_BL, how.mask_id, w_BL)
         passes += 1
     return NelboSamples(out, scored.sum(-1).cpu(), passes)
+
+
+def _corrupt(scored_GN, u_G, k: int, K: int, stratified: bool, schedule, schedule_name: str, gen):
+    """Which scored positions of each group (a row, or a block) are masked in sample k of K, and the
+    weight of each masked token's cross-entropy.
+
+    plain: t ~ U(0, 1] independently, each token masked with probability 1 - alpha(t), weight w(t).
+    stratified, linear schedule: the same bound in its discrete form (for alpha(t) = 1 - t the
+    continuous NELBO equals E over l ~ U{1..n} of (n / l) * the CE of l uniformly chosen masked
+    tokens): the K samples take evenly spaced counts l_k = 1 + floor(frac(u + k / K) * n), so neither
+    the number of masked tokens nor the 1/t weight adds variance.
+    stratified, other schedules: evenly spaced times t_k, Bernoulli masking, weight w(t)."""
+    G, N = scored_GN.shape
+    device = scored_GN.device
+    u_rand = torch.rand(G, N, generator=gen, dtype=torch.float64).to(device)
+    if stratified and schedule_name == "linear":
+        n_G = scored_GN.sum(-1).to(torch.float64)
+        frac = torch.remainder(u_G.to(device) + k / K, 1.0)
+        l_G = (1 + torch.floor(frac * n_G)).clamp(max=n_G.clamp_min(1))
+        ranks = torch.where(scored_GN, u_rand, torch.full_like(u_rand, 2.0)).argsort(-1).argsort(-1)
+        masked = scored_GN & (ranks < l_G[:, None])
+        weight = torch.where(n_G > 0, n_G / l_G, torch.zeros_like(n_G))
+        return masked, weight
+    t_G = time_samples(u_G, K, stratified, gen)[:, k].to(device)
+    masked = scored_GN & (u_rand < (1.0 - schedule.alpha(t_G))[:, None])
+    return masked, schedule.weight(t_G).double()
 
 
 def _hidden(model, noisy, positions, mask, cfg_scale, clean, scored, mask_id):
