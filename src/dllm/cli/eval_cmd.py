@@ -172,3 +172,16 @@ def _file_and_set_fields(sampler_config: Path | None, overrides: list[str] | Non
         data, _ = read_yaml(Path(sampler_config))
         fields |= set(data or {})
     return fields
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True}, add_help_option=False)
+def harness(ctx: typer.Context) -> None:
+    """lm-evaluation-harness with the `dllm` model registered (pip install 'dllm[eval]'); the arguments
+    are lm_eval's own, e.g. --model dllm --model_args run=RUN --tasks TASK --include_path DIR."""
+    try:
+        from dllm.evaluation.harness import main
+    except ImportError as e:
+        raise ConfigError(str(e)) from None
+    code = main(list(ctx.args))
+    if code:
+        raise typer.Exit(code)

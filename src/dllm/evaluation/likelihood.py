@@ -89,6 +89,8 @@ def nelbo_samples(
     B, L = tokens_BL.shape
     scored = scored_BL.to(device).bool()
     docs = None if valid_BL is None or bool(valid_BL.all()) else (~valid_BL.to(device)).long()
+    if cfg_scale > 0 and how.kind != "mdlm":
+        raise ValueError(f"cfg_scale: guidance is applied to masked (mdlm) scoring only, not {how.kind}")
     if how.kind == "ar":
         # a row's first token has no left context to be predicted from: it is not scored
         return NelboSamples(_ar_nll(model, tokens_BL, scored, docs)[:, None], scored[:, 1:].sum(-1).cpu(), 1)
@@ -195,7 +197,8 @@ def _ar_nll(model, tokens_BL, scored_BL, docs) -> torch.Tensor:
     """Exact -log p of each row's scored tokens under a causal model: token i+1 from logits at i."""
     B, L = tokens_BL.shape
     positions = torch.arange(L, device=tokens_BL.device).expand(B, L)
-    hidden = model(tokens_BL, positions, AttentionMask("causal", doc_ids_BL=docs), return_hidden=True)
+    kwargs = {"apply_shift": False} if getattr(getattr(model, "cfg", None), "shift_logits", False) else {}
+    hidden = model(tokens_BL, positions, AttentionMask("causal", doc_ids_BL=docs), return_hidden=True, **kwargs)
     predicted = torch.zeros_like(scored_BL)
     predicted[:, :-1] = scored_BL[:, 1:]  # hidden i predicts token i + 1
     targets = torch.zeros_like(tokens_BL)
@@ -272,7 +275,8 @@ def scoring_for(loaded, kind: str = "auto") -> ScoringModel:
         shift = obj.name == "fast_dllm_v2" or bool(getattr(obj, "shift", False))
         if getattr(obj, "corruption", "mask") != "mask":
             raise ConfigError("objective.corruption: the block bound is computed for mask corruption only")
-        return ScoringModel("block", mask_id, block_size=obj.block_size, shift=shift, schedule=obj.schedule)
+        schedule = getattr(obj, "schedule", "linear")  # fast_dllm_v2 masks with ratio t: the linear schedule
+        return ScoringModel("block", mask_id, block_size=obj.block_size, shift=shift, schedule=schedule)
     if kind == "block":
         raise ConfigError("kind: block needs a run trained with bd3lm or fast_dllm_v2 (its block size)")
     if loaded.model_cfg.shift_logits:

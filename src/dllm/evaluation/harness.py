@@ -1,0 +1,444 @@
+"""lm-evaluation-harness adapter: `--model dllm` scores and samples a dllm run in any lm_eval task.
+
+- loglikelihood: minus the mean of K Monte Carlo samples of the negative ELBO of the continuation
+  given the context (likelihood.nelbo_samples): an unbiased estimate of a lower bound on
+  log p(continuation | context) for masked and block diffusion models, the exact log-probability for
+  kind=ar (K = 1). With cfg_scale > 0 it is a guided score (LLaDA's evaluation), not a bound.
+  is_greedy: one forward with the whole continuation masked (context clean) predicts, by argmax, the
+  target at every continuation position (for ar: the teacher-forced argmax). A masked model decodes
+  over several steps, so this "all at once" test is stricter than greedy decoding; it is the
+  single-forward analogue of lm_eval's causal check and costs one forward per batch.
+  suffix_masks=N appends N mask tokens after the continuation that are never scored: a bidirectional
+  model sees the length of its canvas, so without them it scores the continuation as the *end* of the
+  text; with them, as a prefix of N + |continuation| unknown tokens, as in generation (a model trained
+  on EOS-padded documents, as `dllm init` prepares them, needs this to rank answers; see the tests).
+- loglikelihood_rolling: the whole text (after a BOS / EOS prefix), in lm_eval's rolling windows of
+  max_length tokens (the model's max_seq_len by default); the sum of the windows' bounds.
+  Rows longer than max_length are truncated from the left (for loglikelihood and generation prompts).
+- generate_until: sampling.generate, gen_length = max_gen_toks rounded up to the block length in
+  effect (the output is cut back to max_gen_toks tokens), stop strings = `until`, stop at EOS.
+
+Use (lm_eval 0.4.13's `lm_eval` script cannot find plug-in models, so run its CLI through this module,
+or `dllm eval harness ...` with the same arguments):
+    python -m dllm.evaluation.harness --model dllm --model_args run=RUN,mc_samples=32 --tasks TASK
+model_args win over lm_eval's own --batch_size and --device (its CLI passes 1 and cuda:0 by default).
+or in Python: `from dllm.evaluation.harness import DllmLM` and `lm_eval.simple_evaluate(model=DllmLM(run=...))`
+(or model="dllm" once this module is imported).
+
+Shapes: B batch, L sequence, K samples, N selected positions.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import warnings
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+try:
+    import lm_eval.models  # noqa: F401  (lm_eval's own lazy entries; get_model adds them only to an empty registry)
+    from lm_eval.api.model import LM
+    from lm_eval.api.registry import model_registry, register_model
+except ImportError as err:  # an optional extra
+    raise ImportError(
+        f"dllm.evaluation.harness needs lm-evaluation-harness ({err}); install it with: pip install 'dllm[eval]'"
+    ) from err
+
+import torch
+from pydantic import Field, ValidationError
+
+from dllm.attention.masks import AttentionMask
+from dllm.checkpoint.inference import load_for_inference
+from dllm.cli.sampling_common import cut_at_stop, stop_function
+from dllm.config.base import Section
+from dllm.config.loading import format_validation_error, read_yaml, validate_config
+from dllm.config.rules import resolve_sampler
+from dllm.config.spec import SamplerConfig
+from dllm.diffusion.objectives.block import shifted_rows, two_halves
+from dllm.errors import ConfigError, UserError
+from dllm.evaluation.likelihood import ScoringModel, nelbo_samples, scoring_for
+from dllm.sampling.generate import SpecialIds, generate
+
+DEFAULT_MAX_GEN_TOKS = 64
+LM_EVAL_GEN_KWARGS = ("until", "max_gen_toks", "do_sample", "temperature", "top_k", "top_p")
+
+
+class HarnessArgs(Section):
+    """The `--model_args` of `--model dllm` (besides SamplerConfig fields, which set the sampler)."""
+
+    run: str | None = None
+    """A run folder (its newest checkpoint)."""
+    checkpoint: str | None = None
+    """One checkpoint folder of a run."""
+    model: str | None = None
+    """A Hugging Face or `dllm convert` model folder."""
+    device: str = "cpu"
+    """cpu, cuda or cuda:N."""
+    kind: Literal["auto", "mdlm", "block", "ar"] = "auto"
+    """How to score: auto (from the run's objective; mdlm for a model folder), mdlm, block, or ar (exact NLL)."""
+    mc_samples: int = Field(default=32, gt=0)
+    """Monte Carlo samples of the bound per request (1 for kind ar)."""
+    batch_size: int = Field(default=8, gt=0)
+    """Rows per forward: requests scored (or prompts decoded) together."""
+    cfg_scale: float | None = Field(default=None, ge=0)
+    """Classifier-free guidance in the likelihood and in generation; null: the sampler's (0 by default)."""
+    antithetic: bool = True
+    """Stratified (evenly spaced) Monte Carlo times per row instead of independent ones."""
+    seed: int | None = None
+    """Seed of the Monte Carlo noise and of the sampler; null: the sampler's (0 by default)."""
+    sampler_config: str | None = None
+    """A YAML file of SamplerConfig fields; SamplerConfig fields in model_args override it."""
+    max_length: int | None = Field(default=None, gt=1)
+    """Tokens per row (left truncation, rolling windows); null: the model's max_seq_len. A run trained on
+    shorter rows (data.seq_len) may score better with windows of that length."""
+    suffix_masks: int = Field(default=8, ge=0)
+    """loglikelihood: mask tokens after the continuation, never scored (marginalised out); 0 scores
+    [context; continuation] as the whole sequence (LLaDA's scoring). See the module docstring."""
+
+
+PATH_ARGS = ("run", "checkpoint", "model", "sampler_config", "device")
+
+
+def parse_arg_string(arg_string: str | None) -> dict[str, Any]:
+    """`key=value,key2=value2` as strings (pydantic converts them; paths keep their exact text)."""
+    out: dict[str, Any] = {}
+    for item in (arg_string or "").split(","):
+        if not item.strip():
+            continue
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"model_args: {item.strip()!r} is not KEY=VALUE")
+        value = value.strip()
+        out[key.strip()] = None if value.lower() in ("none", "null") else value
+    return out
+
+
+def parse_model_args(values: dict[str, Any]) -> tuple[HarnessArgs, SamplerConfig, bool]:
+    """(harness args, SamplerConfig before resolution, whether gen_length was set) from model_args."""
+    mine = set(HarnessArgs.model_fields)
+    sampler_fields = set(SamplerConfig.model_fields)
+    unknown = sorted(set(values) - mine - sampler_fields)
+    if unknown:
+        raise ConfigError(
+            f"model_args: unknown argument {unknown[0]!r}; use {', '.join(HarnessArgs.model_fields)} "
+            "or a SamplerConfig field (policy, steps, block_length, cache, ...)"
+        )
+    own = {k: (str(v) if k in PATH_ARGS and v is not None else v) for k, v in values.items() if k in mine}
+    try:
+        args = HarnessArgs.model_validate(own)
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e, "model_args", None)) from None
+    data: dict[str, Any] = {}
+    source, node = "model_args", None
+    if args.sampler_config is not None:
+        path = Path(args.sampler_config)
+        if not path.is_file():
+            raise ConfigError(f"model_args sampler_config: {path} does not exist")
+        data, node = read_yaml(path)
+        source = str(path)
+    data.update({k: v for k, v in values.items() if k in sampler_fields and k not in mine})
+    for k in ("cfg_scale", "seed"):
+        if getattr(args, k) is not None:
+            data[k] = getattr(args, k)
+    gen_length_set = "gen_length" in data
+    if not gen_length_set and data.get("block_length") is not None:
+        data["gen_length"] = data["block_length"]  # each request sets its own; this only has to validate
+    return args, validate_config(SamplerConfig, data, source=source, base_dir=None, node=node), gen_length_set
+
+
+def merge_lm_eval_config(args: dict[str, Any], extra: dict[str, Any] | None) -> dict[str, Any]:
+    """lm_eval's own --batch_size / --device apply where model_args do not set them. Its CLI always
+    passes a device (cuda:0 by default), so a CUDA device on a machine without CUDA falls back to cpu."""
+    out = dict(args)
+    extra = {k: v for k, v in (extra or {}).items() if v is not None}
+    if "batch_size" not in out and "batch_size" in extra:
+        size = str(extra["batch_size"])
+        if size.isdigit():
+            out["batch_size"] = int(size)
+        else:
+            warnings.warn(f"--batch_size {size}: dllm takes a number of rows; using the default", stacklevel=2)
+    if "device" not in out and "device" in extra:
+        device = str(extra["device"])
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            warnings.warn(f"--device {device}: CUDA is not available here; using cpu", stacklevel=2)
+            device = "cpu"
+        out["device"] = device
+    return out
+
+
+def _device(name: str) -> torch.device:
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"model_args device: {name!r} is not a device; use cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"model_args device: {name!r} is not available here; use cpu")
+    return device
+
+
+def _scoring(loaded: Any, kind: str) -> ScoringModel:
+    """likelihood.scoring_for, except for fast_dllm_v2 runs, whose config has no `schedule` for it to read
+    (an AttributeError there): their mask ratio is t ~ U(eps, 1], the linear schedule."""
+    obj = loaded.spec.objective if loaded.spec is not None else None
+    if obj is not None and obj.name == "fast_dllm_v2" and not hasattr(obj, "schedule") and kind in ("auto", "block"):
+        return ScoringModel("block", loaded.tokenizer.mask_id, block_size=obj.block_size, shift=True, schedule="linear")
+    return scoring_for(loaded, kind)
+
+
+def _path(value: str | None) -> Path | None:
+    return None if value is None else Path(value)
+
+
+def _batches(items: Sequence[int], size: int) -> Iterator[list[int]]:
+    for lo in range(0, len(items), size):
+        yield list(items[lo : lo + size])
+
+
+@register_model("dllm")
+class DllmLM(LM):
+    """A dllm run (or model folder) as an lm_eval model; see the module docstring for what each request returns."""
+
+    def __init__(self, **model_args: Any) -> None:
+        super().__init__()
+        model_args.pop("max_batch_size", None)  # lm_eval's auto batch sizing: not used here
+        self.args, sampler, self._gen_length_set = parse_model_args(model_args)
+        a = self.args
+        if sum(x is not None for x in (a.run, a.checkpoint, a.model)) != 1:
+            raise ConfigError("model_args: give exactly one of run=RUN_DIR, checkpoint=CHECKPOINT_DIR or model=DIR")
+        self._device = _device(a.device)
+        self.loaded = load_for_inference(_path(a.run), _path(a.checkpoint), self._device, model_dir=_path(a.model))
+        self.model, self.tokenizer = self.loaded.model, self.loaded.tokenizer
+        self.scoring = _scoring(self.loaded, a.kind)
+        self.sampler = resolve_sampler(sampler, self.loaded.spec, self.loaded.model_cfg)
+        self.cfg_scale = self.sampler.cfg_scale
+        self.seed = self.sampler.seed
+        tok = self.tokenizer
+        self.special = SpecialIds(mask_id=tok.mask_id, pad_id=tok.pad_id, eos_id=tok.eos_id, num_tokens=tok.vocab_size)
+        self.prefix_id = tok.bos_id if tok.bos_id is not None else tok.eos_id
+        self.max_length = int(a.max_length or self.loaded.model_cfg.max_seq_len)
+        if self.max_length > self.loaded.model_cfg.max_seq_len:
+            raise ConfigError(f"model_args max_length: {self.max_length} exceeds the model's max_seq_len "
+                              f"{self.loaded.model_cfg.max_seq_len}")  # fmt: skip
+        bs = self.scoring.block_size if self.scoring.kind == "block" else None
+        self.window = self.max_length // bs * bs if bs else self.max_length  # rows padded to whole blocks
+        self.suffix = a.suffix_masks if self.scoring.kind != "ar" else 0
+        if "suffix_masks" in a.model_fields_set and a.suffix_masks and self.scoring.kind == "ar":
+            warnings.warn("model_args suffix_masks: an ar score never sees later tokens; ignored", stacklevel=2)
+        if self.window - self.suffix < 2:
+            raise ConfigError(f"model_args suffix_masks: {self.suffix} masks leave no room for a context and a "
+                              f"continuation in max_seq_len {self.max_length}")  # fmt: skip
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> DllmLM:
+        return cls(**merge_lm_eval_config(parse_arg_string(arg_string), additional_config))
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict[str, Any], additional_config: dict | None = None) -> DllmLM:
+        return cls(**merge_lm_eval_config(dict(arg_dict), additional_config))
+
+    @property
+    def tokenizer_name(self) -> str:
+        return str(self.tokenizer.identity().get("vocab_hash", self.tokenizer.kind))
+
+    # -- likelihood -------------------------------------------------------------------------------------
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        rows = [self._fit(*self._encode_pair(*req.args), self.suffix) for req in requests]
+        results = self._score(rows)
+        for req, res in zip(requests, results, strict=True):
+            self.cache_hook.add_partial("loglikelihood", req.args, res)
+        return results
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+        rows, owner = [], []
+        for i, req in enumerate(requests):
+            # lm_eval's windows: every token scored once, with as much context as fits (here: `window`
+            # tokens in all, so the windows hold window - 1 predictions after one context token)
+            windows = get_rolling_token_windows(self.tokenizer.encode(req.args[0]), self.prefix_id, self.window - 1, 1)
+            for ctx, cont in map(make_disjoint_window, windows):
+                rows.append(self._fit(ctx, cont, 0))
+                owner.append(i)
+        totals = [0.0] * len(requests)
+        for i, (ll, _) in zip(owner, self._score(rows), strict=True):
+            totals[i] += ll
+        for req, total in zip(requests, totals, strict=True):
+            self.cache_hook.add_partial("loglikelihood_rolling", req.args, total)
+        return totals
+
+    def _encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
+        """Token ids of (context, continuation); the context's trailing spaces go to the continuation (as
+        lm_eval's models do) and an empty context is the BOS (or EOS) token."""
+        spaces = len(context) - len(context.rstrip())
+        if spaces:
+            context, continuation = context[:-spaces], context[-spaces:] + continuation
+        ctx = self.tokenizer.encode(context) if context else [self.prefix_id]
+        return ctx, self.tokenizer.encode(continuation)
+
+    def _fit(self, ctx: list[int], cont: list[int], suffix: int) -> tuple[list[int], int, int]:
+        """(row ids, start, end of the scored span): context + continuation truncated from the left to
+        the model's window, then `suffix` unscored mask tokens."""
+        ids = (ctx + cont)[-(self.window - suffix) :]
+        n = min(len(cont), len(ids))
+        if self.scoring.kind == "ar" and n == len(ids):  # the first token of a row has no predictor
+            n -= 1
+        return ids + [self.tokenizer.mask_id] * suffix, len(ids) - n, len(ids)
+
+    def _score(self, rows: list[tuple[list[int], int, int]]) -> list[tuple[float, bool]]:
+        """(bound on log p(scored span | the rest), is_greedy) per row, in the given order."""
+        how = self.scoring
+        if self.cfg_scale > 0 and how.kind != "mdlm":
+            raise ConfigError(f"cfg_scale: guided likelihoods are computed for masked (mdlm) models; this one is "
+                              f"scored as {how.kind} (use cfg_scale=0 for likelihood tasks)")  # fmt: skip
+        generator = torch.Generator().manual_seed(self.seed)  # the same requests give the same scores
+        out: list[tuple[float, bool]] = [(0.0, True)] * len(rows)
+        todo = sorted((i for i, (_, lo, hi) in enumerate(rows) if hi > lo), key=lambda i: -len(rows[i][0]))
+        for chunk in _batches(todo, self.args.batch_size):
+            tokens, scored, valid = self._pad([rows[i] for i in chunk])
+            res = nelbo_samples(
+                self.model, tokens, scored, how, num_samples=1 if how.kind == "ar" else self.args.mc_samples,
+                antithetic=self.args.antithetic, generator=generator, valid_BL=valid, cfg_scale=self.cfg_scale,
+            )  # fmt: skip
+            ll_B = -res.samples_BK.mean(1)
+            greedy_B = self._greedy(tokens, scored, valid)
+            for j, i in enumerate(chunk):
+                out[i] = (float(ll_B[j]), bool(greedy_B[j]))
+        return out
+
+    def _pad(self, rows: list[tuple[list[int], int, int]]):
+        """Right-padded tokens, scored and valid [B, L]; L a multiple of the block size for block models."""
+        L = max(len(ids) for ids, _, _ in rows)
+        if self.scoring.kind == "block":
+            bs = self.scoring.block_size or 1
+            L = -(-L // bs) * bs
+        tokens = torch.full((len(rows), L), self.tokenizer.pad_id, dtype=torch.long)
+        scored = torch.zeros((len(rows), L), dtype=torch.bool)
+        valid = torch.zeros_like(scored)
+        for b, (ids, lo, hi) in enumerate(rows):
+            tokens[b, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            valid[b, : len(ids)] = True
+            scored[b, lo:hi] = True
+        return tokens.to(self._device), scored.to(self._device), valid.to(self._device)
+
+    def _greedy(self, tokens_BL, scored_BL, valid_BL):
+        """[B] bool: the argmax of one forward (continuation masked; for ar teacher-forced) is the target
+        at every scored position (with guidance when cfg_scale > 0, as the score)."""
+        how, model = self.scoring, self.model
+        B, L = tokens_BL.shape
+        docs = None if bool(valid_BL.all()) else (~valid_BL).long()
+        positions = torch.arange(L, device=tokens_BL.device).expand(B, L)
+        noisy = torch.where(scored_BL, how.mask_id, tokens_BL)
+        with torch.no_grad():
+            if how.kind == "ar":  # hidden i predicts token i + 1
+                hidden = model(tokens_BL, positions, AttentionMask("causal", doc_ids_BL=docs), return_hidden=True)
+                selected = torch.zeros_like(scored_BL)
+                selected[:, 1:] = scored_BL[:, 1:]
+                hidden = torch.cat([hidden[:, :1], hidden[:, :-1]], dim=1)  # row i now holds the predictor of i
+            elif how.kind == "block":
+                bs = how.block_size or 1
+                tokens2, positions2, mask2 = two_halves(noisy, tokens_BL, docs, bs)
+                hidden = model(tokens2, positions2, mask2, return_hidden=True, num_outputs=None if how.shift else L)
+                selected = scored_BL.clone()
+                if how.shift:  # position i from hidden i-1 (the clean copy at a block start)
+                    rows = shifted_rows(L, bs, tokens_BL.device).expand(B, L)
+                    hidden = hidden.gather(1, rows[..., None].expand(-1, -1, hidden.shape[-1]))
+                    selected[:, 0] = False
+                else:
+                    hidden = hidden[:, :L]
+            else:
+                mask = AttentionMask("bidirectional", doc_ids_BL=docs)
+                hidden = model(noisy, positions, mask, return_hidden=True)
+                selected = scored_BL
+            logits = model.logits(hidden[selected]).double()
+            if how.kind == "mdlm" and self.cfg_scale > 0:  # the same guidance as the score: context masked
+                uncond = torch.where(~scored_BL & (tokens_BL != how.mask_id), how.mask_id, noisy)
+                unc = model.logits(model(uncond, positions, mask, return_hidden=True)[selected]).double()
+                logits = unc + (1 + self.cfg_scale) * (logits - unc)
+        logits[:, how.mask_id] = float("-inf")
+        wrong = (logits.argmax(-1) != tokens_BL[selected]).long()
+        rows_N = selected.nonzero()[:, 0]
+        return torch.zeros(B, dtype=torch.long, device=wrong.device).index_add_(0, rows_N, wrong).cpu() == 0
+
+    # -- generation --------------------------------------------------------------------------------------
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        groups: dict[str, list[int]] = {}
+        for i, req in enumerate(requests):
+            groups.setdefault(json.dumps(req.args[1], sort_keys=True, default=str), []).append(i)
+        out = [""] * len(requests)
+        for idxs in groups.values():
+            cfg, max_new = self._gen_config(requests[idxs[0]].args[1])
+            stops = list(cfg.stop_strings)
+            stop = stop_function(self.tokenizer, stops)
+            generator = torch.Generator(device=self._device).manual_seed(cfg.seed)
+            for chunk in _batches(idxs, self.args.batch_size):
+                prompts = [self._prompt(requests[i].args[0], cfg.gen_length) for i in chunk]
+                res = generate(self.model, prompts, cfg, self.special, generator=generator, stop=stop)
+                for i, ids in zip(chunk, res.sequences, strict=True):
+                    out[i] = cut_at_stop(self.tokenizer.decode(ids[:max_new]), stops)
+                    self.cache_hook.add_partial("generate_until", requests[i].args, out[i])
+        return out
+
+    def _gen_config(self, gen_kwargs: dict[str, Any]) -> tuple[SamplerConfig, int]:
+        """The sampler for one set of lm_eval gen_kwargs, and max_gen_toks."""
+        kw = dict(gen_kwargs or {})
+        ignored = sorted(set(kw) - set(LM_EVAL_GEN_KWARGS))
+        if ignored:
+            warnings.warn(f"gen_kwargs {', '.join(ignored)}: not used by the dllm sampler", stacklevel=3)
+        until = kw.get("until") or []
+        until = [until] if isinstance(until, str) else list(until)
+        default = self.sampler.gen_length if self._gen_length_set else DEFAULT_MAX_GEN_TOKS
+        max_new = int(kw.get("max_gen_toks") or default)
+        block = self.sampler.block_length
+        G = -(-max_new // block) * block if block else max_new
+        update: dict[str, Any] = {"gen_length": G, "stop_at_eos": True}
+        update["stop_strings"] = list(dict.fromkeys([*until, *self.sampler.stop_strings]))
+        if self.sampler.steps is not None:  # the same tokens per step as the configured sampler
+            blocks = G // (block or G)
+            steps = math.ceil(self.sampler.steps * G / self.sampler.gen_length / blocks) * blocks
+            update["steps"] = min(steps, G)
+        if kw.get("temperature") is not None:
+            update["temperature"] = float(kw["temperature"])
+        if kw.get("do_sample") is False:
+            update["temperature"] = 0.0
+        elif kw.get("do_sample") and not update.get("temperature", self.sampler.temperature):
+            update["temperature"] = 1.0
+        for k in ("top_k", "top_p"):
+            if kw.get(k) is not None:
+                update[k] = kw[k]
+        cfg = self.sampler.model_copy(update=update)
+        return resolve_sampler(cfg, self.loaded.spec, self.loaded.model_cfg), max_new
+
+    def _prompt(self, context: str, gen_length: int) -> list[int]:
+        """The context's ids, truncated from the left so that prompt + generation fit max_seq_len."""
+        budget = self.max_length - gen_length
+        if budget < 1:
+            raise ConfigError(f"max_gen_toks: {gen_length} generated tokens leave no room for a prompt in "
+                              f"the model's max_seq_len {self.max_length}")  # fmt: skip
+        ids = self.tokenizer.encode(context) or [self.prefix_id]
+        return ids[-budget:]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """lm_eval's own CLI with `--model dllm` registered: `python -m dllm.evaluation.harness --model dllm ...`.
+    A dllm user error ends in one line `dllm: error: ...` and exit code 2."""
+    from lm_eval.__main__ import cli_evaluate
+
+    if "dllm" not in model_registry:
+        register_model("dllm")(DllmLM)
+    saved = sys.argv
+    sys.argv = ["lm-eval", *(sys.argv[1:] if argv is None else argv)]  # lm_eval's parser reads sys.argv
+    try:
+        cli_evaluate()
+    except UserError as e:
+        print(f"dllm: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return e.exit_code
+    finally:
+        sys.argv = saved
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
