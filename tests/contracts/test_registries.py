@@ -21,6 +21,7 @@ from dllm.attention.backends import ATTENTION_BACKENDS
 from dllm.attention.masks import AttentionMask
 from dllm.config.prepare import PrepareSpec
 from dllm.config.spec import (
+    PROCESS_POLICIES,
     BD3LMConfig,
     FastDLLMv2Config,
     MDLMConfig,
@@ -36,7 +37,7 @@ from dllm.diffusion.objectives import OBJECTIVES, LossOutput, ModelInputs, Model
 from dllm.diffusion.schedules import SCHEDULES
 from dllm.models import MODELS
 from dllm.registry import Registry
-from dllm.sampling.policies import POLICIES, select_topk
+from dllm.sampling.policies import POLICIES, Proposal, make_policy, select_topk
 
 REGISTRIES: dict[str, Registry] = {
     "MODELS": MODELS,
@@ -90,7 +91,8 @@ CONFIG_LITERALS = {  # registry -> names its config accepts
     "ATTENTION_BACKENDS": lambda: literal_names(ModelConfig, "attention_backend"),
     "OBJECTIVES": lambda: union_literals(ObjectiveConfig, "name"),
     "SCHEDULES": lambda: union_literals(ObjectiveConfig, "schedule"),
-    "POLICIES": lambda: literal_names(SamplerConfig, "policy"),
+    # the process policies (ancestral, first_hitting, uniform) are loops of generate.py, not commit rules
+    "POLICIES": lambda: literal_names(SamplerConfig, "policy") - set(PROCESS_POLICIES),
     "SOURCES": source_kinds,
 }
 
@@ -346,19 +348,31 @@ def test_objective_loss_normalisation_ignores_padding(name, schedule, model):
 
 
 @pytest.mark.parametrize("name", POLICIES.names())
-def test_policy_scores_contract(name):
-    policy = POLICIES.get(name)()
-    probs = torch.rand(3, 10, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    scores = policy.scores(probs, torch.Generator().manual_seed(1))
-    assert scores.shape == probs.shape
-    assert scores.is_floating_point() and bool(torch.isfinite(scores).all())
-    again = policy.scores(probs, torch.Generator().manual_seed(1))
-    assert torch.equal(scores, again), "not reproducible with the same generator"
+def test_policy_contract(name):
+    """Scheduled policies score positions (reproducibly; `select_topk` commits k of the eligible ones);
+    parallel policies commit a reproducible subset of the eligible positions, at least one per row."""
+    policy = make_policy(name, threshold=0.7, factor=1.0)
+    g = torch.Generator().manual_seed(0)
+    probs = torch.rand(3, 10, generator=g, dtype=torch.float64)
+    prop = Proposal(torch.randint(0, 9, (3, 10), generator=g), probs, probs / 2, 1 - probs)
     eligible = torch.rand(3, 10, generator=torch.Generator().manual_seed(2)) < 0.5
     eligible[:, 0] = True
-    k = torch.tensor([1, 0, int(eligible[2].sum())])
-    sel = select_topk(scores, eligible, k)
-    assert torch.equal(sel.sum(-1), k) and not bool((sel & ~eligible).any())
+    if policy.scheduled:
+        scores = policy.scores(prop, torch.Generator().manual_seed(1))
+        assert scores.shape == probs.shape
+        assert scores.is_floating_point() and bool(torch.isfinite(scores).all())
+        again = policy.scores(prop, torch.Generator().manual_seed(1))
+        assert torch.equal(scores, again), "not reproducible with the same generator"
+        k = torch.tensor([1, 0, int(eligible[2].sum())])
+        sel = select_topk(scores, eligible, k)
+        assert torch.equal(sel.sum(-1), k) and not bool((sel & ~eligible).any())
+    else:
+        sel = policy.commit(prop, eligible)
+        assert sel.dtype == torch.bool and sel.shape == probs.shape
+        assert not bool((sel & ~eligible).any()) and bool((sel.sum(-1) >= 1).all())
+        assert torch.equal(sel, policy.commit(prop, eligible))
+        none = policy.commit(prop, torch.zeros_like(eligible))
+        assert not bool(none.any()), "nothing eligible, nothing committed"
 
 
 # --------------------------------------------------------------------------------------------------
