@@ -13,7 +13,6 @@ EOS, equals the answer after stripping surrounding whitespace on both.
 
 from __future__ import annotations
 
-import json
 import random
 import string
 import time
@@ -76,24 +75,16 @@ def load_task(name_or_path: str, limit: int, seed: int = 0) -> Task:
     path = Path(name_or_path)
     if not path.is_file():
         raise DataError(f"--tasks: {name_or_path!r} is neither a built-in task ({', '.join(BUILTIN)}) nor a JSONL file")
+    from dllm.data.prepare.sources import jsonl_records  # file:line errors for bad JSON, .gz too
+
     examples = []
-    with open(path, encoding="utf-8") as fh:
-        for n, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{n}: invalid JSON ({e.msg})") from None
-            if (
-                not isinstance(rec, dict)
-                or not isinstance(rec.get("prompt"), str)
-                or not isinstance(rec.get("answer"), str)
-            ):
-                raise DataError(f'{path}:{n}: expected {{"prompt": "...", "answer": "..."}}')
-            examples.append(Example(rec["prompt"], rec["answer"]))
-            if len(examples) >= limit:
-                break
+    for rec in jsonl_records(path):
+        prompt, answer = rec.data.get("prompt"), rec.data.get("answer")
+        if not isinstance(prompt, str) or not isinstance(answer, str):
+            raise DataError(f'{rec.where}: expected {{"prompt": "...", "answer": "..."}}')
+        examples.append(Example(prompt, answer))
+        if len(examples) >= limit:
+            break
     if not examples:
         raise DataError(f"{path}: no records")
     longest = max(len(e.answer) for e in examples)
