@@ -265,9 +265,13 @@ class Runner:
             c = self.canvas
             valid = c.valid_BT[:, :ke]
             padded = not bool(valid.all())
-            if c.block_attention:
+            bl = c.block_length
+            if c.block_attention and not padded and qs // bl == (ke - 1) // bl:
+                # every query is in the last key block: block-causal allows all keys (no mask to build)
+                m = AttentionMask("bidirectional", query_offset=qs)
+            elif c.block_attention:
                 docs = valid.long() if padded else None  # padding is its own document
-                m = AttentionMask("block_causal", doc_ids_BL=docs, block_size=c.block_length, query_offset=qs)
+                m = AttentionMask("block_causal", doc_ids_BL=docs, block_size=bl, query_offset=qs)
             else:
                 m = AttentionMask("bidirectional", key_valid_BL=valid if padded else None, query_offset=qs)
             self._masks[(qs, ke)] = m
