@@ -50,16 +50,14 @@ except ImportError as err:  # an optional extra
 import torch
 from pydantic import Field, ValidationError
 
-from dllm.attention.masks import AttentionMask
 from dllm.checkpoint.inference import load_for_inference
 from dllm.cli.sampling_common import cut_at_stop, stop_function
 from dllm.config.base import Section
 from dllm.config.loading import format_validation_error, read_yaml, validate_config
 from dllm.config.rules import resolve_sampler
 from dllm.config.spec import SamplerConfig
-from dllm.diffusion.objectives.block import shifted_rows, two_halves
 from dllm.errors import ConfigError, UserError
-from dllm.evaluation.likelihood import ScoringModel, nelbo_samples, scoring_for
+from dllm.evaluation.likelihood import ScoringModel, guided_hidden, nelbo_samples, predictor_hidden, scoring_for
 from dllm.sampling.generate import SpecialIds, generate
 
 DEFAULT_MAX_GEN_TOKS = 64
@@ -327,39 +325,20 @@ class DllmLM(LM):
         """[B] bool: the argmax of one forward (continuation masked; for ar teacher-forced) is the target
         at every scored position (with guidance when cfg_scale > 0, as the score)."""
         how, model = self.scoring, self.model
-        B, L = tokens_BL.shape
         docs = None if bool(valid_BL.all()) else (~valid_BL).long()
-        positions = torch.arange(L, device=tokens_BL.device).expand(B, L)
         noisy = torch.where(scored_BL, how.mask_id, tokens_BL)
         with torch.no_grad():
-            if how.kind == "ar":  # hidden i predicts token i + 1
-                hidden = model(tokens_BL, positions, AttentionMask("causal", doc_ids_BL=docs), return_hidden=True)
-                selected = torch.zeros_like(scored_BL)
-                selected[:, 1:] = scored_BL[:, 1:]
-                hidden = torch.cat([hidden[:, :1], hidden[:, :-1]], dim=1)  # row i now holds the predictor of i
-            elif how.kind == "block":
-                bs = how.block_size or 1
-                tokens2, positions2, mask2 = two_halves(noisy, tokens_BL, docs, bs)
-                hidden = model(tokens2, positions2, mask2, return_hidden=True, num_outputs=None if how.shift else L)
-                selected = scored_BL.clone()
-                if how.shift:  # position i from hidden i-1 (the clean copy at a block start)
-                    rows = shifted_rows(L, bs, tokens_BL.device).expand(B, L)
-                    hidden = hidden.gather(1, rows[..., None].expand(-1, -1, hidden.shape[-1]))
-                    selected[:, 0] = False
-                else:
-                    hidden = hidden[:, :L]
-            else:
-                mask = AttentionMask("bidirectional", doc_ids_BL=docs)
-                hidden = model(noisy, positions, mask, return_hidden=True)
-                selected = scored_BL
+            hidden, has = predictor_hidden(model, tokens_BL, noisy, how, docs)
+            selected = scored_BL & has
             logits = model.logits(hidden[selected]).double()
             if how.kind == "mdlm" and self.cfg_scale > 0:  # the same guidance as the score: context masked
-                uncond = torch.where(~scored_BL & (tokens_BL != how.mask_id), how.mask_id, noisy)
-                unc = model.logits(model(uncond, positions, mask, return_hidden=True)[selected]).double()
+                _, unc_hidden, _ = guided_hidden(model, tokens_BL, noisy, scored_BL, how, docs, self.cfg_scale)
+                unc = model.logits(unc_hidden[selected]).double()
                 logits = unc + (1 + self.cfg_scale) * (logits - unc)
         logits[:, how.mask_id] = float("-inf")
         wrong = (logits.argmax(-1) != tokens_BL[selected]).long()
         rows_N = selected.nonzero()[:, 0]
+        B = tokens_BL.shape[0]
         return torch.zeros(B, dtype=torch.long, device=wrong.device).index_add_(0, rows_N, wrong).cpu() == 0
 
     # -- generation --------------------------------------------------------------------------------------

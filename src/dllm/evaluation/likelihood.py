@@ -91,21 +91,20 @@ def nelbo_samples(
     docs = None if valid_BL is None or bool(valid_BL.all()) else (~valid_BL.to(device)).long()
     if cfg_scale > 0 and how.kind != "mdlm":
         raise ValueError(f"cfg_scale: guidance is applied to masked (mdlm) scoring only, not {how.kind}")
-    if how.kind == "ar":
-        # a row's first token has no left context to be predicted from: it is not scored
-        return NelboSamples(_ar_nll(model, tokens_BL, scored, docs)[:, None], scored[:, 1:].sum(-1).cpu(), 1)
+    if how.kind == "ar":  # exact: one pass; a row's first token has no left context and is not scored
+        hidden, has = predictor_hidden(model, tokens_BL, tokens_BL, how, docs)
+        nll_B = _row_ce(model, hidden, scored & has, tokens_BL, None)
+        return NelboSamples(nll_B[:, None], (scored & has).sum(-1).cpu(), 1)
     schedule = SCHEDULES.get(how.schedule)()
     gen_device = torch.Generator().manual_seed(int(torch.randint(0, 2**62, (1,), generator=generator)))
     out = torch.zeros(B, num_samples, dtype=torch.float64)
     passes = 0
     if how.kind == "mdlm":
         u_B = torch.rand(B, generator=gen_device, dtype=torch.float64)
-        positions = torch.arange(L, device=device).expand(B, L)
-        mask = AttentionMask("bidirectional", doc_ids_BL=docs)
         for k in range(num_samples):
             masked, w_B = _corrupt(scored, u_B, k, num_samples, antithetic, schedule, how.schedule, gen_device)
             noisy = torch.where(masked, how.mask_id, tokens_BL)
-            hidden = _hidden(model, noisy, positions, mask, cfg_scale, tokens_BL, scored, how.mask_id)
+            hidden = guided_hidden(model, tokens_BL, noisy, scored, how, docs, cfg_scale)
             out[:, k] = _row_ce(model, hidden, masked, tokens_BL, how.mask_id) * w_B.cpu()
             passes += 1
         return NelboSamples(out, scored.sum(-1).cpu(), passes)
@@ -114,8 +113,7 @@ def nelbo_samples(
     if L % bs:
         raise ValueError(f"block likelihood: length {L} is not a multiple of block_size {bs}")
     nb = L // bs
-    rows = shifted_rows(L, bs, device).expand(B, L) if how.shift else None
-    if rows is not None:  # position 0 has no predictor in a shifted model: it is not scored
+    if how.shift:  # position 0 has no predictor in a shifted model: it is not scored
         scored = scored & (torch.arange(L, device=device) > 0)[None, :]
     u_G = torch.rand(B * nb, generator=gen_device, dtype=torch.float64)
     for k in range(num_samples):
@@ -124,12 +122,7 @@ def nelbo_samples(
         masked = masked_G.reshape(B, L)
         w_BL = w_G.reshape(B, nb).repeat_interleave(bs, dim=1).to(device)
         noisy = torch.where(masked, how.mask_id, tokens_BL)
-        tokens2, positions2, mask2 = two_halves(noisy, tokens_BL, docs, bs)
-        hidden = model(tokens2, positions2, mask2, return_hidden=True, num_outputs=None if rows is not None else L)
-        if rows is not None:  # position i predicted from hidden i-1 (the clean one at a block start)
-            hidden = hidden.gather(1, rows[..., None].expand(-1, -1, hidden.shape[-1]))
-        else:
-            hidden = hidden[:, :L]
+        hidden, _ = predictor_hidden(model, tokens_BL, noisy, how, docs)
         out[:, k] = _row_ce(model, hidden, masked, tokens_BL, how.mask_id, w_BL)
         passes += 1
     return NelboSamples(out, scored.sum(-1).cpu(), passes)
@@ -161,19 +154,53 @@ def _corrupt(scored_GN, u_G, k: int, K: int, stratified: bool, schedule, schedul
     return masked, schedule.weight(t_G).double()
 
 
-def _hidden(model, noisy, positions, mask, cfg_scale, clean, scored, mask_id):
-    """Final hidden states; with guidance, cond + w (cond - uncond) is applied to the logits instead
-    (returned as a (cond, uncond) pair for `_row_ce`)."""
+def predictor_hidden(
+    model: torch.nn.Module,
+    tokens_BL: torch.Tensor,
+    noisy_BL: torch.Tensor,
+    how: ScoringModel,
+    docs: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model call of scoring: hidden states [B, L, E] whose row i is the state that predicts token
+    i, and bool [B, L]: which positions have a predictor (not position 0 of AR and shifted models).
+
+    mdlm: one bidirectional pass over `noisy_BL`. block: [noisy ; clean] under the block-diffusion
+    mask, the noisy half (or, shifted, hidden i-1 and the clean one at a block start). ar: a causal
+    pass over the clean `tokens_BL`, hidden i-1 predicting token i. `docs`: document ids (padding)."""
+    B, L = tokens_BL.shape
+    device = tokens_BL.device
+    has = torch.ones(B, L, dtype=torch.bool, device=device)
+    positions = torch.arange(L, device=device).expand(B, L)
+    if how.kind == "ar":
+        kwargs = {"apply_shift": False} if getattr(getattr(model, "cfg", None), "shift_logits", False) else {}
+        hidden = model(tokens_BL, positions, AttentionMask("causal", doc_ids_BL=docs), return_hidden=True, **kwargs)
+        has[:, 0] = False
+        return torch.cat([hidden[:, :1], hidden[:, :-1]], dim=1), has
+    if how.kind == "block":
+        assert how.block_size is not None
+        tokens2, positions2, mask2 = two_halves(noisy_BL, tokens_BL, docs, how.block_size)
+        hidden = model(tokens2, positions2, mask2, return_hidden=True, num_outputs=None if how.shift else L)
+        if not how.shift:
+            return hidden[:, :L], has
+        rows = shifted_rows(L, how.block_size, device).expand(B, L)
+        has[:, 0] = False
+        return hidden.gather(1, rows[..., None].expand(-1, -1, hidden.shape[-1])), has
+    return model(noisy_BL, positions, AttentionMask("bidirectional", doc_ids_BL=docs), return_hidden=True), has
+
+
+def guided_hidden(model, tokens_BL, noisy_BL, scored_BL, how: ScoringModel, docs, cfg_scale: float):
+    """mdlm with guidance: (cond, uncond, w) hidden states for `_row_ce`; the uncond pass masks the
+    context (the unscored, unmasked tokens), as LLaDA evaluates. Without guidance, the plain states."""
+    cond, _ = predictor_hidden(model, tokens_BL, noisy_BL, how, docs)
     if cfg_scale <= 0:
-        return model(noisy, positions, mask, return_hidden=True)
-    context = ~scored & (clean != mask_id)
-    uncond = torch.where(context, mask_id, noisy)
-    return (model(noisy, positions, mask, return_hidden=True), model(uncond, positions, mask, return_hidden=True),
-            cfg_scale)  # fmt: skip
+        return cond
+    uncond = torch.where(~scored_BL & (tokens_BL != how.mask_id), how.mask_id, noisy_BL)
+    return cond, predictor_hidden(model, tokens_BL, uncond, how, docs)[0], cfg_scale
 
 
-def _row_ce(model, hidden, selected_BL, targets_BL, mask_id: int, weights_BL=None) -> torch.Tensor:
-    """sum over each row's selected positions of weight * -log p(target) (mask id excluded), float64 [B]."""
+def _row_ce(model, hidden, selected_BL, targets_BL, mask_id: int | None, weights_BL=None) -> torch.Tensor:
+    """sum over each row's selected positions of weight * -log p(target), float64 [B]; the mask id is
+    excluded from the distribution unless `mask_id` is None (an AR model's exact NLL)."""
     B = selected_BL.shape[0]
     rows = selected_BL.nonzero()[:, 0]
     if rows.numel() == 0:
@@ -182,31 +209,17 @@ def _row_ce(model, hidden, selected_BL, targets_BL, mask_id: int, weights_BL=Non
         cond, unc, w = hidden
         lc, lu = model.logits(cond[selected_BL]).double(), model.logits(unc[selected_BL]).double()
         logits = lu + (1 + w) * (lc - lu)
-        logits[:, mask_id] = float("-inf")
+        if mask_id is not None:
+            logits[:, mask_id] = float("-inf")
         ce_N = torch.nn.functional.cross_entropy(logits, targets_BL[selected_BL], reduction="none")
     else:
         features, weight, bias = model.head(hidden[selected_BL])
-        _, ce_N = linear_cross_entropy(features, weight, targets_BL[selected_BL], exclude_ids=(mask_id,), bias_V=bias)
+        exclude = () if mask_id is None else (mask_id,)
+        _, ce_N = linear_cross_entropy(features, weight, targets_BL[selected_BL], exclude_ids=exclude, bias_V=bias)
     ce_N = ce_N.double()
     if weights_BL is not None:
         ce_N = ce_N * weights_BL[selected_BL].double()
     return torch.zeros(B, dtype=torch.float64, device=ce_N.device).index_add_(0, rows, ce_N).cpu()
-
-
-def _ar_nll(model, tokens_BL, scored_BL, docs) -> torch.Tensor:
-    """Exact -log p of each row's scored tokens under a causal model: token i+1 from logits at i."""
-    B, L = tokens_BL.shape
-    positions = torch.arange(L, device=tokens_BL.device).expand(B, L)
-    kwargs = {"apply_shift": False} if getattr(getattr(model, "cfg", None), "shift_logits", False) else {}
-    hidden = model(tokens_BL, positions, AttentionMask("causal", doc_ids_BL=docs), return_hidden=True, **kwargs)
-    predicted = torch.zeros_like(scored_BL)
-    predicted[:, :-1] = scored_BL[:, 1:]  # hidden i predicts token i + 1
-    targets = torch.zeros_like(tokens_BL)
-    targets[:, :-1] = tokens_BL[:, 1:]
-    features, weight, bias = model.head(hidden[predicted])
-    _, ce_N = linear_cross_entropy(features, weight, targets[predicted], bias_V=bias)
-    rows = predicted.nonzero()[:, 0]
-    return torch.zeros(B, dtype=torch.float64, device=ce_N.device).index_add_(0, rows, ce_N.double()).cpu()
 
 
 @dataclass
