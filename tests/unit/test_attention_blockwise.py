@@ -143,6 +143,50 @@ def test_block_causal_and_causal_equal_sdpa(kind, block, extra):
     assert_equals_sdpa(mask, batch=3, heads=(4, 2), S=30, num_chunks=3, impl="chunked")
 
 
+@pytest.mark.parametrize("extra", ["docs", "all"])
+def test_noisy_only_plan_is_a_view_of_the_full_plan(extra):
+    """A model's last layer (x_t's queries only) after the full layers of the same step reuses the
+    full plan's masks as views, and still equals the dense reference (outputs and gradients)."""
+    from dllm.attention.backends.bd_split import Plan
+
+    seq, block, chunks = 32, 4, 3
+    mask = AttentionMask("block_diffusion", block_size=block, **extras(extra, 3, seq))
+    q, k, v = make_qkv(3, (4, 2), 2 * seq)
+    split_attention(q, k, v, mask, chunks)  # a full layer builds the plan
+    full = Plan.of(mask, q, seq, chunks)
+    q_t = q[:, :, :seq].detach().clone().requires_grad_(True)
+    out = split_attention(q_t, k, v, mask, chunks)
+    noisy = Plan.of(mask, q_t, seq, chunks)
+    assert noisy.noisy_only and not full.noisy_only
+    for m_noisy, m_full in zip(noisy.a_masks, full.a_masks, strict=True):
+        assert m_noisy.untyped_storage().data_ptr() == m_full.untyped_storage().data_ptr()
+    ref = sdpa_attention(q_t, k, v, mask)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))
+    got = torch.autograd.grad((out * w).sum(), (q_t, k, v))
+    want = torch.autograd.grad((ref * w).sum(), (q_t, k, v))
+    for g_out, g_ref in zip(got, want, strict=True):
+        torch.testing.assert_close(g_out, g_ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_split_attention_other_dtypes(dtype):
+    """bf16 (float32 statistics inside) and float64 against the dense reference in the same dtype."""
+    seq, block = 32, 8
+    mask = AttentionMask("block_diffusion", block_size=block, **extras("all", 2, seq))
+    q, k, v = (t.detach().to(dtype).requires_grad_(True) for t in make_qkv(2, (4, 2), 2 * seq))
+    out = split_attention(q, k, v, mask, 3)
+    ref = sdpa_attention(q, k, v, mask)
+    tol = {"atol": 2e-2, "rtol": 2e-2} if dtype == torch.bfloat16 else {"atol": 1e-10, "rtol": 1e-10}
+    assert out.dtype == dtype
+    torch.testing.assert_close(out, ref, **tol)
+    got = torch.autograd.grad(out.float().sum(), (q, k, v))
+    want = torch.autograd.grad(ref.float().sum(), (q, k, v))
+    for g_out, g_ref in zip(got, want, strict=True):
+        assert g_out.dtype == dtype
+        torch.testing.assert_close(g_out, g_ref, **tol)
+
+
 @pytest.mark.parametrize(
     ("kind", "block", "extra"),
     [

@@ -81,6 +81,10 @@ class AttentionMask:
             self._memo[key] = build()
         return self._memo[key]
 
+    def memoized(self, key: Any) -> Any:
+        """What `memo` built for `key` so far (None if nothing, or inside a compiled region)."""
+        return None if torch.compiler.is_compiling() else self._memo.get(key)
+
 
 def _check_per_position(key_valid_BL: torch.Tensor | None, doc_ids_BL: torch.Tensor | None) -> None:
     for name, t in (("key_valid_BL", key_valid_BL), ("doc_ids_BL", doc_ids_BL)):

@@ -84,9 +84,23 @@ class Plan:
         self.b_mask = _additive(allowed_b.expand(batch, n, bs, bs).reshape(batch * n, 1, bs, bs), dtype)
         self.b_has_key = allowed_b.any(-1).expand(batch, n, bs).reshape(batch, 1, L)  # [B, 1, L]
 
+    def noisy_rows(self) -> Plan:
+        """The plan of a call whose queries are x_t's rows only (a last layer): part A's masks are the
+        first rows of each chunk's (views, nothing evaluated again); part B is the same."""
+        plan = object.__new__(Plan)
+        plan.__dict__.update(self.__dict__)
+        plan.noisy_only = True
+        plan.a_masks = [m[:, :, : e - s] for m, (s, e) in zip(self.a_masks, self.spans, strict=True)]
+        plan.a_has_key = [h[:, :, : e - s] for h, (s, e) in zip(self.a_has_key, self.spans, strict=True)]
+        return plan
+
     @staticmethod
     def of(mask: AttentionMask, q: torch.Tensor, seq_len: int, num_chunks: int) -> Plan:
         key = ("bd_split", q.shape[0], seq_len, q.shape[2], num_chunks, q.dtype, q.device)
+        if q.shape[2] == seq_len:  # x_t's queries only: a view of the full plan when the step built one
+            full = mask.memoized(("bd_split", q.shape[0], seq_len, 2 * seq_len, num_chunks, q.dtype, q.device))
+            if full is not None:
+                return mask.memo(key, full.noisy_rows)
         return mask.memo(key, lambda: Plan(mask, q.shape[0], seq_len, q.shape[2], num_chunks, q.dtype, q.device))
 
     def query_rows(self, x_BHQD: torch.Tensor, s: int, e: int) -> torch.Tensor:
@@ -109,10 +123,14 @@ class Plan:
         return x_BHLD[:, :, : self.seq_len].reshape(B, H, n, bs, D).transpose(1, 2).reshape(B * n, H, bs, D)
 
     def unblocks(self, x_GHbD: torch.Tensor, batch: int) -> torch.Tensor:
-        """Inverse of `blocks`: [B*N, H, bs, D] -> [B, H, L, D]."""
+        """Inverse of `blocks` as a view: [B*N, H, bs, D] -> [B, H, N, bs, D] (strided, no copy)."""
         _, H, bs, D = x_GHbD.shape
-        n = self.seq_len // bs
-        return x_GHbD.reshape(batch, n, H, bs, D).transpose(1, 2).reshape(batch, H, self.seq_len, D)
+        return x_GHbD.view(batch, self.seq_len // bs, H, bs, D).transpose(1, 2)
+
+    def rows5(self, x_BHSD: torch.Tensor) -> torch.Tensor:
+        """x_t's rows of [B, H, S, D] as a [B, H, N, bs, D] view (to meet `unblocks` without copies)."""
+        B, H, _, D = x_BHSD.shape
+        return x_BHSD[:, :, : self.seq_len].view(B, H, self.seq_len // self.block_size, self.block_size, D)
 
 
 def _evaluate(mod: MaskMod, mb: int, q_idx: torch.Tensor, kv_idx: torch.Tensor, blocked: bool = False) -> torch.Tensor:
@@ -126,7 +144,8 @@ def _evaluate(mod: MaskMod, mb: int, q_idx: torch.Tensor, kv_idx: torch.Tensor, 
 
 
 def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+    zero = torch.zeros((), dtype=dtype, device=allowed.device)
+    return torch.where(allowed, zero, torch.full((), float("-inf"), dtype=dtype, device=allowed.device))
 
 
 class _SplitAttention(torch.autograd.Function):
@@ -141,24 +160,26 @@ class _SplitAttention(torch.autograd.Function):
         for (s, e), m, has in zip(plan.spans, plan.a_masks, plan.a_has_key, strict=True):
             o_c, lse_c = _flash(plan.query_rows(q_BHQD, s, e), k0[:, :, :e], v0[:, :, :e], attn_mask=m, scale=scale)
             lse_c = lse_c.masked_fill(~has, float("-inf"))  # the kernel reports 0 for rows without keys
-            plan.put_rows(out, o_c.to(acc), s, e)
+            plan.put_rows(out, o_c, s, e)
             plan.put_rows(lse[..., None], lse_c[..., None], s, e)
         # part B: noisy queries against their own block of x_t, then the exact merge on x_t's rows
         o_b, lse_b = _flash(
             plan.blocks(q_BHQD), plan.blocks(k_BKSD), plan.blocks(v_BKSD), attn_mask=plan.b_mask, scale=scale
         )
-        o_b = plan.unblocks(o_b.to(acc), B)
-        lse_b = plan.unblocks(lse_b[..., None], B)[..., 0].masked_fill(~plan.b_has_key, float("-inf"))
-        lse_a, o_a = lse[:, :, :L], out[:, :, :L]
+        n, bs = L // plan.block_size, plan.block_size
+        lse_b = plan.unblocks(lse_b[..., None], B).reshape(B, H, L).masked_fill(~plan.b_has_key, float("-inf"))
+        lse_a = lse[:, :, :L]
         top = torch.maximum(lse_a, lse_b)
         top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # no key at all: out 0, lse 0
         w_a, w_b = torch.exp(lse_a - top), torch.exp(lse_b - top)
         total = w_a + w_b
         safe = torch.where(total > 0, total, torch.ones_like(total))
-        out[:, :, :L] = (w_a[..., None] * o_a + w_b[..., None] * o_b) / safe[..., None]
-        lse[:, :, :L] = top + torch.log(safe)
+        o_a = plan.rows5(out)  # in place on x_t's rows: out = (w_a * o_a + w_b * o_b) / total
+        o_a.mul_((w_a / safe).view(B, H, n, bs, 1)).addcmul_(plan.unblocks(o_b, B), (w_b / safe).view(B, H, n, bs, 1))
+        lse_a.copy_(top + torch.log(safe))
         if not plan.noisy_only:
-            lse[:, :, L:] = torch.where(torch.isfinite(lse[:, :, L:]), lse[:, :, L:], torch.zeros_like(lse[:, :, L:]))
+            lse_0 = lse[:, :, L:]
+            lse_0.masked_fill_(~torch.isfinite(lse_0), 0.0)
         out = out.to(q_BHQD.dtype)
         ctx.save_for_backward(q_BHQD, k_BKSD, v_BKSD, out, lse)
         ctx.plan, ctx.scale = plan, scale
@@ -172,29 +193,33 @@ class _SplitAttention(torch.autograd.Function):
         L, B = plan.seq_len, q.shape[0]
         grad = grad_BHQD.contiguous()
         acc = lse.dtype
-        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        dk = torch.zeros(k.shape, dtype=acc, device=k.device)
-        dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+        dq = torch.empty(q.shape, dtype=acc, device=q.device)  # every row written by part A
+        dk0 = dv0 = None  # x_0's key gradients: summed over the chunks, from the last (all keys) down
         k0, v0 = k[:, :, L:], v[:, :, L:]
-        for (s, e), m in zip(plan.spans, plan.a_masks, strict=True):
-            rows = (plan.query_rows(t, s, e).contiguous() for t in (grad, q, out))
-            g_c, q_c, o_c = rows
+        for (s, e), m in reversed(list(zip(plan.spans, plan.a_masks, strict=True))):
+            g_c, q_c, o_c = (plan.query_rows(t, s, e).contiguous() for t in (grad, q, out))
             lse_c = plan.query_rows(lse[..., None], s, e)[..., 0].contiguous()
             dq_c, dk_c, dv_c = _flash_backward(
                 g_c, q_c, k0[:, :, :e], v0[:, :, :e], o_c, lse_c, 0.0, False, attn_mask=m, scale=ctx.scale
             )
-            n = e - s
-            dq[:, :, s:e] += dq_c[:, :, :n]
-            if not plan.noisy_only:
-                dq[:, :, L + s : L + e] += dq_c[:, :, n:]
-            dk[:, :, L : L + e] += dk_c
-            dv[:, :, L : L + e] += dv_c
+            plan.put_rows(dq, dq_c, s, e)
+            if dk0 is None or dv0 is None:
+                assert e == L  # the last chunk ends at L
+                dk0, dv0 = dk_c.to(acc), dv_c.to(acc)  # the kernel's fresh outputs: summed into in place
+            else:
+                dk0[:, :, :e] += dk_c
+                dv0[:, :, :e] += dv_c
+        assert dk0 is not None and dv0 is not None
         lse_blocks = plan.blocks(lse[:, :, :L, None])[..., 0].contiguous()
         dq_b, dk_b, dv_b = _flash_backward(
             plan.blocks(grad), plan.blocks(q), plan.blocks(k), plan.blocks(v), plan.blocks(out), lse_blocks,
             0.0, False, attn_mask=plan.b_mask, scale=ctx.scale,
         )  # fmt: skip
-        dq[:, :, :L] += plan.unblocks(dq_b, B)
-        dk[:, :, :L] += plan.unblocks(dk_b, B)
-        dv[:, :, :L] += plan.unblocks(dv_b, B)
+        plan.rows5(dq).add_(plan.unblocks(dq_b, B))
+        dk = torch.empty(k.shape, dtype=acc, device=k.device)
+        dv = torch.empty(v.shape, dtype=acc, device=v.device)
+        plan.rows5(dk).copy_(plan.unblocks(dk_b, B))  # x_t's keys: only their own block's queries
+        plan.rows5(dv).copy_(plan.unblocks(dv_b, B))
+        dk[:, :, L:] = dk0
+        dv[:, :, L:] = dv0
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
