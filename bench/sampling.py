@@ -4,7 +4,8 @@ Trains (or loads from --work) two tiny models on a generated deterministic task:
 random letters and a colon, the answer is those letters repeated 16 times (128 characters). One is a
 bidirectional masked diffusion model (mdlm), the other a block diffusion model (bd3lm, block 32).
 Then, for 128 generated tokens with block 32 at batch 1 and 8, it runs each configuration on the same
-prompts and prints one JSON line per configuration: NFE per call, tokens per forward, wall time, the
+prompts and prints one JSON line per configuration: NFE per call, tokens per forward, wall time (the
+fastest of --repeats rounds that each run every configuration once), the
 wall-clock ratio to the plain semi-AR low-confidence loop (one token per step, no cache, same batch
 size), tokens/s, and exact-match accuracy over the prompts. A last line sums up the targets:
 threshold + dual cache vs the plain loop, the exact block cache vs uncached block sampling (same
@@ -100,24 +101,23 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {  # name -> (model, sampler fi
 }
 
 
-def run_config(loaded, fields: dict[str, Any], prompts: list[str], answers: list[str], batch: int, repeats: int):
+def run_config(loaded, fields: dict[str, Any], prompts: list[str], answers: list[str], batch: int):
+    """One pass over all prompts in batches of `batch`: wall time, NFE, commits and accuracy."""
     tok = loaded.tokenizer
     cfg = SamplerConfig(gen_length=GEN, block_length=BLOCK, stop_at_eos=False, **fields)
     cfg = resolve_sampler(cfg, loaded.spec, loaded.model_cfg)
     special = SpecialIds(tok.mask_id, tok.pad_id, tok.eos_id, tok.vocab_size)
     ids = [tok.encode(p) for p in prompts]
-    best, right, nfe, committed = float("inf"), 0, 0, 0
-    for _ in range(repeats):  # the fastest of `repeats` passes over all prompts (jitter only slows)
-        t0, right, nfe, committed = time.perf_counter(), 0, 0, 0
-        for i in range(0, len(ids), batch):
-            res = generate(loaded.model, ids[i : i + batch], cfg, special)
-            nfe += res.nfe
-            committed += res.tokens_committed
-            right += sum(tok.decode(s) == a for s, a in zip(res.sequences, answers[i : i + batch], strict=True))
-        best = min(best, time.perf_counter() - t0)
+    t0, right, nfe, committed = time.perf_counter(), 0, 0, 0
+    for i in range(0, len(ids), batch):
+        res = generate(loaded.model, ids[i : i + batch], cfg, special)
+        nfe += res.nfe
+        committed += res.tokens_committed
+        right += sum(tok.decode(s) == a for s, a in zip(res.sequences, answers[i : i + batch], strict=True))
+    wall = time.perf_counter() - t0
     calls = len(ids) // batch
     return {"nfe_per_call": nfe / calls, "tokens_per_forward": round(committed / max(nfe, 1), 2),
-            "wall_s": round(best, 3), "tokens_per_s": round(committed / best, 1),
+            "wall_s": round(wall, 3), "tokens_per_s": round(committed / wall, 1),
             "accuracy": right / len(ids)}  # fmt: skip
 
 
@@ -126,7 +126,7 @@ def main() -> int:
     ap.add_argument("--work", type=Path, default=Path("/tmp/dllm-bench-sampling"))
     ap.add_argument("--prompts", type=int, default=16, help="Prompts per configuration (a multiple of 8).")
     ap.add_argument("--steps", type=int, default=300, help="Training steps of each model.")
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3, help="Rounds over all configurations (fastest kept).")
     ap.add_argument("--retrain", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -147,9 +147,15 @@ def main() -> int:
     tests = [example(rng) for _ in range(args.prompts)]
     prompts, answers = [t["prompt"] for t in tests], [t["completion"] for t in tests]
     results: dict[tuple[str, int], dict[str, Any]] = {}
-    for batch in (1, 8):
-        for name, (model, fields) in CONFIGS.items():
-            results[(name, batch)] = run_config(models[model], fields, prompts, answers, batch, args.repeats)
+    # repeats outermost: every configuration runs once per round, so a slow spell of a shared machine
+    # hits all of them alike; each keeps its fastest round (decoding is greedy: the same tokens each time)
+    for _ in range(args.repeats):
+        for batch in (1, 8):
+            for name, (model, fields) in CONFIGS.items():
+                r = run_config(models[model], fields, prompts, answers, batch)
+                best = results.get((name, batch))
+                if best is None or r["wall_s"] < best["wall_s"]:
+                    results[(name, batch)] = r
     for (name, batch), r in results.items():
         base = results[("plain", batch)]["wall_s"]
         line = {"bench": "sampling", "config": name, "model": CONFIGS[name][0], "batch": batch,

@@ -441,3 +441,15 @@ def test_stop_at_eos_stops_inside_a_single_block():
     assert res.sequences == [[], [], []]
     # after the first call every row has committed EOS as its first generated token
     assert res.nfe == 1
+
+
+def test_generated_canvas_can_enter_autograd():
+    """The loop runs under inference_mode; its returned canvas is an ordinary tensor, so it can be
+    trained on (an inference tensor would fail in the embedding's backward)."""
+    model = tiny_transformer()
+    res = generate(model, PROMPTS, sampler(), SPECIAL)
+    assert not res.canvas_BL.is_inference()
+    model.train()
+    positions = torch.arange(res.canvas_BL.shape[1]).expand_as(res.canvas_BL)
+    model(res.canvas_BL, positions).logsumexp(-1).sum().backward()
+    assert model.embed_tokens.weight.grad is not None

@@ -35,6 +35,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # normalise in float32 for stability under autocast, as LLaMA does
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
 
 
@@ -58,16 +60,21 @@ def make_norm(cfg: ModelConfig, dim: int | None = None) -> nn.Module:
 
 
 def rope_cos_sin(positions_BL: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [B, 1, L, D] for the rotate-half RoPE convention (Hugging Face LLaMA layout)."""
+    """cos and signed sin [B, 1, L, D] for the rotate-half RoPE convention (Hugging Face LLaMA layout).
+
+    The sin table carries rotate-half's sign, [-sin, sin] per half, so that
+    rotate_half(x) * sin == swap_halves(x) * signed_sin and `apply_rope` needs no negation."""
     freqs = positions_BL.float()[..., None] * inv_freq.float()[None, None, :]
-    emb = torch.cat([freqs, freqs], dim=-1)[:, None]
-    return emb.cos(), emb.sin()
+    cos, sin = freqs.cos(), freqs.sin()
+    return torch.cat([cos, cos], dim=-1)[:, None], torch.cat([-sin, sin], dim=-1)[:, None]
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin, computed in the tables' dtype (float32 for bf16 activations)."""
+    if x.dtype != cos.dtype:
+        return apply_rope(x.to(cos.dtype), cos, signed_sin).to(x.dtype)
     half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+    return torch.addcmul(x * cos, torch.cat((x[..., half:], x[..., :half]), dim=-1), signed_sin)
 
 
 class Attention(nn.Module):

@@ -345,7 +345,6 @@ def _twice(mask: AttentionMask) -> AttentionMask:
 # the loop
 
 
-@torch.no_grad()
 def generate(
     model: torch.nn.Module,
     prompts: list[list[int]],
@@ -357,7 +356,17 @@ def generate(
     stop: Callable[[list[int]], bool] | None = None,
 ) -> GenerationResult:
     """Decode `gen_length` tokens after each prompt. `stop(row_ids)` says whether a row's decided
-    prefix already ends the row (stop strings); `callback` sees the canvas after every step."""
+    prefix already ends the row (stop strings); `callback` sees the canvas after every step.
+
+    The loop runs under `torch.inference_mode` (less dispatch work per op than `no_grad`: ~10% of a
+    small model's forward); the returned canvas is an ordinary tensor, usable in autograd later."""
+    with torch.inference_mode():
+        result = _generate(model, prompts, cfg, special, generator, callback, stop)
+    result.canvas_BL = result.canvas_BL.clone()  # inference tensors cannot enter autograd
+    return result
+
+
+def _generate(model, prompts, cfg, special, generator, callback, stop) -> GenerationResult:
     if not prompts:
         raise ValueError("generate needs at least one prompt")
     device = next(model.parameters()).device
