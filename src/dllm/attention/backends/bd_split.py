@@ -191,7 +191,7 @@ class _SplitAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         plan: Plan = ctx.plan
         L, B = plan.seq_len, q.shape[0]
-        grad = grad_BHQD.contiguous()
+        grad = grad_BHQD  # may be a transposed view: every use below gathers its rows into a contiguous copy
         acc = lse.dtype
         dq = torch.empty(q.shape, dtype=acc, device=q.device)  # every row written by part A
         dk0 = dv0 = None  # x_0's key gradients: summed over the chunks, from the last (all keys) down
