@@ -4,7 +4,7 @@ and BD3LM's exact block-sparse attention (`blockwise`) against the dense 2L mask
 All variants are built in this one process and stepped interleaved (A B C ...), medians reported.
 Tokens/s counts data tokens (L per sequence) for every objective, so a ratio is the cost per token.
 
-    python bench/objectives.py [--rounds 6] [--preset demo]
+    python bench/objectives.py [--rounds 10] [--preset demo]
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def measure(variants: dict[str, Any], rounds: int, warmup: int) -> dict[str, flo
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--preset", default="demo")
     ap.add_argument("--backend", default="auto", help="attention backend of the throughput comparison")
