@@ -366,7 +366,15 @@ def generate(
     return result
 
 
-def _generate(model, prompts, cfg, special, generator, callback, stop) -> GenerationResult:
+def _generate(
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    cfg: SamplerConfig,
+    special: SpecialIds,
+    generator: torch.Generator | None,
+    callback: Callable[[StepEvent], None] | None,
+    stop: Callable[[list[int]], bool] | None,
+) -> GenerationResult:
     if not prompts:
         raise ValueError("generate needs at least one prompt")
     device = next(model.parameters()).device

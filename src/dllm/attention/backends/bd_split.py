@@ -26,6 +26,7 @@ N number of blocks, Q / C rows of one call's queries / keys.
 
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -87,8 +88,7 @@ class Plan:
     def noisy_rows(self) -> Plan:
         """The plan of a call whose queries are x_t's rows only (a last layer): part A's masks are the
         first rows of each chunk's (views, nothing evaluated again); part B is the same."""
-        plan = object.__new__(Plan)
-        plan.__dict__.update(self.__dict__)
+        plan = copy.copy(self)
         plan.noisy_only = True
         plan.a_masks = [m[:, :, : e - s] for m, (s, e) in zip(self.a_masks, self.spans, strict=True)]
         plan.a_has_key = [h[:, :, : e - s] for h, (s, e) in zip(self.a_has_key, self.spans, strict=True)]
