@@ -3,14 +3,18 @@ and BD3LM's exact block-sparse attention (`blockwise`) against the dense 2L mask
 
 All variants are built in this one process and stepped interleaved (A B C ...), medians reported.
 Tokens/s counts data tokens (L per sequence) for every objective, so a ratio is the cost per token.
+`page_faults_per_step` is the process's minor page faults during each objective's steps (median):
+memory the C allocator gave back to the OS and the step faults in again (training.cpu_allocator;
+`--cpu-allocator system` runs the whole bench with glibc's defaults, for comparison).
 
-    python bench/objectives.py [--rounds 10] [--preset demo]
+    python bench/objectives.py [--rounds 10] [--preset demo] [--cpu-allocator retain|system]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import resource
 import statistics
 import sys
 import tempfile
@@ -46,14 +50,20 @@ def artifact(root: Path, seq_len: int) -> Path:
     return root / f"prepared-{seq_len}"
 
 
-def trainer(root: Path, name: str, objective: dict, seq_len: int, preset: str, backend: str):
+def trainer(root: Path, name: str, objective: dict, seq_len: int, preset: str, backend: str, allocator: str):
     batch = TOKENS_PER_STEP // seq_len
     values = {
         "run": {"name": name, "output_dir": str(root / "runs")},
         "model": {"preset": preset, "attention_backend": backend, "max_seq_len": seq_len},
         "data": {"path": str(root / f"prepared-{seq_len}"), "seq_len": seq_len},
         "objective": objective,
-        "training": {"steps": 10_000, "global_batch_size": batch, "micro_batch_size": batch, "device": "cpu"},
+        "training": {
+            "steps": 10_000,
+            "global_batch_size": batch,
+            "micro_batch_size": batch,
+            "device": "cpu",
+            "cpu_allocator": allocator,
+        },
         "checkpointing": {"save_final": False},
         "logging": {"progress": "off", "tensorboard": "off"},
     }
@@ -61,23 +71,30 @@ def trainer(root: Path, name: str, objective: dict, seq_len: int, preset: str, b
     return build_trainer(spec, root / "runs" / name)
 
 
-def step_seconds(tr) -> float:
-    t0 = time.perf_counter()
+def minor_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def step_seconds(tr) -> tuple[float, int]:
+    """(wall seconds, minor page faults) of one training step."""
+    f0, t0 = minor_faults(), time.perf_counter()
     tr.train_step(tr.loader.next_step())
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, minor_faults() - f0
 
 
-def measure(variants: dict[str, Any], rounds: int, warmup: int) -> dict[str, float]:
+def measure(variants: dict[str, Any], rounds: int, warmup: int) -> tuple[dict[str, float], dict[str, int]]:
+    """Median step seconds and median page faults per step of each variant."""
     for tr in variants.values():
         for _ in range(warmup):
             step_seconds(tr)
-    samples: dict[str, list[float]] = {k: [] for k in variants}
+    samples: dict[str, list[tuple[float, int]]] = {k: [] for k in variants}
     for _ in range(rounds):
         for k, tr in variants.items():
             samples[k].append(step_seconds(tr))
     for tr in variants.values():
         tr.metrics.close()
-    return {k: statistics.median(v) for k, v in samples.items()}
+    seconds = {k: statistics.median(s for s, _ in v) for k, v in samples.items()}
+    return seconds, {k: int(statistics.median(f for _, f in v)) for k, v in samples.items()}
 
 
 def main() -> int:
@@ -86,20 +103,29 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--preset", default="demo")
     ap.add_argument("--backend", default="auto", help="attention backend of the throughput comparison")
+    ap.add_argument("--cpu-allocator", default="retain", choices=["retain", "system"], help="training.cpu_allocator")
     args = ap.parse_args()
     torch.manual_seed(0)
     out: dict[str, Any] = {"bench": "objectives", "preset": args.preset, "device": "cpu",
-                           "threads": torch.get_num_threads(), "tokens_per_step": TOKENS_PER_STEP}  # fmt: skip
+                           "threads": torch.get_num_threads(), "tokens_per_step": TOKENS_PER_STEP,
+                           "cpu_allocator": args.cpu_allocator}  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         artifact(root, 512)
-        variants = {k: trainer(root, k, o, 512, args.preset, args.backend) for k, o in OBJECTIVES.items()}
-        t = measure(variants, args.rounds, args.warmup)
-        out["L512"] = {k: {"step_s": round(v, 4), "tokens_per_s": round(TOKENS_PER_STEP / v, 1)} for k, v in t.items()}
+        alloc = args.cpu_allocator
+        variants = {k: trainer(root, k, o, 512, args.preset, args.backend, alloc) for k, o in OBJECTIVES.items()}
+        t, faults = measure(variants, args.rounds, args.warmup)
+        out["L512"] = {
+            k: {"step_s": round(v, 4), "tokens_per_s": round(TOKENS_PER_STEP / v, 1), "page_faults_per_step": faults[k]}
+            for k, v in t.items()
+        }
         out["cost_per_token_vs_mdlm_L512"] = {k: round(v / t["mdlm"], 3) for k, v in t.items()}
         artifact(root, 1024)
-        bd = {b: trainer(root, f"bd3lm-{b}", OBJECTIVES["bd3lm"], 1024, args.preset, b) for b in ("sdpa", "blockwise")}
-        tb = measure(bd, args.rounds, args.warmup)
+        bd = {
+            b: trainer(root, f"bd3lm-{b}", OBJECTIVES["bd3lm"], 1024, args.preset, b, alloc)
+            for b in ("sdpa", "blockwise")
+        }
+        tb, _ = measure(bd, args.rounds, args.warmup)
         out["bd3lm_L1024_step_s"] = {k: round(v, 4) for k, v in tb.items()}
         out["bd3lm_blockwise_speedup_vs_dense_L1024"] = round(tb["sdpa"] / tb["blockwise"], 3)
     print(json.dumps(out))

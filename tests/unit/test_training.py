@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import platform
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -271,3 +274,45 @@ def test_lora_run_trains_only_adapters_and_resumes(train_yaml: Path, monkeypatch
     pos = torch.arange(16)[None]
     with torch.no_grad():
         torch.testing.assert_close(loaded.model(x, pos), trainer.model(x, pos), atol=1e-5, rtol=0)
+
+
+def test_cpu_training_asks_for_retained_memory_unless_told_not_to(train_yaml: Path, monkeypatch: pytest.MonkeyPatch):
+    calls: list[int] = []
+    monkeypatch.setattr(build_mod, "retain_freed_memory", lambda: calls.append(1) or True)
+    _trainer(train_yaml, "run.name=retain")
+    assert calls == [1]
+    _trainer(train_yaml, "run.name=system", "training.cpu_allocator=system")
+    assert calls == [1]
+
+
+_FAULTS_OF_A_64MB_LOOP = """
+import resource, sys, torch
+from dllm.training.host_memory import retain_freed_memory
+applied = retain_freed_memory() if sys.argv[1] == "retain" else False
+def faults():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(30):  # 64 MiB: above glibc's largest adaptive mmap threshold (32 MiB)
+    torch.empty(16 << 20).fill_(1.0)  # retained: the heap grows to its working set, then stays
+f0 = faults()
+for _ in range(10):
+    x = torch.empty(16 << 20).fill_(1.0)
+    del x
+print(applied, faults() - f0)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc", reason="glibc")
+def test_retained_memory_is_reused_without_page_faults():
+    """A freed 64 MiB tensor: glibc's default unmaps it, so each new one faults its 16384 pages in again;
+    retained, once the heap has grown to the loop's working set, new ones reuse it without faults."""
+
+    def run(mode: str) -> tuple[str, int]:
+        out = subprocess.run([sys.executable, "-c", _FAULTS_OF_A_64MB_LOOP, mode], capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        applied, faults = out.stdout.split()
+        return applied, int(faults)
+
+    applied, retained = run("retain")
+    assert applied == "True"
+    assert retained < 1000  # 10 x 16384 pages without it
+    assert run("system")[1] > 10 * 16384 * 0.9

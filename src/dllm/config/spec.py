@@ -309,6 +309,10 @@ class TrainingConfig(Section):
     """Compile the model with torch.compile (slow to start; pays off on GPU)."""
     chunked_loss: bool = True
     """LM head + cross-entropy in chunks, never materialising [tokens x vocab] logits (false: the plain reference)."""
+    cpu_allocator: Literal["retain", "system"] = "retain"
+    """CPU training only. retain: glibc malloc keeps freed memory for reuse instead of returning large
+    blocks to the OS and faulting them in again every step (training/host_memory.py; process-wide, a
+    no-op on other C libraries). system: leave the C allocator as it is."""
 
 
 class OptimizerConfig(Section):

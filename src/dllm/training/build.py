@@ -23,6 +23,7 @@ from dllm.models import factory
 from dllm.parallel.apply import apply_parallelism, unwrap, wrap_replicated
 from dllm.parallel.dims import DistEnv, ParallelDims, init_process_group, pick_device
 from dllm.tokenization import Tokenizer, build_tokenizer
+from dllm.training.host_memory import retain_freed_memory
 from dllm.training.lr import LRSchedule
 from dllm.training.metrics import MetricsLogger
 from dllm.training.optim import build_optimizer
@@ -60,6 +61,8 @@ def build_trainer(spec: RunSpec, run_dir: Path, env: DistEnv | None = None) -> T
     env = env or DistEnv.from_environ()
     check_topology(spec, env.world_size)  # a worker started by hand with another world size
     device = pick_device(spec.training.device, env)
+    if device.type == "cpu" and spec.training.cpu_allocator == "retain":
+        retain_freed_memory()  # before the first step's activations: they would fault in every step
     init_process_group(env, spec.topology, device)
     tok = build_tokenizer(spec.tokenizer)
     artifact = open_artifact(spec.data.path)
