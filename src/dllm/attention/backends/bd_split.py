@@ -104,11 +104,12 @@ class Plan:
         return mask.memo(key, lambda: Plan(mask, q.shape[0], seq_len, q.shape[2], num_chunks, q.dtype, q.device))
 
     def query_rows(self, x_BHQD: torch.Tensor, s: int, e: int) -> torch.Tensor:
-        """Part A's query rows of chunk [s, e): x_t[s:e] then (unless noisy-only) x_0[s:e]."""
+        """Part A's query rows of chunk [s, e): x_t[s:e] then (unless noisy-only) x_0[s:e]. The rows are
+        gathered row-major ([B, Q, H, D] memory, like `_rows_major`), so each half is one block copy."""
         if self.noisy_only:
             return x_BHQD[:, :, s:e]
-        L = self.seq_len
-        return torch.cat([x_BHQD[:, :, s:e], x_BHQD[:, :, L + s : L + e]], dim=2)
+        L, x_BQHD = self.seq_len, x_BHQD.transpose(1, 2)
+        return torch.cat([x_BQHD[:, s:e], x_BQHD[:, L + s : L + e]], dim=1).transpose(1, 2)
 
     def put_rows(self, dst_BHQD: torch.Tensor, rows_BHQD: torch.Tensor, s: int, e: int) -> None:
         n = e - s
@@ -117,15 +118,17 @@ class Plan:
             dst_BHQD[:, :, self.seq_len + s : self.seq_len + e] = rows_BHQD[:, :, n:]
 
     def blocks(self, x_BHLD: torch.Tensor) -> torch.Tensor:
-        """x_t's rows [B, H, L, D] -> [B*N, H, bs, D] (one batch entry per block)."""
+        """x_t's rows [B, H, L, D] -> [B*N, H, bs, D] (one batch entry per block). On row-major memory
+        ([B, L, H, D], the model's and the kernel's layout) this is a view for L rows and one block
+        copy per batch entry for 2L."""
         B, H, _, D = x_BHLD.shape
         n, bs = self.seq_len // self.block_size, self.block_size
-        return x_BHLD[:, :, : self.seq_len].reshape(B, H, n, bs, D).transpose(1, 2).reshape(B * n, H, bs, D)
+        return x_BHLD[:, :, : self.seq_len].transpose(1, 2).reshape(B * n, bs, H, D).transpose(1, 2)
 
     def unblocks(self, x_GHbD: torch.Tensor, batch: int) -> torch.Tensor:
-        """Inverse of `blocks` as a view: [B*N, H, bs, D] -> [B, H, N, bs, D] (strided, no copy)."""
+        """Inverse of `blocks`: [B*N, H, bs, D] -> [B, H, N, bs, D] (a view of the kernel's outputs)."""
         _, H, bs, D = x_GHbD.shape
-        return x_GHbD.view(batch, self.seq_len // bs, H, bs, D).transpose(1, 2)
+        return x_GHbD.transpose(1, 2).reshape(batch, self.seq_len // bs, bs, H, D).permute(0, 3, 1, 2, 4)
 
     def rows5(self, x_BHSD: torch.Tensor) -> torch.Tensor:
         """x_t's rows of [B, H, S, D] as a [B, H, N, bs, D] view (to meet `unblocks` without copies)."""
@@ -148,6 +151,13 @@ def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.where(allowed, zero, torch.full((), float("-inf"), dtype=dtype, device=allowed.device))
 
 
+def _rows_major(B: int, H: int, Q: int, D: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An empty [B, H, Q, D] laid out as [B, Q, H, D], the layout of the kernel's own outputs and of the
+    model's projections: row copies in and out are contiguous, and the model's transpose-and-reshape of
+    the output (and of q/k/v's gradients) is a view instead of a copy."""
+    return torch.empty(B, Q, H, D, dtype=dtype, device=device).transpose(1, 2)
+
+
 class _SplitAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_BHQD, k_BKSD, v_BKSD, plan: Plan):  # type: ignore[override]
@@ -155,7 +165,7 @@ class _SplitAttention(torch.autograd.Function):
         L, scale = plan.seq_len, 1.0 / math.sqrt(D)
         k0, v0 = k_BKSD[:, :, L:], v_BKSD[:, :, L:]  # x_0's keys: part A
         acc = torch.promote_types(q_BHQD.dtype, torch.float32)  # the kernel's log-sum-exp dtype
-        out = torch.empty(B, H, Q, D, dtype=acc, device=q_BHQD.device)
+        out = _rows_major(B, H, Q, D, acc, q_BHQD.device)
         lse = torch.empty(B, H, Q, dtype=acc, device=q_BHQD.device)
         for (s, e), m, has in zip(plan.spans, plan.a_masks, plan.a_has_key, strict=True):
             o_c, lse_c = _flash(plan.query_rows(q_BHQD, s, e), k0[:, :, :e], v0[:, :, :e], attn_mask=m, scale=scale)
@@ -193,7 +203,7 @@ class _SplitAttention(torch.autograd.Function):
         L, B = plan.seq_len, q.shape[0]
         grad = grad_BHQD  # may be a transposed view: every use below gathers its rows into a contiguous copy
         acc = lse.dtype
-        dq = torch.empty(q.shape, dtype=acc, device=q.device)  # every row written by part A
+        dq = _rows_major(*q.shape, acc, q.device)  # every row written by part A
         dk0 = dv0 = None  # x_0's key gradients: summed over the chunks, from the last (all keys) down
         k0, v0 = k[:, :, L:], v[:, :, L:]
         for (s, e), m in reversed(list(zip(plan.spans, plan.a_masks, strict=True))):
@@ -216,8 +226,7 @@ class _SplitAttention(torch.autograd.Function):
             0.0, False, attn_mask=plan.b_mask, scale=ctx.scale,
         )  # fmt: skip
         plan.rows5(dq).add_(plan.unblocks(dq_b, B))
-        dk = torch.empty(k.shape, dtype=acc, device=k.device)
-        dv = torch.empty(v.shape, dtype=acc, device=v.device)
+        dk, dv = _rows_major(*k.shape, acc, k.device), _rows_major(*v.shape, acc, v.device)
         plan.rows5(dk).copy_(plan.unblocks(dk_b, B))  # x_t's keys: only their own block's queries
         plan.rows5(dv).copy_(plan.unblocks(dv_b, B))
         dk[:, :, L:] = dk0
