@@ -310,9 +310,7 @@ class TrainingConfig(Section):
     chunked_loss: bool = True
     """LM head + cross-entropy in chunks, never materialising [tokens x vocab] logits (false: the plain reference)."""
     cpu_allocator: Literal["retain", "system"] = "retain"
-    """CPU training only. retain: glibc malloc keeps freed memory for reuse instead of returning large
-    blocks to the OS and faulting them in again every step (training/host_memory.py; process-wide, a
-    no-op on other C libraries). system: leave the C allocator as it is."""
+    """CPU training: retain keeps freed heap memory for reuse (no page faults each step); system leaves malloc alone."""
 
 
 class OptimizerConfig(Section):
