@@ -187,6 +187,27 @@ def test_split_attention_other_dtypes(dtype):
         torch.testing.assert_close(g_out, g_ref, **tol)
 
 
+@pytest.mark.parametrize("layout", ["row_major", "standard"])
+@pytest.mark.parametrize("q_rows", ["all", "noisy"])
+def test_split_attention_any_input_layout_and_expanded_gradient(layout, q_rows):
+    """q/k/v laid out [B, L, H, D] (the model's projections) or [B, H, L, D], and the stride-0 gradient
+    of a plain sum: outputs and gradients equal the dense reference's."""
+    seq, block = 32, 8
+    mask = AttentionMask("block_diffusion", block_size=block, **extras("all", 2, seq))
+    base = make_qkv(2, (4, 2), 2 * seq, seed=3)
+    if layout == "row_major":
+        base = [t.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_(True) for t in base]
+    q, k, v = base
+    q_in = q if q_rows == "all" else q[:, :, :seq]
+    out = split_attention(q_in, k, v, mask, 3)
+    ref = sdpa_attention(q_in, k, v, mask)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    got = torch.autograd.grad(out.sum(), (q, k, v))  # SumBackward hands over an expanded (stride 0) gradient
+    want = torch.autograd.grad(ref.sum(), (q, k, v))
+    for g_out, g_ref in zip(got, want, strict=True):
+        torch.testing.assert_close(g_out, g_ref, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize(
     ("kind", "block", "extra"),
     [

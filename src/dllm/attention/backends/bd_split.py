@@ -158,9 +158,15 @@ def _rows_major(B: int, H: int, Q: int, D: int, dtype: torch.dtype, device: torc
     return torch.empty(B, Q, H, D, dtype=dtype, device=device).transpose(1, 2)
 
 
+def _dense_rows(x: torch.Tensor) -> torch.Tensor:
+    """x itself when the kernel can read it in place: any strides, but each row's D values adjacent."""
+    return x if x.stride(-1) == 1 and 0 not in x.stride()[:-1] else x.contiguous()
+
+
 class _SplitAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_BHQD, k_BKSD, v_BKSD, plan: Plan):  # type: ignore[override]
+        q_BHQD, k_BKSD, v_BKSD = _dense_rows(q_BHQD), _dense_rows(k_BKSD), _dense_rows(v_BKSD)
         B, H, Q, D = q_BHQD.shape
         L, scale = plan.seq_len, 1.0 / math.sqrt(D)
         k0, v0 = k_BKSD[:, :, L:], v_BKSD[:, :, L:]  # x_0's keys: part A
@@ -201,13 +207,13 @@ class _SplitAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         plan: Plan = ctx.plan
         L, B = plan.seq_len, q.shape[0]
-        grad = grad_BHQD  # may be a transposed view: every use below gathers its rows into a contiguous copy
+        grad = _dense_rows(grad_BHQD)  # any strides the kernel reads (an expanded gradient is made dense)
         acc = lse.dtype
         dq = _rows_major(*q.shape, acc, q.device)  # every row written by part A
         dk0 = dv0 = None  # x_0's key gradients: summed over the chunks, from the last (all keys) down
         k0, v0 = k[:, :, L:], v[:, :, L:]
         for (s, e), m in reversed(list(zip(plan.spans, plan.a_masks, strict=True))):
-            g_c, q_c, o_c = (plan.query_rows(t, s, e).contiguous() for t in (grad, q, out))
+            g_c, q_c, o_c = (plan.query_rows(t, s, e) for t in (grad, q, out))
             lse_c = plan.query_rows(lse[..., None], s, e)[..., 0].contiguous()
             dq_c, dk_c, dv_c = _flash_backward(
                 g_c, q_c, k0[:, :, :e], v0[:, :, :e], o_c, lse_c, 0.0, False, attn_mask=m, scale=ctx.scale
