@@ -153,10 +153,10 @@ def test_noisy_only_plan_is_a_view_of_the_full_plan(extra):
     mask = AttentionMask("block_diffusion", block_size=block, **extras(extra, 3, seq))
     q, k, v = make_qkv(3, (4, 2), 2 * seq)
     split_attention(q, k, v, mask, chunks)  # a full layer builds the plan
-    full = Plan.of(mask, q, seq, chunks)
+    full = Plan.of(mask, q, k, seq, chunks)
     q_t = q[:, :, :seq].detach().clone().requires_grad_(True)
     out = split_attention(q_t, k, v, mask, chunks)
-    noisy = Plan.of(mask, q_t, seq, chunks)
+    noisy = Plan.of(mask, q_t, k, seq, chunks)
     assert noisy.noisy_only and not full.noisy_only
     for m_noisy, m_full in zip(noisy.a_masks, full.a_masks, strict=True):
         assert m_noisy.untyped_storage().data_ptr() == m_full.untyped_storage().data_ptr()
@@ -167,6 +167,87 @@ def test_noisy_only_plan_is_a_view_of_the_full_plan(extra):
     want = torch.autograd.grad((ref * w).sum(), (q_t, k, v))
     for g_out, g_ref in zip(got, want, strict=True):
         torch.testing.assert_close(g_out, g_ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("noisy_only", [False, True], ids=["both_halves", "noisy_queries"])
+@pytest.mark.parametrize("window", [None, 10])
+def test_split_leaves_out_keys_no_row_of_a_chunk_sees(window, noisy_only):
+    """Documents (and windows) mask whole key ranges of a chunk: those keys are left out of its call,
+    including the last chunk's (its gradient then starts from zeros), and the result is still exact."""
+    from dllm.attention.backends.bd_split import Plan
+
+    seq, block, chunks = 48, 4, 4
+    doc = torch.zeros(3, seq, dtype=torch.long)
+    doc[:, 20:] = 1  # a document starts at 20 in every row, and at 30 / 36 in two of them
+    doc[1, 30:], doc[2, 36:] = 2, 2
+    mask = AttentionMask("block_diffusion", block_size=block, doc_ids_BL=doc, window=window)
+    q, k, v = make_qkv(3, (4, 2), 2 * seq, seed=5)
+    full = Plan.of(mask, q, k, seq, chunks)
+    assert full.spans == [(0, 12), (12, 24), (24, 36), (36, 48)]
+    # keys before 20 are in another document for every row from 24 on; a window of 10 also drops the
+    # keys more than 9 before a chunk's first row (12 -> 3, 36 -> 27)
+    starts = [0, 0, 20, 20] if window is None else [0, 3, 20, 27]
+    assert full.key_ranges == [(lo, e) for lo, (_, e) in zip(starts, full.spans, strict=True)]
+    assert all(m.shape[-1] == hi - lo for m, (lo, hi) in zip(full.a_masks, full.key_ranges, strict=True))
+    # x_t's rows alone (a last layer) see fewer: not their own block's x_0, nothing before a document start
+    allowed = dense_mask(mask_mod(mask, 2 * seq), 3, 2 * seq, 2 * seq, CPU)[..., seq:]  # keys: x_0
+    noisy = Plan.of(mask, q[:, :, :seq], k, seq, chunks)
+    for plan, halves in ((full, (0, seq)), (noisy, (0,))):
+        for (s, e), (lo, hi) in zip(plan.spans, plan.key_ranges, strict=True):
+            rows = torch.cat([torch.arange(h + s, h + e) for h in halves])
+            seen = allowed[:, :, rows].any(dim=(0, 1, 2)).nonzero().flatten()
+            assert (lo, hi) == (int(seen[0]), int(seen[-1]) + 1)
+    assert noisy.key_ranges[1] == (0 if window is None else 3, 16)  # chunk [12, 24): rows 20-23 start a document
+    assert_equals_sdpa(mask, 3, (4, 2), 2 * seq, chunks, impl="split", q_len=seq if noisy_only else None)
+    plain = Plan.of(AttentionMask("block_diffusion", block_size=block), q, k, seq, chunks)
+    assert plain.key_ranges == [(0, e) for _, e in full.spans]
+
+
+def test_split_plans_without_per_position_tensors_are_kept_across_steps(monkeypatch):
+    """A pattern without documents / padding is the same every training step: its plan is built once
+    and reused by the next step's description; with documents each description builds its own."""
+    import dllm.attention.backends.bd_split as bd_split
+
+    monkeypatch.setattr(bd_split, "_STATIC_PLANS", bd_split._StaticPlans(max_plans=2))
+    q, k, _ = make_qkv(2, (4, 2), 32)
+    step1, step2 = (AttentionMask("block_diffusion", block_size=4) for _ in range(2))
+    plan = bd_split.Plan.of(step1, q, k, 16, 2)
+    assert bd_split.Plan.of(step2, q, k, 16, 2) is plan
+    assert bd_split.Plan.of(step2, q, k, 16, 4) is not plan  # another chunk count, another plan
+    windowed = bd_split.Plan.of(AttentionMask("block_diffusion", block_size=4, window=3), q, k, 16, 2)
+    assert windowed is not plan and windowed.key_ranges != plan.key_ranges
+    assert len(bd_split._STATIC_PLANS.plans) == 2  # the least recently used one was dropped
+    assert bd_split.Plan.of(AttentionMask("block_diffusion", block_size=4), q, k, 16, 2) is not plan
+    doc = doc_ids_BL(2, 16, 0)
+    with_docs = [AttentionMask("block_diffusion", block_size=4, doc_ids_BL=doc) for _ in range(2)]
+    assert bd_split.Plan.of(with_docs[0], q, k, 16, 2) is not bd_split.Plan.of(with_docs[1], q, k, 16, 2)
+    monkeypatch.setattr(bd_split, "_STATIC_PLANS", bd_split._StaticPlans(max_bytes=0))  # too big to keep
+    bd_split.Plan.of(AttentionMask("block_diffusion", block_size=4), q, k, 16, 2)
+    assert not bd_split._STATIC_PLANS.plans
+
+
+def test_split_stacks_the_query_heads_of_a_key_value_head():
+    """Calls over both halves stack the G = H / K query heads of each key/value head along the rows
+    (one call reads each key once for G heads; the CPU kernel's larger query tile); `put_rows` inverts
+    `query_rows`. Noisy-only calls stay views of q (stacking copies measured slower there)."""
+    from dllm.attention.backends.bd_split import Plan
+
+    seq = 16
+    mask = AttentionMask("block_diffusion", block_size=4)
+    q, k, _ = make_qkv(2, (6, 2), 2 * seq)
+    plan = Plan.of(mask, q, k, seq, 2)
+    assert plan.group == 3
+    rows = plan.query_rows(q.detach(), 8, 16)
+    assert rows.shape == (2, 2, 3 * 2 * 8, D)
+    # stacked rows: head h = 3 * kv_head + g, then x_t[8:16] and x_0[8:16] of that head
+    torch.testing.assert_close(rows[:, 1, 2 * 16 : 2 * 16 + 8], q.detach()[:, 5, 8:16])
+    torch.testing.assert_close(rows[:, 1, 2 * 16 + 8 : 3 * 16], q.detach()[:, 5, seq + 8 : seq + 16])
+    back = torch.zeros_like(q.detach())
+    plan.put_rows(back, rows, 8, 16)
+    torch.testing.assert_close(back[:, :, 8:16], q.detach()[:, :, 8:16])
+    torch.testing.assert_close(back[:, :, seq + 8 :], q.detach()[:, :, seq + 8 :])
+    noisy = Plan.of(mask, q[:, :, :seq], k, seq, 2)
+    assert noisy.group == 1 and noisy.query_rows(q, 0, 8)._base is not None
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])

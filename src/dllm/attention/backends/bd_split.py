@@ -20,6 +20,17 @@ and its backward), which returns the log-sum-exp the public SDPA hides. Masks co
 mask function at global indices, so documents, key padding and windows are exact by construction;
 rows with no allowed key at all output 0, as the CPU flash kernel does.
 
+Three measured refinements (bench/objectives.py, demo model, L = 512):
+- a part A call over both halves stacks the G query heads that share a key/value head along its rows
+  ([B, K, G * 2 * Lc, D]): each key is read once for G heads, and 256 rows instead of 128 move the
+  kernel to its larger query tile (64 rows instead of 32); ~3.5% off a full layer's attention;
+- keys that no row of a chunk may see (other documents, outside a window; for x_t's rows alone, as
+  in a last layer, their own block's x_0) are left out of its call: the key slice runs from the first
+  to the last key some row sees. The demo corpus packs ~20-token documents, so part A scores
+  ~0.37 * L * L pairs instead of 1.125 * L * L: attention fell from ~280 to ~140 ms of a training step;
+- a pattern without per-position tensors is the same every step: its plan is kept across steps
+  (~5 ms per step to build at L = 512).
+
 Shapes: B batch, H query heads, K key/value heads, L sequence length (2L layout), D head width,
 N number of blocks, Q / C rows of one call's queries / keys.
 """
@@ -28,6 +39,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -54,68 +66,108 @@ def split_attention(
     """q [B, H, 2L or L, D], k/v [B, K, 2L, D] -> [B, H, 2L or L, D]; equal to the dense-mask SDPA."""
     seq_len = layout_length(mask, k_BKSD.shape[2])
     assert seq_len is not None and mask.block_size is not None
-    plan = Plan.of(mask, q_BHQD, seq_len, num_chunks)
+    plan = Plan.of(mask, q_BHQD, k_BKSD, seq_len, num_chunks)
     return _SplitAttention.apply(q_BHQD, k_BKSD, v_BKSD, plan)
 
 
 class Plan:
     """The calls of one (mask, shape, dtype): chunk spans, additive masks and which rows have keys."""
 
-    def __init__(self, mask: AttentionMask, batch: int, seq_len: int, q_len: int, num_chunks: int, dtype, device):
+    def __init__(
+        self, mask: AttentionMask, batch: int, seq_len: int, q_len: int, num_chunks: int, group: int, dtype, device
+    ):
         from dllm.attention.backends.blockwise import chunk_spans
 
         assert mask.block_size is not None
         self.seq_len, self.block_size, self.noisy_only = seq_len, mask.block_size, q_len == seq_len
+        self.group = 1 if self.noisy_only else group
         self.spans: list[Span] = chunk_spans(seq_len, mask.block_size, num_chunks)
         mod = mask_mod(mask, 2 * seq_len)
         mb = batch if depends_on_batch(mask) else 1
         L, bs = seq_len, mask.block_size
-        self.a_masks: list[torch.Tensor] = []  # additive [mb, 1, Q, e] per chunk
+        self.a_masks: list[torch.Tensor] = []  # additive [mb, 1, Q, hi - lo] per chunk
         self.a_has_key: list[torch.Tensor] = []  # bool [mb, 1, Q] per chunk
+        self.key_ranges: list[Span] = []  # per chunk: the x_0 keys [lo, hi) some row of the call may see
         for s, e in self.spans:
             rows = [torch.arange(s, e, device=device)]
             if not self.noisy_only:
                 rows.append(torch.arange(L + s, L + e, device=device))
             allowed = _evaluate(mod, mb, torch.cat(rows), torch.arange(L, L + e, device=device))
-            self.a_masks.append(_additive(allowed, dtype))
+            lo, hi = _seen_keys(allowed)  # other documents, outside a window, x_t's own block: left out
+            self.key_ranges.append((lo, hi))
+            self.a_masks.append(_additive(allowed[..., lo:hi], dtype))
             self.a_has_key.append(allowed.any(-1))
+        # the calls' rows are `group` query heads' rows stacked (see `query_rows`): the masks repeat per head
+        G = self.group
+        self.call_masks = [m.repeat(1, 1, G, 1) for m in self.a_masks] if G > 1 else self.a_masks
+        self.call_has_key = [h.repeat(1, 1, G) for h in self.a_has_key] if G > 1 else self.a_has_key
         n = L // bs
         idx = torch.arange(L, device=device).view(n, bs)
         allowed_b = _evaluate(mod, mb, idx[:, :, None], idx[:, None, :], blocked=True)  # [mb, N, bs, bs]
         self.b_mask = _additive(allowed_b.expand(batch, n, bs, bs).reshape(batch * n, 1, bs, bs), dtype)
         self.b_has_key = allowed_b.any(-1).expand(batch, n, bs).reshape(batch, 1, L)  # [B, 1, L]
 
+    def nbytes(self) -> int:
+        tensors = [*self.a_masks, *self.a_has_key, *self.call_masks, *self.call_has_key, self.b_mask, self.b_has_key]
+        return sum(t.untyped_storage().nbytes() for t in {id(t): t for t in tensors}.values())
+
     def noisy_rows(self) -> Plan:
         """The plan of a call whose queries are x_t's rows only (a last layer): part A's masks are the
         first rows of each chunk's (views, nothing evaluated again); part B is the same."""
         plan = copy.copy(self)
         plan.noisy_only = True
-        plan.a_masks = [m[:, :, : e - s] for m, (s, e) in zip(self.a_masks, self.spans, strict=True)]
+        plan.a_masks, plan.key_ranges = [], []
+        for m, (s, e), (lo, _) in zip(self.a_masks, self.spans, self.key_ranges, strict=True):
+            m = m[:, :, : e - s]  # x_t's rows; they see fewer keys (not their own block's x_0)
+            a, b = _seen_keys(m == 0)
+            plan.a_masks.append(m[..., a:b])
+            plan.key_ranges.append((lo + a, lo + b))
         plan.a_has_key = [h[:, :, : e - s] for h, (s, e) in zip(self.a_has_key, self.spans, strict=True)]
+        plan.call_masks, plan.call_has_key, plan.group = plan.a_masks, plan.a_has_key, 1
         return plan
 
     @staticmethod
-    def of(mask: AttentionMask, q: torch.Tensor, seq_len: int, num_chunks: int) -> Plan:
-        key = ("bd_split", q.shape[0], seq_len, q.shape[2], num_chunks, q.dtype, q.device)
+    def of(mask: AttentionMask, q: torch.Tensor, k: torch.Tensor, seq_len: int, num_chunks: int) -> Plan:
+        """The plan of this call: built once per mask description and shape (`mask.memo`), and kept
+        across descriptions (training steps) when the pattern has no per-position tensors."""
+        group = q.shape[1] // k.shape[1]  # query heads per key/value head
+        key = ("bd_split", q.shape[0], seq_len, q.shape[2], num_chunks, group, q.dtype, q.device)
         if q.shape[2] == seq_len:  # x_t's queries only: a view of the full plan when the step built one
-            full = mask.memoized(("bd_split", q.shape[0], seq_len, 2 * seq_len, num_chunks, q.dtype, q.device))
-            if full is not None:
-                return mask.memo(key, full.noisy_rows)
-        return mask.memo(key, lambda: Plan(mask, q.shape[0], seq_len, q.shape[2], num_chunks, q.dtype, q.device))
+            full = ("bd_split", q.shape[0], seq_len, 2 * seq_len, num_chunks, group, q.dtype, q.device)
+            if (built := mask.memoized(full)) is not None:
+                return mask.memo(key, built.noisy_rows)
+        build = lambda: Plan(mask, q.shape[0], seq_len, q.shape[2], num_chunks, group, q.dtype, q.device)  # noqa: E731
+        if depends_on_batch(mask) or torch.compiler.is_compiling():
+            return mask.memo(key, build)
+        return mask.memo(key, lambda: _STATIC_PLANS.get((mask.block_size, mask.window, *key), build))
 
     def query_rows(self, x_BHQD: torch.Tensor, s: int, e: int) -> torch.Tensor:
-        """Part A's query rows of chunk [s, e): x_t[s:e] then (unless noisy-only) x_0[s:e]. The rows are
-        gathered row-major ([B, Q, H, D] memory, like `_rows_major`), so each half is one block copy."""
+        """Part A's call rows of chunk [s, e): x_t[s:e] then (unless noisy-only) x_0[s:e], as
+        [B, H / G, G * Q, D]: the G query heads that share a key/value head are stacked along the rows
+        (G = `group`), so one call has G times the rows and reads each key once for all G heads. The
+        CPU kernel tiles queries 32 rows at a time below 192 rows and 64 above: 2 * 64 rows at S = 8
+        run in the small tiles unless heads are stacked. Noisy-only calls (G = 1) are views."""
         if self.noisy_only:
             return x_BHQD[:, :, s:e]
-        L, x_BQHD = self.seq_len, x_BHQD.transpose(1, 2)
-        return torch.cat([x_BQHD[:, s:e], x_BQHD[:, L + s : L + e]], dim=1).transpose(1, 2)
+        B, H, _, D = x_BHQD.shape
+        L, G, n = self.seq_len, self.group, e - s
+        x5 = x_BHQD.view(B, H // G, G, x_BHQD.shape[2], D)
+        rows = torch.empty(B, H // G, G, 2 * n, D, dtype=x_BHQD.dtype, device=x_BHQD.device)
+        rows[:, :, :, :n] = x5[:, :, :, s:e]
+        rows[:, :, :, n:] = x5[:, :, :, L + s : L + e]
+        return rows.view(B, H // G, G * 2 * n, D)
 
-    def put_rows(self, dst_BHQD: torch.Tensor, rows_BHQD: torch.Tensor, s: int, e: int) -> None:
+    def put_rows(self, dst_BHQD: torch.Tensor, rows: torch.Tensor, s: int, e: int) -> None:
+        """Inverse of `query_rows`: write a call's rows back to the chunk's rows of dst [B, H, Q, D]."""
         n = e - s
-        dst_BHQD[:, :, s:e] = rows_BHQD[:, :, :n]
-        if not self.noisy_only:
-            dst_BHQD[:, :, self.seq_len + s : self.seq_len + e] = rows_BHQD[:, :, n:]
+        if self.noisy_only:
+            dst_BHQD[:, :, s:e] = rows
+            return
+        B, H, _, D = dst_BHQD.shape
+        G, L = self.group, self.seq_len
+        dst5, rows5 = dst_BHQD.view(B, H // G, G, dst_BHQD.shape[2], D), rows.view(B, H // G, G, 2 * n, D)
+        dst5[:, :, :, s:e] = rows5[:, :, :, :n]
+        dst5[:, :, :, L + s : L + e] = rows5[:, :, :, n:]
 
     def blocks(self, x_BHLD: torch.Tensor) -> torch.Tensor:
         """x_t's rows [B, H, L, D] -> [B*N, H, bs, D] (one batch entry per block). On row-major memory
@@ -134,6 +186,36 @@ class Plan:
         """x_t's rows of [B, H, S, D] as a [B, H, N, bs, D] view (to meet `unblocks` without copies)."""
         B, H, _, D = x_BHSD.shape
         return x_BHSD[:, :, : self.seq_len].view(B, H, self.seq_len // self.block_size, self.block_size, D)
+
+
+def _seen_keys(allowed: torch.Tensor) -> Span:
+    """The key columns [lo, hi) of allowed [..., Q, C] that some row may see (one column when none is)."""
+    seen = allowed.reshape(-1, allowed.shape[-1]).any(0).nonzero()
+    return (int(seen[0]), int(seen[-1]) + 1) if seen.numel() else (0, 1)
+
+
+class _StaticPlans:
+    """Plans of masks without per-position tensors (the same pattern every training step), kept across
+    steps: building one evaluates the mask function per chunk, ~5 ms at L = 512 (~1% of a demo step).
+    The most recent few are kept, and none over `max_bytes` (long sequences' masks are big)."""
+
+    def __init__(self, max_plans: int = 4, max_bytes: int = 64 << 20) -> None:
+        self.max_plans, self.max_bytes = max_plans, max_bytes
+        self.plans: dict[tuple, Plan] = {}
+
+    def get(self, key: tuple, build: Callable[[], Plan]) -> Plan:
+        if key in self.plans:
+            self.plans[key] = self.plans.pop(key)  # most recently used last
+            return self.plans[key]
+        plan = build()
+        if plan.nbytes() <= self.max_bytes:
+            self.plans[key] = plan
+            while len(self.plans) > self.max_plans:
+                self.plans.pop(next(iter(self.plans)))
+        return plan
+
+
+_STATIC_PLANS = _StaticPlans()
 
 
 def _evaluate(mod: MaskMod, mb: int, q_idx: torch.Tensor, kv_idx: torch.Tensor, blocked: bool = False) -> torch.Tensor:
@@ -173,15 +255,17 @@ class _SplitAttention(torch.autograd.Function):
         acc = torch.promote_types(q_BHQD.dtype, torch.float32)  # the kernel's log-sum-exp dtype
         out = _rows_major(B, H, Q, D, acc, q_BHQD.device)
         lse = torch.empty(B, H, Q, dtype=acc, device=q_BHQD.device)
-        for (s, e), m, has in zip(plan.spans, plan.a_masks, plan.a_has_key, strict=True):
-            o_c, lse_c = _flash(plan.query_rows(q_BHQD, s, e), k0[:, :, :e], v0[:, :, :e], attn_mask=m, scale=scale)
+        q_calls = []  # each chunk's gathered query rows, kept for the backward
+        calls = zip(plan.spans, plan.key_ranges, plan.call_masks, plan.call_has_key, strict=True)
+        for (s, e), (lo, hi), m, has in calls:
+            q_calls.append(plan.query_rows(q_BHQD, s, e))
+            o_c, lse_c = _flash(q_calls[-1], k0[:, :, lo:hi], v0[:, :, lo:hi], attn_mask=m, scale=scale)
             lse_c = lse_c.masked_fill(~has, float("-inf"))  # the kernel reports 0 for rows without keys
             plan.put_rows(out, o_c, s, e)
             plan.put_rows(lse[..., None], lse_c[..., None], s, e)
         # part B: noisy queries against their own block of x_t, then the exact merge on x_t's rows
-        o_b, lse_b = _flash(
-            plan.blocks(q_BHQD), plan.blocks(k_BKSD), plan.blocks(v_BKSD), attn_mask=plan.b_mask, scale=scale
-        )
+        qkv_b = plan.blocks(q_BHQD), plan.blocks(k_BKSD), plan.blocks(v_BKSD)
+        o_b, lse_b = _flash(*qkv_b, attn_mask=plan.b_mask, scale=scale)
         n, bs = L // plan.block_size, plan.block_size
         lse_b = plan.unblocks(lse_b[..., None], B).reshape(B, H, L).masked_fill(~plan.b_has_key, float("-inf"))
         lse_a = lse[:, :, :L]
@@ -197,39 +281,43 @@ class _SplitAttention(torch.autograd.Function):
             lse_0 = lse[:, :, L:]
             lse_0.masked_fill_(~torch.isfinite(lse_0), 0.0)
         out = out.to(q_BHQD.dtype)
-        ctx.save_for_backward(q_BHQD, k_BKSD, v_BKSD, out, lse)
-        ctx.plan, ctx.scale = plan, scale
+        # q itself is not kept: its chunk rows and blocks are (copies made above, or views of it)
+        ctx.save_for_backward(k_BKSD, v_BKSD, out, lse, *qkv_b, *q_calls)
+        ctx.plan, ctx.scale, ctx.q_meta = plan, scale, (q_BHQD.shape, q_BHQD.dtype)
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_BHQD):  # type: ignore[override]
-        q, k, v, out, lse = ctx.saved_tensors
+        k, v, out, lse, q_b, k_b, v_b, *q_calls = ctx.saved_tensors
         plan: Plan = ctx.plan
-        L, B = plan.seq_len, q.shape[0]
+        (B, H, Q, D), q_dtype = ctx.q_meta
+        L = plan.seq_len
         grad = _dense_rows(grad_BHQD)  # any strides the kernel reads (an expanded gradient is made dense)
         acc = lse.dtype
-        dq = _rows_major(*q.shape, acc, q.device)  # every row written by part A
+        dq = _rows_major(B, H, Q, D, acc, k.device)  # every row written by part A
         dk0 = dv0 = None  # x_0's key gradients: summed over the chunks, from the last (all keys) down
         k0, v0 = k[:, :, L:], v[:, :, L:]
-        for (s, e), m in reversed(list(zip(plan.spans, plan.a_masks, strict=True))):
-            g_c, q_c, o_c = (plan.query_rows(t, s, e) for t in (grad, q, out))
+        calls = zip(plan.spans, plan.key_ranges, plan.call_masks, q_calls, strict=True)
+        for (s, e), (lo, hi), m, q_c in reversed(list(calls)):
+            g_c, o_c = plan.query_rows(grad, s, e), plan.query_rows(out, s, e)
             lse_c = plan.query_rows(lse[..., None], s, e)[..., 0].contiguous()
             dq_c, dk_c, dv_c = _flash_backward(
-                g_c, q_c, k0[:, :, :e], v0[:, :, :e], o_c, lse_c, 0.0, False, attn_mask=m, scale=ctx.scale
+                g_c, q_c, k0[:, :, lo:hi], v0[:, :, lo:hi], o_c, lse_c, 0.0, False, attn_mask=m, scale=ctx.scale
             )
             plan.put_rows(dq, dq_c, s, e)
             if dk0 is None or dv0 is None:
-                assert e == L  # the last chunk ends at L
-                dk0, dv0 = dk_c.to(acc), dv_c.to(acc)  # the kernel's fresh outputs: summed into in place
-            else:
-                dk0[:, :, :e] += dk_c
-                dv0[:, :, :e] += dv_c
+                if (lo, hi) == (0, L):  # the last chunk sees every key: its fresh outputs are summed into
+                    dk0, dv0 = dk_c.to(acc), dv_c.to(acc)
+                    continue
+                dk0, dv0 = (_rows_major(B, k.shape[1], L, D, acc, k.device).zero_() for _ in range(2))
+            dk0[:, :, lo:hi] += dk_c
+            dv0[:, :, lo:hi] += dv_c
         assert dk0 is not None and dv0 is not None
         lse_blocks = plan.blocks(lse[:, :, :L, None])[..., 0].contiguous()
         dq_b, dk_b, dv_b = _flash_backward(
-            plan.blocks(grad), plan.blocks(q), plan.blocks(k), plan.blocks(v), plan.blocks(out), lse_blocks,
-            0.0, False, attn_mask=plan.b_mask, scale=ctx.scale,
+            plan.blocks(grad), q_b, k_b, v_b, plan.blocks(out), lse_blocks, 0.0, False, attn_mask=plan.b_mask,
+            scale=ctx.scale,
         )  # fmt: skip
         plan.rows5(dq).add_(plan.unblocks(dq_b, B))
         dk, dv = _rows_major(*k.shape, acc, k.device), _rows_major(*v.shape, acc, v.device)
@@ -237,4 +325,4 @@ class _SplitAttention(torch.autograd.Function):
         plan.rows5(dv).copy_(plan.unblocks(dv_b, B))
         dk[:, :, L:] = dk0
         dv[:, :, L:] = dv0
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+        return dq.to(q_dtype), dk.to(k.dtype), dv.to(v.dtype), None
