@@ -100,7 +100,7 @@ class Plan:
         # the calls' rows are `group` query heads' rows stacked (see `query_rows`): the masks repeat per head
         G = self.group
         self.call_masks = [m.repeat(1, 1, G, 1) for m in self.a_masks] if G > 1 else self.a_masks
-        self.call_has_key = [h.repeat(1, 1, G) for h in self.a_has_key] if G > 1 else self.a_has_key
+        self.call_no_key = [_missing(h, G) for h in self.a_has_key]
         n = L // bs
         idx = torch.arange(L, device=device).view(n, bs)
         allowed_b = _evaluate(mod, mb, idx[:, :, None], idx[:, None, :], blocked=True)  # [mb, N, bs, bs]
@@ -108,7 +108,8 @@ class Plan:
         self.b_has_key = allowed_b.any(-1).expand(batch, n, bs).reshape(batch, 1, L)  # [B, 1, L]
 
     def nbytes(self) -> int:
-        tensors = [*self.a_masks, *self.a_has_key, *self.call_masks, *self.call_has_key, self.b_mask, self.b_has_key]
+        no_key = [t for t in self.call_no_key if t is not None]
+        tensors = [*self.a_masks, *self.a_has_key, *self.call_masks, *no_key, self.b_mask, self.b_has_key]
         return sum(t.untyped_storage().nbytes() for t in {id(t): t for t in tensors}.values())
 
     def noisy_rows(self) -> Plan:
@@ -123,7 +124,7 @@ class Plan:
             plan.a_masks.append(m[..., a:b])
             plan.key_ranges.append((lo + a, lo + b))
         plan.a_has_key = [h[:, :, : e - s] for h, (s, e) in zip(self.a_has_key, self.spans, strict=True)]
-        plan.call_masks, plan.call_has_key, plan.group = plan.a_masks, plan.a_has_key, 1
+        plan.call_masks, plan.call_no_key, plan.group = plan.a_masks, [_missing(h, 1) for h in plan.a_has_key], 1
         return plan
 
     @staticmethod
@@ -186,6 +187,11 @@ class Plan:
         """x_t's rows of [B, H, S, D] as a [B, H, N, bs, D] view (to meet `unblocks` without copies)."""
         B, H, _, D = x_BHSD.shape
         return x_BHSD[:, :, : self.seq_len].view(B, H, self.seq_len // self.block_size, self.block_size, D)
+
+
+def _missing(has_key: torch.Tensor, group: int) -> torch.Tensor | None:
+    """Rows of a call without any key ([mb, 1, group * Q], rows stacked per head), or None if none."""
+    return None if bool(has_key.all()) else (~has_key).repeat(1, 1, group)
 
 
 def _seen_keys(allowed: torch.Tensor) -> Span:
@@ -256,11 +262,12 @@ class _SplitAttention(torch.autograd.Function):
         out = _rows_major(B, H, Q, D, acc, q_BHQD.device)
         lse = torch.empty(B, H, Q, dtype=acc, device=q_BHQD.device)
         q_calls = []  # each chunk's gathered query rows, kept for the backward
-        calls = zip(plan.spans, plan.key_ranges, plan.call_masks, plan.call_has_key, strict=True)
-        for (s, e), (lo, hi), m, has in calls:
+        calls = zip(plan.spans, plan.key_ranges, plan.call_masks, plan.call_no_key, strict=True)
+        for (s, e), (lo, hi), m, no_key in calls:
             q_calls.append(plan.query_rows(q_BHQD, s, e))
             o_c, lse_c = _flash(q_calls[-1], k0[:, :, lo:hi], v0[:, :, lo:hi], attn_mask=m, scale=scale)
-            lse_c = lse_c.masked_fill(~has, float("-inf"))  # the kernel reports 0 for rows without keys
+            if no_key is not None:
+                lse_c.masked_fill_(no_key, float("-inf"))  # the kernel reports 0 for rows without keys
             plan.put_rows(out, o_c, s, e)
             plan.put_rows(lse[..., None], lse_c[..., None], s, e)
         # part B: noisy queries against their own block of x_t, then the exact merge on x_t's rows
