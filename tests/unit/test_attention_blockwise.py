@@ -221,6 +221,15 @@ def test_split_plans_without_per_position_tensors_are_kept_across_steps(monkeypa
     doc = doc_ids_BL(2, 16, 0)
     with_docs = [AttentionMask("block_diffusion", block_size=4, doc_ids_BL=doc) for _ in range(2)]
     assert bd_split.Plan.of(with_docs[0], q, k, 16, 2) is not bd_split.Plan.of(with_docs[1], q, k, 16, 2)
+    monkeypatch.setattr(bd_split, "_STATIC_PLANS", bd_split._StaticPlans())
+    noisy = []
+    for step in (
+        AttentionMask("block_diffusion", block_size=4) for _ in range(2)
+    ):  # a model: full layers, then the last
+        full = bd_split.Plan.of(step, q, k, 16, 2)
+        noisy.append(bd_split.Plan.of(step, q[:, :, :16], k, 16, 2))
+        assert noisy[-1].a_masks[0].untyped_storage().data_ptr() == full.a_masks[0].untyped_storage().data_ptr()
+    assert noisy[0] is noisy[1]
     monkeypatch.setattr(bd_split, "_STATIC_PLANS", bd_split._StaticPlans(max_bytes=0))  # too big to keep
     bd_split.Plan.of(AttentionMask("block_diffusion", block_size=4), q, k, 16, 2)
     assert not bd_split._STATIC_PLANS.plans

@@ -113,8 +113,9 @@ class Plan:
         return sum(t.untyped_storage().nbytes() for t in {id(t): t for t in tensors}.values())
 
     def noisy_rows(self) -> Plan:
-        """The plan of a call whose queries are x_t's rows only (a last layer): part A's masks are the
-        first rows of each chunk's (views, nothing evaluated again); part B is the same."""
+        """The plan of a call whose queries are x_t's rows only (a last layer): part A's masks are views
+        of the first rows of each chunk's, narrowed to the keys those rows see (the mask function is not
+        evaluated again); part B is the same."""
         plan = copy.copy(self)
         plan.noisy_only = True
         plan.a_masks, plan.key_ranges = [], []
@@ -133,14 +134,18 @@ class Plan:
         across descriptions (training steps) when the pattern has no per-position tensors."""
         group = q.shape[1] // k.shape[1]  # query heads per key/value head
         key = ("bd_split", q.shape[0], seq_len, q.shape[2], num_chunks, group, q.dtype, q.device)
+        static = not depends_on_batch(mask) and not torch.compiler.is_compiling()
+
+        def memo(build: Callable[[], Plan]) -> Plan:
+            if static:
+                return mask.memo(key, lambda: _STATIC_PLANS.get((mask.block_size, mask.window, *key), build))
+            return mask.memo(key, build)
+
         if q.shape[2] == seq_len:  # x_t's queries only: a view of the full plan when the step built one
             full = ("bd_split", q.shape[0], seq_len, 2 * seq_len, num_chunks, group, q.dtype, q.device)
             if (built := mask.memoized(full)) is not None:
-                return mask.memo(key, built.noisy_rows)
-        build = lambda: Plan(mask, q.shape[0], seq_len, q.shape[2], num_chunks, group, q.dtype, q.device)  # noqa: E731
-        if depends_on_batch(mask) or torch.compiler.is_compiling():
-            return mask.memo(key, build)
-        return mask.memo(key, lambda: _STATIC_PLANS.get((mask.block_size, mask.window, *key), build))
+                return memo(built.noisy_rows)
+        return memo(lambda: Plan(mask, q.shape[0], seq_len, q.shape[2], num_chunks, group, q.dtype, q.device))
 
     def query_rows(self, x_BHQD: torch.Tensor, s: int, e: int) -> torch.Tensor:
         """Part A's call rows of chunk [s, e): x_t[s:e] then (unless noisy-only) x_0[s:e], as
@@ -205,7 +210,7 @@ class _StaticPlans:
     steps: building one evaluates the mask function per chunk, ~5 ms at L = 512 (~1% of a demo step).
     The most recent few are kept, and none over `max_bytes` (long sequences' masks are big)."""
 
-    def __init__(self, max_plans: int = 4, max_bytes: int = 64 << 20) -> None:
+    def __init__(self, max_plans: int = 8, max_bytes: int = 64 << 20) -> None:
         self.max_plans, self.max_bytes = max_plans, max_bytes
         self.plans: dict[tuple, Plan] = {}
 
