@@ -105,11 +105,11 @@ class Plan:
         idx = torch.arange(L, device=device).view(n, bs)
         allowed_b = _evaluate(mod, mb, idx[:, :, None], idx[:, None, :], blocked=True)  # [mb, N, bs, bs]
         self.b_mask = _additive(allowed_b.expand(batch, n, bs, bs).reshape(batch * n, 1, bs, bs), dtype)
-        self.b_has_key = allowed_b.any(-1).expand(batch, n, bs).reshape(batch, 1, L)  # [B, 1, L]
+        self.b_no_key = _missing(allowed_b.any(-1).expand(batch, n, bs).reshape(batch, 1, L), 1)  # [B, 1, L]
 
     def nbytes(self) -> int:
-        no_key = [t for t in self.call_no_key if t is not None]
-        tensors = [*self.a_masks, *self.a_has_key, *self.call_masks, *no_key, self.b_mask, self.b_has_key]
+        no_key = [t for t in (*self.call_no_key, self.b_no_key) if t is not None]
+        tensors = [*self.a_masks, *self.a_has_key, *self.call_masks, *no_key, self.b_mask]
         return sum(t.untyped_storage().nbytes() for t in {id(t): t for t in tensors}.values())
 
     def noisy_rows(self) -> Plan:
@@ -156,12 +156,15 @@ class Plan:
         if self.noisy_only:
             return x_BHQD[:, :, s:e]
         B, H, _, D = x_BHQD.shape
-        L, G, n = self.seq_len, self.group, e - s
-        x5 = x_BHQD.view(B, H // G, G, x_BHQD.shape[2], D)
-        rows = torch.empty(B, H // G, G, 2 * n, D, dtype=x_BHQD.dtype, device=x_BHQD.device)
-        rows[:, :, :, :n] = x5[:, :, :, s:e]
-        rows[:, :, :, n:] = x5[:, :, :, L + s : L + e]
+        G, n = self.group, e - s
+        rows = torch.empty(B, H // G, G, 2, n, D, dtype=x_BHQD.dtype, device=x_BHQD.device)
+        rows.copy_(self._halves(x_BHQD)[..., s:e, :])  # both halves' rows in one copy
         return rows.view(B, H // G, G * 2 * n, D)
+
+    def _halves(self, x_BHQD: torch.Tensor) -> torch.Tensor:
+        """[B, H, 2L, D] as a [B, H / G, G, 2 (x_t, x_0), L, D] view."""
+        B, H, _, D = x_BHQD.shape
+        return x_BHQD.view(B, H // self.group, self.group, 2, self.seq_len, D)
 
     def put_rows(self, dst_BHQD: torch.Tensor, rows: torch.Tensor, s: int, e: int) -> None:
         """Inverse of `query_rows`: write a call's rows back to the chunk's rows of dst [B, H, Q, D]."""
@@ -170,10 +173,7 @@ class Plan:
             dst_BHQD[:, :, s:e] = rows
             return
         B, H, _, D = dst_BHQD.shape
-        G, L = self.group, self.seq_len
-        dst5, rows5 = dst_BHQD.view(B, H // G, G, dst_BHQD.shape[2], D), rows.view(B, H // G, G, 2 * n, D)
-        dst5[:, :, :, s:e] = rows5[:, :, :, :n]
-        dst5[:, :, :, L + s : L + e] = rows5[:, :, :, n:]
+        self._halves(dst_BHQD)[..., s:e, :] = rows.view(B, H // self.group, self.group, 2, n, D)
 
     def blocks(self, x_BHLD: torch.Tensor) -> torch.Tensor:
         """x_t's rows [B, H, L, D] -> [B*N, H, bs, D] (one batch entry per block). On row-major memory
@@ -197,6 +197,11 @@ class Plan:
 def _missing(has_key: torch.Tensor, group: int) -> torch.Tensor | None:
     """Rows of a call without any key ([mb, 1, group * Q], rows stacked per head), or None if none."""
     return None if bool(has_key.all()) else (~has_key).repeat(1, 1, group)
+
+
+def _neginf_to_zero(x: torch.Tensor) -> torch.Tensor:
+    """-inf -> 0 in place (a row without keys); NaN and +inf stay visible."""
+    return x.nan_to_num_(nan=float("nan"), posinf=float("inf"), neginf=0.0)
 
 
 def _seen_keys(allowed: torch.Tensor) -> Span:
@@ -279,19 +284,17 @@ class _SplitAttention(torch.autograd.Function):
         qkv_b = plan.blocks(q_BHQD), plan.blocks(k_BKSD), plan.blocks(v_BKSD)
         o_b, lse_b = _flash(*qkv_b, attn_mask=plan.b_mask, scale=scale)
         n, bs = L // plan.block_size, plan.block_size
-        lse_b = plan.unblocks(lse_b[..., None], B).reshape(B, H, L).masked_fill(~plan.b_has_key, float("-inf"))
+        lse_b = plan.unblocks(lse_b[..., None], B).reshape(B, H, L)
+        if plan.b_no_key is not None:
+            lse_b.masked_fill_(plan.b_no_key, float("-inf"))
         lse_a = lse[:, :, :L]
-        top = torch.maximum(lse_a, lse_b)
-        top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # no key at all: out 0, lse 0
-        w_a, w_b = torch.exp(lse_a - top), torch.exp(lse_b - top)
-        total = w_a + w_b
-        safe = torch.where(total > 0, total, torch.ones_like(total))
-        o_a = plan.rows5(out)  # in place on x_t's rows: out = (w_a * o_a + w_b * o_b) / total
-        o_a.mul_((w_a / safe).view(B, H, n, bs, 1)).addcmul_(plan.unblocks(o_b, B), (w_b / safe).view(B, H, n, bs, 1))
-        lse_a.copy_(top + torch.log(safe))
-        if not plan.noisy_only:
-            lse_0 = lse[:, :, L:]
-            lse_0.masked_fill_(~torch.isfinite(lse_0), 0.0)
+        merged = _neginf_to_zero(torch.logaddexp(lse_a, lse_b))  # no key at all: out 0, lse 0
+        w_a, w_b = torch.exp(lse_a - merged), torch.exp(lse_b - merged)
+        o_a = plan.rows5(out)  # in place on x_t's rows: out = w_a * o_a + w_b * o_b
+        o_a.mul_(w_a.view(B, H, n, bs, 1)).addcmul_(plan.unblocks(o_b, B), w_b.view(B, H, n, bs, 1))
+        lse_a.copy_(merged)
+        if not plan.noisy_only and any(t is not None for t in plan.call_no_key):
+            _neginf_to_zero(lse[:, :, L:])  # clean rows without keys (key padding)
         out = out.to(q_BHQD.dtype)
         # q itself is not kept: its chunk rows and blocks are (copies made above, or views of it)
         ctx.save_for_backward(k_BKSD, v_BKSD, out, lse, *qkv_b, *q_calls)
