@@ -230,6 +230,12 @@ def test_split_plans_without_per_position_tensors_are_kept_across_steps(monkeypa
         noisy.append(bd_split.Plan.of(step, q[:, :, :16], k, 16, 2))
         assert noisy[-1].a_masks[0].untyped_storage().data_ptr() == full.a_masks[0].untyped_storage().data_ptr()
     assert noisy[0] is noisy[1]
+    masks = [AttentionMask("block_diffusion", block_size=4, window=w) for w in (None, 5)]
+    sizes = [bd_split.Plan.of(m, q, k, 16, 2).nbytes() for m in masks]
+    monkeypatch.setattr(bd_split, "_STATIC_PLANS", bd_split._StaticPlans(max_bytes=sum(sizes) - 1))
+    for m in masks:
+        bd_split.Plan.of(AttentionMask("block_diffusion", block_size=4, window=m.window), q, k, 16, 2)
+    assert len(bd_split._STATIC_PLANS.plans) == 1  # both do not fit in the byte budget: the older one went
     monkeypatch.setattr(bd_split, "_STATIC_PLANS", bd_split._StaticPlans(max_bytes=0))  # too big to keep
     bd_split.Plan.of(AttentionMask("block_diffusion", block_size=4), q, k, 16, 2)
     assert not bd_split._STATIC_PLANS.plans

@@ -213,20 +213,22 @@ def _seen_keys(allowed: torch.Tensor) -> Span:
 class _StaticPlans:
     """Plans of masks without per-position tensors (the same pattern every training step), kept across
     steps: building one evaluates the mask function per chunk, ~5 ms at L = 512 (~1% of a demo step).
-    The most recent few are kept, and none over `max_bytes` (long sequences' masks are big)."""
+    The most recently used are kept, at most `max_plans` of them and `max_bytes` of masks in all (long
+    sequences' masks are big: a plan over that alone is not kept)."""
 
     def __init__(self, max_plans: int = 8, max_bytes: int = 64 << 20) -> None:
         self.max_plans, self.max_bytes = max_plans, max_bytes
-        self.plans: dict[tuple, Plan] = {}
+        self.plans: dict[tuple, tuple[Plan, int]] = {}  # key -> (plan, bytes), least recently used first
 
     def get(self, key: tuple, build: Callable[[], Plan]) -> Plan:
         if key in self.plans:
-            self.plans[key] = self.plans.pop(key)  # most recently used last
-            return self.plans[key]
+            self.plans[key] = self.plans.pop(key)
+            return self.plans[key][0]
         plan = build()
-        if plan.nbytes() <= self.max_bytes:
-            self.plans[key] = plan
-            while len(self.plans) > self.max_plans:
+        size = plan.nbytes()
+        if size <= self.max_bytes:
+            self.plans[key] = (plan, size)
+            while len(self.plans) > self.max_plans or sum(n for _, n in self.plans.values()) > self.max_bytes:
                 self.plans.pop(next(iter(self.plans)))
         return plan
 
