@@ -207,8 +207,9 @@ def test_split_plans_without_per_position_tensors_are_kept_across_steps(monkeypa
     """A pattern without documents / padding is the same every training step: its plan is built once
     and reused by the next step's description; with documents each description builds its own."""
     import dllm.attention.backends.bd_split as bd_split
+    import dllm.attention.masks as masks_module
 
-    monkeypatch.setattr(bd_split, "_STATIC_PLANS", bd_split._StaticPlans(max_plans=2))
+    monkeypatch.setattr(masks_module, "_KEPT", masks_module._KeptResults(max_items=2))
     q, k, _ = make_qkv(2, (4, 2), 32)
     step1, step2 = (AttentionMask("block_diffusion", block_size=4) for _ in range(2))
     plan = bd_split.Plan.of(step1, q, k, 16, 2)
@@ -216,12 +217,12 @@ def test_split_plans_without_per_position_tensors_are_kept_across_steps(monkeypa
     assert bd_split.Plan.of(step2, q, k, 16, 4) is not plan  # another chunk count, another plan
     windowed = bd_split.Plan.of(AttentionMask("block_diffusion", block_size=4, window=3), q, k, 16, 2)
     assert windowed is not plan and windowed.key_ranges != plan.key_ranges
-    assert len(bd_split._STATIC_PLANS.plans) == 2  # the least recently used one was dropped
+    assert len(masks_module._KEPT.items) == 2  # the least recently used one was dropped
     assert bd_split.Plan.of(AttentionMask("block_diffusion", block_size=4), q, k, 16, 2) is not plan
     doc = doc_ids_BL(2, 16, 0)
     with_docs = [AttentionMask("block_diffusion", block_size=4, doc_ids_BL=doc) for _ in range(2)]
     assert bd_split.Plan.of(with_docs[0], q, k, 16, 2) is not bd_split.Plan.of(with_docs[1], q, k, 16, 2)
-    monkeypatch.setattr(bd_split, "_STATIC_PLANS", bd_split._StaticPlans())
+    monkeypatch.setattr(masks_module, "_KEPT", masks_module._KeptResults())
     noisy = []
     for step in (
         AttentionMask("block_diffusion", block_size=4) for _ in range(2)
@@ -232,13 +233,13 @@ def test_split_plans_without_per_position_tensors_are_kept_across_steps(monkeypa
     assert noisy[0] is noisy[1]
     masks = [AttentionMask("block_diffusion", block_size=4, window=w) for w in (None, 5)]
     sizes = [bd_split.Plan.of(m, q, k, 16, 2).nbytes() for m in masks]
-    monkeypatch.setattr(bd_split, "_STATIC_PLANS", bd_split._StaticPlans(max_bytes=sum(sizes) - 1))
+    monkeypatch.setattr(masks_module, "_KEPT", masks_module._KeptResults(max_bytes=sum(sizes) - 1))
     for m in masks:
         bd_split.Plan.of(AttentionMask("block_diffusion", block_size=4, window=m.window), q, k, 16, 2)
-    assert len(bd_split._STATIC_PLANS.plans) == 1  # both do not fit in the byte budget: the older one went
-    monkeypatch.setattr(bd_split, "_STATIC_PLANS", bd_split._StaticPlans(max_bytes=0))  # too big to keep
+    assert len(masks_module._KEPT.items) == 1  # both do not fit in the byte budget: the older one went
+    monkeypatch.setattr(masks_module, "_KEPT", masks_module._KeptResults(max_bytes=0))  # too big to keep
     bd_split.Plan.of(AttentionMask("block_diffusion", block_size=4), q, k, 16, 2)
-    assert not bd_split._STATIC_PLANS.plans
+    assert not masks_module._KEPT.items
 
 
 def test_split_stacks_the_query_heads_of_a_key_value_head():

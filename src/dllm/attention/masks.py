@@ -68,22 +68,55 @@ class AttentionMask:
         shifted_causal = self.kind == "causal" and self.query_offset != 0  # SDPA's is_causal is top-left aligned
         return self.kind in ("bidirectional", "causal") and not restricted and not shifted_causal
 
-    def memo(self, key: Any, build: Callable[[], Any]) -> Any:
+    def memo(self, key: Any, build: Callable[[], Any], nbytes: Callable[[Any], int] | None = None) -> Any:
         """`build()` once per key for the lifetime of this description (one training step, one sampling call).
 
         Every layer of a model gets the same description, so a backend derives its mask (dense
         tensor, BlockMask) once instead of once per layer; dropping the description frees it.
+        With `nbytes` (the size of what `build` returns), a description without per-position tensors
+        also reuses what an equal earlier description built: its pattern is the same every training
+        step. Those results are kept in a small least-recently-used store bounded in bytes (`_KEPT`).
         Inside a compiled region the build is traced into the graph instead (no side effects for dynamo).
         """
         if torch.compiler.is_compiling():
             return build()
         if key not in self._memo:
-            self._memo[key] = build()
+            if nbytes is not None and not depends_on_batch(self):
+                pattern = (self.kind, self.block_size, self.window, self.query_offset, key)
+                self._memo[key] = _KEPT.get(pattern, build, nbytes)
+            else:
+                self._memo[key] = build()
         return self._memo[key]
 
     def memoized(self, key: Any) -> Any:
         """What `memo` built for `key` so far (None if nothing, or inside a compiled region)."""
         return None if torch.compiler.is_compiling() else self._memo.get(key)
+
+
+class _KeptResults:
+    """What equal descriptions without per-position tensors derive, kept across descriptions (training
+    steps): e.g. BD3LM's split-attention plan, whose mask evaluation costs ~5 ms per step at L = 512
+    (~1% of a demo step). The most recently used are kept, at most `max_items` of them and `max_bytes`
+    in all (long sequences' masks are big: a result over that alone is not kept)."""
+
+    def __init__(self, max_items: int = 8, max_bytes: int = 64 << 20) -> None:
+        self.max_items, self.max_bytes = max_items, max_bytes
+        self.items: dict[Any, tuple[Any, int]] = {}  # key -> (result, bytes), least recently used first
+
+    def get(self, key: Any, build: Callable[[], Any], nbytes: Callable[[Any], int]) -> Any:
+        if key in self.items:
+            self.items[key] = self.items.pop(key)
+            return self.items[key][0]
+        result = build()
+        size = nbytes(result)
+        if size <= self.max_bytes:
+            self.items[key] = (result, size)
+            while len(self.items) > self.max_items or sum(n for _, n in self.items.values()) > self.max_bytes:
+                self.items.pop(next(iter(self.items)))
+        return result
+
+
+_KEPT = _KeptResults()
 
 
 def _check_per_position(key_valid_BL: torch.Tensor | None, doc_ids_BL: torch.Tensor | None) -> None:

@@ -29,7 +29,7 @@ Three measured refinements (bench/objectives.py, demo model, L = 512):
   to the last key some row sees. The demo corpus packs ~20-token documents, so part A scores
   ~0.37 * L * L pairs instead of 1.125 * L * L: attention fell from ~280 to ~140 ms of a training step;
 - a pattern without per-position tensors is the same every step: its plan is kept across steps
-  (~5 ms per step to build at L = 512).
+  (`AttentionMask.memo` with `nbytes`; ~5 ms per step to build at L = 512).
 
 Shapes: B batch, H query heads, K key/value heads, L sequence length (2L layout), D head width,
 N number of blocks, Q / C rows of one call's queries / keys.
@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable
 
 import torch
 
@@ -134,18 +133,12 @@ class Plan:
         across descriptions (training steps) when the pattern has no per-position tensors."""
         group = q.shape[1] // k.shape[1]  # query heads per key/value head
         key = ("bd_split", q.shape[0], seq_len, q.shape[2], num_chunks, group, q.dtype, q.device)
-        static = not depends_on_batch(mask) and not torch.compiler.is_compiling()
-
-        def memo(build: Callable[[], Plan]) -> Plan:
-            if static:
-                return mask.memo(key, lambda: _STATIC_PLANS.get((mask.block_size, mask.window, *key), build))
-            return mask.memo(key, build)
-
         if q.shape[2] == seq_len:  # x_t's queries only: a view of the full plan when the step built one
             full = ("bd_split", q.shape[0], seq_len, 2 * seq_len, num_chunks, group, q.dtype, q.device)
             if (built := mask.memoized(full)) is not None:
-                return memo(built.noisy_rows)
-        return memo(lambda: Plan(mask, q.shape[0], seq_len, q.shape[2], num_chunks, group, q.dtype, q.device))
+                return mask.memo(key, built.noisy_rows, nbytes=Plan.nbytes)
+        build = lambda: Plan(mask, q.shape[0], seq_len, q.shape[2], num_chunks, group, q.dtype, q.device)  # noqa: E731
+        return mask.memo(key, build, nbytes=Plan.nbytes)
 
     def query_rows(self, x_BHQD: torch.Tensor, s: int, e: int) -> torch.Tensor:
         """Part A's call rows of chunk [s, e): x_t[s:e] then (unless noisy-only) x_0[s:e], as
@@ -208,32 +201,6 @@ def _seen_keys(allowed: torch.Tensor) -> Span:
     """The key columns [lo, hi) of allowed [..., Q, C] that some row may see (one column when none is)."""
     seen = allowed.reshape(-1, allowed.shape[-1]).any(0).nonzero()
     return (int(seen[0]), int(seen[-1]) + 1) if seen.numel() else (0, 1)
-
-
-class _StaticPlans:
-    """Plans of masks without per-position tensors (the same pattern every training step), kept across
-    steps: building one evaluates the mask function per chunk, ~5 ms at L = 512 (~1% of a demo step).
-    The most recently used are kept, at most `max_plans` of them and `max_bytes` of masks in all (long
-    sequences' masks are big: a plan over that alone is not kept)."""
-
-    def __init__(self, max_plans: int = 8, max_bytes: int = 64 << 20) -> None:
-        self.max_plans, self.max_bytes = max_plans, max_bytes
-        self.plans: dict[tuple, tuple[Plan, int]] = {}  # key -> (plan, bytes), least recently used first
-
-    def get(self, key: tuple, build: Callable[[], Plan]) -> Plan:
-        if key in self.plans:
-            self.plans[key] = self.plans.pop(key)
-            return self.plans[key][0]
-        plan = build()
-        size = plan.nbytes()
-        if size <= self.max_bytes:
-            self.plans[key] = (plan, size)
-            while len(self.plans) > self.max_plans or sum(n for _, n in self.plans.values()) > self.max_bytes:
-                self.plans.pop(next(iter(self.plans)))
-        return plan
-
-
-_STATIC_PLANS = _StaticPlans()
 
 
 def _evaluate(mod: MaskMod, mb: int, q_idx: torch.Tensor, kv_idx: torch.Tensor, blocked: bool = False) -> torch.Tensor:
