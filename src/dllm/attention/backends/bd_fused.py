@@ -72,6 +72,9 @@ def supports(q_BHQD: torch.Tensor, k_BKSD: torch.Tensor, mask: AttentionMask) ->
         return False
     if q_BHQD.shape[0] * q_BHQD.shape[1] < torch.get_num_threads():
         return False
+    docs = mask.doc_ids_BL
+    if docs is not None and (docs.shape[1] != S // 2 or docs.shape[0] not in (1, q_BHQD.shape[0])):
+        return False  # not this layout's per-position tensor: the reference path reports it
     return available() and (mask.doc_ids_BL is None or document_ranges(mask) is not None)
 
 
@@ -118,6 +121,7 @@ class _Pattern:
 
 @functools.cache
 def available() -> bool:
+    """Whether the kernel is built and loaded (once per process; the first call may compile it)."""
     if os.environ.get("DLLM_FUSED_ATTENTION", "1") == "0":
         return False
     try:
