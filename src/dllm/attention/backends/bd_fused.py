@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from dllm.attention.backends.bd_split import _dense_rows, _rows_major
 from dllm.attention.masks import AttentionMask
 
 log = logging.getLogger(__name__)
@@ -191,16 +192,6 @@ def _view(x: torch.Tensor | None) -> _View:
     return _View(x.data_ptr(), x.stride(0), x.stride(1), x.stride(2))
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    """x when the kernel reads it in place (each row's D values adjacent, no broadcast strides)."""
-    return x if x.stride(-1) == 1 and 0 not in x.stride()[:-1] else x.contiguous()
-
-
-def _rows_major(B: int, H: int, Q: int, D: int) -> torch.Tensor:
-    """An empty [B, H, Q, D] laid out as [B, Q, H, D]: the model's transpose back to [B, Q, H*D] is a view."""
-    return torch.empty(B, Q, H, D).transpose(1, 2)
-
-
 def _args(q, k, v, pattern: _Pattern, **tensors) -> _Args:
     B, H, Q, D = q.shape
     views = {name: _view(tensors.get(name)) for name in ("out", "lse", "grad", "dq", "dk", "dv")}
@@ -216,9 +207,9 @@ def _args(q, k, v, pattern: _Pattern, **tensors) -> _Args:
 class _FusedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_BHQD, k_BKSD, v_BKSD, pattern: _Pattern):  # type: ignore[override]
-        q, k, v = _rows(q_BHQD), _rows(k_BKSD), _rows(v_BKSD)
+        q, k, v = _dense_rows(q_BHQD), _dense_rows(k_BKSD), _dense_rows(v_BKSD)
         B, H, Q, D = q.shape
-        out, lse = _rows_major(B, H, Q, D), torch.empty(B, H, Q)
+        out, lse = _rows_major(B, H, Q, D, q.dtype, q.device), torch.empty(B, H, Q)
         lib, sgemm = _library()
         args = _args(q, k, v, pattern, out=out, lse=lse)
         lib.bd_forward(ctypes.byref(args), sgemm, torch.get_num_threads())
@@ -232,10 +223,10 @@ class _FusedAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         B, H, Q, D = q.shape
         K, S = k.shape[1], k.shape[2]
-        dq = _rows_major(B, H, Q, D)
+        dq = _rows_major(B, H, Q, D, q.dtype, q.device)
         dk_h, dv_h = torch.zeros(B, S, H, D).transpose(1, 2), torch.zeros(B, S, H, D).transpose(1, 2)
         lib, sgemm = _library()
-        grad = _rows(grad_BHQD)  # held here: the kernel gets raw addresses, nothing keeps a temporary alive
+        grad = _dense_rows(grad_BHQD)  # held here: the kernel gets raw addresses, nothing keeps a temporary alive
         args = _args(q, k, v, ctx.pattern, out=out, lse=lse, grad=grad, dq=dq, dk=dk_h, dv=dv_h)
         lib.bd_backward(ctypes.byref(args), sgemm, torch.get_num_threads())
         if H != K:  # the query heads sharing a key/value head (heads h // (H / K))
