@@ -19,17 +19,10 @@ from pydantic import BaseModel
 
 from dllm.attention.backends import ATTENTION_BACKENDS
 from dllm.attention.masks import AttentionMask
+from dllm.config.model import ModelConfig
+from dllm.config.objectives import BD3LMConfig, FastDLLMv2Config, MDLMConfig, ObjectiveConfig, UniformConfig
 from dllm.config.prepare import PrepareSpec
-from dllm.config.spec import (
-    PROCESS_POLICIES,
-    BD3LMConfig,
-    FastDLLMv2Config,
-    MDLMConfig,
-    ModelConfig,
-    ObjectiveConfig,
-    SamplerConfig,
-    UniformConfig,
-)
+from dllm.config.sampler import PROCESS_POLICIES, SamplerConfig
 from dllm.data.loader import Batch
 from dllm.data.prepare.sources import SOURCES
 from dllm.diffusion.corruption import NoiseKeys

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ValidationError
 
 from dllm.config import rules as rules_mod
 from dllm.config.base import Section
+from dllm.config.data import TokenizerConfig
 from dllm.config.loading import (
     apply_overrides,
     dump_config,
@@ -21,17 +22,13 @@ from dllm.config.loading import (
     load_config,
     validate_config,
 )
+from dllm.config.model import MODEL_PRESETS, ModelConfig
 from dllm.config.prepare import JsonlSourceConfig, PrepareSpec
 from dllm.config.rules import resolve_run_spec, round_up
-from dllm.config.spec import (
-    MODEL_PRESETS,
-    LoggingConfig,
-    ModelConfig,
-    RunSpec,
-    SamplerConfig,
-    TokenizerConfig,
-)
+from dllm.config.sampler import SamplerConfig
+from dllm.config.spec import RunSpec
 from dllm.config.templates import _section_class, commented_yaml, section_classes
+from dllm.config.training import LoggingConfig
 from dllm.data.prepare import prepare
 from dllm.errors import ConfigError, UserError
 from tests.helpers import PREPARE, tiny_train_values, write_corpus, write_yaml
@@ -756,3 +753,20 @@ def test_tensorboard_on_needs_tensorboard(artifact_root: Path, no_gpu: None, mon
         assert resolve_run_spec(_spec(artifact_root, logging={"tensorboard": value}))[0].logging.tensorboard == value
     monkeypatch.setattr(rules_mod, "_has_tensorboard", lambda: True)
     assert resolve_run_spec(_spec(artifact_root, logging={"tensorboard": "on"}))[0].logging.tensorboard == "on"
+
+
+@pytest.mark.parametrize(("multiple", "block", "ok"), [(None, 8, True), (16, 8, True), (16, 16, True), (8, 16, False)])
+def test_block_size_must_divide_pad_to_multiple(
+    tmp_path: Path, artifact_root: Path, no_gpu: None, multiple: int | None, block: int, ok: bool
+):
+    shutil.copytree(artifact_root / "data" / "prepared", tmp_path / "data" / "prepared")
+    path = tmp_path / "data" / "prepared" / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["prepare_config"]["pad_to_multiple"] = multiple
+    path.write_text(json.dumps(manifest))
+    spec = _spec(tmp_path, objective={"name": "bd3lm", "block_size": block})
+    if ok:
+        assert resolve_run_spec(spec)[0].objective.block_size == block
+    else:
+        with pytest.raises(ConfigError, match=r"^objective.block_size: 16 does not divide the artifact's pad_to_mul"):
+            resolve_run_spec(spec)

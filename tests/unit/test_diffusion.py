@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dllm.config.spec import MDLMConfig
+from dllm.config.objectives import MDLMConfig
 from dllm.data.loader import Batch
 from dllm.diffusion.corruption import NoiseKeys, mask_tokens, mix_key
 from dllm.diffusion.objectives import OBJECTIVES, ModelInputs, ModelOutput, TokenIds

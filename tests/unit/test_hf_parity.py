@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dllm.attention.masks import AttentionMask
-from dllm.config.spec import ModelConfig
+from dllm.config.model import ModelConfig
 from dllm.models import Transformer
 from dllm.models.hf_io import export_hf, import_hf, model_config_from_hf
 

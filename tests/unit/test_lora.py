@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from dllm.attention.masks import AttentionMask
-from dllm.config.spec import ModelConfig
+from dllm.config.model import ModelConfig
 from dllm.models import Transformer
 from dllm.models.lora import (
     LoraLinear,

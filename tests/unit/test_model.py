@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dllm.attention.masks import AttentionMask
-from dllm.config.spec import ModelConfig
+from dllm.config.model import ModelConfig
 from dllm.models import MODELS
 from dllm.models.transformer import Transformer, apply_rope, rope_cos_sin, train_flops_per_token
 

@@ -12,9 +12,11 @@ import torch
 
 from dllm.attention.masks import AttentionMask
 from dllm.config.loading import validate_config
+from dllm.config.model import ModelConfig
+from dllm.config.objectives import BD3LMConfig, FastDLLMv2Config, UniformConfig
 from dllm.config.prepare import PrepareSpec
 from dllm.config.rules import resolve_run_spec
-from dllm.config.spec import BD3LMConfig, FastDLLMv2Config, ModelConfig, RunSpec, UniformConfig
+from dllm.config.spec import RunSpec
 from dllm.data.loader import Batch
 from dllm.data.prepare import prepare
 from dllm.diffusion.corruption import NoiseKeys

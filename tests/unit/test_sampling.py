@@ -11,7 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from dllm.config.spec import ModelConfig, SamplerConfig
+from dllm.config.model import ModelConfig
+from dllm.config.sampler import SamplerConfig
 from dllm.models.transformer import Transformer
 from dllm.sampling.generate import SpecialIds, commit_schedule, generate, left_pad, propose
 from dllm.sampling.policies import POLICIES, LowConfidence, Proposal, RandomOrder, select_topk

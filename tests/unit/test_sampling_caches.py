@@ -15,7 +15,8 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from dllm.config.spec import ModelConfig, SamplerConfig
+from dllm.config.model import ModelConfig
+from dllm.config.sampler import SamplerConfig
 from dllm.models.transformer import Transformer
 from dllm.sampling.generate import GenerationResult, SpecialIds, generate
 from tests.unit.test_sampling import FakeModel

@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
+from dllm.config.model import ModelConfig
 from dllm.config.rules import resolve_sampler
-from dllm.config.spec import ModelConfig, RunSpec, SamplerConfig
+from dllm.config.sampler import SamplerConfig
+from dllm.config.spec import RunSpec
 from dllm.errors import ConfigError
 from tests.helpers import tiny_train_values
 

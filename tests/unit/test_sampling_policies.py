@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dllm.config.spec import ModelConfig, SamplerConfig
+from dllm.config.model import ModelConfig
+from dllm.config.sampler import SamplerConfig
 from dllm.models.transformer import Transformer
 from dllm.sampling.generate import SpecialIds, StepEvent, filter_logits, full_proposal, generate
 from dllm.sampling.policies import Entropy, Factor, Margin, Proposal, Threshold, make_policy

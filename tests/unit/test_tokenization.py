@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from dllm.config.data import TokenizerConfig
 from dllm.config.loading import load_config
 from dllm.config.prepare import PrepareSpec
-from dllm.config.spec import TokenizerConfig
 from dllm.data.artifact import validate_artifact
 from dllm.data.prepare import prepare
 from dllm.data.synthetic import demo_corpus

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from dllm.checkpoint.manager import latest_checkpoint
+from dllm.config.model import ModelConfig
 from dllm.config.rules import resolve_run_spec
-from dllm.config.spec import ModelConfig, OptimizerConfig, SchedulerConfig
+from dllm.config.training import OptimizerConfig, SchedulerConfig
 from dllm.diffusion.objectives import ModelOutput
 from dllm.errors import CheckpointError
 from dllm.models import Transformer

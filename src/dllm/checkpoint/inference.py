@@ -10,7 +10,8 @@ from torch import nn
 
 from dllm.checkpoint.manager import TRAINER_STATE, latest_checkpoint, load_model_weights
 from dllm.config.loading import load_config
-from dllm.config.spec import ModelConfig, RunSpec
+from dllm.config.model import ModelConfig
+from dllm.config.spec import RunSpec
 from dllm.errors import CheckpointError
 from dllm.models import MODELS, factory
 from dllm.models.lora import merge_lora
@@ -79,7 +80,7 @@ def _ready(model: nn.Module, device: torch.device | None) -> nn.Module:
 
 
 def _load_pretrained(folder: Path, device: torch.device | None) -> LoadedModel:
-    from dllm.config.spec import TokenizerConfig
+    from dllm.config.data import TokenizerConfig
     from dllm.models.pretrained import pretrained_config, pretrained_state, pretrained_tokenizer
 
     cfg = pretrained_config(folder)

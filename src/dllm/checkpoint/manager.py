@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from dllm.config.spec import CheckpointingConfig
+from dllm.config.training import CheckpointingConfig
 from dllm.errors import CheckpointError
 from dllm.parallel.dims import DistEnv, barrier
 

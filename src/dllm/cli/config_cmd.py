@@ -42,7 +42,7 @@ def schema(
     sampler: bool = typer.Option(False, "--sampler", help="The schema of a --sampler-config file."),
 ) -> None:
     """Print the JSON schema (point your editor's YAML plugin at it)."""
-    from dllm.config.spec import SamplerConfig
+    from dllm.config.sampler import SamplerConfig
 
     if prepare and sampler:
         raise ConfigError("give at most one of --prepare and --sampler")

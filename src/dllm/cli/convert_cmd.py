@@ -39,7 +39,7 @@ def convert(
 
 
 def _import(src: Path, out: Path) -> None:
-    from dllm.config.spec import TokenizerConfig
+    from dllm.config.data import TokenizerConfig
     from dllm.models.hf_io import import_hf, model_config_from_hf
     from dllm.models.pretrained import pretrained_tokenizer, save_model_folder
     from dllm.tokenization import build_tokenizer

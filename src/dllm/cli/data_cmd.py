@@ -118,7 +118,7 @@ def validate(
 
 def _artifact_tokenizer(art, tokenizer: Path | None):
     """The tokenizer that prepared an artifact: byte, or the HF folder recorded in (or given for) it."""
-    from dllm.config.spec import TokenizerConfig
+    from dllm.config.data import TokenizerConfig
     from dllm.tokenization import build_tokenizer
 
     kind = art.tokenizer["kind"]

@@ -45,7 +45,7 @@ def setup_sampling(
     from dllm.checkpoint.inference import load_for_inference
     from dllm.config.loading import apply_overrides, read_yaml, validate_config
     from dllm.config.rules import resolve_sampler
-    from dllm.config.spec import SamplerConfig
+    from dllm.config.sampler import SamplerConfig
     from dllm.sampling.generate import SpecialIds
 
     data: dict[str, Any] = {}

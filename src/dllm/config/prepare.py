@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, model_validator
 
 from dllm.config.base import RelPath, Section
-from dllm.config.spec import TokenizerConfig
+from dllm.config.data import TokenizerConfig
 
 Format = Literal["text", "messages", "prompt_completion", "tokens"]
 Supervision = Literal["auto", "full", "completion_only", "assistant_only", "provided"]

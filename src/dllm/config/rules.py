@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from pydantic import ValidationError
 
-from dllm.config.spec import BLOCK_OBJECTIVES, ModelConfig, RunSpec, SamplerConfig
+from dllm.config.model import ModelConfig
+from dllm.config.objectives import BLOCK_OBJECTIVES
+from dllm.config.sampler import SamplerConfig
+from dllm.config.spec import RunSpec
 from dllm.errors import ConfigError, DataError
 
 
@@ -177,6 +180,14 @@ def _check_artifact(spec: RunSpec, tok_identity: dict) -> None:
                 f"tokenizer: differs from the one that prepared {spec.data.path} ({key} mismatch); "
                 "use the same tokenizer section as prepare.yaml"
             )
+    block = getattr(spec.objective, "block_size", None)
+    multiple = (manifest.get("prepare_config") or {}).get("pad_to_multiple")
+    if block is not None and multiple and multiple % block:
+        raise ConfigError(
+            f"objective.block_size: {block} does not divide the artifact's pad_to_multiple {multiple} "
+            f"({spec.data.path}): documents would not start on block boundaries; set pad_to_multiple to a "
+            "multiple of the block size in prepare.yaml and prepare again, or change block_size"
+        )
     tr = spec.training
     if int(manifest["num_sequences"]) < tr.global_batch_size:
         raise ConfigError(

@@ -55,7 +55,7 @@ from dllm.cli.sampling_common import cut_at_stop, stop_function
 from dllm.config.base import Section
 from dllm.config.loading import format_validation_error, read_yaml, validate_config
 from dllm.config.rules import resolve_sampler
-from dllm.config.spec import SamplerConfig
+from dllm.config.sampler import SamplerConfig
 from dllm.errors import ConfigError, UserError
 from dllm.evaluation.likelihood import ScoringModel, guided_hidden, nelbo_samples, predictor_hidden, scoring_for
 from dllm.sampling.generate import SpecialIds, generate

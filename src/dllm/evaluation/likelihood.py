@@ -267,7 +267,7 @@ def summarize(parts: list[NelboSamples], exact: bool = False) -> LikelihoodSumma
 def scoring_for(loaded, kind: str = "auto") -> ScoringModel:
     """How to score a loaded model (checkpoint.inference.LoadedModel): from its run's objective, or
     `kind` for a model folder (mdlm by default; `ar` for an imported causal model)."""
-    from dllm.config.spec import BLOCK_OBJECTIVES
+    from dllm.config.objectives import BLOCK_OBJECTIVES
     from dllm.errors import ConfigError
 
     mask_id = loaded.tokenizer.mask_id

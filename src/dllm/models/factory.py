@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dllm.config.spec import LoraConfig, ModelConfig
+from dllm.config.model import LoraConfig, ModelConfig
 from dllm.diffusion.corruption import mix_key
 from dllm.models import MODELS
 from dllm.models.lora import LoraSpec, apply_lora

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from dllm.config.spec import ModelConfig
+from dllm.config.model import ModelConfig
 from dllm.errors import ConfigError
 from dllm.registry import Registry
 

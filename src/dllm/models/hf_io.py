@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from dllm import __version__
-from dllm.config.spec import ModelConfig
+from dllm.config.model import ModelConfig
 from dllm.errors import ConfigError
 from dllm.models.families import FAMILIES, Family, StateDict, state_from_hf, state_to_hf
 

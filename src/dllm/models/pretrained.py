@@ -10,7 +10,8 @@ from pathlib import Path
 
 import yaml
 
-from dllm.config.spec import ModelConfig, TokenizerConfig
+from dllm.config.data import TokenizerConfig
+from dllm.config.model import ModelConfig
 from dllm.errors import ConfigError
 from dllm.models.families import StateDict
 from dllm.models.hf_io import (

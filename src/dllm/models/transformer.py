@@ -22,7 +22,7 @@ from torch import nn
 
 from dllm.attention.backends import ATTENTION_BACKENDS
 from dllm.attention.masks import AttentionMask
-from dllm.config.spec import ModelConfig
+from dllm.config.model import ModelConfig
 
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": partial(F.gelu, approximate="tanh")}
 

@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from dllm.config.spec import TopologyConfig
+from dllm.config.training import TopologyConfig
 from dllm.parallel.dims import ParallelDims
 
 

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from dllm.config.spec import TopologyConfig
+from dllm.config.training import TopologyConfig
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from dllm.config.spec import TopologyConfig
+from dllm.config.training import TopologyConfig
 
 
 def worker_command(

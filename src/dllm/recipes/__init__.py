@@ -150,7 +150,7 @@ def write_ar_model(folder: Path, seed: int = 0) -> Path:
     """A tiny random causal llama as a Hugging Face folder: the 'AR model' an A2D recipe converts."""
     import torch
 
-    from dllm.config.spec import ModelConfig
+    from dllm.config.model import ModelConfig
     from dllm.models import Transformer
     from dllm.models.hf_io import export_hf
 

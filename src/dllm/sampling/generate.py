@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dllm.attention.masks import AttentionMask
-from dllm.config.spec import SamplerConfig
+from dllm.config.sampler import SamplerConfig
 from dllm.diffusion.corruption import uniform_token_ids
 from dllm.sampling.cache import KVCache
 from dllm.sampling.policies import Proposal, make_policy, select_topk

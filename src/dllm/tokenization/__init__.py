@@ -8,7 +8,7 @@ from dllm.tokenization.base import ChatEncoding, Tokenizer
 from dllm.tokenization.byte import ByteTokenizer
 
 if TYPE_CHECKING:
-    from dllm.config.spec import TokenizerConfig
+    from dllm.config.data import TokenizerConfig
 
 __all__ = ["ByteTokenizer", "ChatEncoding", "Tokenizer", "build_tokenizer"]
 

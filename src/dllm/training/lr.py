@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from dllm.config.spec import SchedulerConfig
+from dllm.config.training import SchedulerConfig
 
 
 class LRSchedule:

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from dllm.config.spec import LoggingConfig
+from dllm.config.training import LoggingConfig
 
 
 class MetricsLogger:

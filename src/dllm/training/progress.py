@@ -6,7 +6,7 @@ import sys
 import time
 from typing import Any
 
-from dllm.config.spec import LoggingConfig
+from dllm.config.training import LoggingConfig
 
 
 def _fmt_eta(seconds: float) -> str:

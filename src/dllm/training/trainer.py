@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from dllm.checkpoint.manager import CheckpointManager
-from dllm.config.spec import LoggingConfig, TrainingConfig
+from dllm.config.training import LoggingConfig, TrainingConfig
 from dllm.data.loader import Batch, StepLoader
 from dllm.diffusion.corruption import NoiseKeys
 from dllm.diffusion.objectives.base import Objective, run_model

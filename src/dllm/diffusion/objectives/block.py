@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from dllm.attention.masks import AttentionMask
-from dllm.config.spec import BD3LMConfig, FastDLLMv2Config
+from dllm.config.objectives import BD3LMConfig, FastDLLMv2Config
 from dllm.data.loader import Batch
 from dllm.diffusion.corruption import NoiseKeys, corrupt_tokens, uniform_token_ids
 from dllm.diffusion.objectives.base import LossOutput, ModelInputs, ModelOutput, TokenIds

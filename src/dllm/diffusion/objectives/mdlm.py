@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from dllm.attention.masks import AttentionMask
-from dllm.config.spec import MDLMConfig
+from dllm.config.objectives import MDLMConfig
 from dllm.data.loader import Batch
 from dllm.diffusion.corruption import NoiseKeys, mask_tokens
 from dllm.diffusion.objectives.base import LossOutput, ModelInputs, ModelOutput, TokenIds

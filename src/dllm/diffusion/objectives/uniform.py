@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from dllm.attention.masks import AttentionMask
-from dllm.config.spec import UniformConfig
+from dllm.config.objectives import UniformConfig
 from dllm.data.loader import Batch
 from dllm.diffusion.corruption import NoiseKeys, corrupt_tokens, uniform_token_ids
 from dllm.diffusion.objectives.base import LossOutput, ModelInputs, ModelOutput, TokenIds

@@ -1,0 +1,186 @@
+"""The network section: family layouts, size presets, LoRA adapters."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from dllm.config.base import RelPath, Section
+
+# Size presets for the native transformer. A preset fills the fields the user did not set.
+MODEL_PRESETS: dict[str, dict[str, Any]] = {
+    # for unit tests: ~0.4M parameters with the byte tokenizer
+    "tiny": {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2},
+    # the demo: ~0.8M parameters, the most this corpus can learn in ~3 minutes on 2 CPU cores
+    "demo": {"hidden_size": 128, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2},
+    "small": {"hidden_size": 512, "num_layers": 8, "num_heads": 8, "num_kv_heads": 8},
+    "350m": {"hidden_size": 1024, "num_layers": 24, "num_heads": 16, "num_kv_heads": 16},
+}
+
+# Architecture defaults per family: the layout of the one native block stack, not a copy of it.
+# A family fills the fields left unset, then a size preset, then the user's values win.
+FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {},
+    "qwen2": {"qkv_bias": True, "rope_theta": 1000000.0},
+    "qwen3": {"qk_norm": True, "rope_theta": 1000000.0},
+    "qwen3_moe": {"qk_norm": True, "rope_theta": 1000000.0, "num_experts": 8, "num_experts_per_tok": 2},
+    "llada": {"rope_theta": 500000.0, "norm_eps": 1e-5, "tie_embeddings": False},
+    "dream": {"qkv_bias": True, "rope_theta": 1000000.0, "shift_logits": True},
+    "gpt2": {
+        "norm": "layernorm", "norm_bias": True, "mlp": "plain", "activation": "gelu_tanh", "position": "learned",
+        "qkv_bias": True, "attn_out_bias": True, "mlp_bias": True, "norm_eps": 1e-5,
+    },
+    "bert": {
+        "norm": "layernorm", "norm_bias": True, "norm_position": "post", "embedding_norm": True,
+        "final_norm": False, "mlp": "plain", "activation": "gelu", "position": "learned", "qkv_bias": True,
+        "attn_out_bias": True, "mlp_bias": True, "head": "mlm", "norm_eps": 1e-12,
+    },
+}  # fmt: skip
+
+
+class ModelConfig(Section):
+    """The network: one block stack whose family fields describe llama, qwen, gpt2, bert, ... layouts."""
+
+    family: Literal["llama", "qwen2", "qwen3", "qwen3_moe", "llada", "dream", "gpt2", "bert"] = "llama"
+    """Architecture family: fills the layout fields below and names the Hugging Face weight layout."""
+    preset: str | None = None
+    """Size preset that fills the size fields left unset here (tiny, demo, small, 350m)."""
+    init_from: RelPath | None = None
+    """Start from these weights: a Hugging Face folder (config.json + safetensors) or a `dllm convert` folder."""
+    vocab_size: int | None = Field(default=None, gt=0)
+    """Vocabulary size; null means the tokenizer's size rounded up to a multiple of 64."""
+    hidden_size: int = Field(default=256, gt=0)
+    """Width of the residual stream."""
+    num_layers: int = Field(default=4, gt=0)
+    """Number of transformer blocks."""
+    num_heads: int = Field(default=4, gt=0)
+    """Attention query heads."""
+    num_kv_heads: int | None = Field(default=None, gt=0)
+    """Key/value heads for grouped-query attention; null means num_heads (multi-head)."""
+    head_dim: int | None = Field(default=None, gt=0)
+    """Width of one attention head; null means hidden_size / num_heads."""
+    intermediate_size: int | None = Field(default=None, gt=0)
+    """Hidden width of the MLP; null means 8/3 * hidden_size rounded up to 64 (gated) or 4 * hidden (plain)."""
+    max_seq_len: int = Field(default=2048, gt=0)
+    """Longest sequence the model is used with (RoPE positions, or the learned position table)."""
+    rope_theta: float = Field(default=10000.0, gt=0)
+    """RoPE base frequency."""
+    norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
+    """Normalisation layers: RMSNorm (llama, qwen) or LayerNorm (gpt2, bert)."""
+    norm_bias: bool = False
+    """LayerNorm with a bias."""
+    norm_eps: float = Field(default=1e-6, gt=0)
+    """Epsilon of the normalisation layers."""
+    norm_position: Literal["pre", "post"] = "pre"
+    """Norm before each sub-layer (pre-LN, modern) or after the residual add (post-LN, BERT)."""
+    embedding_norm: bool = False
+    """Normalise the embeddings before the first block (BERT)."""
+    final_norm: bool = True
+    """A norm after the last block (pre-LN models)."""
+    position: Literal["rope", "learned"] = "rope"
+    """Positions: rotary (RoPE) or a learned absolute table of max_seq_len rows (gpt2, bert)."""
+    mlp: Literal["gated", "plain"] = "gated"
+    """MLP: gated (SwiGLU-style gate * up) or plain (up, activation, down)."""
+    activation: Literal["silu", "gelu", "gelu_tanh"] = "silu"
+    """MLP activation."""
+    qk_norm: bool = False
+    """RMSNorm on queries and keys per head (Qwen3-style)."""
+    qkv_bias: bool = False
+    """Bias on the query/key/value projections (Qwen2-style)."""
+    attn_out_bias: bool = False
+    """Bias on the attention output projection."""
+    mlp_bias: bool = False
+    """Biases in the MLP."""
+    head: Literal["linear", "mlm"] = "linear"
+    """Output head: linear, or BERT's MLM head (dense, activation, norm, then the decoder with a bias)."""
+    tie_embeddings: bool = True
+    """Share the input embedding and the output head weights."""
+    shift_logits: bool = False
+    """Position i predicts token i from the hidden state at i-1 (Dream and other AR-initialised models)."""
+    num_experts: int = Field(default=0, ge=0)
+    """Mixture of experts: experts per MoE layer; 0 is a dense MLP."""
+    num_experts_per_tok: int = Field(default=2, gt=0)
+    """Experts each token is routed to (top-k)."""
+    moe_intermediate_size: int | None = Field(default=None, gt=0)
+    """Hidden width of one expert; null means intermediate_size."""
+    norm_topk_prob: bool = True
+    """Renormalise the top-k routing probabilities to sum to 1."""
+    router_aux_loss_coef: float = Field(default=0.001, ge=0)
+    """Weight of the load-balancing loss (Switch Transformer) added to the training loss."""
+    self_condition: bool = False
+    """Add an input for self-conditioning (the embedding of a previous pass's predictions, zero-initialised)."""
+    init_std: float = Field(default=0.02, gt=0)
+    """Standard deviation of the normal weight initialisation."""
+    attention_backend: Literal["auto", "sdpa", "flex", "blockwise"] = "auto"
+    """Attention: sdpa (dense mask, the reference), flex (BlockMask), blockwise (exact block-sparse SDPA), auto."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_presets(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        family = data.get("family", "llama")
+        merged = dict(FAMILY_DEFAULTS.get(family, {}))
+        name = data.get("preset")
+        if name is not None:
+            if name not in MODEL_PRESETS:
+                raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(MODEL_PRESETS)}")
+            merged.update(MODEL_PRESETS[name])
+        return {**merged, **data}
+
+    @model_validator(mode="after")
+    def _check_shapes(self) -> ModelConfig:
+        if self.head_dim is None and self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}; "
+                "set head_dim or change one of them"
+            )
+        if self.num_heads % self.kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.kv_heads}")
+        if self.position == "rope" and self.dim_per_head % 2:
+            raise ValueError(f"head width {self.dim_per_head} must be even for RoPE")
+        if self.num_experts and self.num_experts_per_tok > self.num_experts:
+            raise ValueError(f"num_experts_per_tok {self.num_experts_per_tok} exceeds num_experts {self.num_experts}")
+        if self.num_experts and self.mlp != "gated":
+            raise ValueError("mixture-of-experts layers use gated experts; set mlp: gated")
+        return self
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def dim_per_head(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_heads
+
+    @property
+    def mlp_size(self) -> int:
+        if self.intermediate_size is not None:
+            return self.intermediate_size
+        if self.mlp == "plain":
+            return 4 * self.hidden_size
+        return -(-(8 * self.hidden_size // 3) // 64) * 64
+
+    @property
+    def expert_size(self) -> int:
+        return self.moe_intermediate_size or self.mlp_size
+
+
+class LoraConfig(Section):
+    """LoRA adapters (Hu et al. 2021): only the adapters train and are checkpointed."""
+
+    rank: int = Field(default=8, gt=0)
+    """Rank r of each adapter."""
+    alpha: float = Field(default=16.0, gt=0)
+    """Scale numerator: the adapter output is multiplied by alpha / rank."""
+    dropout: float = Field(default=0.0, ge=0, lt=1)
+    """Dropout on the adapter input (0 keeps resumes bit-identical)."""
+    targets: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1)
+    """Linear layers to adapt: module-name suffixes, globs (`*.mlp.*`) or `re:<regex>`."""
+
+    @model_validator(mode="after")
+    def _no_head(self) -> LoraConfig:
+        if any(t.split(".")[-1].lstrip("*") in ("lm_head", "head_transform") for t in self.targets):
+            raise ValueError("adapters on the output head are not supported (its weight is used directly)")
+        return self

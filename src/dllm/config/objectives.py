@@ -1,0 +1,92 @@
+"""Objective sections, one per training objective, told apart by `name`."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, model_validator
+
+from dllm.config.base import Section
+
+
+class MDLMConfig(Section):
+    """Masked diffusion (MDLM / LLaDA): t ~ U(eps, 1] per sequence, CE on masked tokens weighted by w(t)."""
+
+    name: Literal["mdlm"] = "mdlm"
+    """Objective: mdlm (masked diffusion, loss weighted by the schedule's ELBO weight)."""
+    schedule: Literal["linear", "cosine"] = "linear"
+    """Noise schedule alpha(t): linear (alpha = 1 - t, weight 1/t) or cosine."""
+    eps: float = Field(default=1e-3, gt=0, lt=1)
+    """Smallest noise level: t ~ U(eps, 1]."""
+    antithetic: bool = True
+    """Stratify t over the global batch (t_i = frac(u + i/B)) to reduce loss variance."""
+    normalize: Literal["token", "sequence"] = "token"
+    """Loss normaliser: supervised tokens of the global batch, or each sequence by its own count (SFT)."""
+
+
+class BD3LMConfig(Section):
+    """Block diffusion (BD3LM, Arriola et al. 2025): [x_t ; x_0] under the block-diffusion mask."""
+
+    name: Literal["bd3lm"] = "bd3lm"
+    """Objective: bd3lm (block diffusion; loss on the noisy half only)."""
+    block_size: int = Field(default=16, gt=0)
+    """Tokens per block; must divide data.seq_len."""
+    schedule: Literal["linear", "cosine"] = "linear"
+    """Noise schedule alpha(t) and its ELBO weight."""
+    eps_min: float = Field(default=1e-3, gt=0, le=1)
+    """Lower end of the noise interval: t ~ U[eps_min, eps_max] per block (BD3LM's clipped schedule)."""
+    eps_max: float = Field(default=1.0, gt=0, le=1)
+    """Upper end of the noise interval."""
+    antithetic: bool = True
+    """Stratify t over the global batch x blocks."""
+    corruption: Literal["mask", "uniform"] = "mask"
+    """Noise: the mask token, or uniformly random tokens (block-wise uniform-state diffusion)."""
+    shift: bool = False
+    """Predict token i from the hidden state at i-1 (AR-initialised models); a block start from the clean half."""
+
+    @model_validator(mode="after")
+    def _check_interval(self) -> BD3LMConfig:
+        if self.eps_min >= self.eps_max:
+            raise ValueError(f"eps_min {self.eps_min} must be below eps_max {self.eps_max}")
+        return self
+
+
+class FastDLLMv2Config(Section):
+    """Fast-dLLM v2 (Wu et al. 2025): block diffusion from an AR model with complementary masks."""
+
+    name: Literal["fast_dllm_v2"] = "fast_dllm_v2"
+    """Objective: fast_dllm_v2 (every supervised token is masked in exactly one of two views)."""
+    block_size: int = Field(default=32, gt=0)
+    """Tokens per block; must divide data.seq_len."""
+    sub_block_size: int = Field(default=8, gt=0)
+    """Sub-block decoded in parallel inside a block at sampling time (recorded for the sampler)."""
+    eps: float = Field(default=1e-3, gt=0, lt=1)
+    """Smallest mask ratio of a block: t ~ U(eps, 1]."""
+    antithetic: bool = True
+    """Stratify the mask ratio over the global batch x blocks."""
+
+    @model_validator(mode="after")
+    def _check_sub_block(self) -> FastDLLMv2Config:
+        if self.block_size % self.sub_block_size:
+            raise ValueError(f"sub_block_size {self.sub_block_size} must divide block_size {self.block_size}")
+        return self
+
+
+class UniformConfig(Section):
+    """Uniform-state diffusion: tokens replaced by random vocabulary ids with probability 1 - alpha(t)."""
+
+    name: Literal["uniform"] = "uniform"
+    """Objective: uniform (no mask token; x0-prediction cross-entropy on every supervised token)."""
+    schedule: Literal["linear", "cosine"] = "linear"
+    """Noise schedule alpha(t)."""
+    eps: float = Field(default=1e-3, gt=0, lt=1)
+    """Smallest noise level: t ~ U(eps, 1]."""
+    antithetic: bool = True
+    """Stratify t over the global batch."""
+    self_condition_prob: float = Field(default=0.0, ge=0, lt=1)
+    """Chance a row is conditioned on a detached first pass's predictions (needs model.self_condition)."""
+
+
+ObjectiveConfig = Annotated[MDLMConfig | BD3LMConfig | FastDLLMv2Config | UniformConfig, Field(discriminator="name")]
+
+BLOCK_OBJECTIVES = ("bd3lm", "fast_dllm_v2")

@@ -1,0 +1,111 @@
+"""SamplerConfig: how masks turn into text (`dllm generate`, `dllm chat`, evaluation, serving)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from dllm.config.base import Section
+
+SAMPLING_POLICIES = (
+    "low_confidence", "random", "margin", "entropy", "threshold", "factor", "ancestral", "first_hitting", "uniform",
+)  # fmt: skip
+
+SCHEDULED_POLICIES = ("low_confidence", "random", "margin", "entropy")
+"""Policies that commit a fixed number of positions per step (the schedule spreads a block over its steps)."""
+
+PROCESS_POLICIES = ("ancestral", "first_hitting", "uniform")
+"""Policies that simulate the reverse process itself (their own loop; no cache, no sub-blocks)."""
+
+
+class SamplerConfig(Section):
+    """How `dllm generate` / `dllm chat` turn masks into text: one loop for every policy and cache.
+
+    Scheduled policies (low_confidence, random, margin, entropy) commit an even share of a block per
+    step; threshold and factor commit as many as they trust (Fast-dLLM); a block that still has masks
+    after its budget keeps going, counted as overrun, so no output ever holds a mask. Block models
+    (attention: block) decode block-causally with their training block size, blocks aligned to
+    positions from each prompt's start; `auto` fields are filled from the run (config.rules.resolve_sampler).
+    """
+
+    gen_length: int = Field(default=32, gt=0)
+    """Tokens to generate after the prompt (max_new_tokens)."""
+    block_length: int | None = Field(default=None, gt=0)
+    """Semi-autoregressive block, decoded left to right; divides gen_length. null: gen_length / the run's block."""
+    steps: int | None = Field(default=None, gt=0)
+    """Step budget over all blocks, a multiple of the number of blocks; null: gen_length (one token per step)."""
+    policy: Literal[SAMPLING_POLICIES] = "low_confidence"  # type: ignore[valid-type]
+    """What to commit: low_confidence, random, margin, entropy, threshold, factor, ancestral, first_hitting, uniform."""
+    threshold: float = Field(default=0.9, gt=0, le=1)
+    """policy threshold: commit every masked position whose proposal has at least this probability (at least one)."""
+    factor: float = Field(default=1.0, gt=0)
+    """policy factor: commit the n most confident positions with (n + 1) * (1 - p_n) < factor (at least one)."""
+    temperature: float = Field(default=0.0, ge=0)
+    """0 is greedy; above 0 samples with Gumbel noise computed in float64."""
+    top_k: int | None = Field(default=None, gt=0)
+    """Sample only among the k most probable tokens (with temperature > 0); null keeps all."""
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    """Nucleus sampling: the smallest set of tokens with this total probability (temperature > 0); null keeps all."""
+    cfg_scale: float = Field(default=0.0, ge=0)
+    """Classifier-free guidance w: uncond + (1 + w) * (cond - uncond), prompt masked in the uncond pass; 0 is off."""
+    cache: Literal["none", "prefix", "dual", "block"] = "none"
+    """KV cache: prefix or dual (approximate, bidirectional models), block (exact, block models), or none."""
+    refresh_every: int | None = Field(default=None, gt=0)
+    """prefix / dual: also refresh the cache with a full forward every N steps in a block; null: block starts only."""
+    attention: Literal["auto", "bidirectional", "block"] = "auto"
+    """bidirectional (MDLM, LLaDA, Dream) or block-causal (BD3LM, Fast-dLLM v2); auto: from the run's objective."""
+    sub_block_length: int | None = Field(default=None, gt=0)
+    """Block models: decode each block in sub-blocks of this length, left to right (Fast-dLLM v2); null: whole block."""
+    shift: Literal["auto", "on", "off"] = "auto"
+    """Predict position i from the hidden state at i-1 (Dream, Fast-dLLM v2); auto: from the model and the objective."""
+    reuse_unchanged: bool = True
+    """ancestral: a step that changes no token reuses the previous forward's logits (exact: the same input)."""
+    stop_at_eos: bool = True
+    """Cut each output at its first EOS and stop early once every row has one."""
+    stop_strings: list[str] = Field(default_factory=list)
+    """Cut each output at the first of these strings, and stop early once every row has one."""
+    seed: int = 0
+    """Seed of the sampling noise (temperature, random orders and the process policies)."""
+
+    @property
+    def block(self) -> int:
+        """The block length in effect (gen_length when unset)."""
+        return self.block_length or self.gen_length
+
+    @property
+    def num_blocks(self) -> int:
+        return self.gen_length // self.block
+
+    @property
+    def total_steps(self) -> int:
+        """The step budget in effect (gen_length when unset)."""
+        return self.steps or self.gen_length
+
+    @model_validator(mode="after")
+    def _check_blocks(self) -> SamplerConfig:
+        if self.gen_length % self.block:
+            raise ValueError(f"block_length {self.block} must divide gen_length {self.gen_length}")
+        num_blocks = self.num_blocks
+        if self.total_steps % num_blocks:
+            raise ValueError(f"steps {self.total_steps} must be a multiple of the number of blocks ({num_blocks})")
+        if self.sub_block_length is not None:
+            if self.block % self.sub_block_length:
+                raise ValueError(f"sub_block_length {self.sub_block_length} must divide block_length {self.block}")
+            subs = self.block // self.sub_block_length
+            if self.policy in SCHEDULED_POLICIES and (self.total_steps // num_blocks) % subs:
+                raise ValueError(f"steps per block ({self.total_steps // num_blocks}) must be a multiple of the "
+                                 f"{subs} sub-blocks of a block")  # fmt: skip
+        if self.policy in PROCESS_POLICIES and (self.cache != "none" or self.sub_block_length is not None):
+            raise ValueError(f"policy {self.policy} runs its own reverse process: use cache none, no sub-blocks")
+        if self.cfg_scale > 0 and self.cache != "none":
+            raise ValueError("cfg_scale > 0 runs a masked-prompt pass beside each forward: use cache none")
+        if self.refresh_every is not None and self.cache not in ("prefix", "dual"):
+            raise ValueError(f"refresh_every applies to the prefix and dual caches, not cache {self.cache}")
+        if self.attention == "bidirectional" and (self.cache == "block" or self.sub_block_length is not None):
+            raise ValueError("cache block and sub_block_length need block attention (a block-diffusion model)")
+        if self.attention == "block" and self.cache in ("prefix", "dual"):
+            raise ValueError(f"block models decode with the exact cache: use cache block, not {self.cache}")
+        if self.attention == "block" and self.policy in ("ancestral", "first_hitting", "uniform"):
+            raise ValueError(f"policy {self.policy} decodes bidirectional models; use attention bidirectional")
+        return self

@@ -1,0 +1,113 @@
+"""The training loop, optimizer, LR schedule, checkpointing, logging and topology sections."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, ValidationInfo, field_validator
+
+from dllm.config.base import Section
+
+
+class TrainingConfig(Section):
+    """The training loop."""
+
+    steps: int = Field(gt=0)
+    """Optimizer steps to run in total (a resumed run continues up to this step)."""
+    global_batch_size: int = Field(gt=0)
+    """Sequences per optimizer step, summed over data-parallel ranks and accumulation micro-steps."""
+    micro_batch_size: int = Field(gt=0)
+    """Sequences in one forward/backward on one rank."""
+    seed: int = 0
+    """Seed of weight initialisation, data order and diffusion noise."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where to train: auto picks cuda when available, else cpu."""
+    autocast_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Compute dtype inside forward (torch.autocast); parameters stay float32."""
+    grad_clip: float | None = Field(default=1.0, gt=0)
+    """Clip the global gradient norm to this value; null disables clipping."""
+    compile: bool = False
+    """Compile the model with torch.compile (slow to start; pays off on GPU)."""
+    chunked_loss: bool = True
+    """LM head + cross-entropy in chunks, never materialising [tokens x vocab] logits (false: the plain reference)."""
+    cpu_allocator: Literal["retain", "system"] = "retain"
+    """CPU training: retain keeps freed heap memory for reuse (no page faults each step); system leaves malloc alone."""
+
+
+class OptimizerConfig(Section):
+    """The optimizer."""
+
+    name: Literal["adamw"] = "adamw"
+    """Optimizer: adamw (decoupled weight decay on matrices only)."""
+    lr: float = Field(default=3e-4, gt=0)
+    """Peak learning rate."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """Adam beta1, beta2."""
+    eps: float = Field(default=1e-8, gt=0)
+    """Adam epsilon."""
+    weight_decay: float = Field(default=0.1, ge=0)
+    """Decoupled weight decay of weight matrices (norms, biases, embeddings are not decayed)."""
+
+
+class SchedulerConfig(Section):
+    """The learning-rate schedule."""
+
+    name: Literal["cosine", "linear", "constant"] = "cosine"
+    """Shape after warmup: cosine or linear decay to min_lr_ratio * lr, or constant."""
+    warmup_steps: int = Field(default=0, ge=0)
+    """Steps of linear warmup from 0 to the peak learning rate."""
+    min_lr_ratio: float = Field(default=0.1, ge=0, le=1)
+    """Final learning rate as a fraction of the peak."""
+
+
+class CheckpointingConfig(Section):
+    """When checkpoints are written and whether a run resumes."""
+
+    every_steps: int | None = Field(default=None, gt=0)
+    """Save every N steps; null saves only at the end."""
+    keep_last_n: int = Field(default=2, gt=0)
+    """Keep the newest N checkpoints, delete older ones."""
+    resume: Literal["auto", "never"] = "auto"
+    """auto: continue from the newest checkpoint of the run folder if there is one."""
+    save_final: bool = True
+    """Save a checkpoint after the last step."""
+
+
+class LoggingConfig(Section):
+    """Metrics and progress display."""
+
+    every_steps: int = Field(default=10, gt=0)
+    """Write metrics every N steps."""
+    tensorboard: Literal["auto", "on", "off"] = "auto"
+    """TensorBoard event files in the run folder: auto writes them when tensorboard is installed."""
+    progress: Literal["auto", "bar", "lines", "off"] = "auto"
+    """Progress display: a rich bar on a terminal, plain lines otherwise."""
+
+    @field_validator("tensorboard", "progress", mode="before")
+    @classmethod
+    def _yaml_booleans(cls, v: Any, info: ValidationInfo) -> Any:
+        # YAML 1.1 reads a bare on/off/yes/no as a boolean
+        if not isinstance(v, bool):
+            return v
+        if not v:
+            return "off"
+        return "on" if info.field_name == "tensorboard" else "auto"
+
+
+class TopologyConfig(Section):
+    """How many processes train and how they split the work."""
+
+    nnodes: int = Field(default=1, gt=0)
+    """Number of machines."""
+    nproc_per_node: int = Field(default=1, gt=0)
+    """Worker processes per machine (one per GPU; on CPU, a few)."""
+    data_parallel: Literal["fsdp", "ddp"] = "fsdp"
+    """Data parallelism: fsdp (FSDP2 fully_shard, sharded parameters) or ddp (replicated)."""
+    dp_size: int = -1
+    """Data-parallel degree; -1 uses every rank."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """Collective backend: auto picks nccl on GPU and gloo on CPU."""
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
