@@ -32,8 +32,8 @@ import torch
 from dllm.checkpoint.inference import load_for_inference
 from dllm.config.loading import validate_config
 from dllm.config.prepare import PrepareSpec
-from dllm.config.rules import resolve_run_spec, resolve_sampler
-from dllm.config.sampler import SamplerConfig
+from dllm.config.rules import resolve_run_spec
+from dllm.config.sampler import SamplerConfig, resolve_sampler
 from dllm.config.spec import RunSpec
 from dllm.data.prepare import prepare
 from dllm.sampling.generate import SpecialIds, generate
@@ -106,7 +106,7 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {  # name -> (model, sampler fi
 
 def resolved(loaded, fields: dict[str, Any]) -> SamplerConfig:
     cfg = SamplerConfig(gen_length=GEN, block_length=BLOCK, stop_at_eos=False, **fields)
-    return resolve_sampler(cfg, loaded.spec, loaded.model_cfg)
+    return resolve_sampler(cfg, loaded.profile)
 
 
 def run_slice(loaded, cfg: SamplerConfig, prompts: list[str], answers: list[str], batch: int) -> list[float]:

@@ -6,8 +6,8 @@ import pytest
 from pydantic import ValidationError
 
 from dllm.config.model import ModelConfig
-from dllm.config.rules import resolve_sampler
-from dllm.config.sampler import SamplerConfig
+from dllm.config.profile import DecodeProfile, build_profile
+from dllm.config.sampler import SamplerConfig, resolve_sampler
 from dllm.config.spec import RunSpec
 from dllm.errors import ConfigError
 from tests.helpers import tiny_train_values
@@ -15,6 +15,14 @@ from tests.helpers import tiny_train_values
 
 def run_spec(**objective) -> RunSpec:
     return RunSpec.model_validate(tiny_train_values(objective=objective))
+
+
+def profile(spec: RunSpec | None, model: ModelConfig | None = None) -> DecodeProfile:
+    """The decode profile a run (or, with spec None, a model folder) records."""
+    shift_logits = bool(model is not None and model.shift_logits)
+    objective = spec.objective if spec is not None else None
+    return build_profile(objective, shift_logits=shift_logits, max_length=256, mask_id=3, pad_id=0, eos_id=1,
+                         num_tokens=64)  # fmt: skip
 
 
 def test_defaults_one_block_one_token_per_step():
@@ -46,38 +54,42 @@ def test_bad_sampler_combinations_are_refused(fields, message):
 
 
 def test_auto_attention_and_block_length_from_a_block_run():
-    cfg = resolve_sampler(SamplerConfig(gen_length=16), run_spec(name="bd3lm", block_size=8), None)
+    cfg = resolve_sampler(SamplerConfig(gen_length=16), profile(run_spec(name="bd3lm", block_size=8), None))
     assert (cfg.attention, cfg.block_length, cfg.shift, cfg.sub_block_length) == ("block", 8, "off", None)
     with pytest.raises(ConfigError, match="trained with blocks of 8"):
-        resolve_sampler(SamplerConfig(gen_length=16, block_length=16), run_spec(name="bd3lm", block_size=8), None)
-    shifted = resolve_sampler(SamplerConfig(gen_length=16), run_spec(name="bd3lm", block_size=8, shift=True), None)
+        resolve_sampler(
+            SamplerConfig(gen_length=16, block_length=16), profile(run_spec(name="bd3lm", block_size=8), None)
+        )
+    shifted = resolve_sampler(
+        SamplerConfig(gen_length=16), profile(run_spec(name="bd3lm", block_size=8, shift=True), None)
+    )
     assert shifted.shift == "on"
 
 
 def test_fast_dllm_v2_samples_shifted_in_its_sub_blocks():
     spec = run_spec(name="fast_dllm_v2", block_size=8, sub_block_size=4)
-    cfg = resolve_sampler(SamplerConfig(gen_length=16), spec, None)
+    cfg = resolve_sampler(SamplerConfig(gen_length=16), profile(spec, None))
     assert (cfg.attention, cfg.block_length, cfg.sub_block_length, cfg.shift) == ("block", 8, 4, "on")
 
 
 def test_bidirectional_runs_and_model_shift():
-    cfg = resolve_sampler(SamplerConfig(cache="dual"), run_spec(name="mdlm"), None)
+    cfg = resolve_sampler(SamplerConfig(cache="dual"), profile(run_spec(name="mdlm"), None))
     assert (cfg.attention, cfg.shift) == ("bidirectional", "off")
     dream = ModelConfig(family="dream", preset="tiny", vocab_size=64)
-    assert resolve_sampler(SamplerConfig(), None, dream).shift == "on"  # a model folder: no objective
-    assert resolve_sampler(SamplerConfig(shift="off"), None, dream).shift == "off"  # explicit wins
+    assert resolve_sampler(SamplerConfig(), profile(None, dream)).shift == "on"  # a model folder: no objective
+    assert resolve_sampler(SamplerConfig(shift="off"), profile(None, dream)).shift == "off"  # explicit wins
     with pytest.raises(ConfigError, match="need block attention.*resolved to bidirectional"):
-        resolve_sampler(SamplerConfig(cache="block"), run_spec(name="mdlm"), None)
+        resolve_sampler(SamplerConfig(cache="block"), profile(run_spec(name="mdlm"), None))
 
 
 def test_uniform_runs_need_the_uniform_policy_and_back():
     with pytest.raises(ConfigError, match="no mask token.*use policy uniform"):
-        resolve_sampler(SamplerConfig(), run_spec(name="uniform"), None)
-    assert resolve_sampler(SamplerConfig(policy="uniform"), run_spec(name="uniform"), None).policy == "uniform"
+        resolve_sampler(SamplerConfig(), profile(run_spec(name="uniform"), None))
+    assert resolve_sampler(SamplerConfig(policy="uniform"), profile(run_spec(name="uniform"), None)).policy == "uniform"
     with pytest.raises(ConfigError, match="uniform decodes uniform-state models"):
-        resolve_sampler(SamplerConfig(policy="uniform"), run_spec(name="mdlm"), None)
+        resolve_sampler(SamplerConfig(policy="uniform"), profile(run_spec(name="mdlm"), None))
 
 
 def test_block_attention_without_a_known_block_length_is_refused():
     with pytest.raises(ConfigError, match="needs the model's block length"):
-        resolve_sampler(SamplerConfig(gen_length=16, attention="block"), None, None)
+        resolve_sampler(SamplerConfig(gen_length=16, attention="block"), profile(None, None))

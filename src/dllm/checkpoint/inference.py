@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from torch import nn
 from dllm.checkpoint.manager import TRAINER_STATE, latest_checkpoint, load_model_weights
 from dllm.config.loading import load_config
 from dllm.config.model import ModelConfig
+from dllm.config.profile import PROFILE_FILE, DecodeProfile, build_profile, read_profile
 from dllm.config.spec import RunSpec
 from dllm.errors import CheckpointError
 from dllm.models import MODELS, factory
@@ -27,8 +29,18 @@ class LoadedModel:
     model_cfg: ModelConfig
     source: Path
     """The checkpoint or pretrained folder the weights came from."""
+    profile: DecodeProfile
+    """How the model decodes (saved with the checkpoint or the model folder)."""
     spec: RunSpec | None = None
     """The run's config, when loaded from a run."""
+
+
+def derive_profile(objective: object | None, model_cfg: ModelConfig, tok: Tokenizer) -> DecodeProfile:
+    """The decode profile of a model trained with `objective` (None: a model folder not trained here)."""
+    return build_profile(
+        objective, shift_logits=model_cfg.shift_logits, max_length=model_cfg.max_seq_len, mask_id=tok.mask_id,
+        pad_id=tok.pad_id, eos_id=tok.eos_id, num_tokens=tok.vocab_size,
+    )  # fmt: skip
 
 
 def resolve_checkpoint(run: Path | None, checkpoint: Path | None) -> tuple[Path, Path]:
@@ -71,7 +83,12 @@ def load_for_inference(
     load_model_weights(ckpt, model)
     if spec.lora is not None and merge:
         merge_lora(model)  # one matrix per layer again: as fast as the base model
-    return LoadedModel(model=_ready(model, device), tokenizer=tok, model_cfg=spec.model, source=ckpt, spec=spec)
+    profile = read_profile(ckpt)
+    if profile is None:  # written before checkpoints carried their profile: derived once, here
+        warnings.warn(f"{ckpt}: no {PROFILE_FILE} (an older checkpoint); derived it from the run's config",
+                      stacklevel=2)  # fmt: skip
+        profile = derive_profile(spec.objective, spec.model, tok)
+    return LoadedModel(_ready(model, device), tok, spec.model, ckpt, profile, spec=spec)
 
 
 def _ready(model: nn.Module, device: torch.device | None) -> nn.Module:
@@ -89,4 +106,5 @@ def _load_pretrained(folder: Path, device: torch.device | None) -> LoadedModel:
     cfg = cfg.model_copy(update={"vocab_size": vocab, "init_from": folder})
     model = MODELS.get(cfg.family)(cfg)
     model.load_state_dict(pretrained_state(cfg), strict=True)
-    return LoadedModel(model=_ready(model, device), tokenizer=tok, model_cfg=cfg, source=folder)
+    profile = read_profile(folder) or derive_profile(None, cfg, tok)  # a folder from elsewhere: a masked model
+    return LoadedModel(_ready(model, device), tok, cfg, folder, profile)

@@ -1,7 +1,7 @@
 """CheckpointManager: save/load model + optimizer (DCP, resharding-safe) and the trainer state.
 
 Layout of a run folder:
-  checkpoints/step_00000100/   DCP shards + .metadata + trainer_state.json
+  checkpoints/step_00000100/   DCP shards + .metadata + trainer_state.json + decode_profile.json
   checkpoints/latest           text file naming the newest complete checkpoint
 
 Publishing is atomic: every rank writes into `step_X.tmp`, then the main rank renames it to
@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from dllm.config.profile import DecodeProfile, write_profile
 from dllm.config.training import CheckpointingConfig
 from dllm.errors import CheckpointError
 from dllm.parallel.dims import DistEnv, barrier
@@ -63,10 +64,13 @@ def _quiet_dcp() -> Iterator[None]:
 
 
 class CheckpointManager:
-    def __init__(self, folder: Path, cfg: CheckpointingConfig, env: DistEnv) -> None:
+    def __init__(
+        self, folder: Path, cfg: CheckpointingConfig, env: DistEnv, profile: DecodeProfile | None = None
+    ) -> None:
         self.folder = Path(folder)
         self.cfg = cfg
         self.env = env
+        self.profile = profile  # written into every checkpoint: how its model decodes
 
     def latest(self) -> Path | None:
         return latest_checkpoint(self.folder)
@@ -88,6 +92,8 @@ class CheckpointManager:
         barrier(self.env)
         if self.env.is_main:
             (tmp / TRAINER_STATE).write_text(json.dumps({"step": step, **state}, indent=2, sort_keys=True))
+            if self.profile is not None:
+                write_profile(self.profile, tmp)
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)

@@ -39,7 +39,9 @@ def convert(
 
 
 def _import(src: Path, out: Path) -> None:
+    from dllm.checkpoint.inference import derive_profile
     from dllm.config.data import TokenizerConfig
+    from dllm.config.profile import write_profile
     from dllm.models.hf_io import import_hf, model_config_from_hf
     from dllm.models.pretrained import pretrained_tokenizer, save_model_folder
     from dllm.tokenization import build_tokenizer
@@ -50,17 +52,20 @@ def _import(src: Path, out: Path) -> None:
     cfg = cfg.model_copy(update={"vocab_size": max(cfg.vocab_size or 0, tok.vocab_size)})
     folder = save_model_folder(out, import_hf(src, cfg), cfg, tok_cfg)
     _save_tokenizer(tok, folder)
+    write_profile(derive_profile(None, cfg, tok), folder)  # a masked model until trained otherwise
     info(f"wrote {folder}: {cfg.family}, {cfg.num_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}")
     info(f"use it with model.init_from: {folder}, or dllm generate --model {folder}")
 
 
 def _export(out: Path, run: Path | None, checkpoint: Path | None, model: Path | None) -> None:
     from dllm.checkpoint.inference import load_for_inference
+    from dllm.config.profile import write_profile
     from dllm.models.hf_io import export_hf
 
     loaded = load_for_inference(run, checkpoint, model_dir=model)
     folder = export_hf(loaded.model.state_dict(), loaded.model_cfg, out)
     _save_tokenizer(loaded.tokenizer, folder)
+    write_profile(loaded.profile, folder)  # sampling the exported folder decodes as the run did
     info(f"wrote {folder} ({loaded.model_cfg.family}) from {loaded.source}")
 
 

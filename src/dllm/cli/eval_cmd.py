@@ -114,7 +114,7 @@ def tasks(
     """Exact-match accuracy through any sampler, with NFE, tokens per forward and wall time."""
     import torch
 
-    from dllm.config.rules import resolve_sampler
+    from dllm.config.sampler import resolve_sampler
     from dllm.evaluation.tasks import load_task, run_task
     from dllm.sampling.generate import generate as sample
 
@@ -134,7 +134,7 @@ def tasks(
         if gen_length is None and "gen_length" not in _file_and_set_fields(sampler_config, overrides):
             block = cfg.block_length or task.max_new_tokens
             n = -(-task.max_new_tokens // block) * block
-            cfg = resolve_sampler(cfg.model_copy(update={"gen_length": n}), s.loaded.spec, s.loaded.model_cfg)
+            cfg = resolve_sampler(cfg.model_copy(update={"gen_length": n}), s.loaded.profile)
         stops = list(cfg.stop_strings) or list(task.stop_strings)
         stop_fn = stop_function(tok, stops)
 

@@ -44,8 +44,7 @@ def setup_sampling(
 
     from dllm.checkpoint.inference import load_for_inference
     from dllm.config.loading import apply_overrides, read_yaml, validate_config
-    from dllm.config.rules import resolve_sampler
-    from dllm.config.sampler import SamplerConfig
+    from dllm.config.sampler import SamplerConfig, resolve_sampler
     from dllm.sampling.generate import SpecialIds
 
     data: dict[str, Any] = {}
@@ -63,9 +62,9 @@ def setup_sampling(
     if device not in ("cpu", "cuda") or (device == "cuda" and not torch.cuda.is_available()):
         raise ConfigError(f"--device: {device!r} is not available here; use cpu")
     loaded = load_for_inference(run, checkpoint, torch.device(device), model_dir=model)
-    cfg = resolve_sampler(cfg, loaded.spec, loaded.model_cfg)
-    tok = loaded.tokenizer
-    special = SpecialIds(mask_id=tok.mask_id, pad_id=tok.pad_id, eos_id=tok.eos_id, num_tokens=tok.vocab_size)
+    cfg = resolve_sampler(cfg, loaded.profile)
+    p = loaded.profile
+    special = SpecialIds(mask_id=p.mask_id, pad_id=p.pad_id, eos_id=p.eos_id, num_tokens=p.num_tokens)
     return SamplingSetup(loaded, cfg, special, torch.device(device))
 
 

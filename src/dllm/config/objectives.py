@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -22,6 +22,10 @@ class MDLMConfig(Section):
     """Stratify t over the global batch (t_i = frac(u + i/B)) to reduce loss variance."""
     normalize: Literal["token", "sequence"] = "token"
     """Loss normaliser: supervised tokens of the global batch, or each sequence by its own count (SFT)."""
+
+    def decode_facts(self) -> dict[str, Any]:
+        """How models trained with this objective decode (see config/profile.py)."""
+        return {"attention": "bidirectional", "schedule": self.schedule, "corruption": "mask"}
 
 
 class BD3LMConfig(Section):
@@ -50,6 +54,11 @@ class BD3LMConfig(Section):
             raise ValueError(f"eps_min {self.eps_min} must be below eps_max {self.eps_max}")
         return self
 
+    def decode_facts(self) -> dict[str, Any]:
+        """Block-causal decoding with the training block size; the token shift if trained with it."""
+        return {"attention": "block", "block_size": self.block_size, "shift": self.shift,
+                "schedule": self.schedule, "corruption": self.corruption}  # fmt: skip
+
 
 class FastDLLMv2Config(Section):
     """Fast-dLLM v2 (Wu et al. 2025): block diffusion from an AR model with complementary masks."""
@@ -71,6 +80,11 @@ class FastDLLMv2Config(Section):
             raise ValueError(f"sub_block_size {self.sub_block_size} must divide block_size {self.block_size}")
         return self
 
+    def decode_facts(self) -> dict[str, Any]:
+        """Block-causal decoding in sub-blocks, AR token shift; the mask ratio t ~ U(eps, 1] is the linear schedule."""
+        return {"attention": "block", "block_size": self.block_size, "sub_block_size": self.sub_block_size,
+                "shift": True, "schedule": "linear", "corruption": "mask"}  # fmt: skip
+
 
 class UniformConfig(Section):
     """Uniform-state diffusion: tokens replaced by random vocabulary ids with probability 1 - alpha(t)."""
@@ -85,6 +99,10 @@ class UniformConfig(Section):
     """Stratify t over the global batch."""
     self_condition_prob: float = Field(default=0.0, ge=0, lt=1)
     """Chance a row is conditioned on a detached first pass's predictions (needs model.self_condition)."""
+
+    def decode_facts(self) -> dict[str, Any]:
+        """Bidirectional decoding without a mask token: uniform re-noising."""
+        return {"attention": "bidirectional", "schedule": self.schedule, "corruption": "uniform"}
 
 
 ObjectiveConfig = Annotated[MDLMConfig | BD3LMConfig | FastDLLMv2Config | UniformConfig, Field(discriminator="name")]

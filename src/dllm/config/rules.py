@@ -7,11 +7,8 @@ warnings for settings that have no effect.
 
 from __future__ import annotations
 
-from pydantic import ValidationError
-
 from dllm.config.model import ModelConfig
 from dllm.config.objectives import BLOCK_OBJECTIVES
-from dllm.config.sampler import SamplerConfig
 from dllm.config.spec import RunSpec
 from dllm.errors import ConfigError, DataError
 
@@ -200,42 +197,3 @@ def _has_tensorboard() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("tensorboard") is not None
-
-
-def resolve_sampler(cfg: SamplerConfig, spec: RunSpec | None, model: ModelConfig | None) -> SamplerConfig:
-    """Fill `attention` and `shift` from the run (objective) and the model, and refuse a sampler the
-    model was not trained for. `spec` is None for a model folder (no objective known)."""
-    obj = spec.objective if spec is not None else None
-    block_obj = obj is not None and obj.name in BLOCK_OBJECTIVES
-    attention = cfg.attention if cfg.attention != "auto" else ("block" if block_obj else "bidirectional")
-    shifted = bool(model is not None and model.shift_logits) or (
-        obj is not None and (obj.name == "fast_dllm_v2" or (obj.name == "bd3lm" and obj.shift))
-    )
-    shift = cfg.shift if cfg.shift != "auto" else ("on" if shifted else "off")
-    if obj is not None and obj.name == "uniform" and cfg.policy != "uniform":
-        raise ConfigError(
-            f"sampler.policy: {cfg.policy} decodes mask tokens, but this run was trained with the uniform "
-            "objective (no mask token); use policy uniform"
-        )
-    if obj is not None and obj.name != "uniform" and cfg.policy == "uniform":
-        raise ConfigError(f"sampler.policy: uniform decodes uniform-state models; this run was trained with {obj.name}")
-    if attention == "block" and block_obj:
-        assert obj is not None and obj.name in BLOCK_OBJECTIVES
-        size = obj.block_size  # type: ignore[union-attr]
-        if cfg.block_length is None:
-            cfg = cfg.model_copy(update={"block_length": size})
-        elif cfg.block_length != size:
-            raise ConfigError(
-                f"sampler.block_length: this run was trained with blocks of {size}; "
-                "block-causal sampling must use the same block length"
-            )
-        if obj.name == "fast_dllm_v2" and cfg.sub_block_length is None:
-            cfg = cfg.model_copy(update={"sub_block_length": obj.sub_block_size})  # type: ignore[union-attr]
-    if attention == "block" and cfg.block_length is None:
-        raise ConfigError("sampler.block_length: block attention needs the model's block length; set it")
-    values = {**cfg.model_dump(), "attention": attention, "shift": shift}
-    try:
-        return SamplerConfig.model_validate(values)
-    except ValidationError as e:  # a combination that only became invalid once auto was resolved
-        msg = str(e.errors()[0]["msg"]).removeprefix("Value error, ")
-        raise ConfigError(f"sampler: {msg} (attention resolved to {attention} from the run)") from None

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationError, model_validator
 
 from dllm.config.base import Section
+from dllm.config.profile import DecodeProfile
+from dllm.errors import ConfigError
 
 SAMPLING_POLICIES = (
     "low_confidence", "random", "margin", "entropy", "threshold", "factor", "ancestral", "first_hitting", "uniform",
@@ -109,3 +111,35 @@ class SamplerConfig(Section):
         if self.attention == "block" and self.policy in ("ancestral", "first_hitting", "uniform"):
             raise ValueError(f"policy {self.policy} decodes bidirectional models; use attention bidirectional")
         return self
+
+
+def resolve_sampler(cfg: SamplerConfig, profile: DecodeProfile) -> SamplerConfig:
+    """Fill `attention`, `shift`, the block and sub-block lengths from the model's decode profile, and
+    refuse a sampler the model was not trained for."""
+    trained = f"this run was trained with {profile.objective}" if profile.objective else "this model decodes masks"
+    if profile.corruption == "uniform" and cfg.policy != "uniform":
+        raise ConfigError(
+            f"sampler.policy: {cfg.policy} decodes mask tokens, but this run was trained with the uniform "
+            "objective (no mask token); use policy uniform"
+        )
+    if profile.corruption != "uniform" and cfg.policy == "uniform":
+        raise ConfigError(f"sampler.policy: uniform decodes uniform-state models; {trained}")
+    attention = cfg.attention if cfg.attention != "auto" else profile.attention
+    shift = cfg.shift if cfg.shift != "auto" else ("on" if profile.shift else "off")
+    values = {**cfg.model_dump(), "attention": attention, "shift": shift}
+    if attention == "block" and profile.block_size is not None:
+        if cfg.block_length is not None and cfg.block_length != profile.block_size:
+            raise ConfigError(
+                f"sampler.block_length: this run was trained with blocks of {profile.block_size}; "
+                "block-causal sampling must use the same block length"
+            )
+        values["block_length"] = profile.block_size
+        if cfg.sub_block_length is None:
+            values["sub_block_length"] = profile.sub_block_size
+    if attention == "block" and values["block_length"] is None:
+        raise ConfigError("sampler.block_length: block attention needs the model's block length; set it")
+    try:
+        return SamplerConfig.model_validate(values)
+    except ValidationError as e:  # a combination that only became invalid once auto was resolved
+        msg = str(e.errors()[0]["msg"]).removeprefix("Value error, ")
+        raise ConfigError(f"sampler: {msg} (attention resolved to {attention} from the run)") from None

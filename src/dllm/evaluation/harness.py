@@ -54,10 +54,9 @@ from dllm.checkpoint.inference import load_for_inference
 from dllm.cli.sampling_common import cut_at_stop, stop_function
 from dllm.config.base import Section
 from dllm.config.loading import format_validation_error, read_yaml, validate_config
-from dllm.config.rules import resolve_sampler
-from dllm.config.sampler import SamplerConfig
+from dllm.config.sampler import SamplerConfig, resolve_sampler
 from dllm.errors import ConfigError, UserError
-from dllm.evaluation.likelihood import ScoringModel, guided_hidden, nelbo_samples, predictor_hidden, scoring_for
+from dllm.evaluation.likelihood import guided_hidden, nelbo_samples, predictor_hidden, scoring_for
 from dllm.sampling.generate import SpecialIds, generate
 
 DEFAULT_MAX_GEN_TOKS = 64
@@ -177,15 +176,6 @@ def _device(name: str) -> torch.device:
     return device
 
 
-def _scoring(loaded: Any, kind: str) -> ScoringModel:
-    """likelihood.scoring_for, except for fast_dllm_v2 runs, whose config has no `schedule` for it to read
-    (an AttributeError there): their mask ratio is t ~ U(eps, 1], the linear schedule."""
-    obj = loaded.spec.objective if loaded.spec is not None else None
-    if obj is not None and obj.name == "fast_dllm_v2" and not hasattr(obj, "schedule") and kind in ("auto", "block"):
-        return ScoringModel("block", loaded.tokenizer.mask_id, block_size=obj.block_size, shift=True, schedule="linear")
-    return scoring_for(loaded, kind)
-
-
 def _path(value: str | None) -> Path | None:
     return None if value is None else Path(value)
 
@@ -209,8 +199,8 @@ class DllmLM(LM):
         self._device = _device(a.device)
         self.loaded = load_for_inference(_path(a.run), _path(a.checkpoint), self._device, model_dir=_path(a.model))
         self.model, self.tokenizer = self.loaded.model, self.loaded.tokenizer
-        self.scoring = _scoring(self.loaded, a.kind)
-        self.sampler = resolve_sampler(sampler, self.loaded.spec, self.loaded.model_cfg)
+        self.scoring = scoring_for(self.loaded, a.kind)
+        self.sampler = resolve_sampler(sampler, self.loaded.profile)
         self.cfg_scale = self.sampler.cfg_scale
         self.seed = self.sampler.seed
         tok = self.tokenizer
@@ -388,7 +378,7 @@ class DllmLM(LM):
             if kw.get(k) is not None:
                 update[k] = kw[k]
         cfg = self.sampler.model_copy(update=update)
-        return resolve_sampler(cfg, self.loaded.spec, self.loaded.model_cfg), max_new
+        return resolve_sampler(cfg, self.loaded.profile), max_new
 
     def _prompt(self, context: str, gen_length: int) -> list[int]:
         """The context's ids, truncated from the left so that prompt + generation fit max_seq_len."""

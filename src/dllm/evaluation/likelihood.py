@@ -265,35 +265,32 @@ def summarize(parts: list[NelboSamples], exact: bool = False) -> LikelihoodSumma
 
 
 def scoring_for(loaded, kind: str = "auto") -> ScoringModel:
-    """How to score a loaded model (checkpoint.inference.LoadedModel): from its run's objective, or
-    `kind` for a model folder (mdlm by default; `ar` for an imported causal model)."""
-    from dllm.config.objectives import BLOCK_OBJECTIVES
+    """How to score a loaded model (checkpoint.inference.LoadedModel), from its decode profile: the
+    block bound for block models, the masked bound otherwise; `ar` for an imported causal model."""
     from dllm.errors import ConfigError
 
-    mask_id = loaded.tokenizer.mask_id
-    spec = loaded.spec
-    obj = spec.objective if spec is not None else None
+    profile = loaded.profile
     if kind not in ("auto", "mdlm", "block", "ar"):
         raise ConfigError(f"kind: {kind!r} is not one of auto, mdlm, block, ar")
-    if obj is not None and obj.name == "uniform":
+    if profile.corruption == "uniform" and profile.attention == "bidirectional":
         raise ConfigError(
             "this run was trained with the uniform objective (a simplified x0 loss without a mask token): "
             "it has no likelihood bound here; evaluate it with tasks"
         )
     if kind == "ar":
-        return ScoringModel("ar", mask_id)
-    if obj is not None and obj.name in BLOCK_OBJECTIVES:
+        return ScoringModel("ar", profile.mask_id)
+    if profile.attention == "block":
         if kind == "mdlm":
-            raise ConfigError(f"kind: mdlm, but this run was trained with {obj.name} (a block model); use auto")
-        shift = obj.name == "fast_dllm_v2" or bool(getattr(obj, "shift", False))
-        if getattr(obj, "corruption", "mask") != "mask":
+            raise ConfigError(
+                f"kind: mdlm, but this run was trained with {profile.objective} (a block model); use auto"
+            )
+        if profile.corruption != "mask":
             raise ConfigError("objective.corruption: the block bound is computed for mask corruption only")
-        schedule = getattr(obj, "schedule", "linear")  # fast_dllm_v2 masks with ratio t: the linear schedule
-        return ScoringModel("block", mask_id, block_size=obj.block_size, shift=shift, schedule=schedule)
+        return ScoringModel("block", profile.mask_id, block_size=profile.block_size, shift=profile.shift,
+                            schedule=profile.schedule)  # fmt: skip
     if kind == "block":
         raise ConfigError("kind: block needs a run trained with bd3lm or fast_dllm_v2 (its block size)")
-    if loaded.model_cfg.shift_logits:
+    if profile.shift:
         raise ConfigError("model.shift_logits: masked scoring of shifted models is not supported; use kind=ar "
                           "for a causal model")  # fmt: skip
-    schedule = obj.schedule if obj is not None else "linear"
-    return ScoringModel("mdlm", mask_id, schedule=schedule)
+    return ScoringModel("mdlm", profile.mask_id, schedule=profile.schedule)

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
+from dllm.checkpoint.inference import derive_profile
 from dllm.checkpoint.manager import CheckpointManager
 from dllm.config.rules import check_topology
 from dllm.config.spec import RunSpec
@@ -80,13 +81,14 @@ def build_trainer(spec: RunSpec, run_dir: Path, env: DistEnv | None = None) -> T
         document_ids=spec.data.document_mask,
     )
     identity: dict[str, Any] = {"tokenizer": tok.identity(), "artifact_fingerprint": artifact.fingerprint}
+    profile = derive_profile(spec.objective, spec.model, tok)  # how this run's checkpoints decode
     trainer = Trainer(
         model=model,
         objective=OBJECTIVES.get(spec.objective.name)(spec.objective, token_ids(tok), chunked_loss=tr.chunked_loss),
         optimizer=build_optimizer(model, spec.optimizer),
         lr_schedule=LRSchedule(spec.scheduler, spec.optimizer.lr, tr.steps),
         loader=loader,
-        checkpoints=CheckpointManager(run_dir / "checkpoints", spec.checkpointing, env),
+        checkpoints=CheckpointManager(run_dir / "checkpoints", spec.checkpointing, env, profile),
         metrics=MetricsLogger(run_dir, spec.logging, enabled=env.is_main),
         cfg=tr,
         log_cfg=spec.logging,

@@ -1,0 +1,101 @@
+"""DecodeProfile: the facts a trained model needs at inference, recorded once when its run is built.
+
+Sampling, evaluation, serving and export read these facts from the profile; none of them works
+them out again from objective names or model fields. The profile is saved as `decode_profile.json`
+in every checkpoint folder and beside `config.json` in every exported model folder.
+
+Each objective section says how its models decode (`decode_facts()` in config/objectives.py), so
+a new objective brings its own facts; `build_profile` adds the model's and the tokenizer's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, ValidationError, model_validator
+
+from dllm.config.base import Section
+from dllm.errors import CheckpointError
+
+PROFILE_FILE = "decode_profile.json"
+PROFILE_VERSION = 1
+
+
+class DecodeProfile(Section):
+    """How a model decodes: attention layout, blocks, logit shift, noise, special ids, length."""
+
+    version: int = PROFILE_VERSION
+    """Format version of this record."""
+    objective: str | None = None
+    """The objective the model was trained with (for messages); null for a model not trained here."""
+    attention: Literal["bidirectional", "block"] = "bidirectional"
+    """bidirectional (MDLM, LLaDA, Dream) or block-causal with the training block size (BD3LM, Fast-dLLM v2)."""
+    block_size: int | None = Field(default=None, gt=0)
+    """Tokens per block of a block model (its sampler must use the same); null for bidirectional models."""
+    sub_block_size: int | None = Field(default=None, gt=0)
+    """Sub-block decoded in parallel inside a block (Fast-dLLM v2); null: whole blocks."""
+    shift: bool = False
+    """Position i is predicted from the hidden state at i-1 (Dream, Fast-dLLM v2, BD3LM with shift)."""
+    schedule: Literal["linear", "cosine"] = "linear"
+    """Noise schedule alpha(t) the model was trained under (likelihood bounds use it)."""
+    corruption: Literal["mask", "uniform"] = "mask"
+    """Noise: the mask token (absorbing) or uniformly random tokens (uniform-state models)."""
+    mask_id: int = Field(ge=0)
+    """Id of the mask token."""
+    pad_id: int = Field(ge=0)
+    """Id of the padding token."""
+    eos_id: int = Field(ge=0)
+    """Id of the end-of-sequence token."""
+    num_tokens: int = Field(gt=0)
+    """Ids the tokenizer can produce (uniform noise draws from them; the embedding may have more rows)."""
+    max_length: int = Field(gt=0)
+    """Longest sequence (prompt + generation) the model's positions cover."""
+
+    @model_validator(mode="after")
+    def _check_blocks(self) -> DecodeProfile:
+        if self.attention == "block" and self.block_size is None:
+            raise ValueError("attention block needs block_size")
+        if self.attention == "bidirectional" and (self.block_size is not None or self.sub_block_size is not None):
+            raise ValueError("block_size and sub_block_size apply to attention block only")
+        if self.sub_block_size is not None and self.block_size and self.block_size % self.sub_block_size:
+            raise ValueError(f"sub_block_size {self.sub_block_size} must divide block_size {self.block_size}")
+        return self
+
+
+def build_profile(
+    objective: object | None, *, shift_logits: bool, max_length: int, mask_id: int, pad_id: int, eos_id: int,
+    num_tokens: int,
+) -> DecodeProfile:  # fmt: skip
+    """The profile of a model trained with `objective` (an objective section, or None for a model
+    folder that was not trained here: a bidirectional masked model). `shift_logits`: the model
+    family predicts position i from i-1 by itself (Dream)."""
+    facts = objective.decode_facts() if objective is not None else {}  # type: ignore[attr-defined]
+    shift = bool(facts.pop("shift", False)) or shift_logits
+    name = getattr(objective, "name", None)
+    return DecodeProfile(objective=name, shift=shift, max_length=max_length, mask_id=mask_id, pad_id=pad_id,
+                         eos_id=eos_id, num_tokens=num_tokens, **facts)  # fmt: skip
+
+
+def write_profile(profile: DecodeProfile, folder: Path) -> Path:
+    """Write `decode_profile.json` into `folder` (a temp file renamed into place)."""
+    path = Path(folder) / PROFILE_FILE
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(profile.model_dump(mode="json"), indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def read_profile(folder: Path) -> DecodeProfile | None:
+    """The profile saved in `folder`, or None when it has none (written before profiles existed)."""
+    path = Path(folder) / PROFILE_FILE
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        return DecodeProfile.model_validate(data)
+    except (ValueError, ValidationError) as e:
+        msg = e.errors()[0]["msg"] if isinstance(e, ValidationError) else str(e)
+        raise CheckpointError(f"{path}: not a valid decode profile ({msg}); re-export the model") from None
