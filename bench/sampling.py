@@ -152,12 +152,14 @@ def forward_ceilings(mdlm: torch.nn.Module, bd3lm: torch.nn.Module, rounds: int 
         pos = torch.arange(hi).expand(batch, -1)
         cache = KVCache(hi)
         model(x, pos, mask, cache=cache.at(0, hi))
-        return lambda: model(x[:, lo:hi], pos[:, lo:hi], AttentionMask(query_offset=lo), cache=cache.at(lo, hi))
+        return lambda: model(
+            x[:, lo:hi], pos[:, lo:hi], AttentionMask(query_offset=lo), cache=cache.at(lo, hi)
+        ).logits()
 
     def whole(model, batch: int, n: int, mask: AttentionMask):
         x = torch.randint(0, 200, (batch, n))
         pos = torch.arange(n).expand(batch, -1)
-        return lambda: model(x, pos, mask)
+        return lambda: model(x, pos, mask).logits()
 
     out: dict[str, Any] = {}
     with torch.inference_mode():

@@ -26,9 +26,10 @@ from dllm.config.sampler import PROCESS_POLICIES, SamplerConfig
 from dllm.data.loader import Batch
 from dllm.data.prepare.sources import SOURCES
 from dllm.diffusion.corruption import NoiseKeys
-from dllm.diffusion.objectives import OBJECTIVES, LossOutput, ModelInputs, ModelOutput, TokenIds
+from dllm.diffusion.objectives import OBJECTIVES, LossOutput, ModelInputs, TokenIds
 from dllm.diffusion.schedules import SCHEDULES
 from dllm.models import MODELS
+from dllm.models.output import ModelOutput
 from dllm.registry import Registry
 from dllm.sampling.policies import POLICIES, Proposal, make_policy, select_topk
 
@@ -170,11 +171,11 @@ def test_model_contract(family):
     model = tiny_model(family)
     tokens = torch.randint(0, V, (2, 6), generator=torch.Generator().manual_seed(0))
     positions = torch.arange(6).expand(2, 6)
-    out = model(tokens, positions, AttentionMask())
+    out = model(tokens, positions, AttentionMask()).logits()
     assert out.shape == (2, 6, V) and bool(torch.isfinite(out).all())
     # same seed, same weights
     other = tiny_model(family)
-    torch.testing.assert_close(other(tokens, positions, AttentionMask()), out, atol=0, rtol=0)
+    torch.testing.assert_close(other(tokens, positions, AttentionMask()).logits(), out, atol=0, rtol=0)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -261,7 +262,7 @@ def test_objective_loss_finite_and_gradients_only_at_supervised_positions(name, 
     obj = build_objective(name, schedule)
     batch = make_batch(8, 12)
     inp = obj.prepare(batch, NoiseKeys(0, 8))
-    logits = model(inp.tokens_BL, inp.positions_BL, inp.mask).detach().requires_grad_(True)
+    logits = model(inp.tokens_BL, inp.positions_BL, inp.mask).logits().detach().requires_grad_(True)
     out = obj.loss(ModelOutput.of_logits(logits), inp)
     assert isinstance(out, LossOutput)
     assert out.loss_sum.dim() == 0 and bool(torch.isfinite(out.loss_sum))
@@ -283,7 +284,7 @@ def test_objective_gradients_reach_model_parameters(name, schedule):
     obj = build_objective(name, schedule)
     m = tiny_model(MODELS.names()[0])
     inp = obj.prepare(make_batch(4, 12), NoiseKeys(0, 4))
-    obj.loss(ModelOutput.of_logits(m(inp.tokens_BL, inp.positions_BL, inp.mask)), inp).loss_sum.backward()
+    obj.loss(ModelOutput.of_logits(m(inp.tokens_BL, inp.positions_BL, inp.mask).logits()), inp).loss_sum.backward()
     assert all(p.grad is not None and bool(torch.isfinite(p.grad).all()) for p in m.parameters())
     assert float(m.embed_tokens.weight.grad.abs().sum()) > 0
 
@@ -296,7 +297,7 @@ def test_objective_deterministic_under_same_noise_keys(name, schedule, model):
     b = build_objective(name, schedule).prepare(batch, NoiseKeys(3, 8))
     for field in ("tokens_BL", "positions_BL", "targets_BL", "weights_BL"):
         assert torch.equal(getattr(a, field), getattr(b, field)), field
-    logits = model(a.tokens_BL, a.positions_BL, a.mask)
+    logits = model(a.tokens_BL, a.positions_BL, a.mask).logits()
     assert torch.equal(
         obj.loss(ModelOutput.of_logits(logits), a).loss_sum, obj.loss(ModelOutput.of_logits(logits), b).loss_sum
     )

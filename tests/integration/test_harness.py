@@ -188,7 +188,7 @@ def _teacher_forced(model, ctx: list[int], cont: list[int]) -> tuple[float, bool
     ids = torch.tensor([ctx + cont])
     L = ids.shape[1]
     with torch.no_grad():
-        logp = torch.log_softmax(model(ids, torch.arange(L)[None], AttentionMask("causal")).double(), -1)[0]
+        logp = torch.log_softmax(model(ids, torch.arange(L)[None], AttentionMask("causal")).logits().double(), -1)[0]
     steps = range(len(ctx) - 1, L - 1)  # logits at i predict token i + 1
     total = sum(float(logp[i, ids[0, i + 1]]) for i in steps)
     return total, all(int(logp[i].argmax()) == int(ids[0, i + 1]) for i in steps)

@@ -81,7 +81,7 @@ def test_init_from_trains_and_exports(hf_dir: Path, tmp_path: Path, capsys: pyte
     orig = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir)).eval()
     x = torch.randint(0, orig.config.vocab_size, (1, 10))
     with torch.no_grad():  # the trainer starts from the checkpoint's weights
-        ours = trainer.model(x, torch.arange(10)[None], AttentionMask("causal"))
+        ours = trainer.model(x, torch.arange(10)[None], AttentionMask("causal")).logits()
         torch.testing.assert_close(ours[..., : orig.config.vocab_size], orig(x).logits, atol=1e-5, rtol=0)
     losses = trainer.fit()
     trainer.metrics.close()

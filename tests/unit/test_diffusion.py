@@ -14,9 +14,10 @@ import torch.nn.functional as F
 from dllm.config.objectives import MDLMConfig
 from dllm.data.loader import Batch
 from dllm.diffusion.corruption import NoiseKeys, mask_tokens, mix_key
-from dllm.diffusion.objectives import OBJECTIVES, ModelInputs, ModelOutput, TokenIds
+from dllm.diffusion.objectives import OBJECTIVES, ModelInputs, TokenIds
 from dllm.diffusion.objectives.mdlm import MDLMObjective
 from dllm.diffusion.schedules import SCHEDULES, CosineSchedule, LinearSchedule
+from dllm.models.output import ModelOutput
 
 V = 12
 MASK_ID = V - 1

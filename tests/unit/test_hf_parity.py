@@ -80,12 +80,16 @@ def test_import_matches_transformers(family: str, tmp_path: Path, tokens):
     x, pos = tokens
     with torch.no_grad():
         if family == "bert":  # an encoder: bidirectional is its native mode
-            torch.testing.assert_close(ours(x, pos, AttentionMask("bidirectional")), hf(x).logits, atol=1e-4, rtol=0)
+            torch.testing.assert_close(
+                ours(x, pos, AttentionMask("bidirectional")).logits(), hf(x).logits, atol=1e-4, rtol=0
+            )
             return
-        torch.testing.assert_close(ours(x, pos, AttentionMask("causal")), hf(x).logits, atol=1e-4, rtol=0)
+        torch.testing.assert_close(ours(x, pos, AttentionMask("causal")).logits(), hf(x).logits, atol=1e-4, rtol=0)
         bidir_ref = hf(x, attention_mask=torch.ones_like(x), is_causal=False).logits
         if family != "gpt2":  # GPT-2's attention ignores is_causal; its causal parity is checked above
-            torch.testing.assert_close(ours(x, pos, AttentionMask("bidirectional")), bidir_ref, atol=1e-4, rtol=0)
+            torch.testing.assert_close(
+                ours(x, pos, AttentionMask("bidirectional")).logits(), bidir_ref, atol=1e-4, rtol=0
+            )
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -112,7 +116,7 @@ def test_remote_code_layouts_round_trip(family: str, tmp_path: Path, tokens):
     assert again.cfg.family == family and again.cfg.shift_logits == (family == "dream")
     x, pos = tokens
     with torch.no_grad():
-        torch.testing.assert_close(again(x, pos), model(x, pos), atol=0, rtol=0)
+        torch.testing.assert_close(again(x, pos).logits(), model(x, pos).logits(), atol=0, rtol=0)
 
 
 def test_llada_checkpoint_names(tmp_path: Path):
@@ -129,19 +133,36 @@ def test_llada_checkpoint_names(tmp_path: Path):
     assert expected <= keys
 
 
-def test_dream_shift_predicts_from_the_previous_position(tokens):
+def test_dream_shift_is_applied_by_the_loss_not_the_model(tokens):
+    """Dream predicts token i from the state at i-1. The model returns unshifted states (its decode
+    profile says `shift`); the MDLM loss reads state i-1 for target i, position 0 its own state."""
+    from dllm.config.objectives import MDLMConfig
+    from dllm.data.loader import Batch
+    from dllm.diffusion.corruption import NoiseKeys
+    from dllm.diffusion.objectives import MDLMObjective, TokenIds
+
     cfg = ModelConfig(family="dream", preset="tiny", vocab_size=V)
     model = Transformer(cfg)
     model.init_weights(torch.Generator().manual_seed(0))
     x, pos = tokens
+    unshifted = Transformer(cfg.model_copy(update={"shift_logits": False}))
+    unshifted.load_state_dict(model.state_dict())
     with torch.no_grad():
-        hidden = model(x, pos, AttentionMask("causal"), return_hidden=True)
-        plain = model.logits(hidden)  # hidden is already shifted
-        unshifted = Transformer(cfg.model_copy(update={"shift_logits": False}))
-        unshifted.load_state_dict(model.state_dict())
-        ref = unshifted(x, pos, AttentionMask("causal"))
-    torch.testing.assert_close(plain[:, 1:], ref[:, :-1])
-    torch.testing.assert_close(plain[:, 0], ref[:, 0])
+        out = model(x, pos, AttentionMask("bidirectional"))
+        torch.testing.assert_close(out.hidden_BLE, unshifted(x, pos, AttentionMask("bidirectional")).hidden_BLE)
+    ids = TokenIds(mask_id=V - 1, eos_id=1, pad_id=0, num_tokens=V - 1)
+    batch = Batch(x, torch.ones_like(x, dtype=torch.bool), torch.arange(2))
+    obj = MDLMObjective(MDLMConfig(), ids, chunked_loss=False, shift_logits=True)
+    inputs = obj.prepare(batch, NoiseKeys(0, 2))
+    assert inputs.loss_rows.tolist() == [[0] + list(range(L - 1))] * 2
+    with torch.no_grad():
+        out = model(inputs.tokens_BL, inputs.positions_BL, inputs.mask)
+        shifted = torch.cat([out.logits()[:, :1], out.logits()[:, :-1]], dim=1)  # row i: the state at i-1
+        sel = inputs.weights_BL > 0
+        logits = shifted[sel].index_fill(-1, torch.tensor([ids.mask_id]), float("-inf"))
+        ce = torch.nn.functional.cross_entropy(logits, inputs.targets_BL[sel], reduction="none")
+        want = (ce * inputs.weights_BL[sel]).sum()
+        torch.testing.assert_close(obj.loss(out, inputs).loss_sum, want, atol=1e-4, rtol=1e-5)
 
 
 def test_moe_aux_loss_and_routing(tokens):
@@ -149,11 +170,12 @@ def test_moe_aux_loss_and_routing(tokens):
     model = Transformer(cfg)
     model.init_weights(torch.Generator().manual_seed(0))
     x, pos = tokens
-    logits = model(x, pos)
-    assert model.aux_loss is not None and model.aux_loss.ndim == 0
+    out = model(x, pos)
+    logits, aux = out.logits(), out.aux["router_loss"]
+    assert aux.ndim == 0
     # balanced routing gives 1 (uniform load and probabilities); anything else is larger
-    assert float(model.aux_loss.detach()) >= 1.0 - 1e-4
-    (logits.sum() + model.aux_loss).backward()
+    assert float(aux.detach()) >= 1.0 - 1e-4
+    (logits.sum() + aux).backward()
     assert model.layers[0].mlp.gate.weight.grad is not None
 
 
@@ -165,4 +187,4 @@ def test_sharded_checkpoint_imports(tmp_path: Path, tokens):
     ours = _import(tmp_path / "hf")
     x, pos = tokens
     with torch.no_grad():
-        torch.testing.assert_close(ours(x, pos, AttentionMask("causal")), hf(x).logits, atol=1e-4, rtol=0)
+        torch.testing.assert_close(ours(x, pos, AttentionMask("causal")).logits(), hf(x).logits, atol=1e-4, rtol=0)

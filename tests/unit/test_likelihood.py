@@ -81,7 +81,7 @@ def test_ar_nll_is_the_teacher_forced_log_prob():
     from dllm.attention.masks import AttentionMask
 
     with torch.no_grad():
-        logp = model(x, torch.arange(32).expand(4, 32), AttentionMask("causal")).double().log_softmax(-1)
+        logp = model(x, torch.arange(32).expand(4, 32), AttentionMask("causal")).logits().double().log_softmax(-1)
     want = -sum(logp[b, i - 1, x[b, i]] for b in range(4) for i in range(32) if scored[b, i])
     torch.testing.assert_close(s.samples_BK.sum(), want, rtol=1e-5, atol=1e-4)
     assert summarize([s], exact=True).mc_stderr == 0

@@ -55,7 +55,7 @@ def adapted_and_trained(steps: int = 3) -> tuple[Transformer, dict[str, torch.Te
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
     tokens_BL, positions_BL, targets_BL = data()
     for _ in range(steps):
-        loss = F.cross_entropy(model(tokens_BL, positions_BL).flatten(0, 1), targets_BL.flatten())
+        loss = F.cross_entropy(model(tokens_BL, positions_BL).logits().flatten(0, 1), targets_BL.flatten())
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -73,7 +73,9 @@ def test_initial_output_equals_base_and_only_adapters_train():
     base, model = build(), build()
     apply_lora(model, SPEC, torch.Generator().manual_seed(7))
     tokens_BL, positions_BL, _ = data()
-    torch.testing.assert_close(model(tokens_BL, positions_BL), base(tokens_BL, positions_BL), atol=0, rtol=0)
+    torch.testing.assert_close(
+        model(tokens_BL, positions_BL).logits(), base(tokens_BL, positions_BL).logits(), atol=0, rtol=0
+    )
     trainable = sorted(n for n, p in model.named_parameters() if p.requires_grad)
     assert trainable == sorted(f"{m}.lora_{ab}.weight" for m in ADAPTED for ab in "AB")
     assert isinstance(model.layers[0].self_attn.q_proj, LoraLinear)
@@ -93,29 +95,29 @@ def test_training_changes_only_adapters():
 def test_merge_equals_adapted_forward_and_has_base_keys():
     model, base_sd = adapted_and_trained()
     tokens_BL, positions_BL, _ = data(seed=5)
-    adapted_BLV = model(tokens_BL, positions_BL)
+    adapted_BLV = model(tokens_BL, positions_BL).logits()
     assert merge_lora(model) == ADAPTED
     assert not any(isinstance(m, LoraLinear) for m in model.modules())
     assert list(model.state_dict()) == list(base_sd)
-    torch.testing.assert_close(model(tokens_BL, positions_BL), adapted_BLV, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(model(tokens_BL, positions_BL).logits(), adapted_BLV, atol=1e-5, rtol=1e-5)
 
 
 def test_state_dict_and_folder_round_trip(tmp_path):
     model, _ = adapted_and_trained()
     tokens_BL, positions_BL, _ = data(seed=5)
-    want_BLV = model(tokens_BL, positions_BL)
+    want_BLV = model(tokens_BL, positions_BL).logits()
     sd = lora_state_dict(model)
     assert sorted(sd) == sorted(f"{m}.lora_{ab}.weight" for m in ADAPTED for ab in "AB")
     other = build()
     apply_lora(other, SPEC, torch.Generator().manual_seed(99))
     load_lora_state_dict(other, sd)
-    torch.testing.assert_close(other(tokens_BL, positions_BL), want_BLV, atol=0, rtol=0)
+    torch.testing.assert_close(other(tokens_BL, positions_BL).logits(), want_BLV, atol=0, rtol=0)
     with pytest.raises(ValueError, match="missing keys"):
         load_lora_state_dict(other, {k: v for k, v in sd.items() if "lora_A" in k})
     save_adapter(model, tmp_path / "adapter", SPEC, base_model_name_or_path="tiny")
     fresh = build()
     assert load_adapter(fresh, tmp_path / "adapter") == SPEC
-    torch.testing.assert_close(fresh(tokens_BL, positions_BL), want_BLV, atol=0, rtol=0)
+    torch.testing.assert_close(fresh(tokens_BL, positions_BL).logits(), want_BLV, atol=0, rtol=0)
     assert sorted(n for n, p in fresh.named_parameters() if p.requires_grad) == sorted(sd)
 
 
@@ -198,7 +200,7 @@ def test_peft_loads_the_folder_onto_hf_llama(tmp_path):
     merge_lora(merged)
     hf = peft.PeftModel.from_pretrained(hf_llama_like(build()), str(tmp_path)).eval()
     tokens_BL, positions_BL, _ = data(seed=5)
-    want_BLV = model(tokens_BL, positions_BL, AttentionMask("causal"))
+    want_BLV = model(tokens_BL, positions_BL, AttentionMask("causal")).logits()
     with torch.no_grad():
         torch.testing.assert_close(hf(input_ids=tokens_BL).logits, want_BLV, atol=1e-4, rtol=1e-4)
         merged_hf = hf.merge_and_unload()

@@ -54,9 +54,9 @@ def test_forward_shapes_and_hidden():
     model = build()
     tokens = rand_tokens(3, 7)
     pos = arange_positions(3, 7)
-    logits = model(tokens, pos)
+    logits = model(tokens, pos).logits()
     assert logits.shape == (3, 7, V) and logits.dtype == torch.float32
-    hidden = model(tokens, pos, AttentionMask(), return_hidden=True)
+    hidden = model(tokens, pos, AttentionMask()).hidden_BLE
     assert hidden.shape == (3, 7, 64)
     torch.testing.assert_close(model.logits(hidden), logits, atol=0, rtol=0)
     assert bool(torch.isfinite(logits).all())
@@ -65,13 +65,13 @@ def test_forward_shapes_and_hidden():
 def test_forward_default_mask_is_bidirectional():
     model = build()
     tokens, pos = rand_tokens(2, 6), arange_positions(2, 6)
-    torch.testing.assert_close(model(tokens, pos), model(tokens, pos, AttentionMask("bidirectional")))
+    torch.testing.assert_close(model(tokens, pos).logits(), model(tokens, pos, AttentionMask("bidirectional")).logits())
 
 
 def test_backward_reaches_every_parameter():
     model = build(tiny_cfg(qk_norm=True, qkv_bias=True, tie_embeddings=False)).train()
     tokens, pos = rand_tokens(2, 6), arange_positions(2, 6)
-    model(tokens, pos).logsumexp(-1).sum().backward()
+    model(tokens, pos).logits().logsumexp(-1).sum().backward()
     for name, p in model.named_parameters():
         assert p.grad is not None, name
         assert bool(torch.isfinite(p.grad).all()), name
@@ -104,7 +104,7 @@ def test_tied_vs_untied_head():
 
     # with tied weights, a gradient step on the head moves the embedding
     tied.train()
-    tied(rand_tokens(1, 4), arange_positions(1, 4)).sum().backward()
+    tied(rand_tokens(1, 4), arange_positions(1, 4)).logits().sum().backward()
     assert tied.embed_tokens.weight.grad is not None
 
 
@@ -125,17 +125,17 @@ def test_qk_norm_and_qkv_bias_parameters():
 
     for cfg in (tiny_cfg(qk_norm=True), tiny_cfg(qkv_bias=True), tiny_cfg(qk_norm=True, qkv_bias=True)):
         m = build(cfg)
-        out = m(rand_tokens(2, 5), arange_positions(2, 5))
+        out = m(rand_tokens(2, 5), arange_positions(2, 5)).logits()
         assert out.shape == (2, 5, V) and bool(torch.isfinite(out).all())
 
 
 def test_qkv_bias_changes_output():
     m = build(tiny_cfg(qkv_bias=True))
     tokens, pos = rand_tokens(1, 6), arange_positions(1, 6)
-    before = m(tokens, pos)
+    before = m(tokens, pos).logits()
     with torch.no_grad():
         m.layers[0].self_attn.v_proj.bias.fill_(0.5)
-    assert not torch.allclose(before, m(tokens, pos))
+    assert not torch.allclose(before, m(tokens, pos).logits())
 
 
 def test_config_shape_rules():
@@ -148,7 +148,7 @@ def test_config_shape_rules():
     cfg = ModelConfig(hidden_size=64, num_heads=4, head_dim=8, vocab_size=V, num_layers=1)
     m = build(cfg)
     assert m.layers[0].self_attn.q_proj.weight.shape == (32, 64)
-    assert m(rand_tokens(1, 3), arange_positions(1, 3)).shape == (1, 3, V)
+    assert m(rand_tokens(1, 3), arange_positions(1, 3)).logits().shape == (1, 3, V)
 
 
 def test_preset_fills_unset_fields_only():
@@ -209,7 +209,7 @@ def test_bidirectional_later_token_changes_earlier_logits(model64):
     tokens, pos = rand_tokens(1, 8), arange_positions(1, 8)
     changed = tokens.clone()
     changed[0, -1] = (tokens[0, -1] + 1) % V
-    a, b = model64(tokens, pos), model64(changed, pos)
+    a, b = model64(tokens, pos).logits(), model64(changed, pos).logits()
     for i in range(7):
         assert (a[0, i] - b[0, i]).abs().max() > 1e-6, i
 
@@ -219,7 +219,7 @@ def test_causal_mask_later_token_does_not_change_earlier_logits(model64):
     changed = tokens.clone()
     changed[0, 5] = (tokens[0, 5] + 1) % V
     mask = AttentionMask("causal")
-    a, b = model64(tokens, pos, mask), model64(changed, pos, mask)
+    a, b = model64(tokens, pos, mask).logits(), model64(changed, pos, mask).logits()
     torch.testing.assert_close(a[:, :5], b[:, :5], atol=1e-12, rtol=0)
     assert (a[0, 5:] - b[0, 5:]).abs().max() > 1e-6
 
@@ -229,7 +229,7 @@ def test_left_padding_masked_keys_reproduce_unpadded_logits(dtype):
     model = build(tiny_cfg(init_std=0.1), seed=1, dtype=dtype)
     n, pad = 6, 3
     real = rand_tokens(1, n, seed=5)
-    ref = model(real, arange_positions(1, n))
+    ref = model(real, arange_positions(1, n)).logits()
 
     # row 0: three arbitrary pad tokens then the sequence; row 1: another real sequence
     other = rand_tokens(1, n + pad, seed=6)
@@ -238,14 +238,14 @@ def test_left_padding_masked_keys_reproduce_unpadded_logits(dtype):
     valid = torch.ones(2, n + pad, dtype=torch.bool)
     valid[0, :pad] = False
     positions = (valid.long().cumsum(-1) - 1).clamp_min(0)
-    out = model(tokens, positions, AttentionMask("bidirectional", key_valid_BL=valid))
+    out = model(tokens, positions, AttentionMask("bidirectional", key_valid_BL=valid)).logits()
     torch.testing.assert_close(out[0:1, pad:], ref, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(out[1:2], model(other, arange_positions(1, n + pad)), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out[1:2], model(other, arange_positions(1, n + pad)).logits(), atol=1e-5, rtol=1e-5)
 
     # the pad tokens themselves are irrelevant
     tokens2 = tokens.clone()
     tokens2[0, :pad] = torch.tensor([1, 2, 4])
-    out2 = model(tokens2, positions, AttentionMask("bidirectional", key_valid_BL=valid))
+    out2 = model(tokens2, positions, AttentionMask("bidirectional", key_valid_BL=valid)).logits()
     torch.testing.assert_close(out2[0, pad:], out[0, pad:], atol=1e-5, rtol=1e-5)
 
 
@@ -254,9 +254,9 @@ def test_document_mask_equals_separate_documents(model64):
     tokens = torch.cat([a, b], 1)
     positions = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2]])
     docs = torch.tensor([[0, 0, 0, 0, 0, 1, 1, 1]])
-    out = model64(tokens, positions, AttentionMask("bidirectional", doc_ids_BL=docs))
-    torch.testing.assert_close(out[:, :5], model64(a, arange_positions(1, 5)), atol=1e-10, rtol=1e-10)
-    torch.testing.assert_close(out[:, 5:], model64(b, arange_positions(1, 3)), atol=1e-10, rtol=1e-10)
+    out = model64(tokens, positions, AttentionMask("bidirectional", doc_ids_BL=docs)).logits()
+    torch.testing.assert_close(out[:, :5], model64(a, arange_positions(1, 5)).logits(), atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(out[:, 5:], model64(b, arange_positions(1, 3)).logits(), atol=1e-10, rtol=1e-10)
 
 
 def test_rope_scores_depend_only_on_position_difference():
@@ -299,22 +299,22 @@ def test_rope_cos_sin_shapes_and_inv_freq():
 def test_outputs_depend_on_positions_but_not_on_their_offset(model64):
     tokens = rand_tokens(1, 8)
     pos = arange_positions(1, 8)
-    base = model64(tokens, pos)
+    base = model64(tokens, pos).logits()
     # relative positions are all that matters: a global shift changes nothing (up to the float32
     # cos/sin that RoPE uses whatever the model dtype)
-    torch.testing.assert_close(model64(tokens, pos + 11), base, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(model64(tokens, pos + 11).logits(), base, atol=1e-5, rtol=1e-5)
     # different relative positions change the output
-    assert (model64(tokens, pos * 2) - base).abs().max() > 1e-4
-    assert (model64(tokens, pos.flip(-1)) - base).abs().max() > 1e-4
+    assert (model64(tokens, pos * 2).logits() - base).abs().max() > 1e-4
+    assert (model64(tokens, pos.flip(-1)).logits() - base).abs().max() > 1e-4
 
 
 def test_positions_are_per_row():
     model = build(tiny_cfg(init_std=0.1), dtype=torch.float64)
     tokens = rand_tokens(2, 6)
     pos = torch.stack([torch.arange(6), torch.arange(6) * 3])
-    both = model(tokens, pos)
-    torch.testing.assert_close(both[0:1], model(tokens[0:1], pos[0:1]))
-    torch.testing.assert_close(both[1:2], model(tokens[1:2], pos[1:2]))
+    both = model(tokens, pos).logits()
+    torch.testing.assert_close(both[0:1], model(tokens[0:1], pos[0:1]).logits())
+    torch.testing.assert_close(both[1:2], model(tokens[1:2], pos[1:2]).logits())
 
 
 # --------------------------------------------------------------------------------------------------
@@ -334,7 +334,7 @@ def test_meta_construction_then_load_reproduces_model(variant):
     meta.eval()
     torch.testing.assert_close(meta.inv_freq, ref.inv_freq, atol=0, rtol=0)
     tokens, pos = rand_tokens(2, 6), arange_positions(2, 6)
-    torch.testing.assert_close(meta(tokens, pos), ref(tokens, pos), atol=0, rtol=0)
+    torch.testing.assert_close(meta(tokens, pos).logits(), ref(tokens, pos).logits(), atol=0, rtol=0)
     if cfg.tie_embeddings:
         assert meta.lm_head is None
 

@@ -3,6 +3,7 @@ convergence check of every objective on a generated deterministic task."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -24,6 +25,7 @@ from dllm.diffusion.objectives import BD3LMObjective, FastDLLMv2Objective, Token
 from dllm.diffusion.objectives.block import pad_blocks_with_eos, shifted_rows
 from dllm.errors import ConfigError
 from dllm.models import Transformer
+from dllm.models.output import SelfConditioned
 from dllm.training.run import prepare_run_dir, train_from_run_dir
 
 V = 40
@@ -45,8 +47,8 @@ def test_bd3lm_with_clean_noisy_half_equals_block_causal_attention():
     x0 = torch.randint(0, V, (2, 16), generator=torch.Generator().manual_seed(1))
     pos = torch.arange(16).expand(2, 16)
     with torch.no_grad():
-        both = model(torch.cat([x0, x0], 1), pos.repeat(1, 2), AttentionMask("block_diffusion", block_size=4))
-        ref = model(x0, pos, AttentionMask("block_causal", block_size=4))
+        both = model(torch.cat([x0, x0], 1), pos.repeat(1, 2), AttentionMask("block_diffusion", block_size=4)).logits()
+        ref = model(x0, pos, AttentionMask("block_causal", block_size=4)).logits()
     torch.testing.assert_close(both[:, 16:], ref, atol=1e-5, rtol=0)
     torch.testing.assert_close(both[:, :16], ref, atol=1e-5, rtol=0)
 
@@ -122,10 +124,10 @@ def test_self_conditioning_changes_the_second_pass():
     x = torch.randint(0, V, (2, 8))
     pos = torch.arange(8).expand(2, 8)
     with torch.no_grad():
-        plain = model(x, pos)
-        assert torch.equal(model(x, pos, self_cond_BL=x), plain)  # zero-initialised: a no-op at first
+        plain = model(x, pos).logits()
+        assert torch.equal(model(SelfConditioned(x, x), pos).logits(), plain)  # zero-initialised: a no-op at first
         model.self_cond_proj.weight.normal_()
-        cond = model(x, pos, self_cond_BL=torch.where(torch.tensor([[True], [False]]), x, -1))
+        cond = model(SelfConditioned(x, torch.where(torch.tensor([[True], [False]]), x, -1)), pos).logits()
     assert not torch.allclose(cond[0], plain[0]) and torch.allclose(cond[1], plain[1])
 
 
@@ -225,8 +227,8 @@ def test_last_layer_skips_unused_outputs_exactly(backend: str, family: str):
     x = torch.randint(0, V, (2, 32), generator=torch.Generator().manual_seed(1))
     pos = torch.arange(16).repeat(2).expand(2, 32)
     mask = AttentionMask("block_diffusion", block_size=4, doc_ids_BL=torch.tensor([[0] * 10 + [1] * 6] * 2))
-    full = model(x, pos, mask, return_hidden=True)
-    part = model(x, pos, mask, return_hidden=True, num_outputs=16)
+    full = model(x, pos, mask).hidden_BLE
+    part = model(x, pos, dataclasses.replace(mask, num_outputs=16)).hidden_BLE
     torch.testing.assert_close(part, full[:, :16], atol=1e-5, rtol=0)
     g_full = torch.autograd.grad(full[:, :16].sum(), model.embed_tokens.weight)[0]
     g_part = torch.autograd.grad(part.sum(), model.embed_tokens.weight)[0]
@@ -235,6 +237,6 @@ def test_last_layer_skips_unused_outputs_exactly(backend: str, family: str):
 
 def test_bd3lm_asks_for_the_noisy_half_only():
     inp = BD3LMObjective(BD3LMConfig(block_size=4), IDS).prepare(_batch(), NoiseKeys(0, 4))
-    assert inp.num_outputs == 16 and inp.loss_rows is None
+    assert inp.mask.num_outputs == 16 and inp.loss_rows is None
     shifted = BD3LMObjective(BD3LMConfig(block_size=4, shift=True), IDS).prepare(_batch(), NoiseKeys(0, 4))
-    assert shifted.num_outputs is None  # the shift reads clean positions too
+    assert shifted.mask.num_outputs is None  # the shift reads clean positions too

@@ -13,6 +13,7 @@ from torch import nn
 
 from dllm.config.model import ModelConfig
 from dllm.config.sampler import SamplerConfig
+from dllm.models.output import ModelOutput
 from dllm.models.transformer import Transformer
 from dllm.sampling.generate import SpecialIds, commit_schedule, generate, left_pad, propose
 from dllm.sampling.policies import POLICIES, LowConfidence, Proposal, RandomOrder, select_topk
@@ -36,7 +37,7 @@ class FakeModel(nn.Module):
 
     def forward(self, tokens_BL, positions_BL, mask=None):
         self.calls.append(tokens_BL.clone())
-        return self.fn(tokens_BL, positions_BL)
+        return ModelOutput.of_logits(self.fn(tokens_BL, positions_BL))
 
 
 def position_table_model(seed: int = 0) -> FakeModel:
@@ -452,5 +453,5 @@ def test_generated_canvas_can_enter_autograd():
     assert not res.canvas_BL.is_inference()
     model.train()
     positions = torch.arange(res.canvas_BL.shape[1]).expand_as(res.canvas_BL)
-    model(res.canvas_BL, positions).logsumexp(-1).sum().backward()
+    model(res.canvas_BL, positions).logits().logsumexp(-1).sum().backward()
     assert model.embed_tokens.weight.grad is not None

@@ -16,9 +16,9 @@ from dllm.checkpoint.manager import latest_checkpoint
 from dllm.config.model import ModelConfig
 from dllm.config.rules import resolve_run_spec
 from dllm.config.training import OptimizerConfig, SchedulerConfig
-from dllm.diffusion.objectives import ModelOutput
 from dllm.errors import CheckpointError
 from dllm.models import Transformer
+from dllm.models.output import ModelOutput
 from dllm.training import build as build_mod
 from dllm.training.build import build_trainer
 from dllm.training.lr import LRSchedule
@@ -73,7 +73,7 @@ def test_loss_is_global_mean_over_supervised_tokens(train_yaml: Path):
     with torch.no_grad():
         for b in batches:
             inputs = trainer.objective.prepare(b, trainer.noise)
-            logits = model(inputs.tokens_BL, inputs.positions_BL, inputs.mask)
+            logits = model(inputs.tokens_BL, inputs.positions_BL, inputs.mask).logits()
             expected_sum += float(trainer.objective.loss(ModelOutput.of_logits(logits), inputs).loss_sum)
     targets = sum(int(b.loss_mask_BL.sum()) for b in batches)
     stats = trainer.train_step(batches)
@@ -274,7 +274,7 @@ def test_lora_run_trains_only_adapters_and_resumes(train_yaml: Path, monkeypatch
     x = torch.randint(0, 200, (1, 16))
     pos = torch.arange(16)[None]
     with torch.no_grad():
-        torch.testing.assert_close(loaded.model(x, pos), trainer.model(x, pos), atol=1e-5, rtol=0)
+        torch.testing.assert_close(loaded.model(x, pos).logits(), trainer.model(x, pos).logits(), atol=1e-5, rtol=0)
 
 
 def test_cpu_training_asks_for_retained_memory_unless_told_not_to(train_yaml: Path, monkeypatch: pytest.MonkeyPatch):

@@ -47,6 +47,9 @@ class AttentionMask:
     query_offset: int = 0
     """Query row r is index r + query_offset of the key sequence (cached decoding runs a slice of the
     canvas against cached keys); per-position tensors are indexed by key index."""
+    num_outputs: int | None = None
+    """Only the first N query rows' outputs are used (BD3LM's loss reads x_t only): a model may compute
+    just those queries in its last layer. None: every row's output is used."""
     _memo: dict[Any, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -57,6 +60,8 @@ class AttentionMask:
             raise ValueError(f"block_size has no effect with attention mask kind {self.kind!r}; leave it None")
         if self.query_offset < 0 or (self.query_offset and self.kind == "block_diffusion"):
             raise ValueError(f"query_offset must be >= 0 and is not used with block_diffusion, got {self.query_offset}")
+        if self.num_outputs is not None and self.num_outputs < 1:
+            raise ValueError(f"num_outputs must be >= 1 (or None for all rows), got {self.num_outputs}")
         if self.window is not None and self.window < 1:
             raise ValueError(f"attention window must be >= 1 (or None for no window), got {self.window}")
         _check_per_position(self.key_valid_BL, self.doc_ids_BL)

@@ -172,20 +172,19 @@ def predictor_hidden(
     has = torch.ones(B, L, dtype=torch.bool, device=device)
     positions = torch.arange(L, device=device).expand(B, L)
     if how.kind == "ar":
-        kwargs = {"apply_shift": False} if getattr(getattr(model, "cfg", None), "shift_logits", False) else {}
-        hidden = model(tokens_BL, positions, AttentionMask("causal", doc_ids_BL=docs), return_hidden=True, **kwargs)
+        hidden = model(tokens_BL, positions, AttentionMask("causal", doc_ids_BL=docs)).hidden_BLE
         has[:, 0] = False
         return torch.cat([hidden[:, :1], hidden[:, :-1]], dim=1), has
     if how.kind == "block":
         assert how.block_size is not None
-        tokens2, positions2, mask2 = two_halves(noisy_BL, tokens_BL, docs, how.block_size)
-        hidden = model(tokens2, positions2, mask2, return_hidden=True, num_outputs=None if how.shift else L)
+        tokens2, positions2, mask2 = two_halves(noisy_BL, tokens_BL, docs, how.block_size, noisy_only=not how.shift)
+        hidden = model(tokens2, positions2, mask2).hidden_BLE
         if not how.shift:
             return hidden[:, :L], has
         rows = shifted_rows(L, how.block_size, device).expand(B, L)
         has[:, 0] = False
         return hidden.gather(1, rows[..., None].expand(-1, -1, hidden.shape[-1])), has
-    return model(noisy_BL, positions, AttentionMask("bidirectional", doc_ids_BL=docs), return_hidden=True), has
+    return model(noisy_BL, positions, AttentionMask("bidirectional", doc_ids_BL=docs)).hidden_BLE, has
 
 
 def guided_hidden(model, tokens_BL, noisy_BL, scored_BL, how: ScoringModel, docs, cfg_scale: float):

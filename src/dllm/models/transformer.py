@@ -23,6 +23,7 @@ from torch import nn
 from dllm.attention.backends import ATTENTION_BACKENDS
 from dllm.attention.masks import AttentionMask
 from dllm.config.model import ModelConfig
+from dllm.models.output import ModelOutput, SelfConditioned
 
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": partial(F.gelu, approximate="tanh")}
 
@@ -155,25 +156,24 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
-    """Top-k routed experts (Qwen3-MoE) with the Switch Transformer load-balancing loss
-    (Fedus et al. 2021, eq. 4-6), kept in `aux_loss` after each forward."""
+    """Top-k routed experts (Qwen3-MoE); returns the output and the Switch Transformer
+    load-balancing loss (Fedus et al. 2021, eq. 4-6)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.top_k, self.num_experts, self.norm_topk = cfg.num_experts_per_tok, cfg.num_experts, cfg.norm_topk_prob
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = Experts(cfg)
-        self.aux_loss: torch.Tensor | None = None
 
-    def forward(self, x_BLE: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BLE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x_NE = x_BLE.reshape(-1, x_BLE.shape[-1])
         probs_NX = torch.softmax(self.gate(x_NE).float(), dim=-1)
         top_p, top_i = probs_NX.topk(self.top_k, dim=-1)
         if self.norm_topk:
             top_p = top_p / top_p.sum(-1, keepdim=True)
         routed_X = F.one_hot(top_i, self.num_experts).float().sum(1).mean(0) / self.top_k
-        self.aux_loss = self.num_experts * (routed_X * probs_NX.mean(0)).sum()
-        return self.experts(x_NE, top_i, top_p.to(x_NE.dtype)).view_as(x_BLE)
+        aux_loss = self.num_experts * (routed_X * probs_NX.mean(0)).sum()
+        return self.experts(x_NE, top_i, top_p.to(x_NE.dtype)).view_as(x_BLE), aux_loss
 
 
 class Block(nn.Module):
@@ -192,14 +192,20 @@ class Block(nn.Module):
         mask: AttentionMask,
         num_queries: int | None = None,
         kv: Any = None,
-    ) -> torch.Tensor:
-        """The block's output for the first `num_queries` positions (all by default)."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The block's output for the first `num_queries` positions (all by default), and the MoE
+        router's auxiliary loss (None for a dense MLP)."""
         x_q = x if num_queries is None else x[:, :num_queries]
         if self.post_norm:  # BERT: normalise after each residual add
             x_q = self.input_layernorm(x_q + self.self_attn(x, rope, mask, num_queries, kv))
-            return self.post_attention_layernorm(x_q + self.mlp(x_q))
+            y, aux = self._mlp(x_q)
+            return self.post_attention_layernorm(x_q + y), aux
         x_q = x_q + self.self_attn(self.input_layernorm(x), rope, mask, num_queries, kv)
-        return x_q + self.mlp(self.post_attention_layernorm(x_q))
+        y, aux = self._mlp(self.post_attention_layernorm(x_q))
+        return x_q + y, aux
+
+    def _mlp(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.mlp(x) if isinstance(self.mlp, MoE) else (self.mlp(x), None)
 
 
 class MLMHead(nn.Module):
@@ -215,13 +221,8 @@ class MLMHead(nn.Module):
         return self.norm(self.act(self.dense(x)))
 
 
-def shift_right(x_BL_: torch.Tensor) -> torch.Tensor:
-    """Position i gets what position i-1 had (position 0 keeps its own): Dream's logit shift."""
-    return torch.cat([x_BL_[:, :1], x_BL_[:, :-1]], dim=1)
-
-
 class Transformer(nn.Module):
-    """tokens [B, L] + positions [B, L] + mask -> logits [B, L, V] (or the final hidden [B, L, E])."""
+    """tokens [B, L] + positions [B, L] + mask -> ModelOutput (final hidden [B, L, E], head, aux)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -238,7 +239,6 @@ class Transformer(nn.Module):
         self.head_bias = nn.Parameter(torch.zeros(V)) if cfg.head == "mlm" else None
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(E, V, bias=False)
         self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
-        self.aux_loss: torch.Tensor | None = None
 
     def _inv_freq(self) -> torch.Tensor:
         D = self.cfg.dim_per_head
@@ -246,47 +246,47 @@ class Transformer(nn.Module):
 
     def forward(
         self,
-        tokens_BL: torch.Tensor,
+        tokens_BL: torch.Tensor | SelfConditioned,
         positions_BL: torch.Tensor,
         mask: AttentionMask | None = None,
         cache: Any = None,
-        return_hidden: bool = False,
-        self_cond_BL: torch.Tensor | None = None,
-        num_outputs: int | None = None,
-        apply_shift: bool = True,
-    ) -> torch.Tensor:
-        """Logits aligned with positions: for `shift_logits` models position i's prediction is
-        computed from the hidden state at i-1, so callers never need to know about the shift.
-        `self_cond_BL`: a previous pass's predicted ids (-1: no conditioning for that position).
-        `num_outputs`: only the first N positions' outputs are needed (BD3LM's noisy half): the last
-        block then computes queries, attention and MLP for those positions only.
+    ) -> ModelOutput:
+        """Final hidden states [B, L, E] (row i: position i's state, never shifted: a caller that
+        predicts i from i-1 reads the decode profile), the output head and the router's aux loss.
+
+        `tokens_BL` may carry a previous pass's predictions (`SelfConditioned`) for a model built with
+        `self_condition`. `mask.num_outputs`: only the first N rows' outputs are used, so the last
+        block computes queries, attention and MLP for those only (BD3LM's noisy half).
         `cache` (sampling.cache.KVCache): the tokens are the canvas slice starting at
         `cache.query_start`; they attend to cached keys/values of [0, cache.key_end) (the mask's
-        `query_offset` must say where the slice sits). `apply_shift=False` returns the unshifted
-        outputs of a `shift_logits` model (a cached sampler shifts across slices itself)."""
+        `query_offset` must say where the slice sits)."""
         mask = mask if mask is not None else AttentionMask()
+        x = self.embed(tokens_BL, positions_BL)
+        rope = rope_cos_sin(positions_BL, self.inv_freq) if self.cfg.position == "rope" else None
+        last, aux = len(self.layers) - 1, []
+        for i, layer in enumerate(self.layers):
+            num_queries = mask.num_outputs if i == last else None
+            x, layer_aux = layer(x, rope, mask, num_queries, None if cache is None else cache.layer(i))
+            if layer_aux is not None:
+                aux.append(layer_aux)
+        if self.norm is not None:
+            x = self.norm(x)
+        return ModelOutput(x, self.head, {"router_loss": torch.stack(aux).mean()} if aux else {})
+
+    def embed(self, tokens_BL: torch.Tensor | SelfConditioned, positions_BL: torch.Tensor) -> torch.Tensor:
+        """Token (+ self-conditioning) (+ learned position) embeddings, normalised if the family does."""
+        previous_BL = None
+        if isinstance(tokens_BL, SelfConditioned):
+            tokens_BL, previous_BL = tokens_BL.ids_BL, tokens_BL.previous_BL
         x = self.embed_tokens(tokens_BL)
-        if self.self_cond_proj is not None and self_cond_BL is not None:
-            on_BL1 = (self_cond_BL >= 0).unsqueeze(-1).to(x.dtype)
-            x = x + self.self_cond_proj(self.embed_tokens(self_cond_BL.clamp_min(0))) * on_BL1
+        if self.self_cond_proj is not None and previous_BL is not None:
+            on_BL1 = (previous_BL >= 0).unsqueeze(-1).to(x.dtype)
+            x = x + self.self_cond_proj(self.embed_tokens(previous_BL.clamp_min(0))) * on_BL1
         if self.embed_positions is not None:
             x = x + self.embed_positions(positions_BL)
         if self.embed_norm is not None:
             x = self.embed_norm(x)
-        rope = rope_cos_sin(positions_BL, self.inv_freq) if self.cfg.position == "rope" else None
-        last = len(self.layers) - 1
-        for i, layer in enumerate(self.layers):
-            x = layer(x, rope, mask, num_outputs if i == last else None, None if cache is None else cache.layer(i))
-        if self.norm is not None:
-            x = self.norm(x)
-        self.aux_loss = self._collect_aux_loss()
-        if self.cfg.shift_logits and apply_shift:
-            x = shift_right(x)
-        return x if return_hidden else self.logits(x)
-
-    def _collect_aux_loss(self) -> torch.Tensor | None:
-        losses = [layer.mlp.aux_loss for layer in self.layers if isinstance(layer.mlp, MoE)]
-        return torch.stack(losses).mean() if losses else None
+        return x
 
     def head(self, hidden_BLE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(features, output weight [V, E], output bias [V] or None): logits = features @ weight.T + bias.

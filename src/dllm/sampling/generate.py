@@ -283,19 +283,17 @@ class Runner:
         if self.cache is not None:
             kwargs["cache"] = self.cache.at(qs, ke)
             self.counters.cached_tokens += x_BT.shape[0] * (ke - (qe - qs))
-        if getattr(getattr(self.model, "cfg", None), "shift_logits", False):
-            kwargs["apply_shift"] = False  # the runner shifts across slices itself
         tokens, positions = x_BT[:, qs:qe], self.canvas.positions_BT[:, qs:qe]
         mask = self.mask(qs, ke)
         if self.cfg.cfg_scale > 0:  # one batched call: conditional rows, then the prompt masked
             uncond = torch.where(self.canvas.prompt_BT[:, qs:qe], self.special.mask_id, tokens)
             both = _at_least_float32(
-                self.model(torch.cat([tokens, uncond]), positions.repeat(2, 1), _twice(mask), **kwargs)
+                self.model(torch.cat([tokens, uncond]), positions.repeat(2, 1), _twice(mask), **kwargs).logits()
             )
             cond, unc = both.chunk(2)
             logits = unc + (1 + self.cfg.cfg_scale) * (cond - unc)
         else:
-            logits = _at_least_float32(self.model(tokens, positions, mask, **kwargs))
+            logits = _at_least_float32(self.model(tokens, positions, mask, **kwargs).logits())
         self.counters.nfe += 1
         self.counters.query_tokens += tokens.numel() * (2 if self.cfg.cfg_scale > 0 else 1)
         return logits.index_fill(-1, self.mask_col, float("-inf"))  # the mask token is never a prediction

@@ -84,7 +84,9 @@ def build_trainer(spec: RunSpec, run_dir: Path, env: DistEnv | None = None) -> T
     profile = derive_profile(spec.objective, spec.model, tok)  # how this run's checkpoints decode
     trainer = Trainer(
         model=model,
-        objective=OBJECTIVES.get(spec.objective.name)(spec.objective, token_ids(tok), chunked_loss=tr.chunked_loss),
+        objective=OBJECTIVES.get(spec.objective.name)(
+            spec.objective, token_ids(tok), chunked_loss=tr.chunked_loss, shift_logits=spec.model.shift_logits
+        ),
         optimizer=build_optimizer(model, spec.optimizer),
         lr_schedule=LRSchedule(spec.scheduler, spec.optimizer.lr, tr.steps),
         loader=loader,

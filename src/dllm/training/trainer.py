@@ -20,9 +20,10 @@ from dllm.checkpoint.manager import CheckpointManager
 from dllm.config.training import LoggingConfig, TrainingConfig
 from dllm.data.loader import Batch, StepLoader
 from dllm.diffusion.corruption import NoiseKeys
-from dllm.diffusion.objectives.base import Objective, run_model
+from dllm.diffusion.objectives.base import ModelInputs, Objective
 from dllm.errors import CheckpointError
-from dllm.parallel.apply import set_grad_sync, unwrap
+from dllm.models.output import ModelOutput, SelfConditioned
+from dllm.parallel.apply import set_grad_sync
 from dllm.parallel.dims import DistEnv, ParallelDims, all_reduce_sum
 from dllm.training.lr import LRSchedule
 from dllm.training.metrics import MetricsLogger
@@ -123,9 +124,10 @@ class Trainer:
                 t0 = time.perf_counter()
                 inputs = self.objective.prepare(batch.to(self.device), self.noise)
                 with self._autocast():
-                    out = self.objective.loss(run_model(self.model, inputs), inputs)
+                    model_out = run_model(self.model, inputs)
+                    out = self.objective.loss(model_out, inputs)
                 total = out.loss_sum * scale
-                aux = getattr(unwrap(self.model), "aux_loss", None)
+                aux = model_out.aux.get("router_loss")
                 if aux is not None:  # MoE load balancing: a mean over micro-batches (and ranks, by DDP/FSDP)
                     total = total + self.aux_loss_coef * aux / len(micro_batches)
                     aux_sum += float(aux.detach())
@@ -194,3 +196,21 @@ class Trainer:
             "data_s": round(t_data, 4),
             **{f"{k}_s": round(v, 4) for k, v in stats.times_s.items()},
         }
+
+
+def run_model(model: nn.Module, inputs: ModelInputs) -> ModelOutput:
+    """THE model call of training: one forward (a detached first pass before it for self-conditioned
+    rows, Chen et al. 2022 "Analog Bits": the second pass sees the first one's predicted ids)."""
+    rows = inputs.self_cond_rows_B
+    tokens: torch.Tensor | SelfConditioned = inputs.tokens_BL
+    if rows is not None and bool(rows.any()):
+        with torch.no_grad():
+            guess_BL = _argmax_tokens(model(tokens, inputs.positions_BL, inputs.mask))
+        tokens = SelfConditioned(inputs.tokens_BL, torch.where(rows[:, None], guess_BL, torch.full_like(guess_BL, -1)))
+    return model(tokens, inputs.positions_BL, inputs.mask)
+
+
+def _argmax_tokens(out: ModelOutput, rows_per_chunk: int = 4) -> torch.Tensor:
+    """The most likely token per position, a few rows of logits at a time."""
+    chunks = [ModelOutput(h, out.head).logits().argmax(-1) for h in out.hidden_BLE.split(rows_per_chunk)]
+    return torch.cat(chunks)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dllm.diffusion.objectives.base import LossOutput, ModelInputs, ModelOutput, Objective, TokenIds, run_model
+from dllm.diffusion.objectives.base import LossOutput, ModelInputs, Objective, TokenIds
 from dllm.diffusion.objectives.block import BD3LMObjective, FastDLLMv2Objective
 from dllm.diffusion.objectives.mdlm import MDLMObjective
 from dllm.diffusion.objectives.uniform import UniformObjective
@@ -16,5 +16,5 @@ OBJECTIVES.add("uniform", UniformObjective)
 
 __all__ = [
     "OBJECTIVES", "BD3LMObjective", "FastDLLMv2Objective", "LossOutput", "MDLMObjective", "ModelInputs",
-    "ModelOutput", "Objective", "TokenIds", "UniformObjective", "run_model",
+    "Objective", "TokenIds", "UniformObjective",
 ]  # fmt: skip

@@ -21,10 +21,11 @@ from dllm.attention.masks import AttentionMask
 from dllm.config.objectives import BD3LMConfig, FastDLLMv2Config
 from dllm.data.loader import Batch
 from dllm.diffusion.corruption import NoiseKeys, corrupt_tokens, uniform_token_ids
-from dllm.diffusion.objectives.base import LossOutput, ModelInputs, ModelOutput, TokenIds
+from dllm.diffusion.objectives.base import LossOutput, ModelInputs, TokenIds
 from dllm.diffusion.objectives.mdlm import weighted_ce
 from dllm.diffusion.schedules import SCHEDULES
 from dllm.models.chunked_ce import linear_cross_entropy, plain_cross_entropy
+from dllm.models.output import ModelOutput
 
 
 def pad_blocks_with_eos(batch: Batch, block: int, ids: TokenIds) -> Batch:
@@ -45,11 +46,14 @@ def pad_blocks_with_eos(batch: Batch, block: int, ids: TokenIds) -> Batch:
     return Batch(torch.where(fill_BL, ids.eos_id, tokens), sup | fill_BL, batch.sample_ids_B, doc)
 
 
-def two_halves(noisy_BL: torch.Tensor, clean_BL: torch.Tensor, doc_BL: torch.Tensor | None, block: int):
-    """Tokens [x_t ; x_0], positions 0..L-1 twice, the block-diffusion mask (documents apply to both)."""
+def two_halves(
+    noisy_BL: torch.Tensor, clean_BL: torch.Tensor, doc_BL: torch.Tensor | None, block: int, noisy_only: bool = False
+):
+    """Tokens [x_t ; x_0], positions 0..L-1 twice, the block-diffusion mask (documents apply to both).
+    `noisy_only`: only x_t's outputs are read, so the model's last layer may skip x_0's queries."""
     B, L = clean_BL.shape
     positions = torch.arange(L, device=clean_BL.device).repeat(2).expand(B, 2 * L)
-    mask = AttentionMask("block_diffusion", block_size=block, doc_ids_BL=doc_BL)
+    mask = AttentionMask("block_diffusion", block_size=block, doc_ids_BL=doc_BL, num_outputs=L if noisy_only else None)
     return torch.cat([noisy_BL, clean_BL], dim=1), positions, mask
 
 
@@ -67,7 +71,8 @@ def block_times(batch: Batch, noise: NoiseKeys, num_blocks: int, lo: float, hi: 
 
 
 class BD3LMObjective:
-    def __init__(self, cfg: BD3LMConfig, ids: TokenIds, chunked_loss: bool = True) -> None:
+    def __init__(self, cfg: BD3LMConfig, ids: TokenIds, chunked_loss: bool = True, shift_logits: bool = False) -> None:
+        assert not shift_logits, "config rules refuse model.shift_logits with this objective"
         self.cfg, self.ids = cfg, ids
         self.schedule = SCHEDULES.get(cfg.schedule)()
         self.cross_entropy = linear_cross_entropy if chunked_loss else plain_cross_entropy
@@ -92,9 +97,10 @@ class BD3LMObjective:
         noisy, hit = corrupt_tokens(x0, sup, 1.0 - self.schedule.alpha(t_BL), u_BL, replacement)
         # absorbing noise: the masked tokens, ELBO-weighted; uniform noise: x0 prediction everywhere
         weights = hit.float() * self.schedule.weight(t_BL) if cfg.corruption == "mask" else sup.float()
-        tokens, positions, mask = two_halves(noisy, x0, batch.doc_ids_BL, cfg.block_size)
-        if not cfg.shift:  # the loss reads only x_t's hidden states: the last layer skips x_0's queries
-            return ModelInputs(tokens, positions, mask, x0, weights, num_outputs=L)
+        # without the shift the loss reads only x_t's hidden states: the last layer skips x_0's queries
+        tokens, positions, mask = two_halves(noisy, x0, batch.doc_ids_BL, cfg.block_size, noisy_only=not cfg.shift)
+        if not cfg.shift:
+            return ModelInputs(tokens, positions, mask, x0, weights)
         rows = shifted_rows(L, cfg.block_size, x0.device).expand(B, L)
         weights = torch.cat([torch.zeros_like(weights[:, :1]), weights[:, 1:]], dim=1)
         return ModelInputs(tokens, positions, mask, x0, weights, loss_rows=rows)
@@ -104,7 +110,10 @@ class BD3LMObjective:
 
 
 class FastDLLMv2Objective:
-    def __init__(self, cfg: FastDLLMv2Config, ids: TokenIds, chunked_loss: bool = True) -> None:
+    def __init__(
+        self, cfg: FastDLLMv2Config, ids: TokenIds, chunked_loss: bool = True, shift_logits: bool = False
+    ) -> None:
+        assert not shift_logits, "config rules refuse model.shift_logits with this objective"
         self.cfg, self.ids = cfg, ids
         self.cross_entropy = linear_cross_entropy if chunked_loss else plain_cross_entropy
 

@@ -15,16 +15,18 @@ from dllm.attention.masks import AttentionMask
 from dllm.config.objectives import MDLMConfig
 from dllm.data.loader import Batch
 from dllm.diffusion.corruption import NoiseKeys, mask_tokens
-from dllm.diffusion.objectives.base import LossOutput, ModelInputs, ModelOutput, TokenIds
+from dllm.diffusion.objectives.base import LossOutput, ModelInputs, TokenIds
 from dllm.diffusion.schedules import SCHEDULES
 from dllm.models.chunked_ce import linear_cross_entropy, plain_cross_entropy
+from dllm.models.output import ModelOutput
 
 
 class MDLMObjective:
-    def __init__(self, cfg: MDLMConfig, ids: TokenIds, chunked_loss: bool = True) -> None:
+    def __init__(self, cfg: MDLMConfig, ids: TokenIds, chunked_loss: bool = True, shift_logits: bool = False) -> None:
         self.cfg = cfg
         self.ids = ids
         self.mask_id = ids.mask_id
+        self.shift_logits = shift_logits  # Dream-style models: position i is predicted from the state at i-1
         self.schedule = SCHEDULES.get(cfg.schedule)()
         # the chunked LM head + CE never materialises [tokens x vocab] logits; the plain one is its reference
         self.cross_entropy = linear_cross_entropy if chunked_loss else plain_cross_entropy
@@ -51,7 +53,10 @@ class MDLMObjective:
             weights = weights / batch.loss_mask_BL.sum(-1, keepdim=True).clamp_min(1)
         positions = torch.arange(L, device=tokens.device).expand(B, L)
         mask = AttentionMask("bidirectional", doc_ids_BL=batch.doc_ids_BL)
-        return ModelInputs(noised, positions, mask, tokens, weights)
+        rows = None
+        if self.shift_logits:  # hidden i-1 predicts token i; position 0 reads its own state (Dream)
+            rows = (torch.arange(L, device=tokens.device) - 1).clamp_min(0).expand(B, L)
+        return ModelInputs(noised, positions, mask, tokens, weights, loss_rows=rows)
 
     def loss(self, out: ModelOutput, inputs: ModelInputs) -> LossOutput:
         return weighted_ce(out, inputs, self.cross_entropy, self.mask_id)
