@@ -7,11 +7,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import yaml
 
 from dllm.config.loading import load_config
 from dllm.config.spec import RunSpec
 from dllm.data.synthetic import demo_corpus
+from dllm.models.output import ModelOutput
 
 
 def write_corpus(path: Path, num_records: int = 400, seed: int = 0) -> Path:
@@ -76,3 +78,9 @@ def save_bpe(folder: Path, *, eos: bool = True, chat_template: str | None = None
         fast.chat_template = chat_template
     fast.save_pretrained(str(folder))
     return folder
+
+
+def output_of_logits(logits_BLV: torch.Tensor) -> ModelOutput:
+    """Ready-made logits as a model's output: an identity head over V features (fake models, losses)."""
+    eye = torch.eye(logits_BLV.shape[-1], dtype=logits_BLV.dtype, device=logits_BLV.device)
+    return ModelOutput(logits_BLV, lambda h: (h, eye, None))

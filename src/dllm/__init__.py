@@ -1,4 +1,4 @@
-"""dllm: train, sample, evaluate and serve diffusion language models.
+"""dllm: train, sample and evaluate diffusion language models.
 
 Importing this package is cheap: it imports neither torch-heavy submodules nor transformers.
 """

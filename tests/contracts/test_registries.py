@@ -29,9 +29,9 @@ from dllm.diffusion.corruption import NoiseKeys
 from dllm.diffusion.objectives import OBJECTIVES, LossOutput, ModelInputs, TokenIds
 from dllm.diffusion.schedules import SCHEDULES
 from dllm.models import MODELS
-from dllm.models.output import ModelOutput
 from dllm.registry import Registry
 from dllm.sampling.policies import POLICIES, Proposal, make_policy, select_topk
+from tests.helpers import output_of_logits
 
 REGISTRIES: dict[str, Registry] = {
     "MODELS": MODELS,
@@ -263,7 +263,7 @@ def test_objective_loss_finite_and_gradients_only_at_supervised_positions(name, 
     batch = make_batch(8, 12)
     inp = obj.prepare(batch, NoiseKeys(0, 8))
     logits = model(inp.tokens_BL, inp.positions_BL, inp.mask).logits().detach().requires_grad_(True)
-    out = obj.loss(ModelOutput.of_logits(logits), inp)
+    out = obj.loss(output_of_logits(logits), inp)
     assert isinstance(out, LossOutput)
     assert out.loss_sum.dim() == 0 and bool(torch.isfinite(out.loss_sum))
     assert float(out.loss_sum.detach()) > 0
@@ -284,7 +284,7 @@ def test_objective_gradients_reach_model_parameters(name, schedule):
     obj = build_objective(name, schedule)
     m = tiny_model(MODELS.names()[0])
     inp = obj.prepare(make_batch(4, 12), NoiseKeys(0, 4))
-    obj.loss(ModelOutput.of_logits(m(inp.tokens_BL, inp.positions_BL, inp.mask).logits()), inp).loss_sum.backward()
+    obj.loss(output_of_logits(m(inp.tokens_BL, inp.positions_BL, inp.mask).logits()), inp).loss_sum.backward()
     assert all(p.grad is not None and bool(torch.isfinite(p.grad).all()) for p in m.parameters())
     assert float(m.embed_tokens.weight.grad.abs().sum()) > 0
 
@@ -298,9 +298,7 @@ def test_objective_deterministic_under_same_noise_keys(name, schedule, model):
     for field in ("tokens_BL", "positions_BL", "targets_BL", "weights_BL"):
         assert torch.equal(getattr(a, field), getattr(b, field)), field
     logits = model(a.tokens_BL, a.positions_BL, a.mask).logits()
-    assert torch.equal(
-        obj.loss(ModelOutput.of_logits(logits), a).loss_sum, obj.loss(ModelOutput.of_logits(logits), b).loss_sum
-    )
+    assert torch.equal(obj.loss(output_of_logits(logits), a).loss_sum, obj.loss(output_of_logits(logits), b).loss_sum)
     c = obj.prepare(batch, NoiseKeys(4, 8))
     assert not torch.equal(a.tokens_BL, c.tokens_BL), "the noise seed has no effect"
 

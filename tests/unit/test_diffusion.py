@@ -17,7 +17,7 @@ from dllm.diffusion.corruption import NoiseKeys, mask_tokens, mix_key
 from dllm.diffusion.objectives import OBJECTIVES, ModelInputs, TokenIds
 from dllm.diffusion.objectives.mdlm import MDLMObjective
 from dllm.diffusion.schedules import SCHEDULES, CosineSchedule, LinearSchedule
-from dllm.models.output import ModelOutput
+from tests.helpers import output_of_logits
 
 V = 12
 MASK_ID = V - 1
@@ -311,7 +311,7 @@ def test_loss_matches_hand_computed_weighted_ce():
     targets = torch.tensor([[1, 4, 0], [7, 7, 2]])
     weights = torch.tensor([[0.0, 2.0, 0.0], [0.5, 0.0, 10.0]])
     inputs = ModelInputs(targets.clone(), torch.arange(3).expand(2, 3), None, targets, weights)  # type: ignore[arg-type]
-    out = obj.loss(ModelOutput.of_logits(logits), inputs)
+    out = obj.loss(output_of_logits(logits), inputs)
 
     expected, ce_sum = 0.0, 0.0
     for b in range(2):
@@ -334,13 +334,13 @@ def test_loss_ignores_mask_token_logit():
     batch = make_batch(4, 16)
     inp = obj.prepare(batch, NoiseKeys(0, 4))
     logits = torch.randn(4, 16, V, generator=torch.Generator().manual_seed(1))
-    base = obj.loss(ModelOutput.of_logits(logits), inp).loss_sum
+    base = obj.loss(output_of_logits(logits), inp).loss_sum
     huge = logits.clone()
     huge[..., MASK_ID] = 1e9
-    torch.testing.assert_close(obj.loss(ModelOutput.of_logits(huge), inp).loss_sum, base, atol=0, rtol=0)
+    torch.testing.assert_close(obj.loss(output_of_logits(huge), inp).loss_sum, base, atol=0, rtol=0)
     tiny = logits.clone()
     tiny[..., MASK_ID] = -1e9
-    torch.testing.assert_close(obj.loss(ModelOutput.of_logits(tiny), inp).loss_sum, base, atol=0, rtol=0)
+    torch.testing.assert_close(obj.loss(output_of_logits(tiny), inp).loss_sum, base, atol=0, rtol=0)
     # and the loss does not modify the logits passed in
     assert float(huge[0, 0, MASK_ID]) == 1e9
 
@@ -356,7 +356,7 @@ def test_loss_equals_reference_on_prepared_batch():
     ce = ce.view(4, 16)
     expected = (ce * inp.weights_BL.double()).sum()
     torch.testing.assert_close(
-        obj.loss(ModelOutput.of_logits(logits), inp).loss_sum.double(), expected, rtol=1e-6, atol=1e-6
+        obj.loss(output_of_logits(logits), inp).loss_sum.double(), expected, rtol=1e-6, atol=1e-6
     )
 
 
@@ -365,7 +365,7 @@ def test_loss_gradient_zero_at_unmasked_positions():
     batch = make_batch(4, 16)
     inp = obj.prepare(batch, NoiseKeys(0, 4))
     logits = torch.randn(4, 16, V, generator=torch.Generator().manual_seed(3), requires_grad=True)
-    obj.loss(ModelOutput.of_logits(logits), inp).loss_sum.backward()
+    obj.loss(output_of_logits(logits), inp).loss_sum.backward()
     grad = logits.grad
     masked = inp.weights_BL > 0
     assert bool((grad[~masked] == 0).all())
@@ -390,7 +390,7 @@ def test_loss_with_no_masked_positions_is_zero():
         torch.zeros(2, 4),
     )
     logits = torch.randn(2, 4, V, requires_grad=True)
-    out = obj.loss(ModelOutput.of_logits(logits), inp)
+    out = obj.loss(output_of_logits(logits), inp)
     assert float(out.loss_sum.detach()) == 0.0 and int(out.metrics["num_masked"]) == 0
     out.loss_sum.backward()
     assert bool((logits.grad == 0).all())
@@ -400,8 +400,8 @@ def test_loss_deterministic_under_same_noise_keys():
     obj = objective()
     batch = make_batch(8, 16)
     logits = torch.randn(8, 16, V, generator=torch.Generator().manual_seed(4))
-    a = obj.loss(ModelOutput.of_logits(logits), obj.prepare(batch, NoiseKeys(1, 8))).loss_sum
-    b = obj.loss(ModelOutput.of_logits(logits), obj.prepare(batch, NoiseKeys(1, 8))).loss_sum
+    a = obj.loss(output_of_logits(logits), obj.prepare(batch, NoiseKeys(1, 8))).loss_sum
+    b = obj.loss(output_of_logits(logits), obj.prepare(batch, NoiseKeys(1, 8))).loss_sum
     assert torch.equal(a, b)
 
 
@@ -418,9 +418,9 @@ def test_split_batch_reproduces_whole_batch(antithetic):
     assert torch.equal(torch.cat([h.tokens_BL for h in halves]), whole.tokens_BL)
     assert torch.equal(torch.cat([h.weights_BL for h in halves]), whole.weights_BL)
 
-    total = obj.loss(ModelOutput.of_logits(logits), whole)
+    total = obj.loss(output_of_logits(logits), whole)
     parts = [
-        obj.loss(ModelOutput.of_logits(logits[sl]), h) for sl, h in zip((slice(0, 4), slice(4, 8)), halves, strict=True)
+        obj.loss(output_of_logits(logits[sl]), h) for sl, h in zip((slice(0, 4), slice(4, 8)), halves, strict=True)
     ]
     torch.testing.assert_close(parts[0].loss_sum + parts[1].loss_sum, total.loss_sum, rtol=1e-6, atol=1e-6)
     num_masked = int(parts[0].metrics["num_masked"]) + int(parts[1].metrics["num_masked"])

@@ -12,11 +12,10 @@ import torch
 import torch.nn.functional as F
 
 from dllm.attention.masks import AttentionMask
-from dllm.config.model import ModelConfig
+from dllm.config.model import LoraConfig, ModelConfig
 from dllm.models import Transformer
 from dllm.models.lora import (
     LoraLinear,
-    LoraSpec,
     apply_lora,
     init_lora,
     load_adapter,
@@ -28,7 +27,7 @@ from dllm.models.lora import (
 )
 
 V, B, L = 64, 2, 8
-SPEC = LoraSpec(rank=4, alpha=8.0, dropout=0.0, targets=("q_proj", "v_proj"))
+SPEC = LoraConfig(rank=4, alpha=8.0, dropout=0.0, targets=["q_proj", "v_proj"])
 ADAPTED = [f"layers.{i}.self_attn.{p}" for i in range(2) for p in ("q_proj", "v_proj")]
 
 
@@ -142,15 +141,15 @@ def test_meta_device_flow_matches_eager():
 
 def test_errors():
     with pytest.raises(ValueError, match=r"\['nope', 'x_proj'\]"):
-        apply_lora(build(), LoraSpec(4, 8.0, targets=["nope", "x_proj"]), torch.Generator())
+        apply_lora(build(), LoraConfig(rank=4, alpha=8.0, targets=["nope", "x_proj"]), torch.Generator())
     with pytest.warns(UserWarning, match="'nope'"):
-        apply_lora(build(), LoraSpec(4, 8.0, targets=["nope", "q_proj"]), torch.Generator())
+        apply_lora(build(), LoraConfig(rank=4, alpha=8.0, targets=["nope", "q_proj"]), torch.Generator())
     model = build()
     apply_lora(model, SPEC, torch.Generator())
     with pytest.raises(ValueError, match="already has LoRA"):
         apply_lora(model, SPEC, torch.Generator())
-    with pytest.raises(ValueError, match="rank > 0"):
-        LoraSpec(0, 8.0)
+    with pytest.raises(ValueError, match="greater than 0"):
+        LoraConfig(rank=0, alpha=8.0)
 
 
 def test_peft_folder_layout(tmp_path):

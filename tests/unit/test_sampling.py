@@ -13,10 +13,10 @@ from torch import nn
 
 from dllm.config.model import ModelConfig
 from dllm.config.sampler import SamplerConfig
-from dllm.models.output import ModelOutput
 from dllm.models.transformer import Transformer
 from dllm.sampling.generate import SpecialIds, commit_schedule, generate, left_pad, propose
 from dllm.sampling.policies import POLICIES, LowConfidence, Proposal, RandomOrder, select_topk
+from tests.helpers import output_of_logits
 
 V = 32
 SPECIAL = SpecialIds(mask_id=31, pad_id=30, eos_id=29)
@@ -37,7 +37,7 @@ class FakeModel(nn.Module):
 
     def forward(self, tokens_BL, positions_BL, mask=None):
         self.calls.append(tokens_BL.clone())
-        return ModelOutput.of_logits(self.fn(tokens_BL, positions_BL))
+        return output_of_logits(self.fn(tokens_BL, positions_BL))
 
 
 def position_table_model(seed: int = 0) -> FakeModel:

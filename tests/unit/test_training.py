@@ -18,14 +18,13 @@ from dllm.config.rules import resolve_run_spec
 from dllm.config.training import OptimizerConfig, SchedulerConfig
 from dllm.errors import CheckpointError
 from dllm.models import Transformer
-from dllm.models.output import ModelOutput
 from dllm.training import build as build_mod
 from dllm.training.build import build_trainer
 from dllm.training.lr import LRSchedule
 from dllm.training.metrics import read_metrics
 from dllm.training.optim import build_optimizer
 from dllm.training.run import prepare_run_dir, train_from_run_dir
-from tests.helpers import load_spec, tiny_train_values, write_yaml
+from tests.helpers import load_spec, output_of_logits, tiny_train_values, write_yaml
 
 
 def _run_dir(train_yaml: Path, *overrides: str) -> Path:
@@ -74,7 +73,7 @@ def test_loss_is_global_mean_over_supervised_tokens(train_yaml: Path):
         for b in batches:
             inputs = trainer.objective.prepare(b, trainer.noise)
             logits = model(inputs.tokens_BL, inputs.positions_BL, inputs.mask).logits()
-            expected_sum += float(trainer.objective.loss(ModelOutput.of_logits(logits), inputs).loss_sum)
+            expected_sum += float(trainer.objective.loss(output_of_logits(logits), inputs).loss_sum)
     targets = sum(int(b.loss_mask_BL.sum()) for b in batches)
     stats = trainer.train_step(batches)
     assert stats.num_targets == targets

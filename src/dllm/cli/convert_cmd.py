@@ -72,7 +72,6 @@ def _export(out: Path, run: Path | None, checkpoint: Path | None, model: Path | 
 def _export_adapter(out: Path, run: Path | None, checkpoint: Path | None) -> None:
     """A PEFT adapter folder whose module paths are those of the family's Hugging Face model."""
     from dllm.checkpoint.inference import load_for_inference
-    from dllm.models.factory import lora_spec
     from dllm.models.families import FAMILIES, module_path_to_hf
     from dllm.models.lora import save_adapter
 
@@ -81,7 +80,7 @@ def _export_adapter(out: Path, run: Path | None, checkpoint: Path | None) -> Non
         raise ConfigError("--adapter-only needs a run trained with a lora section")
     family = FAMILIES.get(loaded.model_cfg.family)
     base = str(loaded.model_cfg.init_from) if loaded.model_cfg.init_from else None
-    save_adapter(loaded.model, out, lora_spec(loaded.spec.lora), base_model_name_or_path=base,
+    save_adapter(loaded.model, out, loaded.spec.lora, base_model_name_or_path=base,
                  rename_module=lambda path: module_path_to_hf(family, path))  # fmt: skip
     info(f"wrote {out}: a LoRA adapter for a {family.architecture} (peft.PeftModel.from_pretrained)")
 

@@ -179,6 +179,11 @@ class LoraConfig(Section):
     targets: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1)
     """Linear layers to adapt: module-name suffixes, globs (`*.mlp.*`) or `re:<regex>`."""
 
+    @property
+    def scale(self) -> float:
+        """The factor on the adapter output: alpha / rank."""
+        return self.alpha / self.rank
+
     @model_validator(mode="after")
     def _no_head(self) -> LoraConfig:
         if any(t.split(".")[-1].lstrip("*") in ("lm_head", "head_transform") for t in self.targets):

@@ -13,21 +13,17 @@ from torch import nn
 from dllm.config.model import LoraConfig, ModelConfig
 from dllm.diffusion.corruption import mix_key
 from dllm.models import MODELS
-from dllm.models.lora import LoraSpec, apply_lora
+from dllm.models.lora import apply_lora
 from dllm.models.pretrained import pretrained_state
 
 _LORA_STREAM = 0x10AA  # keeps the adapters' random stream apart from the base initialisation
-
-
-def lora_spec(cfg: LoraConfig) -> LoraSpec:
-    return LoraSpec(rank=cfg.rank, alpha=cfg.alpha, dropout=cfg.dropout, targets=tuple(cfg.targets))
 
 
 def build_model(cfg: ModelConfig, lora: LoraConfig | None, seed: int = 0) -> nn.Module:
     """The module tree (on the current default device, e.g. meta), adapters included."""
     model = MODELS.get(cfg.family)(cfg)
     if lora is not None:
-        apply_lora(model, lora_spec(lora), torch.Generator().manual_seed(mix_key(seed, _LORA_STREAM)))
+        apply_lora(model, lora, torch.Generator().manual_seed(mix_key(seed, _LORA_STREAM)))
     return model
 
 
@@ -42,5 +38,5 @@ def initial_state(cfg: ModelConfig, lora: LoraConfig | None, seed: int) -> dict[
     else:
         model.init_weights(torch.Generator().manual_seed(seed))
     if lora is not None:
-        apply_lora(model, lora_spec(lora), torch.Generator().manual_seed(mix_key(seed, _LORA_STREAM)))
+        apply_lora(model, lora, torch.Generator().manual_seed(mix_key(seed, _LORA_STREAM)))
     return model.state_dict()

@@ -38,45 +38,23 @@ import os
 import re
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dllm.config.model import LoraConfig
+
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
 
 
-@dataclass(frozen=True)
-class LoraSpec:
-    """Which linears get an adapter and how big it is."""
-
-    rank: int
-    """r: inner width of the low-rank update B A."""
-    alpha: float
-    """The update is scaled by alpha / rank."""
-    dropout: float = 0.0
-    """Dropout probability on the adapter input."""
-    targets: tuple[str, ...] = ("q_proj", "v_proj")
-    """Module-name patterns (see the module docstring); the paper adapts q_proj and v_proj."""
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "targets", (self.targets,) if isinstance(self.targets, str) else tuple(self.targets))
-        if self.rank <= 0 or self.alpha <= 0 or not 0.0 <= self.dropout < 1.0 or not self.targets:
-            raise ValueError(f"invalid LoRA spec {self}: need rank > 0, alpha > 0, 0 <= dropout < 1, some targets")
-
-    @property
-    def scale(self) -> float:
-        return self.alpha / self.rank
-
-
 class LoraLinear(nn.Module):
     """A frozen base linear (`weight`, `bias` at the nn.Linear names) plus a trainable B A update."""
 
-    def __init__(self, base: nn.Linear, spec: LoraSpec) -> None:
+    def __init__(self, base: nn.Linear, spec: LoraConfig) -> None:
         super().__init__()
         self.in_features, self.out_features = base.in_features, base.out_features
         self.weight = base.weight
@@ -116,7 +94,7 @@ def target_matches(name: str, pattern: str) -> bool:
     return fnmatch.fnmatchcase(name, pattern) or name == pattern or name.endswith("." + pattern)
 
 
-def apply_lora(model: nn.Module, spec: LoraSpec, generator: torch.Generator) -> list[str]:
+def apply_lora(model: nn.Module, spec: LoraConfig, generator: torch.Generator) -> list[str]:
     """Wrap every nn.Linear whose name matches a target in a LoraLinear, in place; freeze all other
     parameters. Returns the adapted module names. On the meta device the adapters stay
     uninitialised: call `init_lora` after materialising (and after any base-weight init, which
@@ -185,7 +163,7 @@ def load_lora_state_dict(model: nn.Module, sd: dict[str, torch.Tensor]) -> None:
 def save_adapter(
     model: nn.Module,
     folder: str | Path,
-    spec: LoraSpec,
+    spec: LoraConfig,
     base_model_name_or_path: str | None = None,
     rename_module: Callable[[str], str] | None = None,
 ) -> Path:
@@ -214,7 +192,7 @@ def save_adapter(
     return folder
 
 
-def load_adapter(model: nn.Module, folder: str | Path, rename_module: Callable[[str], str] | None = None) -> LoraSpec:
+def load_adapter(model: nn.Module, folder: str | Path, rename_module: Callable[[str], str] | None = None) -> LoraConfig:
     """Load a PEFT LoRA folder: adapt (if not yet adapted) exactly the modules that have weights in
     the file, freeze the rest, and copy the adapter weights in. Returns the folder's spec."""
     from safetensors.torch import load_file
@@ -238,7 +216,7 @@ def load_adapter(model: nn.Module, folder: str | Path, rename_module: Callable[[
     return spec
 
 
-def _wrap(model: nn.Module, names: Sequence[str], spec: LoraSpec) -> None:
+def _wrap(model: nn.Module, names: Sequence[str], spec: LoraConfig) -> None:
     """Replace each named nn.Linear by an (uninitialised) LoraLinear."""
     for name in names:
         _set_submodule(model, name, LoraLinear(model.get_submodule(name), spec))
@@ -267,7 +245,7 @@ def _check_same_keys(expected: set[str], got: set[str], what: str) -> None:
         raise ValueError(f"{what}: missing keys {missing}, unexpected keys {unexpected} (first 5 of each)")
 
 
-def _peft_config(spec: LoraSpec, adapted: list[str], linears: list[str], base: str | None) -> dict:
+def _peft_config(spec: LoraConfig, adapted: list[str], linears: list[str], base: str | None) -> dict:
     """PEFT LoraConfig fields. target_modules: the short names when PEFT's suffix matching of them
     selects exactly the adapted modules, else the full module paths."""
     short = sorted({n.rpartition(".")[2] for n in adapted})
@@ -292,7 +270,7 @@ def _peft_config(spec: LoraSpec, adapted: list[str], linears: list[str], base: s
     }
 
 
-def _spec_from_peft(config: dict, path: Path) -> LoraSpec:
+def _spec_from_peft(config: dict, path: Path) -> LoraConfig:
     """The subset of PEFT's LoraConfig this module implements; anything else is an error."""
     unsupported = {
         "peft_type": config.get("peft_type") != "LORA",
@@ -309,7 +287,8 @@ def _spec_from_peft(config: dict, path: Path) -> LoraSpec:
         raise ValueError(f"{path}: unsupported LoRA settings {bad} (plain LoRA on linear layers only)")
     targets = config["target_modules"]
     targets = ("re:" + targets,) if isinstance(targets, str) else tuple(targets)
-    return LoraSpec(config["r"], config["lora_alpha"], config.get("lora_dropout", 0.0), targets)
+    return LoraConfig(rank=config["r"], alpha=config["lora_alpha"], dropout=config.get("lora_dropout", 0.0),
+                      targets=list(targets))  # fmt: skip
 
 
 def _identity(name: str) -> str:

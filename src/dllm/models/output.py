@@ -32,12 +32,6 @@ class ModelOutput:
         features, weight, bias = self.head(self.hidden_BLE)
         return F.linear(features, weight, bias)
 
-    @classmethod
-    def of_logits(cls, logits_BLV: torch.Tensor) -> ModelOutput:
-        """Wrap ready-made logits (tests, reference paths): an identity head over V features."""
-        eye = torch.eye(logits_BLV.shape[-1], dtype=logits_BLV.dtype, device=logits_BLV.device)
-        return cls(logits_BLV, lambda h: (h, eye, None))
-
 
 @dataclass(frozen=True)
 class SelfConditioned:
