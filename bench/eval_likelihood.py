@@ -25,13 +25,13 @@ import torch
 from dllm.checkpoint.inference import load_for_inference
 from dllm.config.loading import validate_config
 from dllm.config.prepare import PrepareSpec
-from dllm.config.rules import resolve_run_spec
 from dllm.config.spec import RunSpec
 from dllm.data.artifact import open_artifact
 from dllm.data.loader import StepLoader
 from dllm.data.prepare import prepare
 from dllm.data.synthetic import demo_corpus
 from dllm.evaluation.likelihood import nelbo_samples, scoring_for, summarize
+from dllm.training.preflight import resolve_run_spec
 from dllm.training.run import prepare_run_dir, train_from_run_dir
 
 SEQ_LEN = 64

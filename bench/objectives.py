@@ -39,11 +39,11 @@ import torch
 from dllm.attention.backends import bd_fused
 from dllm.config.loading import validate_config
 from dllm.config.prepare import PrepareSpec
-from dllm.config.rules import resolve_run_spec
 from dllm.config.spec import RunSpec
 from dllm.data.prepare import prepare
 from dllm.data.synthetic import demo_corpus
 from dllm.training.build import build_trainer
+from dllm.training.preflight import resolve_run_spec
 
 TOKENS_PER_STEP = 4096
 OBJECTIVES: dict[str, dict[str, Any]] = {

@@ -32,11 +32,11 @@ import torch
 from dllm.checkpoint.inference import load_for_inference
 from dllm.config.loading import validate_config
 from dllm.config.prepare import PrepareSpec
-from dllm.config.rules import resolve_run_spec
 from dllm.config.sampler import SamplerConfig, resolve_sampler
 from dllm.config.spec import RunSpec
 from dllm.data.prepare import prepare
 from dllm.sampling.generate import SpecialIds, generate
+from dllm.training.preflight import resolve_run_spec
 from dllm.training.run import prepare_run_dir, train_from_run_dir
 
 PERIOD, REPEATS = 8, 16

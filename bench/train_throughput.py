@@ -20,13 +20,13 @@ import torch
 
 from dllm.config.loading import validate_config
 from dllm.config.prepare import PrepareSpec
-from dllm.config.rules import resolve_run_spec
 from dllm.config.spec import RunSpec
 from dllm.data.prepare import prepare
 from dllm.data.synthetic import demo_corpus
 from dllm.models.transformer import train_flops_per_token
 from dllm.parallel.apply import unwrap
 from dllm.training.build import build_trainer
+from dllm.training.preflight import resolve_run_spec
 
 TOKENS_PER_STEP = 4096
 

@@ -39,7 +39,7 @@ def dp_yaml(workdir: Path) -> Path:
 
 @pytest.mark.parametrize(("mode", "objective"), [("fsdp", "mdlm"), ("ddp", "mdlm"), ("fsdp", "bd3lm")])
 def test_two_processes_match_one(dp_yaml: Path, mode: str, objective: str):
-    from dllm.config.rules import resolve_run_spec
+    from dllm.training.preflight import resolve_run_spec
     from dllm.training.run import prepare_run_dir, train_from_run_dir
     from tests.helpers import load_spec
 

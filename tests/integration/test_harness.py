@@ -23,10 +23,10 @@ lm_eval = pytest.importorskip("lm_eval")
 from lm_eval.api.instance import Instance  # noqa: E402
 
 from dllm.attention.masks import AttentionMask  # noqa: E402
-from dllm.cli.sampling_common import cut_at_stop  # noqa: E402
 from dllm.data.synthetic import addition_example  # noqa: E402
 from dllm.errors import ConfigError  # noqa: E402
 from dllm.evaluation.harness import DllmLM, main  # noqa: E402
+from dllm.sampling.stops import cut_at_stop  # noqa: E402
 
 OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
 # A bidirectional model sees how long its canvas is: scored as the very end of the text, an answer of

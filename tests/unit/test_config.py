@@ -12,7 +12,6 @@ import torch
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from dllm.config import rules as rules_mod
 from dllm.config.base import Section
 from dllm.config.data import TokenizerConfig
 from dllm.config.loading import (
@@ -24,13 +23,15 @@ from dllm.config.loading import (
 )
 from dllm.config.model import MODEL_PRESETS, ModelConfig
 from dllm.config.prepare import JsonlSourceConfig, PrepareSpec
-from dllm.config.rules import resolve_run_spec, round_up
+from dllm.config.rules import round_up
 from dllm.config.sampler import SamplerConfig
 from dllm.config.spec import RunSpec
 from dllm.config.templates import _section_class, commented_yaml, section_classes
 from dllm.config.training import LoggingConfig
 from dllm.data.prepare import prepare
 from dllm.errors import ConfigError, UserError
+from dllm.training import preflight as preflight_mod
+from dllm.training.preflight import resolve_run_spec
 from tests.helpers import PREPARE, tiny_train_values, write_corpus, write_yaml
 
 # --------------------------------------------------------------------------------------------------
@@ -746,12 +747,12 @@ def test_warning_for_checkpoint_interval_beyond_steps(artifact_root: Path, no_gp
 
 
 def test_tensorboard_on_needs_tensorboard(artifact_root: Path, no_gpu: None, monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr(rules_mod, "_has_tensorboard", lambda: False)
+    monkeypatch.setattr(preflight_mod, "_has_tensorboard", lambda: False)
     with pytest.raises(ConfigError, match=r"^logging.tensorboard: 'on' needs tensorboard"):
         resolve_run_spec(_spec(artifact_root, logging={"tensorboard": "on"}))
     for value in ("auto", "off"):
         assert resolve_run_spec(_spec(artifact_root, logging={"tensorboard": value}))[0].logging.tensorboard == value
-    monkeypatch.setattr(rules_mod, "_has_tensorboard", lambda: True)
+    monkeypatch.setattr(preflight_mod, "_has_tensorboard", lambda: True)
     assert resolve_run_spec(_spec(artifact_root, logging={"tensorboard": "on"}))[0].logging.tensorboard == "on"
 
 

@@ -11,9 +11,9 @@ import torch
 
 from dllm.attention.masks import AttentionMask
 from dllm.cli.main import main as dllm
-from dllm.config.rules import resolve_run_spec
 from dllm.errors import ConfigError
 from dllm.training.build import build_trainer
+from dllm.training.preflight import resolve_run_spec
 from dllm.training.run import prepare_run_dir
 from tests.helpers import load_spec, save_bpe, tiny_train_values, write_yaml
 

@@ -13,10 +13,11 @@ import torch.nn.functional as F
 
 from dllm.config.objectives import MDLMConfig
 from dllm.data.loader import Batch
-from dllm.diffusion.corruption import NoiseKeys, mask_tokens, mix_key
+from dllm.diffusion.corruption import NoiseKeys, mask_tokens
 from dllm.diffusion.objectives import OBJECTIVES, ModelInputs, TokenIds
 from dllm.diffusion.objectives.mdlm import MDLMObjective
 from dllm.diffusion.schedules import SCHEDULES, CosineSchedule, LinearSchedule
+from dllm.seeding import mix_key
 from tests.helpers import output_of_logits
 
 V = 12

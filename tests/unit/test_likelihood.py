@@ -17,11 +17,11 @@ from dllm.checkpoint.inference import load_for_inference
 from dllm.config.loading import validate_config
 from dllm.config.model import ModelConfig
 from dllm.config.prepare import PrepareSpec
-from dllm.config.rules import resolve_run_spec
 from dllm.config.spec import RunSpec
 from dllm.data.prepare import prepare
 from dllm.evaluation.likelihood import ScoringModel, nelbo_samples, scoring_for, summarize, time_samples
 from dllm.models.transformer import Transformer
+from dllm.training.preflight import resolve_run_spec
 from dllm.training.run import prepare_run_dir, train_from_run_dir
 
 V = 64

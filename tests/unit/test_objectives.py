@@ -16,7 +16,6 @@ from dllm.config.loading import validate_config
 from dllm.config.model import ModelConfig
 from dllm.config.objectives import BD3LMConfig, FastDLLMv2Config, UniformConfig
 from dllm.config.prepare import PrepareSpec
-from dllm.config.rules import resolve_run_spec
 from dllm.config.spec import RunSpec
 from dllm.data.loader import Batch
 from dllm.data.prepare import prepare
@@ -26,6 +25,7 @@ from dllm.diffusion.objectives.block import pad_blocks_with_eos, shifted_rows
 from dllm.errors import ConfigError
 from dllm.models import Transformer
 from dllm.models.output import SelfConditioned
+from dllm.training.preflight import resolve_run_spec
 from dllm.training.run import prepare_run_dir, train_from_run_dir
 
 V = 40

@@ -14,10 +14,10 @@ from dllm.config.loading import validate_config
 from dllm.config.model import ModelConfig
 from dllm.config.objectives import BD3LMConfig, FastDLLMv2Config, MDLMConfig, UniformConfig
 from dllm.config.profile import PROFILE_FILE, DecodeProfile, build_profile, read_profile, write_profile
-from dllm.config.rules import resolve_run_spec
 from dllm.config.sampler import SamplerConfig, resolve_sampler
 from dllm.config.spec import RunSpec
 from dllm.errors import CheckpointError
+from dllm.training.preflight import resolve_run_spec
 from dllm.training.run import prepare_run_dir, train_from_run_dir
 from tests.helpers import tiny_train_values
 

@@ -13,7 +13,7 @@ from dllm.cli import main as cli_main
 from dllm.cli import recipe_cmd
 from dllm.config.loading import load_config
 from dllm.config.prepare import PrepareSpec
-from dllm.config.rules import check_topology, resolve_run_spec
+from dllm.config.rules import check_topology
 from dllm.config.spec import RunSpec
 from dllm.data.prepare import prepare
 from dllm.errors import UserError
@@ -27,6 +27,7 @@ from dllm.recipes import (
     list_recipes,
     recipe_files,
 )
+from dllm.training.preflight import resolve_run_spec
 
 RECIPES = [r.name for r in list_recipes()]
 SMOKE = [r.name for r in list_recipes() if r.kind == "smoke"]

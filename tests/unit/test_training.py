@@ -14,7 +14,6 @@ import torch
 
 from dllm.checkpoint.manager import latest_checkpoint
 from dllm.config.model import ModelConfig
-from dllm.config.rules import resolve_run_spec
 from dllm.config.training import OptimizerConfig, SchedulerConfig
 from dllm.errors import CheckpointError
 from dllm.models import Transformer
@@ -23,6 +22,7 @@ from dllm.training.build import build_trainer
 from dllm.training.lr import LRSchedule
 from dllm.training.metrics import read_metrics
 from dllm.training.optim import build_optimizer
+from dllm.training.preflight import resolve_run_spec
 from dllm.training.run import prepare_run_dir, train_from_run_dir
 from tests.helpers import load_spec, output_of_logits, tiny_train_values, write_yaml
 

@@ -10,7 +10,8 @@ from pathlib import Path
 import typer
 
 from dllm.cli.common import info, out
-from dllm.cli.sampling_common import SAMPLER_CONFIG_OPTION, SET_OPTION, cut_at_stop, setup_sampling, stop_function
+from dllm.cli.sampling_common import SAMPLER_CONFIG_OPTION, SET_OPTION, setup_sampling
+from dllm.sampling.stops import cut_at_stop, stop_function
 
 MASK_GLYPH = "_"
 

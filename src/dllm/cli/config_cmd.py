@@ -24,7 +24,7 @@ def validate(
     no_data: bool = typer.Option(False, "--no-data", help="Skip the checks against the prepared artifact."),
 ) -> None:
     """Validate a training config with every cross-field rule and print the resolved spec."""
-    from dllm.config.rules import resolve_run_spec
+    from dllm.training.preflight import resolve_run_spec
 
     overrides = list(set_ or [])
     if nproc_per_node is not None:

@@ -100,8 +100,8 @@ def validate(
     no_checksums: bool = typer.Option(False, "--no-checksums", help="Skip SHA-256 checks (faster)."),
 ) -> None:
     """Check an artifact's files, hashes and values, and its fit with a training config."""
-    from dllm.config.rules import resolve_run_spec
     from dllm.data.artifact import validate_artifact
+    from dllm.training.preflight import resolve_run_spec
 
     art = validate_artifact(artifact, checksums=not no_checksums)
     if config is not None:

@@ -8,8 +8,9 @@ from pathlib import Path
 import typer
 
 from dllm.cli.common import info, out
-from dllm.cli.sampling_common import SAMPLER_CONFIG_OPTION, SET_OPTION, cut_at_stop, setup_sampling, stop_function
+from dllm.cli.sampling_common import SAMPLER_CONFIG_OPTION, SET_OPTION, setup_sampling
 from dllm.errors import ConfigError
+from dllm.sampling.stops import cut_at_stop, stop_function
 
 app = typer.Typer(help="Evaluate a run: likelihood bounds and task accuracy.", no_args_is_help=True)
 

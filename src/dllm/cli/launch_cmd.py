@@ -21,9 +21,9 @@ def launch(
     dry_run: bool = typer.Option(False, "--dry-run", help="Validate and print the command, start nothing."),
 ) -> None:
     """Train: checks the config and world size before any worker starts."""
-    from dllm.config.rules import resolve_run_spec
     from dllm.errors import ConfigError
     from dllm.parallel.launch import format_command, run_command, worker_command
+    from dllm.training.preflight import resolve_run_spec
     from dllm.training.run import CONFIG_NAME, prepare_run_dir, run_dir_of, train_from_run_dir
 
     overrides = list(set_ or [])

@@ -1,9 +1,8 @@
 """What `dllm generate` and `dllm chat` share: the sampler config from a file, flags and overrides,
-resolved against the run it samples from, and the stop-string helpers."""
+resolved against the run it samples from. The stop-string helpers live in `dllm.sampling.stops`."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -66,16 +65,3 @@ def setup_sampling(
     p = loaded.profile
     special = SpecialIds(mask_id=p.mask_id, pad_id=p.pad_id, eos_id=p.eos_id, num_tokens=p.num_tokens)
     return SamplingSetup(loaded, cfg, special, torch.device(device))
-
-
-def stop_function(tokenizer: Any, stop_strings: list[str]) -> Callable[[list[int]], bool] | None:
-    """A row has ended once its decided text contains a stop string."""
-    if not stop_strings:
-        return None
-    return lambda ids: any(s in tokenizer.decode(ids) for s in stop_strings)
-
-
-def cut_at_stop(text: str, stop_strings: list[str]) -> str:
-    """The text before the first stop string (the stop string itself is not returned)."""
-    cut = min((i for i in (text.find(s) for s in stop_strings) if i >= 0), default=len(text))
-    return text[:cut]

@@ -1,8 +1,8 @@
 """RunSpec: the typed description of one training run, section by section.
 
 Every section receives only what it needs downstream: `training/build.py` is the only code that
-sees a whole RunSpec. Cross-section rules (batch divisibility, world size, artifact compatibility)
-live in `rules.py`.
+sees a whole RunSpec. Cross-section rules that need no I/O (batch divisibility, world size) live in
+`rules.py`; those that read the tokenizer, the artifact or the devices in `dllm.training.preflight`.
 """
 
 from __future__ import annotations

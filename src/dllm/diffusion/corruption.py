@@ -11,22 +11,7 @@ import zlib
 
 import torch
 
-_MASK64 = (1 << 64) - 1
-
-
-def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
-def mix_key(*parts: int) -> int:
-    """A 63-bit seed from integer parts (stable across Python versions and platforms)."""
-    h = 0
-    for p in parts:
-        h = _splitmix64(h ^ (p & _MASK64))
-    return h >> 1
+from dllm.seeding import mix_key
 
 
 class NoiseKeys:

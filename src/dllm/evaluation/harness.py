@@ -51,13 +51,13 @@ import torch
 from pydantic import Field, ValidationError
 
 from dllm.checkpoint.inference import load_for_inference
-from dllm.cli.sampling_common import cut_at_stop, stop_function
 from dllm.config.base import Section
 from dllm.config.loading import format_validation_error, read_yaml, validate_config
 from dllm.config.sampler import SamplerConfig, resolve_sampler
 from dllm.errors import ConfigError, UserError
 from dllm.evaluation.likelihood import guided_hidden, nelbo_samples, predictor_hidden, scoring_for
 from dllm.sampling.generate import SpecialIds, generate
+from dllm.sampling.stops import cut_at_stop, stop_function
 
 DEFAULT_MAX_GEN_TOKS = 64
 LM_EVAL_GEN_KWARGS = ("until", "max_gen_toks", "do_sample", "temperature", "top_k", "top_p")

@@ -11,10 +11,10 @@ import torch
 from torch import nn
 
 from dllm.config.model import LoraConfig, ModelConfig
-from dllm.diffusion.corruption import mix_key
 from dllm.models import MODELS
 from dllm.models.lora import apply_lora
 from dllm.models.pretrained import pretrained_state
+from dllm.seeding import mix_key
 
 _LORA_STREAM = 0x10AA  # keeps the adapters' random stream apart from the base initialisation
 

@@ -1,0 +1,150 @@
+"""Preflight of a RunSpec, run before any worker starts (`dllm launch`, `dllm config check`, ...).
+
+`resolve_run_spec` fills values that depend on other sections (the vocabulary size from the
+tokenizer, the architecture of `model.init_from`) and raises ConfigError naming the field for
+combinations that cannot work: the pure cross-field rules of `dllm.config.rules`, plus the checks
+that read files or probe the machine (the data artifact, the LoRA targets on a meta-device model,
+the devices). It returns warnings for settings that have no effect. It lives in training, the layer
+that assembles a run, because it needs tokenization, models and data, which config sits below.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from dllm.config.model import ModelConfig
+from dllm.config.rules import check_objective, check_topology, round_up
+from dllm.config.spec import RunSpec
+from dllm.data.artifact import read_manifest
+from dllm.errors import ConfigError, DataError
+from dllm.models.factory import build_model
+from dllm.models.pretrained import merge_pretrained, pretrained_tokenizer
+from dllm.tokenization import build_tokenizer
+
+
+def resolve_run_spec(
+    spec: RunSpec, *, world_size: int | None = None, check_data: bool = True
+) -> tuple[RunSpec, list[str]]:
+    """Resolve derived fields and check every cross-field rule; returns (spec, warnings)."""
+    warnings: list[str] = []
+    tok = build_tokenizer(spec.tokenizer)
+    model = spec.model
+    if model.init_from is not None:
+        model, note = _resolve_pretrained(spec, tok.vocab_size)
+        warnings += note
+    vocab = model.vocab_size
+    if vocab is None:
+        vocab = round_up(tok.vocab_size, 64)
+    elif vocab < tok.vocab_size and model.init_from is None:
+        raise ConfigError(
+            f"model.vocab_size: {vocab} is smaller than the tokenizer's {tok.vocab_size}; raise it or set it to null"
+        )
+    spec = spec.model_copy(update={"model": model.model_copy(update={"vocab_size": max(vocab, tok.vocab_size)})})
+    check_topology(spec, world_size if world_size is not None else spec.topology.world_size)
+    _check_device(spec)
+    if spec.data.seq_len > spec.model.max_seq_len:
+        raise ConfigError(
+            f"data.seq_len: {spec.data.seq_len} exceeds model.max_seq_len {spec.model.max_seq_len}; raise max_seq_len"
+        )
+    check_objective(spec)
+    if spec.lora is not None:
+        _check_lora(spec)
+    if check_data:
+        _check_artifact(spec, tok.identity())
+    if spec.topology.world_size == 1 and spec.topology.backend != "auto":
+        warnings.append(f"topology.backend {spec.topology.backend} has no effect with one process")
+    every = spec.checkpointing.every_steps
+    if every is not None and every > spec.training.steps:
+        warnings.append(
+            f"checkpointing.every_steps {every} > training.steps {spec.training.steps}: only the final save happens"
+        )
+    if spec.logging.tensorboard == "on" and not _has_tensorboard():
+        raise ConfigError("logging.tensorboard: 'on' needs tensorboard installed (pip install tensorboard) or use auto")
+    return spec, warnings
+
+
+def _resolve_pretrained(spec: RunSpec, tok_vocab: int) -> tuple[ModelConfig, list[str]]:
+    """The architecture of model.init_from, and a warning when the tokenizer is not the checkpoint's."""
+    model = merge_pretrained(spec.model)
+    warnings = []
+    ships = pretrained_tokenizer(spec.model.init_from)
+    if ships is not None and ships.kind == "hf" and spec.tokenizer.kind != "hf":
+        warnings.append(
+            f"model.init_from ships a tokenizer but tokenizer.kind is {spec.tokenizer.kind}; "
+            f"set tokenizer: {{kind: hf, path: {spec.model.init_from}}} to use it"
+        )
+    if model.vocab_size is not None and tok_vocab > model.vocab_size:
+        warnings.append(
+            f"the tokenizer has {tok_vocab} ids, the checkpoint {model.vocab_size}: the embeddings grow "
+            "(new rows start at the mean embedding)"
+        )
+    return model, warnings
+
+
+def _check_lora(spec: RunSpec) -> None:
+    """The adapter targets must name linear layers of this model (checked on a meta-device model)."""
+    try:
+        with torch.device("meta"):
+            build_model(spec.model, spec.lora)
+    except ValueError as e:
+        raise ConfigError(f"lora.targets: {e}") from None
+
+
+def _check_device(spec: RunSpec) -> None:
+    dev, topo = spec.training.device, spec.topology
+    gpu = torch.cuda.is_available()
+    if dev == "cuda" and not gpu:
+        raise ConfigError("training.device: cuda was requested but no GPU is visible; use auto or cpu")
+    on_gpu = dev == "cuda" or (dev == "auto" and gpu)
+    if topo.backend == "nccl" and not on_gpu:
+        raise ConfigError("topology.backend: nccl needs GPUs; use gloo (or auto) on CPU")
+    if spec.model.attention_backend == "flex" and not on_gpu:
+        raise ConfigError(
+            "model.attention_backend: flex has no backward on CPU in this torch, so it cannot train here; "
+            "use auto (flex where it helps, sdpa for gradients) or sdpa"
+        )
+    if spec.training.autocast_dtype == "float16" and not on_gpu:
+        raise ConfigError("training.autocast_dtype: float16 autocast is GPU-only; use bfloat16 or float32 on CPU")
+    if on_gpu and topo.nproc_per_node > torch.cuda.device_count():
+        raise ConfigError(
+            f"topology.nproc_per_node: {topo.nproc_per_node} processes but {torch.cuda.device_count()} GPU(s) visible"
+        )
+
+
+def _check_artifact(spec: RunSpec, tok_identity: dict) -> None:
+    try:
+        manifest = read_manifest(spec.data.path)
+    except DataError as e:
+        raise ConfigError(f"data.path: {e}") from None
+    if int(manifest["seq_len"]) != spec.data.seq_len:
+        raise ConfigError(
+            f"data.seq_len: {spec.data.seq_len} but the artifact {spec.data.path} was packed to "
+            f"{manifest['seq_len']}; set data.seq_len: {manifest['seq_len']} or re-prepare the data"
+        )
+    art_tok = manifest["tokenizer"]
+    for key in ("vocab_hash", "special_ids"):
+        if art_tok.get(key) != tok_identity.get(key):
+            raise ConfigError(
+                f"tokenizer: differs from the one that prepared {spec.data.path} ({key} mismatch); "
+                "use the same tokenizer section as prepare.yaml"
+            )
+    block = getattr(spec.objective, "block_size", None)
+    multiple = (manifest.get("prepare_config") or {}).get("pad_to_multiple")
+    if block is not None and multiple and multiple % block:
+        raise ConfigError(
+            f"objective.block_size: {block} does not divide the artifact's pad_to_multiple {multiple} "
+            f"({spec.data.path}): documents would not start on block boundaries; set pad_to_multiple to a "
+            "multiple of the block size in prepare.yaml and prepare again, or change block_size"
+        )
+    tr = spec.training
+    if int(manifest["num_sequences"]) < tr.global_batch_size:
+        raise ConfigError(
+            f"training.global_batch_size: {tr.global_batch_size} exceeds the {manifest['num_sequences']} "
+            "sequences of the artifact; lower it or add data"
+        )
+
+
+def _has_tensorboard() -> bool:
+    return importlib.util.find_spec("tensorboard") is not None

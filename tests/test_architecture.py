@@ -1,0 +1,252 @@
+"""Layering: every import between the parts of src/dllm is an edge that src/dllm/ARCHITECTURE.toml allows.
+
+The checker reads the source with `ast` (nothing is imported): `import x` and `from x import y`, at
+module level and inside functions, relative imports resolved, `if TYPE_CHECKING:` imports included
+(a type-only dependency is still a dependency), and `importlib.import_module("dllm....")` with a
+literal name.
+"""
+
+from __future__ import annotations
+
+import ast
+import graphlib
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10 (the `dev` extra installs tomli there)
+    import tomli as tomllib
+
+REPO = Path(__file__).resolve().parents[1]
+SRC = REPO / "src" / "dllm"
+RULES = SRC / "ARCHITECTURE.toml"
+ROOT = "dllm"  # the part name of the package root, src/dllm/__init__.py
+
+
+@dataclass(frozen=True)
+class Edge:
+    file: Path
+    line: int
+    statement: str  # the import as written (ast.unparse)
+    source: str  # the importing part
+    target: str  # the imported part
+
+
+def load_rules(path: Path = RULES) -> tuple[dict[str, set[str]], set[str]]:
+    """({part: parts it may import}, planned parts) from ARCHITECTURE.toml."""
+    data = tomllib.loads(path.read_text())
+    return {part: set(targets) for part, targets in data["imports"].items()}, set(data.get("planned", []))
+
+
+def parts_on_disk(root: Path) -> set[str]:
+    """The root, every subpackage (a folder with .py files) and every top-level module of `root`."""
+    parts = {ROOT}
+    for child in root.iterdir():
+        if child.is_dir() and any(child.rglob("*.py")):
+            parts.add(child.name)
+        elif child.suffix == ".py" and child.stem != "__init__":
+            parts.add(child.stem)
+    return parts
+
+
+def _module_name(root: Path, file: Path) -> tuple[list[str], bool]:
+    """(dotted name as parts, is a package __init__) of a source file under `root`."""
+    rel = file.relative_to(root).with_suffix("").parts
+    if rel[-1] == "__init__":
+        return [ROOT, *rel[:-1]], True
+    return [ROOT, *rel], False
+
+
+def _part_of(root: Path, dotted: list[str]) -> str:
+    """The part a dotted module name under the package belongs to (the root for `dllm` itself)."""
+    return dotted[1] if len(dotted) > 1 else ROOT
+
+
+def _imported_modules(node: ast.AST, module: list[str], is_package: bool, root: Path) -> list[list[str]]:
+    """The dllm modules one AST node imports, as dotted parts (empty for anything else)."""
+    if isinstance(node, ast.Import):
+        return [a.name.split(".") for a in node.names if a.name.split(".")[0] == ROOT]
+    if isinstance(node, ast.ImportFrom):
+        if node.level:  # relative: from the current package, one level up per extra dot
+            package = module if is_package else module[:-1]
+            base = package[: len(package) - (node.level - 1)]
+            dotted = base + (node.module.split(".") if node.module else [])
+        else:
+            dotted = node.module.split(".") if node.module else []
+        if not dotted or dotted[0] != ROOT:
+            return []
+        if len(dotted) == 1:  # `from dllm import x`: x is a part, or a name of the root (__version__)
+            return [[ROOT, a.name] if _is_part(root, a.name) else [ROOT] for a in node.names]
+        return [dotted]
+    if isinstance(node, ast.Call):  # importlib.import_module("dllm.x") / __import__("dllm.x")
+        func = node.func
+        name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+        if name in ("import_module", "__import__") and node.args:
+            arg = node.args[0]
+            if isinstance(arg, ast.Constant) and isinstance(arg.value, str) and arg.value.split(".")[0] == ROOT:
+                return [arg.value.split(".")]
+    return []
+
+
+def _is_part(root: Path, name: str) -> bool:
+    return (root / name).is_dir() or (root / f"{name}.py").is_file()
+
+
+def import_edges(root: Path) -> list[Edge]:
+    """Every import from one part of the package under `root` into another part."""
+    edges = []
+    for file in sorted(root.rglob("*.py")):
+        module, is_package = _module_name(root, file)
+        source = _part_of(root, module)
+        tree = ast.parse(file.read_text(), filename=str(file))
+        for node in ast.walk(tree):
+            for dotted in _imported_modules(node, module, is_package, root):
+                target = _part_of(root, dotted)
+                if target != source:
+                    edges.append(Edge(file, node.lineno, ast.unparse(node), source, target))
+    return sorted(edges, key=lambda e: (str(e.file), e.line))
+
+
+def find_cycle(allowed: dict[str, set[str]]) -> list[str] | None:
+    """A cycle of allowed edges (as a path that returns to its start), or None for a DAG."""
+    try:
+        graphlib.TopologicalSorter(allowed).prepare()
+    except graphlib.CycleError as e:
+        return list(e.args[1])
+    return None
+
+
+def violations(root: Path, allowed: dict[str, set[str]]) -> list[str]:
+    """One message per import that `allowed` does not permit, naming the file, the line and the import."""
+    out = []
+    for e in import_edges(root):
+        if e.target in allowed.get(e.source, set()):
+            continue
+        shown = e.file.relative_to(REPO if REPO in e.file.parents else root.parent)
+        where = f"{shown}:{e.line}"
+        may = ", ".join(sorted(allowed.get(e.source, set()))) or "nothing"
+        out.append(
+            f"{where}: `{e.statement}` makes {e.source} import {e.target}, which ARCHITECTURE.toml does not allow "
+            f"({e.source} may import: {may}); move the code to the right layer, or allow the edge there with the reason"
+        )
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# the real package
+
+
+def test_every_import_follows_architecture_toml():
+    allowed, _ = load_rules()
+    found = violations(SRC, allowed)
+    if found:
+        pytest.fail("imports that break the layering:\n" + "\n".join(found), pytrace=False)
+
+
+def test_checker_sees_the_real_imports():
+    """Guard against a checker that passes because it finds nothing."""
+    edges = {(e.source, e.target) for e in import_edges(SRC)}
+    assert {("cli", "config"), ("training", "models"), ("models", "attention"), ("data", ROOT)} <= edges
+    assert len(edges) > 40
+
+
+def test_architecture_toml_is_a_dag():
+    allowed, _ = load_rules()
+    cycle = find_cycle(allowed)
+    assert cycle is None, f"ARCHITECTURE.toml has a cycle: {' -> '.join(cycle or [])}"
+    order = list(graphlib.TopologicalSorter(allowed).static_order())
+    assert order.index("config") < order.index("models") < order.index("training") < order.index("cli")
+
+
+def test_architecture_toml_places_every_part():
+    allowed, planned = load_rules()
+    on_disk = parts_on_disk(SRC)
+    assert not on_disk - set(allowed), f"parts without an entry in ARCHITECTURE.toml: {sorted(on_disk - set(allowed))}"
+    stale = set(allowed) - on_disk - planned
+    assert not stale, f"entries for parts that do not exist (remove them or list them as planned): {sorted(stale)}"
+    assert not planned & on_disk, f"planned parts that now exist: {sorted(planned & on_disk)}; drop them from planned"
+    unknown = {t for targets in allowed.values() for t in targets} - set(allowed)
+    assert not unknown, f"ARCHITECTURE.toml allows imports of parts it does not list: {sorted(unknown)}"
+
+
+def test_architecture_toml_encodes_the_design_rules():
+    """DESIGN.md section 3: these edges stay forbidden whatever else is allowed."""
+    allowed, _ = load_rules()
+    assert allowed[ROOT] == set()
+    assert allowed["config"] <= {"errors", "registry"}
+    assert not allowed["models"] & {"diffusion", "sampling", "training", "parallel"}
+    assert not allowed["data"] & {"models", "training"}
+    assert [p for p, targets in allowed.items() if "cli" in targets] == ["demo"]
+    assert not any("demo" in targets for targets in allowed.values())
+
+
+def test_import_dllm_is_light():
+    code = "import dllm, sys; print(','.join(m for m in ('transformers', 'datasets') if m in sys.modules))"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == ""
+
+
+# --------------------------------------------------------------------------------------------------
+# the checker itself
+
+
+def _write(root: Path, rel: str, text: str) -> None:
+    path = root / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def test_checker_reports_forbidden_edges_with_file_line_and_import(tmp_path: Path):
+    root = tmp_path / "dllm"
+    _write(root, "__init__.py", '__version__ = "0"\n')
+    _write(root, "errors.py", "")
+    _write(root, "diffusion/__init__.py", "")
+    _write(root, "diffusion/corruption.py", "from dllm.models import layers\n")  # allowed: diffusion above models
+    _write(root, "models/__init__.py", "from . import layers\n")  # inside the part
+    _write(
+        root,
+        "models/layers.py",
+        "from dllm import __version__\n"
+        "from dllm.errors import UserError\n"
+        "\n"
+        "\n"
+        "def f():\n"
+        "    from dllm.diffusion import corruption\n"  # line 6: function-level
+        "    return corruption\n"
+        "\n"
+        "\n"
+        "def g():\n"
+        "    from ..diffusion.corruption import mask\n"  # line 11: relative
+        "    import dllm.diffusion\n"  # line 12
+        "    from dllm import diffusion\n"  # line 13: a part named in `from dllm import`
+        "    return mask, dllm, diffusion\n",
+    )
+    allowed = {ROOT: set(), "errors": set(), "models": {ROOT, "errors"}, "diffusion": {"models", "errors"}}
+    found = violations(root, allowed)
+    assert len(found) == 4, found
+    for msg, (line, stmt) in zip(
+        found,
+        [
+            (6, "from dllm.diffusion import corruption"),
+            (11, "from ..diffusion.corruption import mask"),
+            (12, "import dllm.diffusion"),
+            (13, "from dllm import diffusion"),
+        ],
+        strict=True,
+    ):
+        assert msg.startswith(f"dllm/models/layers.py:{line}: `{stmt}` makes models import diffusion"), msg
+        assert "models may import: dllm, errors" in msg
+    assert violations(root, {**allowed, "models": {ROOT, "errors", "diffusion"}}) == []
+    assert parts_on_disk(root) == {ROOT, "errors", "models", "diffusion"}
+
+
+def test_cycle_in_the_rules_is_reported():
+    rules = {"config": {"errors"}, "errors": set(), "models": {"config", "training"}, "training": {"models"}}
+    assert set(find_cycle(rules) or []) == {"models", "training"}
+    assert find_cycle({**rules, "training": {"config"}}) is None
