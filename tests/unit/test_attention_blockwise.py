@@ -107,11 +107,8 @@ def test_block_diffusion_heads_and_batch(heads, batch, impl):
 
 
 def test_blockwise_takes_the_split_path_on_cpu(monkeypatch):
-    """Without the fused kernel (test_attention_bd_fused.py covers the routing between the two)."""
-    import dllm.attention.backends.bd_fused as bd_fused
     import dllm.attention.backends.bd_split as bd_split
 
-    monkeypatch.setattr(bd_fused, "available", lambda: False)
     calls = []
     monkeypatch.setattr(bd_split, "split_attention", lambda *a: calls.append(a) or a[0])
     mask = AttentionMask("block_diffusion", block_size=4)
@@ -349,10 +346,7 @@ def test_other_kinds_are_the_sdpa_reference(fields):
     torch.testing.assert_close(blockwise_attention(q, k, v, mask), sdpa_attention(q, k, v, mask), atol=0, rtol=0)
 
 
-def test_chunk_masks_built_once_per_description_and_registered(monkeypatch):
-    import dllm.attention.backends.bd_fused as bd_fused
-
-    monkeypatch.setattr(bd_fused, "available", lambda: False)  # the split path's plan (the fused kernel has none)
+def test_chunk_masks_built_once_per_description_and_registered():
     assert ATTENTION_BACKENDS.get("blockwise") is blockwise_attention
     mask = AttentionMask("block_diffusion", block_size=4, doc_ids_BL=doc_ids_BL(2, 32, 0))
     q, k, v = (t.detach() for t in make_qkv(2, (4, 2), 64))

@@ -1,8 +1,5 @@
 """BD3LM's block-diffusion attention on CPU as two exact parts merged with log-sum-exp statistics.
 
-The path for what the fused kernel (bd_fused.py) does not take: bfloat16 / float16 / float64, key
-padding, documents that are not one run each, or no C compiler on the machine.
-
 The 2L layout [x_t ; x_0] allows L*L + L*B of 4*L*L pairs (masks.block_diffusion). Every allowed key
 of a query lies in one of two disjoint sets:
 

@@ -23,9 +23,7 @@ block 32, 2L = 1024 and 2048): forward + backward 1.9-2.8x faster than the dense
 (within noise of each other), less at 2, 4 and 16; 8 was chosen. Cost: each call's q/k/v chunks are
 copies saved for backward (keys ~(S/2 + 2) * L rows per k/v tensor instead of 2L).
 
-On CPU, block_diffusion in float32 without documents, padding or a window takes one fused kernel
-(bd_fused.py: a flash-attention tile loop over exactly the allowed key ranges, built on first use
-with the C compiler); other CPU block_diffusion calls take the split path (bd_split.py): the same chunks against x_0's
+On CPU, block_diffusion takes the split path instead (bd_split.py): the same chunks against x_0's
 keys only plus one batched call for x_t's own blocks, merged exactly with log-sum-exp statistics
 (1.16*L*L pairs at S = 8, no gathered k/v copies). `chunked_attention` is the one-call-per-chunk
 path for every other device and pattern, and both are tested against the dense SDPA reference.
@@ -41,7 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dllm.attention.backends import bd_fused, bd_split
+from dllm.attention.backends import bd_split
 from dllm.attention.backends.sdpa import sdpa_attention
 from dllm.attention.masks import AttentionMask, MaskMod, depends_on_batch, layout_length, mask_mod
 
@@ -67,8 +65,6 @@ def blockwise_attention(
     num_chunks: int = DEFAULT_NUM_CHUNKS,
 ) -> torch.Tensor:
     """q [B, H, L, D], k/v [B, K, S, D] -> [B, H, L, D]; equal to `sdpa_attention` up to float rounding."""
-    if not torch.compiler.is_compiling() and bd_fused.supports(q_BHLD, k_BKSD, mask):
-        return bd_fused.fused_attention(q_BHLD, k_BKSD, v_BKSD, mask)  # CPU float32 block diffusion, one kernel
     if bd_split.supports(q_BHLD, k_BKSD, mask):  # CPU block diffusion: two exact parts merged (bd_split.py)
         return bd_split.split_attention(q_BHLD, k_BKSD, v_BKSD, mask, num_chunks)
     return chunked_attention(q_BHLD, k_BKSD, v_BKSD, mask, num_chunks)
