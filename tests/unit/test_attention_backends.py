@@ -342,6 +342,18 @@ def test_sdpa_dense_mask_cached_on_description():
     mask = make_mask("causal_window", "documents")
     q, k, v = (t.detach() for t in make_qkv(4, 2, L))
     first = sdpa_attention(q, k, v, mask)
-    assert len(mask._memo) == 1
+    assert len(mask.cache) == 1
     torch.testing.assert_close(sdpa_attention(q, k, v, mask), first, atol=0, rtol=0)
-    assert len(mask._memo) == 1
+    assert len(mask.cache) == 1
+
+
+def test_mask_cache_lives_and_dies_with_its_description():
+    """Built once per key for one description; an equal or replaced description has its own cache."""
+    mask = make_mask("block_diffusion", "documents")
+    builds = []
+    assert mask.cache.memo("key", lambda: builds.append(1) or "built") == "built"
+    assert mask.cache.memo("key", lambda: builds.append(1) or "again") == "built" and builds == [1]
+    assert mask.cache.built("key") == "built" and mask.cache.built("other") is None
+    for other in (dataclasses.replace(mask), make_mask("block_diffusion", "documents")):
+        assert other == mask and other.cache is not mask.cache and other.cache.built("key") is None
+    assert "cache" not in repr(mask)

@@ -203,43 +203,43 @@ def test_split_leaves_out_keys_no_row_of_a_chunk_sees(window, noisy_only):
     assert plain.key_ranges == [(0, e) for _, e in full.spans]
 
 
-def test_split_plans_without_per_position_tensors_are_kept_across_steps(monkeypatch):
-    """A pattern without documents / padding is the same every training step: its plan is built once
-    and reused by the next step's description; with documents each description builds its own."""
+def test_split_plan_built_once_per_description():
+    """The plan lives in the description's cache: the layers of one forward (full layers, then a last
+    layer whose queries are x_t's rows only, a view of the full plan) share one build; another
+    description builds its own, even an equal one (the next training step)."""
     import dllm.attention.backends.bd_split as bd_split
-    import dllm.attention.masks as masks_module
 
-    monkeypatch.setattr(masks_module, "_KEPT", masks_module._KeptResults(max_items=2))
     q, k, _ = make_qkv(2, (4, 2), 32)
     step1, step2 = (AttentionMask("block_diffusion", block_size=4) for _ in range(2))
+    assert step1 == step2 and step1.cache is not step2.cache
     plan = bd_split.Plan.of(step1, q, k, 16, 2)
-    assert bd_split.Plan.of(step2, q, k, 16, 2) is plan
-    assert bd_split.Plan.of(step2, q, k, 16, 4) is not plan  # another chunk count, another plan
-    windowed = bd_split.Plan.of(AttentionMask("block_diffusion", block_size=4, window=3), q, k, 16, 2)
-    assert windowed is not plan and windowed.key_ranges != plan.key_ranges
-    assert len(masks_module._KEPT.items) == 2  # the least recently used one was dropped
-    assert bd_split.Plan.of(AttentionMask("block_diffusion", block_size=4), q, k, 16, 2) is not plan
-    doc = doc_ids_BL(2, 16, 0)
-    with_docs = [AttentionMask("block_diffusion", block_size=4, doc_ids_BL=doc) for _ in range(2)]
-    assert bd_split.Plan.of(with_docs[0], q, k, 16, 2) is not bd_split.Plan.of(with_docs[1], q, k, 16, 2)
-    monkeypatch.setattr(masks_module, "_KEPT", masks_module._KeptResults())
-    noisy = []
-    for step in (
-        AttentionMask("block_diffusion", block_size=4) for _ in range(2)
-    ):  # a model: full layers, then the last
-        full = bd_split.Plan.of(step, q, k, 16, 2)
-        noisy.append(bd_split.Plan.of(step, q[:, :, :16], k, 16, 2))
-        assert noisy[-1].a_masks[0].untyped_storage().data_ptr() == full.a_masks[0].untyped_storage().data_ptr()
-    assert noisy[0] is noisy[1]
-    masks = [AttentionMask("block_diffusion", block_size=4, window=w) for w in (None, 5)]
-    sizes = [bd_split.Plan.of(m, q, k, 16, 2).nbytes() for m in masks]
-    monkeypatch.setattr(masks_module, "_KEPT", masks_module._KeptResults(max_bytes=sum(sizes) - 1))
-    for m in masks:
-        bd_split.Plan.of(AttentionMask("block_diffusion", block_size=4, window=m.window), q, k, 16, 2)
-    assert len(masks_module._KEPT.items) == 1  # both do not fit in the byte budget: the older one went
-    monkeypatch.setattr(masks_module, "_KEPT", masks_module._KeptResults(max_bytes=0))  # too big to keep
-    bd_split.Plan.of(AttentionMask("block_diffusion", block_size=4), q, k, 16, 2)
-    assert not masks_module._KEPT.items
+    assert bd_split.Plan.of(step1, q, k, 16, 2) is plan  # the next layer
+    noisy = bd_split.Plan.of(step1, q[:, :, :16], k, 16, 2)  # the last layer
+    assert noisy.a_masks[0].untyped_storage().data_ptr() == plan.a_masks[0].untyped_storage().data_ptr()
+    assert bd_split.Plan.of(step1, q[:, :, :16], k, 16, 2) is noisy
+    assert bd_split.Plan.of(step1, q, k, 16, 4) is not plan  # another chunk count, another plan
+    assert bd_split.Plan.of(step2, q, k, 16, 2) is not plan
+    assert len(step1.cache) == 3 and len(step2.cache) == 1
+
+
+def test_split_plan_built_once_per_model_forward(monkeypatch):
+    """In a model every layer gets the forward's description: one plan per forward, not per layer or per step."""
+    import dllm.attention.backends.bd_split as bd_split
+    from dllm.config.model import ModelConfig
+    from dllm.models.transformer import Transformer
+
+    builds = []
+    real_init = bd_split.Plan.__init__
+    monkeypatch.setattr(bd_split.Plan, "__init__", lambda self, *a: builds.append(a[0]) or real_init(self, *a))
+    model = Transformer(ModelConfig(preset="tiny", vocab_size=64, num_layers=3))
+    model.init_weights(torch.Generator().manual_seed(0))
+    tokens = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(16).repeat(2).expand(2, 32)
+    for step in range(2):
+        mask = AttentionMask("block_diffusion", block_size=4, doc_ids_BL=doc_ids_BL(2, 16, step))
+        model(tokens, positions, mask, num_outputs=16).sum().backward()
+        assert builds[step:] == [mask]  # the last layer's x_t-only plan is a view of the full one
+    assert len(builds) == 2
 
 
 def test_split_stacks_the_query_heads_of_a_key_value_head():
@@ -353,10 +353,10 @@ def test_chunk_masks_built_once_per_description_and_registered():
     first = blockwise_attention(q, k, v, mask)
     for _ in range(2):  # more layers of one forward
         torch.testing.assert_close(blockwise_attention(q, k, v, mask), first, atol=0, rtol=0)
-    assert len(mask._memo) == 1 and next(iter(mask._memo))[0] == "bd_split"  # the CPU path's plan
+    assert [key[0] for key in mask.cache] == ["bd_split"]  # the CPU path's plan
     for _ in range(2):
         chunked_attention(q, k, v, mask)
-    assert len(mask._memo) == 2 and "blockwise" in {key[0] for key in mask._memo}
+    assert [key[0] for key in mask.cache] == ["bd_split", "blockwise"]
 
 
 def test_bad_chunk_count_and_odd_length_raise():

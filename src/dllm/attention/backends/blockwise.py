@@ -15,7 +15,7 @@ positions into `num_chunks` block-aligned chunks [s, e) and runs one SDPA call p
 
 Each chunk's bool mask is the shared mask function (`mask_mod(mask, S)`) evaluated at the global query
 and key indices, so documents, padding and windows are exact by construction. Chunk masks are built
-once per description and shape (`AttentionMask.memo`) and shared by all layers. Any other pattern
+once per description and shape (`AttentionMask.cache`) and shared by all layers. Any other pattern
 (bidirectional with documents, q and k of different lengths, one chunk) is the dense SDPA reference.
 
 `DEFAULT_NUM_CHUNKS` was measured with bench/attention.py --chunk-counts (CPU, 1 thread, B2 H8 D64,
@@ -138,7 +138,7 @@ def chunk_masks(
         mod = mask_mod(mask, kv_len)
         return tuple(span_mask(mod, mask_batch, c.query_spans, c.key_spans, device) for c in chunks)
 
-    return mask.memo(key, build)
+    return mask.cache.memo(key, build)
 
 
 def span_mask(

@@ -4,7 +4,7 @@ The block-diffusion 2L mask (BD3LM, Arriola et al. 2025) allows L*L + L*B of 4*L
 SDPA mask pays for all of them, FlexAttention only for the tiles that hold an allowed pair.
 
 - BlockMask cache: built once per (mask description, batch, lengths, device) and kept on the
-  `AttentionMask` itself (`AttentionMask.memo`), so all layers of one forward (one training step,
+  `AttentionMask` itself (`AttentionMask.cache`), so all layers of one forward (one training step,
   one sampling step) share it and it is freed with the description. An LRU keyed by tensor ids
   was rejected: ids are reused after garbage collection, and it would be hidden global state.
 - Compile: `torch.compile(flex_attention, dynamic=False)` is built lazily on the first call (never
@@ -72,7 +72,7 @@ def flex_block_mask(mask: AttentionMask, batch: int, q_len: int, kv_len: int, de
     def build() -> BlockMask:
         return create_block_mask(mask_mod(mask, kv_len), mask_batch, None, q_len, kv_len, device=device)
 
-    return mask.memo(key, build)
+    return mask.cache.memo(key, build)
 
 
 def run_flex(q_BHLD: torch.Tensor, k_BKSD: torch.Tensor, v_BKSD: torch.Tensor, block_mask: BlockMask):
