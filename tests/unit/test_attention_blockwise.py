@@ -15,11 +15,10 @@ import pytest
 import torch
 
 import dllm.attention.backends.auto as auto_module
-from dllm.attention.backends import ATTENTION_BACKENDS
-from dllm.attention.backends.auto import auto_attention, choose_backend
+from dllm.attention.backends import make_attention
+from dllm.attention.backends.auto import choose_backend
 from dllm.attention.backends.bd_split import split_attention
 from dllm.attention.backends.blockwise import blockwise_attention, chunk_plan, chunked_attention, span_indices
-from dllm.attention.backends.flex import COMPILE_ENV
 from dllm.attention.backends.sdpa import sdpa_attention
 from dllm.attention.masks import AttentionMask, dense_mask, mask_mod
 
@@ -347,7 +346,7 @@ def test_other_kinds_are_the_sdpa_reference(fields):
 
 
 def test_chunk_masks_built_once_per_description_and_registered():
-    assert ATTENTION_BACKENDS.get("blockwise") is blockwise_attention
+    assert make_attention("blockwise", flex_compile=True) is blockwise_attention
     mask = AttentionMask("block_diffusion", block_size=4, doc_ids_BL=doc_ids_BL(2, 32, 0))
     q, k, v = (t.detach() for t in make_qkv(2, (4, 2), 64))
     first = blockwise_attention(q, k, v, mask)
@@ -370,24 +369,24 @@ def test_bad_chunk_count_and_odd_length_raise():
 def test_choose_backend_sends_cpu_block_masks_to_blockwise():
     for kind in ("block_causal", "block_diffusion"):
         mask = AttentionMask(kind, block_size=4)
-        for flex_compiled in (False, True):
+        for flex_compile in (False, True):
             for grad in (False, True):
-                assert choose_backend(mask, "cpu", grad=grad, flex_compiled=flex_compiled) == "blockwise"
-        assert choose_backend(mask, "cuda", grad=True, flex_compiled=True) == "flex"
+                assert choose_backend(mask, "cpu", grad=grad, flex_compile=flex_compile) == "blockwise"
+        assert choose_backend(mask, "cuda", grad=True, flex_compile=True) == "flex"
     assert choose_backend(AttentionMask("causal", doc_ids_BL=doc_ids_BL(1, 8, 0)), "cpu", True, True) == "sdpa"
 
 
 def test_auto_calls_blockwise_for_block_diffusion_on_cpu(monkeypatch):
-    monkeypatch.setenv(COMPILE_ENV, "0")  # the no-grad call below would otherwise compile flex (~30 s)
     calls = []
     real = auto_module.blockwise_attention
     monkeypatch.setattr(auto_module, "blockwise_attention", lambda *a: calls.append(a[3]) or real(*a))
     mask = AttentionMask("block_diffusion", block_size=4, doc_ids_BL=doc_ids_BL(2, 32, 0))
     q, k, v = make_qkv(2, (4, 2), 64)
-    out = auto_attention(q, k, v, mask)
+    auto = make_attention("auto", flex_compile=True)  # on CPU flex is never compiled: blockwise takes it
+    out = auto(q, k, v, mask)
     assert calls == [mask]
     torch.testing.assert_close(out, sdpa_attention(q, k, v, mask), atol=1e-5, rtol=1e-5)
     out.sum().backward()
     with torch.no_grad():  # sampling / evaluation: blockwise as well (faster than compiled flex on CPU)
-        auto_attention(q, k, v, mask)
+        auto(q, k, v, mask)
     assert len(calls) == 2

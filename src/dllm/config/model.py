@@ -114,6 +114,8 @@ class ModelConfig(Section):
     """Standard deviation of the normal weight initialisation."""
     attention_backend: Literal["auto", "sdpa", "flex", "blockwise"] = "auto"
     """Attention: sdpa (dense mask, the reference), flex (BlockMask), blockwise (exact block-sparse SDPA), auto."""
+    flex_compile: bool = True
+    """FlexAttention through torch.compile (false: eager, for tests and debugging)."""
 
     @model_validator(mode="before")
     @classmethod

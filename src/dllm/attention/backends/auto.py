@@ -10,8 +10,8 @@
 - other structured masks (documents, padding, windows) on CPU: SDPA with a dense mask. Compiled
   FlexAttention is faster on big masks but costs ~30 s per new shape, more than a CPU sampling call;
   choose `flex` explicitly for long CPU jobs;
-- FlexAttention forced eager (DLLM_FLEX_COMPILE=0) or any other device: SDPA. Eager FlexAttention
-  materialises every score and ran ~6x slower than dense SDPA on the block-diffusion mask.
+- FlexAttention configured eager (model.flex_compile: false) or any other device: SDPA. Eager
+  FlexAttention materialises every score and ran ~6x slower than dense SDPA on the block-diffusion mask.
 
 Shapes: B batch, H query heads, K key/value heads, L query length, S key length, D head width.
 """
@@ -23,13 +23,13 @@ from typing import Literal
 import torch
 
 from dllm.attention.backends.blockwise import blockwise_attention
-from dllm.attention.backends.flex import compile_enabled, flex_attention_backend, needs_grad
+from dllm.attention.backends.flex import FlexBackend, needs_grad
 from dllm.attention.backends.sdpa import sdpa_attention
 from dllm.attention.masks import BLOCK_KINDS, AttentionMask
 
 
 def choose_backend(
-    mask: AttentionMask, device_type: str, grad: bool, flex_compiled: bool
+    mask: AttentionMask, device_type: str, grad: bool, flex_compile: bool
 ) -> Literal["sdpa", "flex", "blockwise"]:
     """Which backend `auto` uses for a mask on a device, with or without gradients."""
     if mask.is_plain:
@@ -37,18 +37,23 @@ def choose_backend(
     if device_type == "cpu":
         # no CPU flex backward; blockwise skips most of BD3LM's masked pairs, exactly, and compiles nothing
         return "blockwise" if mask.kind in BLOCK_KINDS else "sdpa"
-    if device_type == "cuda" and flex_compiled:
+    if device_type == "cuda" and flex_compile:
         return "flex"
     return "sdpa"
 
 
-def auto_attention(q_BHLD: torch.Tensor, k_BKSD: torch.Tensor, v_BKSD: torch.Tensor, mask: AttentionMask):
-    """q [B, H, L, D], k/v [B, K, S, D] -> [B, H, L, D] with the backend `choose_backend` picks."""
-    grad = needs_grad(q_BHLD, k_BKSD, v_BKSD)
-    flex_compiled = torch.compiler.is_compiling() or compile_enabled()
-    backend = choose_backend(mask, q_BHLD.device.type, grad, flex_compiled)
-    if backend == "flex":
-        return flex_attention_backend(q_BHLD, k_BKSD, v_BKSD, mask)
-    if backend == "blockwise":
-        return blockwise_attention(q_BHLD, k_BKSD, v_BKSD, mask)
-    return sdpa_attention(q_BHLD, k_BKSD, v_BKSD, mask)
+class AutoBackend:
+    """The `auto` backend: q [B, H, L, D], k/v [B, K, S, D] -> [B, H, L, D] with the backend `choose_backend` picks."""
+
+    def __init__(self, flex_compile: bool = True) -> None:
+        self.flex_compile = flex_compile
+        self.flex = FlexBackend(compiled=flex_compile)
+
+    def __call__(self, q_BHLD: torch.Tensor, k_BKSD: torch.Tensor, v_BKSD: torch.Tensor, mask: AttentionMask):
+        grad = needs_grad(q_BHLD, k_BKSD, v_BKSD)
+        backend = choose_backend(mask, q_BHLD.device.type, grad, self.flex_compile)
+        if backend == "flex":
+            return self.flex(q_BHLD, k_BKSD, v_BKSD, mask)
+        if backend == "blockwise":
+            return blockwise_attention(q_BHLD, k_BKSD, v_BKSD, mask)
+        return sdpa_attention(q_BHLD, k_BKSD, v_BKSD, mask)
