@@ -21,7 +21,7 @@ import torch
 
 import dllm.attention.backends.flex as flex_module
 from dllm.attention.backends import ATTENTION_BACKENDS, make_attention
-from dllm.attention.backends.auto import AutoBackend, choose_backend
+from dllm.attention.backends.auto import AutoBackend, choose_backend, resolve_backend
 from dllm.attention.backends.flex import FlexBackend, FlexCPUBackwardWarning
 from dllm.attention.backends.sdpa import sdpa_attention
 from dllm.attention.masks import AttentionMask, dense_mask, mask_mod
@@ -320,18 +320,77 @@ def test_backends_reject_odd_block_diffusion_length(backend):
 # auto routing and flex on CPU with gradients
 
 
+def test_resolve_backend_names_what_auto_stands_for():
+    for flex_compile in (False, True):
+        assert resolve_backend("auto", "cpu", flex_compile) == "blockwise"
+        assert resolve_backend("auto", "cuda", flex_compile) == ("flex" if flex_compile else "sdpa")
+        assert resolve_backend("auto", "mps", flex_compile) == "sdpa"
+        for name in ("sdpa", "flex", "blockwise"):  # explicit names pass through
+            for device in ("cpu", "cuda", "mps"):
+                assert resolve_backend(name, device, flex_compile) == name
+
+
 def test_choose_backend_table():
-    block = AttentionMask("block_diffusion", block_size=2)
-    window = AttentionMask(window=2)
+    plain = [AttentionMask(), AttentionMask("causal")]
+    structured = [
+        AttentionMask("block_diffusion", block_size=2),
+        AttentionMask(window=2),
+        make_mask("causal", "padding"),
+    ]
+    for compiled in (False, True):
+        for device in ("cpu", "cuda", "mps"):
+            assert all(choose_backend(m, device, compiled) == "sdpa" for m in plain)  # mask-free SDPA everywhere
+            # structured: the resolved backend (CPU: blockwise, exact and no compile; CUDA: flex when it is
+            # compiled, eager flex is slow; elsewhere SDPA)
+            assert all(
+                choose_backend(m, device, compiled) == resolve_backend("auto", device, compiled) for m in structured
+            )
+
+
+@pytest.mark.parametrize("flex_compile", [False, True])
+@pytest.mark.parametrize(
+    ("pattern", "extra"),
+    [("bidirectional", "alone"), ("causal", "alone"), ("block_causal", "documents"), ("block_diffusion", "alone"),
+     ("block_diffusion", "documents_padding"), ("causal_window", "documents"), ("bidirectional", "padding")],
+)  # fmt: skip
+def test_auto_computes_what_its_resolved_backend_computes(pattern, extra, flex_compile):
+    """A run recording `resolve_backend("auto", ...)` instead of `auto` gets the same outputs and
+    gradients, bit for bit, for plain, block and other structured masks (sampling and training)."""
+    auto = make_attention("auto", flex_compile)
+    concrete = make_attention(resolve_backend("auto", "cpu", flex_compile), flex_compile)
+    S = seq_len_of(make_mask(pattern, extra))
     for grad in (False, True):
-        for compiled in (False, True):
-            assert choose_backend(AttentionMask("causal"), "cpu", grad, compiled) == "sdpa"
-            # CPU: blockwise for block patterns (exact, no compile), dense SDPA for the rest
-            assert choose_backend(block, "cpu", grad, compiled) == "blockwise"
-            assert choose_backend(window, "cpu", grad, compiled) == "sdpa"
-            # CUDA: flex when it is compiled; eager flex is slow, so SDPA otherwise
-            assert choose_backend(block, "cuda", grad, compiled) == ("flex" if compiled else "sdpa")
-            assert choose_backend(block, "mps", grad, compiled) == "sdpa"
+        q, k, v = make_qkv(4, 2, S)
+        with torch.set_grad_enabled(grad):
+            outs = [attend(q, k, v, make_mask(pattern, extra)) for attend in (auto, concrete)]
+        torch.testing.assert_close(outs[0], outs[1], atol=0, rtol=0)
+        if grad:
+            w = torch.randn(outs[0].shape, generator=torch.Generator().manual_seed(1))
+            want, got = (torch.autograd.grad((out * w).sum(), (q, k, v)) for out in outs)
+            for a, b in zip(got, want, strict=True):
+                torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["bidirectional", "causal"])
+@pytest.mark.parametrize("backend", ["flex", "blockwise"])
+def test_concrete_backends_take_the_mask_free_path_for_plain_masks(backend, kind, monkeypatch):
+    """As `auto` does: no mask tensor or BlockMask is built, nothing is compiled, flex warns of nothing."""
+
+    def no_compile():
+        raise AssertionError("compiled flex for a plain mask")
+
+    monkeypatch.setattr(flex_module, "compiled_flex", no_compile)
+    mask = AttentionMask(kind)
+    q, k, v = make_qkv(4, 2, L)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = make_attention(backend, flex_compile=True)(q, k, v, mask)
+    ref = sdpa_attention(q, k, v, mask)
+    assert len(mask.cache) == 0
+    torch.testing.assert_close(out, ref, atol=0, rtol=0)
+    grads_out, grads_ref = (torch.autograd.grad(o.sum(), (q, k, v)) for o in (out, ref))
+    for a, b in zip(grads_out, grads_ref, strict=True):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
 
 
 def test_auto_never_calls_flex_on_cpu():

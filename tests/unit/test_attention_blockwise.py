@@ -135,9 +135,9 @@ def test_split_in_low_and_high_precision(dtype):
 @pytest.mark.parametrize("extra", ["alone", "docs", "pad", "window", "all"])
 @pytest.mark.parametrize(("kind", "block"), [("block_causal", 4), ("block_causal", 1), ("causal", None)])
 def test_block_causal_and_causal_equal_sdpa(kind, block, extra):
-    """30 = 7 blocks of 4 + a partial one; causal is blockwise only with documents / padding / window."""
+    """30 = 7 blocks of 4 + a partial one; causal (not a block pattern) is the SDPA reference itself."""
     mask = AttentionMask(kind, block_size=block, **extras(extra, 3, 30))
-    assert (chunk_plan(mask, 30, 30, 3) is None) == mask.is_plain
+    assert (chunk_plan(mask, 30, 30, 3) is None) == (kind == "causal")
     assert_equals_sdpa(mask, batch=3, heads=(4, 2), S=30, num_chunks=3)
     assert_equals_sdpa(mask, batch=3, heads=(4, 2), S=30, num_chunks=3, impl="chunked")
 
@@ -310,7 +310,7 @@ def test_split_attention_any_input_layout_and_expanded_gradient(layout, q_rows):
         ("block_diffusion", 8, "all"),
         ("block_diffusion", 1, "docs"),
         ("block_causal", 4, "pad"),
-        ("causal", None, "all"),
+        ("block_causal", 1, "all"),
     ],
 )
 def test_every_allowed_pair_lies_in_exactly_its_query_chunk(kind, block, extra):
@@ -335,14 +335,22 @@ def test_every_allowed_pair_lies_in_exactly_its_query_chunk(kind, block, extra):
         {"doc_ids_BL": doc_ids_BL(2, 16, 0)},
         {"window": 3},
         {"key_valid_BL": key_valid_BL(2, 16)},
+        {"kind": "causal", "doc_ids_BL": doc_ids_BL(2, 16, 0)},
+        {"kind": "causal", "window": 3, "key_valid_BL": key_valid_BL(2, 16)},
     ],
-    ids=["bidirectional", "causal", "bidirectional_docs", "bidirectional_window", "bidirectional_pad"],
-)
+    ids=["bidirectional", "causal", "bidirectional_docs", "bidirectional_window", "bidirectional_pad", "causal_docs",
+         "causal_window_pad"],
+)  # fmt: skip
 def test_other_kinds_are_the_sdpa_reference(fields):
+    """Outputs and gradients bit for bit: what `auto` computes for these masks on CPU."""
     mask = AttentionMask(**fields)
     assert chunk_plan(mask, 16, 16, 4) is None
     q, k, v = make_qkv(2, (4, 2), 16)
-    torch.testing.assert_close(blockwise_attention(q, k, v, mask), sdpa_attention(q, k, v, mask), atol=0, rtol=0)
+    out, ref = blockwise_attention(q, k, v, mask), sdpa_attention(q, k, v, mask)
+    torch.testing.assert_close(out, ref, atol=0, rtol=0)
+    grads_out, grads_ref = (torch.autograd.grad(o.sum(), (q, k, v)) for o in (out, ref))
+    for got, want in zip(grads_out, grads_ref, strict=True):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
 
 
 def test_chunk_masks_built_once_per_description_and_registered():
@@ -370,10 +378,10 @@ def test_choose_backend_sends_cpu_block_masks_to_blockwise():
     for kind in ("block_causal", "block_diffusion"):
         mask = AttentionMask(kind, block_size=4)
         for flex_compile in (False, True):
-            for grad in (False, True):
-                assert choose_backend(mask, "cpu", grad=grad, flex_compile=flex_compile) == "blockwise"
-        assert choose_backend(mask, "cuda", grad=True, flex_compile=True) == "flex"
-    assert choose_backend(AttentionMask("causal", doc_ids_BL=doc_ids_BL(1, 8, 0)), "cpu", True, True) == "sdpa"
+            assert choose_backend(mask, "cpu", flex_compile=flex_compile) == "blockwise"
+        assert choose_backend(mask, "cuda", flex_compile=True) == "flex"
+    # other structured masks too: blockwise hands them to the dense SDPA reference itself
+    assert choose_backend(AttentionMask("causal", doc_ids_BL=doc_ids_BL(1, 8, 0)), "cpu", True) == "blockwise"
 
 
 def test_auto_calls_blockwise_for_block_diffusion_on_cpu(monkeypatch):

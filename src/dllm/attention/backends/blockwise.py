@@ -9,14 +9,18 @@ positions into `num_chunks` block-aligned chunks [s, e) and runs one SDPA call p
   block-diagonal + offset block-causal + block-causal parts), so every allowed key of every query row
   is in its call: the softmax is the dense one, no online-softmax merging. With S equal chunks the
   calls score L*L*(S+3)/S pairs instead of 4*L*L (S = 8: 2.9x fewer).
-- block_causal, and causal with documents / padding / window (blocks of one token): queries [s, e),
-  keys [0, e): L*L*(S+1)/(2S) pairs instead of L*L.
+- block_causal: queries [s, e), keys [0, e): L*L*(S+1)/(2S) pairs instead of L*L.
 - a window also drops keys more than `window` positions before the chunk (they are masked anyway).
 
 Each chunk's bool mask is the shared mask function (`mask_mod(mask, S)`) evaluated at the global query
 and key indices, so documents, padding and windows are exact by construction. Chunk masks are built
-once per description and shape (`AttentionMask.cache`) and shared by all layers. Any other pattern
-(bidirectional with documents, q and k of different lengths, one chunk) is the dense SDPA reference.
+once per description and shape (`AttentionMask.cache`) and shared by all layers. Any other call is
+the SDPA reference: plain masks take its mask-free kernels (as `auto` does, so a run resolved from
+`auto` to `blockwise` computes the same), and bidirectional / causal masks with documents, padding or
+a window, q and k of different lengths, or one chunk take the dense mask. Causal masks with documents
+were once chunked here as blocks of one token: forward + backward measured 1.4-2.2x slower than the
+dense mask (CPU, 2 threads, B 8, H 4, K 2, D 32, L = 512 and 1024, ~20-token documents), and `auto`
+never sent them here.
 
 `DEFAULT_NUM_CHUNKS` was measured with bench/attention.py --chunk-counts (CPU, 1 thread, B2 H8 D64,
 block 32, 2L = 1024 and 2048): forward + backward 1.9-2.8x faster than the dense mask at 6-12 chunks
@@ -41,7 +45,7 @@ import torch.nn.functional as F
 
 from dllm.attention.backends import bd_split
 from dllm.attention.backends.sdpa import sdpa_attention
-from dllm.attention.masks import AttentionMask, MaskMod, depends_on_batch, layout_length, mask_mod
+from dllm.attention.masks import BLOCK_KINDS, AttentionMask, MaskMod, depends_on_batch, layout_length, mask_mod
 
 DEFAULT_NUM_CHUNKS = 8
 """Query chunks per call (capped at the number of blocks); measured with bench/attention.py."""
@@ -92,15 +96,16 @@ def chunked_attention(
 
 
 def chunk_plan(mask: AttentionMask, q_len: int, kv_len: int, num_chunks: int) -> tuple[Chunk, ...] | None:
-    """The calls that cover every query with all its allowed keys; None when dense SDPA is the better path."""
+    """The calls that cover every query with all its allowed keys; None when SDPA is the path (not a block
+    pattern, a query offset, or one chunk)."""
     if num_chunks < 1:
         raise ValueError(f"blockwise attention needs num_chunks >= 1, got {num_chunks}")
     noisy_only = mask.kind == "block_diffusion" and 2 * q_len == kv_len  # only x_t's outputs are needed
-    if mask.is_plain or mask.kind == "bidirectional" or mask.query_offset or (q_len != kv_len and not noisy_only):
+    if mask.kind not in BLOCK_KINDS or mask.query_offset or (q_len != kv_len and not noisy_only):
         return None
     seq_len = layout_length(mask, kv_len)  # L; raises on a bad 2L length before any slicing
-    assert seq_len is not None  # kv_len is given
-    spans = chunk_spans(seq_len, mask.block_size or 1, num_chunks)
+    assert seq_len is not None and mask.block_size is not None  # kv_len is given; block kinds have one
+    spans = chunk_spans(seq_len, mask.block_size, num_chunks)
     if len(spans) == 1:
         return None  # one chunk holds every key: the dense call itself
     reach = mask.window - 1 if mask.window is not None else seq_len  # keys before s - reach are out of the window
@@ -119,7 +124,7 @@ def chunk_spans(seq_len: int, block_size: int, num_chunks: int) -> list[Span]:
     """Block-aligned [s, e) splitting L into min(num_chunks, blocks) chunks of (nearly) equal block counts.
 
     Equal chunks minimise the scored pairs: L*L + 3*sum(Lc^2) for block diffusion, (L*L + sum(Lc^2)) / 2
-    for block_causal / causal.
+    for block_causal.
     """
     num_blocks = -(-seq_len // block_size)  # block_causal allows a partial last block
     n = min(num_chunks, num_blocks)

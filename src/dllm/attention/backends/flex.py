@@ -13,6 +13,8 @@ SDPA mask pays for all of them, FlexAttention only for the tiles that hold an al
   the error (`compile_error`) and stays eager; another object tries again (nothing process-wide).
   Inside a compiled model (`training.compile`) the surrounding compile handles the kernel and the
   BlockMask is built in the graph (the cache is an eager-mode saving).
+- Plain bidirectional / causal masks: SDPA's mask-free kernels (nothing to skip), as `auto` does, so a
+  run resolved from `auto` to `flex` computes the same.
 - CPU backward: FlexAttention has none (torch 2.13). A call that needs gradients on CPU is computed
   by the SDPA reference with a `FlexCPUBackwardWarning`; choose `auto` to get that routing silently.
 
@@ -44,6 +46,8 @@ class FlexBackend:
         self.compile_error: str | None = None  # the first compile failure: from then on eager, not retried
 
     def __call__(self, q_BHLD: torch.Tensor, k_BKSD: torch.Tensor, v_BKSD: torch.Tensor, mask: AttentionMask):
+        if mask.is_plain:  # no tile to skip: SDPA's mask-free kernels, as `auto` takes (see backends/auto.py)
+            return sdpa_attention(q_BHLD, k_BKSD, v_BKSD, mask)
         grad = needs_grad(q_BHLD, k_BKSD, v_BKSD)
         if grad and q_BHLD.device.type == "cpu":
             warnings.warn(
