@@ -12,12 +12,11 @@ memory the C allocator gave back to the OS and the step faults in again (trainin
 `--cpu-allocator system` runs the whole bench with glibc's defaults, for comparison).
 
 The demo corpus packs ~20-token documents and `data.document_mask` is on by default. BD3LM's CPU
-attention (`bd3lm_cpu_attention`: the fused kernel bd_fused.py, or bd_split.py without a C compiler)
-leaves out the keys no query may see (other documents), while mdlm's document-masked attention is
-SDPA with a dense mask (every pair scored). So the default ratio shows what a user of this data gets,
-not the 2L layout's own cost: `cost_per_token_vs_mdlm_L512_no_document_mask` runs mdlm and bd3lm once
-more without document masks, mdlm on SDPA's unmasked kernel, which is the comparison the 2L layout is
-judged by; there `bd3lm_split_path` is bd3lm with the fused kernel switched off (the split path).
+attention (the split path, bd_split.py) leaves out the keys no query of a call may see (other
+documents), while mdlm's document-masked attention is SDPA with a dense mask (every pair scored). So
+the default ratio shows what a user of this data gets, not the 2L layout's own cost:
+`cost_per_token_vs_mdlm_L512_no_document_mask` runs mdlm and bd3lm once more without document masks,
+mdlm on SDPA's unmasked kernel, which is the comparison the 2L layout is judged by.
 
     python bench/objectives.py [--rounds 20] [--preset demo] [--cpu-allocator retain|system]
 """
@@ -36,7 +35,6 @@ from typing import Any
 
 import torch
 
-from dllm.attention.backends import bd_fused
 from dllm.config.loading import validate_config
 from dllm.config.prepare import PrepareSpec
 from dllm.config.spec import RunSpec
@@ -90,22 +88,6 @@ def minor_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
-class SplitPath:
-    """A trainer whose steps run BD3LM's CPU attention on the split path (bd_split.py) instead of the
-    fused kernel (bd_fused.py), to compare the two in the same process."""
-
-    def __init__(self, tr) -> None:
-        self.tr, self.loader, self.metrics = tr, tr.loader, tr.metrics
-
-    def train_step(self, batch) -> None:
-        available = bd_fused.available
-        bd_fused.available = lambda: False  # type: ignore[method-assign]
-        try:
-            self.tr.train_step(batch)
-        finally:
-            bd_fused.available = available
-
-
 def step_seconds(tr) -> tuple[float, int]:
     """(wall seconds, minor page faults) of one training step."""
     f0, t0 = minor_faults(), time.perf_counter()
@@ -147,8 +129,7 @@ def main() -> int:
     torch.manual_seed(0)
     out: dict[str, Any] = {"bench": "objectives", "preset": args.preset, "device": "cpu",
                            "threads": torch.get_num_threads(), "tokens_per_step": TOKENS_PER_STEP,
-                           "cpu_allocator": args.cpu_allocator,
-                           "bd3lm_cpu_attention": "fused" if bd_fused.available() else "split"}  # fmt: skip
+                           "cpu_allocator": args.cpu_allocator}  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         artifact(root, 512)
@@ -166,9 +147,6 @@ def main() -> int:
             k: trainer(root, f"{k}-no-docs", OBJECTIVES[k], 512, args.preset, args.backend, alloc, docs=False)
             for k in ("mdlm", "bd3lm")
         }
-        if bd_fused.available():
-            split = trainer(root, "bd3lm-split", OBJECTIVES["bd3lm"], 512, args.preset, args.backend, alloc, False)
-            plain["bd3lm_split_path"] = SplitPath(split)
         sp = measure(plain, args.rounds, args.warmup)
         out["L512_no_document_mask_step_s"] = {k: round(statistics.median(seconds(v)), 4) for k, v in sp.items()}
         out["cost_per_token_vs_mdlm_L512_no_document_mask"] = {

@@ -1,10 +1,11 @@
 """Every mask kind on every attention backend against a dense loop reference.
 
 Covers: bidirectional, causal, block_causal, block_diffusion (BD3LM 2L layout) and sliding windows,
-each alone, with documents, with key padding and with both; `sdpa`, `flex` (eager: compiling costs
-~30 s per shape on this CPU, one compiled test is marked slow) and `auto`; outputs and, where the
-backend has a CPU backward, gradients. Also: block-diffusion pair count and clean-half equivalence,
-purity of mask functions, validation errors, `auto` routing and the BlockMask cache.
+each alone, with documents, with key padding and with both; `sdpa`, `flex` (built with
+flex_compile=False: compiling costs ~30 s per shape on this CPU, one compiled test is marked slow),
+`blockwise` and `auto`; outputs and, where the backend has a CPU backward, gradients. Also:
+block-diffusion pair count and clean-half equivalence, purity of mask functions, validation errors,
+backends built from options, `auto` routing and the caches.
 
 Shapes: B batch, H query heads, K key/value heads, L sequence (the 2L layout is S = 2L), D head width.
 """
@@ -18,22 +19,15 @@ import warnings
 import pytest
 import torch
 
-import dllm.attention.backends.auto as auto_module
 import dllm.attention.backends.flex as flex_module
-from dllm.attention.backends import ATTENTION_BACKENDS
-from dllm.attention.backends.auto import auto_attention, choose_backend
-from dllm.attention.backends.flex import COMPILE_ENV, FlexCPUBackwardWarning, flex_attention_backend
+from dllm.attention.backends import ATTENTION_BACKENDS, make_attention
+from dllm.attention.backends.auto import AutoBackend, choose_backend, resolve_backend
+from dllm.attention.backends.flex import FlexBackend, FlexCPUBackwardWarning
 from dllm.attention.backends.sdpa import sdpa_attention
 from dllm.attention.masks import AttentionMask, dense_mask, mask_mod
 
 CPU = torch.device("cpu")
 B, L, D = 2, 8, 8
-
-
-@pytest.fixture(autouse=True)
-def eager_flex(monkeypatch):
-    """Unit tests run FlexAttention eagerly (fast); the one compiled test overrides this."""
-    monkeypatch.setenv(COMPILE_ENV, "0")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -141,28 +135,75 @@ def assert_matches_reference(attend, mask: AttentionMask, heads: tuple[int, int]
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2)], ids=["mha", "gqa"])
 @pytest.mark.parametrize("extra", sorted(EXTRAS))
 @pytest.mark.parametrize("pattern", sorted(PATTERNS))
-@pytest.mark.parametrize("backend", ["sdpa", "flex", "auto"])
+@pytest.mark.parametrize("backend", ["sdpa", "flex", "blockwise", "auto"])
 def test_backend_matches_dense_reference(backend, pattern, extra, heads):
     """Forward on every backend; gradients where the backend has a CPU backward (flex has none)."""
-    attend = ATTENTION_BACKENDS.get(backend)
+    attend = make_attention(backend, flex_compile=False)
     with warnings.catch_warnings():
         warnings.simplefilter("error", FlexCPUBackwardWarning)  # no backend reaches flex's CPU fallback here
         assert_matches_reference(attend, make_mask(pattern, extra), heads, grads=backend != "flex")
 
 
-def test_backends_registered_and_unit_tests_run_flex_eagerly():
-    assert {"sdpa", "flex", "auto"} <= set(ATTENTION_BACKENDS.names())
-    assert not flex_module.compile_enabled()  # the autouse fixture forces eager
+def test_backends_are_built_from_options():
+    """The registry holds factories; flex_compile reaches FlexAttention as an argument (no environment)."""
+    assert set(ATTENTION_BACKENDS.names()) == {"sdpa", "flex", "blockwise", "auto"}
+    for flex_compile in (False, True):
+        flex, auto = make_attention("flex", flex_compile), make_attention("auto", flex_compile)
+        assert isinstance(flex, FlexBackend) and flex.compiled is flex_compile and flex.compile_error is None
+        assert isinstance(auto, AutoBackend) and auto.flex_compile is flex_compile
+        assert auto.flex.compiled is flex_compile
+    assert make_attention("flex", True) is not make_attention("flex", True)  # each its own state
+    with pytest.raises(KeyError, match="unknown attention backend 'dense'"):
+        make_attention("dense", flex_compile=True)
+
+
+def test_model_config_flex_compile_reaches_every_layer():
+    from dllm.config.model import ModelConfig
+    from dllm.models.transformer import Transformer
+
+    for flex_compile in (False, True):
+        cfg = ModelConfig(preset="tiny", vocab_size=64, attention_backend="flex", flex_compile=flex_compile)
+        attends = [layer.self_attn.attend for layer in Transformer(cfg).layers]
+        assert all(isinstance(a, FlexBackend) and a.compiled is flex_compile for a in attends)
+    assert ModelConfig().flex_compile is True
+
+
+def test_failed_compile_is_remembered_by_the_backend_object(monkeypatch):
+    """A compile failure warns once, and that backend then runs eagerly; nothing is process-wide."""
+    attempts = []
+
+    def failing_compile():
+        def kernel(*args, **kwargs):
+            attempts.append(1)
+            raise torch._dynamo.exc.TorchDynamoException("no C++ compiler")
+
+        return kernel
+
+    monkeypatch.setattr(flex_module, "compiled_flex", failing_compile)
+    mask = make_mask("block_diffusion", "documents")
+    q, k, v = (t.detach() for t in make_qkv(4, 2, 2 * L))
+    ref = sdpa_attention(q, k, v, mask)
+    flex = FlexBackend(compiled=True)
+    with pytest.warns(UserWarning, match="compiling FlexAttention failed"):
+        torch.testing.assert_close(flex(q, k, v, mask), ref, atol=1e-5, rtol=1e-5)
+    assert flex.compile_error is not None and "no C++ compiler" in flex.compile_error
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch.testing.assert_close(flex(q, k, v, mask), ref, atol=1e-5, rtol=1e-5)  # eager, no new attempt
+    assert len(attempts) == 1
+    other = FlexBackend(compiled=True)
+    with pytest.warns(UserWarning, match="compiling FlexAttention failed"):
+        other(q, k, v, mask)
+    assert len(attempts) == 2 and FlexBackend(compiled=False).compile_error is None
 
 
 @pytest.mark.slow
-def test_compiled_flex_matches_sdpa_block_diffusion(monkeypatch):
+def test_compiled_flex_matches_sdpa_block_diffusion():
     """The compiled kernel (the default fast path), and flex inside a compiled model, against SDPA.
 
     2L = 256 (two 128 tiles). Inside a compiled region q/k/v are views of a projection (as in the
     model), the case the CPU lowering needs `.contiguous()` for.
     """
-    monkeypatch.setenv(COMPILE_ENV, "1")
     seq, H, K = 128, 4, 2
     doc_ids = torch.arange(seq).div(48, rounding_mode="floor").expand(B, seq)
     mask = AttentionMask("block_diffusion", doc_ids_BL=doc_ids, block_size=16)
@@ -173,11 +214,12 @@ def test_compiled_flex_matches_sdpa_block_diffusion(monkeypatch):
         q, k, v = (p(x_BSE).view(B, 2 * seq, -1, D).transpose(1, 2) for p in proj)
         return attend(q, k, v, mask)
 
+    flex = FlexBackend(compiled=True)
     with torch.no_grad():
         ref = attend_projected(x, sdpa_attention)
-        kernel = attend_projected(x, flex_attention_backend)
-        in_graph = torch.compile(attend_projected)(x, flex_attention_backend)
-    assert not flex_module._compile_failure, flex_module._compile_failure
+        kernel = attend_projected(x, flex)
+        in_graph = torch.compile(attend_projected)(x, flex)
+    assert flex.compile_error is None, flex.compile_error
     torch.testing.assert_close(kernel, ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(in_graph, ref, atol=1e-5, rtol=1e-5)
 
@@ -201,7 +243,7 @@ def test_block_diffusion_allows_L_squared_plus_L_times_B_pairs(seq, block):
 @pytest.mark.parametrize("backend", ["sdpa", "flex"])
 def test_block_diffusion_clean_half_equals_block_causal(backend, extra, heads):
     """With x_t == x_0, the x_0 half of the 2L pass is a block-causal pass over x_0 (BD3LM's design)."""
-    attend = ATTENTION_BACKENDS.get(backend)
+    attend = make_attention(backend, flex_compile=False)
     q, k, v = (t.detach() for t in make_qkv(*heads, L))
     q2, k2, v2 = (torch.cat([t, t], dim=2) for t in (q, k, v))
     bd = AttentionMask("block_diffusion", block_size=4, **EXTRAS[extra])
@@ -271,46 +313,105 @@ def test_bad_lengths_raise(mask, kv_len, match):
 def test_backends_reject_odd_block_diffusion_length(backend):
     q, k, v = (t.detach() for t in make_qkv(2, 2, 15))
     with pytest.raises(ValueError, match="even length"):
-        ATTENTION_BACKENDS.get(backend)(q, k, v, AttentionMask("block_diffusion", block_size=2))
+        make_attention(backend, flex_compile=False)(q, k, v, AttentionMask("block_diffusion", block_size=2))
 
 
 # --------------------------------------------------------------------------------------------------
 # auto routing and flex on CPU with gradients
 
 
+def test_resolve_backend_names_what_auto_stands_for():
+    for flex_compile in (False, True):
+        assert resolve_backend("auto", "cpu", flex_compile) == "blockwise"
+        assert resolve_backend("auto", "cuda", flex_compile) == ("flex" if flex_compile else "sdpa")
+        assert resolve_backend("auto", "mps", flex_compile) == "sdpa"
+        for name in ("sdpa", "flex", "blockwise"):  # explicit names pass through
+            for device in ("cpu", "cuda", "mps"):
+                assert resolve_backend(name, device, flex_compile) == name
+
+
 def test_choose_backend_table():
-    block = AttentionMask("block_diffusion", block_size=2)
-    window = AttentionMask(window=2)
+    plain = [AttentionMask(), AttentionMask("causal")]
+    structured = [
+        AttentionMask("block_diffusion", block_size=2),
+        AttentionMask(window=2),
+        make_mask("causal", "padding"),
+    ]
+    for compiled in (False, True):
+        for device in ("cpu", "cuda", "mps"):
+            assert all(choose_backend(m, device, compiled) == "sdpa" for m in plain)  # mask-free SDPA everywhere
+            # structured: the resolved backend (CPU: blockwise, exact and no compile; CUDA: flex when it is
+            # compiled, eager flex is slow; elsewhere SDPA)
+            assert all(
+                choose_backend(m, device, compiled) == resolve_backend("auto", device, compiled) for m in structured
+            )
+
+
+@pytest.mark.parametrize("flex_compile", [False, True])
+@pytest.mark.parametrize(
+    ("pattern", "extra"),
+    [("bidirectional", "alone"), ("causal", "alone"), ("block_causal", "documents"), ("block_diffusion", "alone"),
+     ("block_diffusion", "documents_padding"), ("causal_window", "documents"), ("bidirectional", "padding")],
+)  # fmt: skip
+def test_auto_computes_what_its_resolved_backend_computes(pattern, extra, flex_compile):
+    """A run recording `resolve_backend("auto", ...)` instead of `auto` gets the same outputs and
+    gradients, bit for bit, for plain, block and other structured masks (sampling and training)."""
+    auto = make_attention("auto", flex_compile)
+    concrete = make_attention(resolve_backend("auto", "cpu", flex_compile), flex_compile)
+    S = seq_len_of(make_mask(pattern, extra))
     for grad in (False, True):
-        for compiled in (False, True):
-            assert choose_backend(AttentionMask("causal"), "cpu", grad, compiled) == "sdpa"
-            # CPU: blockwise for block patterns (exact, no compile), dense SDPA for the rest
-            assert choose_backend(block, "cpu", grad, compiled) == "blockwise"
-            assert choose_backend(window, "cpu", grad, compiled) == "sdpa"
-            # CUDA: flex when it is compiled; eager flex is slow, so SDPA otherwise
-            assert choose_backend(block, "cuda", grad, compiled) == ("flex" if compiled else "sdpa")
-            assert choose_backend(block, "mps", grad, compiled) == "sdpa"
+        q, k, v = make_qkv(4, 2, S)
+        with torch.set_grad_enabled(grad):
+            outs = [attend(q, k, v, make_mask(pattern, extra)) for attend in (auto, concrete)]
+        torch.testing.assert_close(outs[0], outs[1], atol=0, rtol=0)
+        if grad:
+            w = torch.randn(outs[0].shape, generator=torch.Generator().manual_seed(1))
+            want, got = (torch.autograd.grad((out * w).sum(), (q, k, v)) for out in outs)
+            for a, b in zip(got, want, strict=True):
+                torch.testing.assert_close(a, b, atol=0, rtol=0)
 
 
-def test_auto_never_calls_flex_on_cpu(monkeypatch):
+@pytest.mark.parametrize("kind", ["bidirectional", "causal"])
+@pytest.mark.parametrize("backend", ["flex", "blockwise"])
+def test_concrete_backends_take_the_mask_free_path_for_plain_masks(backend, kind, monkeypatch):
+    """As `auto` does: no mask tensor or BlockMask is built, nothing is compiled, flex warns of nothing."""
+
+    def no_compile():
+        raise AssertionError("compiled flex for a plain mask")
+
+    monkeypatch.setattr(flex_module, "compiled_flex", no_compile)
+    mask = AttentionMask(kind)
+    q, k, v = make_qkv(4, 2, L)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = make_attention(backend, flex_compile=True)(q, k, v, mask)
+    ref = sdpa_attention(q, k, v, mask)
+    assert len(mask.cache) == 0
+    torch.testing.assert_close(out, ref, atol=0, rtol=0)
+    grads_out, grads_ref = (torch.autograd.grad(o.sum(), (q, k, v)) for o in (out, ref))
+    for a, b in zip(grads_out, grads_ref, strict=True):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+def test_auto_never_calls_flex_on_cpu():
     def no_flex(*args):
         raise AssertionError("flex called")
 
-    monkeypatch.setattr(auto_module, "flex_attention_backend", no_flex)
+    auto = AutoBackend(flex_compile=True)
+    auto.flex = no_flex  # type: ignore[assignment]
     mask = make_mask("block_diffusion", "documents")
     q, k, v = make_qkv(4, 2, 2 * L)
-    monkeypatch.setenv(COMPILE_ENV, "1")
     ref = sdpa_attention(q, k, v, mask)
     with torch.no_grad():  # sampling: blockwise, exact
-        torch.testing.assert_close(auto_attention(q, k, v, mask), ref, atol=1e-5, rtol=0)
-    auto_attention(q, k, v, mask).sum().backward()  # training: blockwise too
+        torch.testing.assert_close(auto(q, k, v, mask), ref, atol=1e-5, rtol=0)
+    auto(q, k, v, mask).sum().backward()  # training: blockwise too
 
 
 def test_flex_with_grad_on_cpu_warns_and_computes_with_sdpa():
     mask = make_mask("block_diffusion", "documents_padding")
     q, k, v = make_qkv(4, 2, 2 * L)
     with pytest.warns(FlexCPUBackwardWarning, match="no backward on CPU"):
-        out = flex_attention_backend(q, k, v, mask)
+        out = FlexBackend(compiled=False)(q, k, v, mask)
     ref = sdpa_attention(q, k, v, mask)
     torch.testing.assert_close(out, ref, atol=0, rtol=0)
     got, want = (torch.autograd.grad(o.sum(), (q, k, v)) for o in (out, ref))
@@ -328,13 +429,14 @@ def test_block_mask_built_once_per_description_and_shape(monkeypatch):
     monkeypatch.setattr(flex_module, "create_block_mask", lambda *a, **kw: calls.append(a[1:5]) or real(*a, **kw))
     mask = make_mask("block_diffusion", "padding")
     q, k, v = (t.detach() for t in make_qkv(4, 2, 2 * L))
+    flex = FlexBackend(compiled=False)
     for _ in range(3):  # three layers of one forward
-        flex_attention_backend(q, k, v, mask)
+        flex(q, k, v, mask)
     assert calls == [(B, None, 2 * L, 2 * L)]
-    flex_attention_backend(q, k[:, :, : 2 * 4], v[:, :, : 2 * 4], AttentionMask("block_diffusion", block_size=2))
+    flex(q, k[:, :, : 2 * 4], v[:, :, : 2 * 4], AttentionMask("block_diffusion", block_size=2))
     assert calls[-1] == (None, None, 2 * L, 2 * 4), "a mask without per-position tensors broadcasts over batch"
     fresh = dataclasses.replace(mask)
-    flex_attention_backend(q, k, v, fresh)
+    flex(q, k, v, fresh)
     assert len(calls) == 3, "the cache lives on the description: a new description builds its own"
 
 
@@ -342,6 +444,18 @@ def test_sdpa_dense_mask_cached_on_description():
     mask = make_mask("causal_window", "documents")
     q, k, v = (t.detach() for t in make_qkv(4, 2, L))
     first = sdpa_attention(q, k, v, mask)
-    assert len(mask._memo) == 1
+    assert len(mask.cache) == 1
     torch.testing.assert_close(sdpa_attention(q, k, v, mask), first, atol=0, rtol=0)
-    assert len(mask._memo) == 1
+    assert len(mask.cache) == 1
+
+
+def test_mask_cache_lives_and_dies_with_its_description():
+    """Built once per key for one description; an equal or replaced description has its own cache."""
+    mask = make_mask("block_diffusion", "documents")
+    builds = []
+    assert mask.cache.memo("key", lambda: builds.append(1) or "built") == "built"
+    assert mask.cache.memo("key", lambda: builds.append(1) or "again") == "built" and builds == [1]
+    assert mask.cache.built("key") == "built" and mask.cache.built("other") is None
+    for other in (dataclasses.replace(mask), make_mask("block_diffusion", "documents")):
+        assert other == mask and other.cache is not mask.cache and other.cache.built("key") is None
+    assert "cache" not in repr(mask)

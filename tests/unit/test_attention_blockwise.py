@@ -15,11 +15,10 @@ import pytest
 import torch
 
 import dllm.attention.backends.auto as auto_module
-from dllm.attention.backends import ATTENTION_BACKENDS
-from dllm.attention.backends.auto import auto_attention, choose_backend
+from dllm.attention.backends import make_attention
+from dllm.attention.backends.auto import choose_backend
 from dllm.attention.backends.bd_split import split_attention
 from dllm.attention.backends.blockwise import blockwise_attention, chunk_plan, chunked_attention, span_indices
-from dllm.attention.backends.flex import COMPILE_ENV
 from dllm.attention.backends.sdpa import sdpa_attention
 from dllm.attention.masks import AttentionMask, dense_mask, mask_mod
 
@@ -107,11 +106,8 @@ def test_block_diffusion_heads_and_batch(heads, batch, impl):
 
 
 def test_blockwise_takes_the_split_path_on_cpu(monkeypatch):
-    """Without the fused kernel (test_attention_bd_fused.py covers the routing between the two)."""
-    import dllm.attention.backends.bd_fused as bd_fused
     import dllm.attention.backends.bd_split as bd_split
 
-    monkeypatch.setattr(bd_fused, "available", lambda: False)
     calls = []
     monkeypatch.setattr(bd_split, "split_attention", lambda *a: calls.append(a) or a[0])
     mask = AttentionMask("block_diffusion", block_size=4)
@@ -139,9 +135,9 @@ def test_split_in_low_and_high_precision(dtype):
 @pytest.mark.parametrize("extra", ["alone", "docs", "pad", "window", "all"])
 @pytest.mark.parametrize(("kind", "block"), [("block_causal", 4), ("block_causal", 1), ("causal", None)])
 def test_block_causal_and_causal_equal_sdpa(kind, block, extra):
-    """30 = 7 blocks of 4 + a partial one; causal is blockwise only with documents / padding / window."""
+    """30 = 7 blocks of 4 + a partial one; causal (not a block pattern) is the SDPA reference itself."""
     mask = AttentionMask(kind, block_size=block, **extras(extra, 3, 30))
-    assert (chunk_plan(mask, 30, 30, 3) is None) == mask.is_plain
+    assert (chunk_plan(mask, 30, 30, 3) is None) == (kind == "causal")
     assert_equals_sdpa(mask, batch=3, heads=(4, 2), S=30, num_chunks=3)
     assert_equals_sdpa(mask, batch=3, heads=(4, 2), S=30, num_chunks=3, impl="chunked")
 
@@ -206,43 +202,43 @@ def test_split_leaves_out_keys_no_row_of_a_chunk_sees(window, noisy_only):
     assert plain.key_ranges == [(0, e) for _, e in full.spans]
 
 
-def test_split_plans_without_per_position_tensors_are_kept_across_steps(monkeypatch):
-    """A pattern without documents / padding is the same every training step: its plan is built once
-    and reused by the next step's description; with documents each description builds its own."""
+def test_split_plan_built_once_per_description():
+    """The plan lives in the description's cache: the layers of one forward (full layers, then a last
+    layer whose queries are x_t's rows only, a view of the full plan) share one build; another
+    description builds its own, even an equal one (the next training step)."""
     import dllm.attention.backends.bd_split as bd_split
-    import dllm.attention.masks as masks_module
 
-    monkeypatch.setattr(masks_module, "_KEPT", masks_module._KeptResults(max_items=2))
     q, k, _ = make_qkv(2, (4, 2), 32)
     step1, step2 = (AttentionMask("block_diffusion", block_size=4) for _ in range(2))
+    assert step1 == step2 and step1.cache is not step2.cache
     plan = bd_split.Plan.of(step1, q, k, 16, 2)
-    assert bd_split.Plan.of(step2, q, k, 16, 2) is plan
-    assert bd_split.Plan.of(step2, q, k, 16, 4) is not plan  # another chunk count, another plan
-    windowed = bd_split.Plan.of(AttentionMask("block_diffusion", block_size=4, window=3), q, k, 16, 2)
-    assert windowed is not plan and windowed.key_ranges != plan.key_ranges
-    assert len(masks_module._KEPT.items) == 2  # the least recently used one was dropped
-    assert bd_split.Plan.of(AttentionMask("block_diffusion", block_size=4), q, k, 16, 2) is not plan
-    doc = doc_ids_BL(2, 16, 0)
-    with_docs = [AttentionMask("block_diffusion", block_size=4, doc_ids_BL=doc) for _ in range(2)]
-    assert bd_split.Plan.of(with_docs[0], q, k, 16, 2) is not bd_split.Plan.of(with_docs[1], q, k, 16, 2)
-    monkeypatch.setattr(masks_module, "_KEPT", masks_module._KeptResults())
-    noisy = []
-    for step in (
-        AttentionMask("block_diffusion", block_size=4) for _ in range(2)
-    ):  # a model: full layers, then the last
-        full = bd_split.Plan.of(step, q, k, 16, 2)
-        noisy.append(bd_split.Plan.of(step, q[:, :, :16], k, 16, 2))
-        assert noisy[-1].a_masks[0].untyped_storage().data_ptr() == full.a_masks[0].untyped_storage().data_ptr()
-    assert noisy[0] is noisy[1]
-    masks = [AttentionMask("block_diffusion", block_size=4, window=w) for w in (None, 5)]
-    sizes = [bd_split.Plan.of(m, q, k, 16, 2).nbytes() for m in masks]
-    monkeypatch.setattr(masks_module, "_KEPT", masks_module._KeptResults(max_bytes=sum(sizes) - 1))
-    for m in masks:
-        bd_split.Plan.of(AttentionMask("block_diffusion", block_size=4, window=m.window), q, k, 16, 2)
-    assert len(masks_module._KEPT.items) == 1  # both do not fit in the byte budget: the older one went
-    monkeypatch.setattr(masks_module, "_KEPT", masks_module._KeptResults(max_bytes=0))  # too big to keep
-    bd_split.Plan.of(AttentionMask("block_diffusion", block_size=4), q, k, 16, 2)
-    assert not masks_module._KEPT.items
+    assert bd_split.Plan.of(step1, q, k, 16, 2) is plan  # the next layer
+    noisy = bd_split.Plan.of(step1, q[:, :, :16], k, 16, 2)  # the last layer
+    assert noisy.a_masks[0].untyped_storage().data_ptr() == plan.a_masks[0].untyped_storage().data_ptr()
+    assert bd_split.Plan.of(step1, q[:, :, :16], k, 16, 2) is noisy
+    assert bd_split.Plan.of(step1, q, k, 16, 4) is not plan  # another chunk count, another plan
+    assert bd_split.Plan.of(step2, q, k, 16, 2) is not plan
+    assert len(step1.cache) == 3 and len(step2.cache) == 1
+
+
+def test_split_plan_built_once_per_model_forward(monkeypatch):
+    """In a model every layer gets the forward's description: one plan per forward, not per layer or per step."""
+    import dllm.attention.backends.bd_split as bd_split
+    from dllm.config.model import ModelConfig
+    from dllm.models.transformer import Transformer
+
+    builds = []
+    real_init = bd_split.Plan.__init__
+    monkeypatch.setattr(bd_split.Plan, "__init__", lambda self, *a: builds.append(a[0]) or real_init(self, *a))
+    model = Transformer(ModelConfig(preset="tiny", vocab_size=64, num_layers=3))
+    model.init_weights(torch.Generator().manual_seed(0))
+    tokens = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(16).repeat(2).expand(2, 32)
+    for step in range(2):
+        mask = AttentionMask("block_diffusion", block_size=4, doc_ids_BL=doc_ids_BL(2, 16, step), num_outputs=16)
+        model(tokens, positions, mask).hidden_BLE.sum().backward()
+        assert builds[step:] == [mask]  # the last layer's x_t-only plan is a view of the full one
+    assert len(builds) == 2
 
 
 def test_split_stacks_the_query_heads_of_a_key_value_head():
@@ -314,7 +310,7 @@ def test_split_attention_any_input_layout_and_expanded_gradient(layout, q_rows):
         ("block_diffusion", 8, "all"),
         ("block_diffusion", 1, "docs"),
         ("block_causal", 4, "pad"),
-        ("causal", None, "all"),
+        ("block_causal", 1, "all"),
     ],
 )
 def test_every_allowed_pair_lies_in_exactly_its_query_chunk(kind, block, extra):
@@ -339,30 +335,35 @@ def test_every_allowed_pair_lies_in_exactly_its_query_chunk(kind, block, extra):
         {"doc_ids_BL": doc_ids_BL(2, 16, 0)},
         {"window": 3},
         {"key_valid_BL": key_valid_BL(2, 16)},
+        {"kind": "causal", "doc_ids_BL": doc_ids_BL(2, 16, 0)},
+        {"kind": "causal", "window": 3, "key_valid_BL": key_valid_BL(2, 16)},
     ],
-    ids=["bidirectional", "causal", "bidirectional_docs", "bidirectional_window", "bidirectional_pad"],
-)
+    ids=["bidirectional", "causal", "bidirectional_docs", "bidirectional_window", "bidirectional_pad", "causal_docs",
+         "causal_window_pad"],
+)  # fmt: skip
 def test_other_kinds_are_the_sdpa_reference(fields):
+    """Outputs and gradients bit for bit: what `auto` computes for these masks on CPU."""
     mask = AttentionMask(**fields)
     assert chunk_plan(mask, 16, 16, 4) is None
     q, k, v = make_qkv(2, (4, 2), 16)
-    torch.testing.assert_close(blockwise_attention(q, k, v, mask), sdpa_attention(q, k, v, mask), atol=0, rtol=0)
+    out, ref = blockwise_attention(q, k, v, mask), sdpa_attention(q, k, v, mask)
+    torch.testing.assert_close(out, ref, atol=0, rtol=0)
+    grads_out, grads_ref = (torch.autograd.grad(o.sum(), (q, k, v)) for o in (out, ref))
+    for got, want in zip(grads_out, grads_ref, strict=True):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
 
 
-def test_chunk_masks_built_once_per_description_and_registered(monkeypatch):
-    import dllm.attention.backends.bd_fused as bd_fused
-
-    monkeypatch.setattr(bd_fused, "available", lambda: False)  # the split path's plan (the fused kernel has none)
-    assert ATTENTION_BACKENDS.get("blockwise") is blockwise_attention
+def test_chunk_masks_built_once_per_description_and_registered():
+    assert make_attention("blockwise", flex_compile=True) is blockwise_attention
     mask = AttentionMask("block_diffusion", block_size=4, doc_ids_BL=doc_ids_BL(2, 32, 0))
     q, k, v = (t.detach() for t in make_qkv(2, (4, 2), 64))
     first = blockwise_attention(q, k, v, mask)
     for _ in range(2):  # more layers of one forward
         torch.testing.assert_close(blockwise_attention(q, k, v, mask), first, atol=0, rtol=0)
-    assert len(mask._memo) == 1 and next(iter(mask._memo))[0] == "bd_split"  # the CPU path's plan
+    assert [key[0] for key in mask.cache] == ["bd_split"]  # the CPU path's plan
     for _ in range(2):
         chunked_attention(q, k, v, mask)
-    assert len(mask._memo) == 2 and "blockwise" in {key[0] for key in mask._memo}
+    assert [key[0] for key in mask.cache] == ["bd_split", "blockwise"]
 
 
 def test_bad_chunk_count_and_odd_length_raise():
@@ -376,24 +377,24 @@ def test_bad_chunk_count_and_odd_length_raise():
 def test_choose_backend_sends_cpu_block_masks_to_blockwise():
     for kind in ("block_causal", "block_diffusion"):
         mask = AttentionMask(kind, block_size=4)
-        for flex_compiled in (False, True):
-            for grad in (False, True):
-                assert choose_backend(mask, "cpu", grad=grad, flex_compiled=flex_compiled) == "blockwise"
-        assert choose_backend(mask, "cuda", grad=True, flex_compiled=True) == "flex"
-    assert choose_backend(AttentionMask("causal", doc_ids_BL=doc_ids_BL(1, 8, 0)), "cpu", True, True) == "sdpa"
+        for flex_compile in (False, True):
+            assert choose_backend(mask, "cpu", flex_compile=flex_compile) == "blockwise"
+        assert choose_backend(mask, "cuda", flex_compile=True) == "flex"
+    # other structured masks too: blockwise hands them to the dense SDPA reference itself
+    assert choose_backend(AttentionMask("causal", doc_ids_BL=doc_ids_BL(1, 8, 0)), "cpu", True) == "blockwise"
 
 
 def test_auto_calls_blockwise_for_block_diffusion_on_cpu(monkeypatch):
-    monkeypatch.setenv(COMPILE_ENV, "0")  # the no-grad call below would otherwise compile flex (~30 s)
     calls = []
     real = auto_module.blockwise_attention
     monkeypatch.setattr(auto_module, "blockwise_attention", lambda *a: calls.append(a[3]) or real(*a))
     mask = AttentionMask("block_diffusion", block_size=4, doc_ids_BL=doc_ids_BL(2, 32, 0))
     q, k, v = make_qkv(2, (4, 2), 64)
-    out = auto_attention(q, k, v, mask)
+    auto = make_attention("auto", flex_compile=True)  # on CPU flex is never compiled: blockwise takes it
+    out = auto(q, k, v, mask)
     assert calls == [mask]
     torch.testing.assert_close(out, sdpa_attention(q, k, v, mask), atol=1e-5, rtol=1e-5)
     out.sum().backward()
     with torch.no_grad():  # sampling / evaluation: blockwise as well (faster than compiled flex on CPU)
-        auto_attention(q, k, v, mask)
+        auto(q, k, v, mask)
     assert len(calls) == 2

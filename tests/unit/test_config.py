@@ -771,3 +771,16 @@ def test_block_size_must_divide_pad_to_multiple(
     else:
         with pytest.raises(ConfigError, match=r"^objective.block_size: 16 does not divide the artifact's pad_to_mul"):
             resolve_run_spec(spec)
+
+
+@pytest.mark.parametrize(("backend", "device", "gpu", "recorded"), [
+    ("auto", "auto", False, "blockwise"), ("auto", "cuda", True, "flex"), ("sdpa", "auto", False, "sdpa"),
+    ("auto", "auto", True, "flex"),
+])  # fmt: skip
+def test_resolved_config_records_the_attention_backend(
+    artifact_root: Path, monkeypatch: pytest.MonkeyPatch, backend: str, device: str, gpu: bool, recorded: str
+):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: int(gpu))
+    spec = _spec(artifact_root, model={"attention_backend": backend}, training={"device": device})
+    assert resolve_run_spec(spec, check_data=False)[0].model.attention_backend == recorded

@@ -132,3 +132,15 @@ def test_an_exported_folder_decodes_as_its_run(bd3lm_run: Path, tmp_path: Path, 
     assert load_for_inference(model_dir=out).profile == run_profile
     sampler = resolve_sampler(SamplerConfig(gen_length=16), load_for_inference(model_dir=out).profile)
     assert (sampler.attention, sampler.block_length, sampler.shift) == ("block", 8, "on")
+
+
+def test_a_flex_run_samples_with_auto_off_cuda():
+    import torch
+
+    from dllm.checkpoint.inference import _attention_for
+
+    cfg = ModelConfig(preset="tiny", vocab_size=64, attention_backend="flex")
+    assert _attention_for(cfg, torch.device("cpu")).attention_backend == "auto"
+    assert _attention_for(cfg, torch.device("cuda")).attention_backend == "flex"
+    blockwise = cfg.model_copy(update={"attention_backend": "blockwise"})
+    assert _attention_for(blockwise, None).attention_backend == "blockwise"

@@ -12,7 +12,7 @@ Shapes: B batch, L sequence length (of the per-position tensors), 2L the block-d
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -23,6 +23,40 @@ MaskKind = Literal["bidirectional", "causal", "block_causal", "block_diffusion"]
 BLOCK_KINDS = ("block_causal", "block_diffusion")
 
 
+class MaskCache:
+    """What backends derive from one mask description (dense mask, BlockMask, chunk plan), built once per key.
+
+    Its lifetime is its description's: one training step or one sampling step. Every layer of a model
+    gets the same description, so a backend derives its mask once per forward instead of once per
+    layer; dropping the description frees what was built. Nothing is kept across descriptions: equal
+    patterns of two steps build twice (~5 ms for BD3LM's split plan at L = 512), a cost paid for having
+    no hidden store shared between steps.
+    """
+
+    def __init__(self) -> None:
+        self._built: dict[Any, Any] = {}
+
+    def memo(self, key: Any, build: Callable[[], Any]) -> Any:
+        """`build()` once per key; inside a compiled region the build is traced into the graph instead
+        (no side effects for dynamo)."""
+        if torch.compiler.is_compiling():
+            return build()
+        if key not in self._built:
+            self._built[key] = build()
+        return self._built[key]
+
+    def built(self, key: Any) -> Any:
+        """What `memo` built for `key` so far (None if nothing, or inside a compiled region)."""
+        return None if torch.compiler.is_compiling() else self._built.get(key)
+
+    def __iter__(self) -> Iterator[Any]:
+        """The keys built so far, in build order."""
+        return iter(list(self._built))
+
+    def __len__(self) -> int:
+        return len(self._built)
+
+
 @dataclass(frozen=True)
 class AttentionMask:
     """Which (query, key) pairs may interact. Backends turn this into what they need.
@@ -31,7 +65,7 @@ class AttentionMask:
     padding. For `block_diffusion` the sequence is the 2L layout [x_t ; x_0] and the per-position
     tensors (`key_valid_BL`, `doc_ids_BL`) have length L: position i of either half reads entry
     i mod L, because x_t and x_0 are the same L tokens (noisy and clean). The tensors must not be
-    mutated after the mask is built: backends cache what they derive from them (see `memo`).
+    mutated after the mask is built: backends cache what they derive from them (see `cache`).
     """
 
     kind: MaskKind = "bidirectional"
@@ -50,7 +84,10 @@ class AttentionMask:
     num_outputs: int | None = None
     """Only the first N query rows' outputs are used (BD3LM's loss reads x_t only): a model may compute
     just those queries in its last layer. None: every row's output is used."""
-    _memo: dict[Any, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
+    # not an init field: `dataclasses.replace` must give a changed description a fresh cache, since
+    # cache keys name shapes, not the pattern
+    cache: MaskCache = field(default_factory=MaskCache, init=False, repr=False, compare=False)
+    """What backends derived from this description, shared by all layers of one forward."""
 
     def __post_init__(self) -> None:
         needs_block = self.kind in BLOCK_KINDS
@@ -72,56 +109,6 @@ class AttentionMask:
         restricted = self.key_valid_BL is not None or self.doc_ids_BL is not None or self.window is not None
         shifted_causal = self.kind == "causal" and self.query_offset != 0  # SDPA's is_causal is top-left aligned
         return self.kind in ("bidirectional", "causal") and not restricted and not shifted_causal
-
-    def memo(self, key: Any, build: Callable[[], Any], nbytes: Callable[[Any], int] | None = None) -> Any:
-        """`build()` once per key for the lifetime of this description (one training step, one sampling call).
-
-        Every layer of a model gets the same description, so a backend derives its mask (dense
-        tensor, BlockMask) once instead of once per layer; dropping the description frees it.
-        With `nbytes` (the size of what `build` returns), a description without per-position tensors
-        also reuses what an equal earlier description built: its pattern is the same every training
-        step. Those results are kept in a small least-recently-used store bounded in bytes (`_KEPT`).
-        Inside a compiled region the build is traced into the graph instead (no side effects for dynamo).
-        """
-        if torch.compiler.is_compiling():
-            return build()
-        if key not in self._memo:
-            if nbytes is not None and not depends_on_batch(self):
-                pattern = (self.kind, self.block_size, self.window, self.query_offset, key)
-                self._memo[key] = _KEPT.get(pattern, build, nbytes)
-            else:
-                self._memo[key] = build()
-        return self._memo[key]
-
-    def memoized(self, key: Any) -> Any:
-        """What `memo` built for `key` so far (None if nothing, or inside a compiled region)."""
-        return None if torch.compiler.is_compiling() else self._memo.get(key)
-
-
-class _KeptResults:
-    """What equal descriptions without per-position tensors derive, kept across descriptions (training
-    steps): e.g. BD3LM's split-attention plan, whose mask evaluation costs ~5 ms per step at L = 512
-    (~1% of a demo step). The most recently used are kept, at most `max_items` of them and `max_bytes`
-    in all (long sequences' masks are big: a result over that alone is not kept)."""
-
-    def __init__(self, max_items: int = 8, max_bytes: int = 64 << 20) -> None:
-        self.max_items, self.max_bytes = max_items, max_bytes
-        self.items: dict[Any, tuple[Any, int]] = {}  # key -> (result, bytes), least recently used first
-
-    def get(self, key: Any, build: Callable[[], Any], nbytes: Callable[[Any], int]) -> Any:
-        if key in self.items:
-            self.items[key] = self.items.pop(key)
-            return self.items[key][0]
-        result = build()
-        size = nbytes(result)
-        if size <= self.max_bytes:
-            self.items[key] = (result, size)
-            while len(self.items) > self.max_items or sum(n for _, n in self.items.values()) > self.max_bytes:
-                self.items.pop(next(iter(self.items)))
-        return result
-
-
-_KEPT = _KeptResults()
 
 
 def _check_per_position(key_valid_BL: torch.Tensor | None, doc_ids_BL: torch.Tensor | None) -> None:

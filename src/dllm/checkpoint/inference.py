@@ -77,9 +77,10 @@ def load_for_inference(
     run_dir, ckpt = resolve_checkpoint(run, checkpoint)
     spec = load_config(RunSpec, run_dir / RUN_CONFIG)
     tok = build_tokenizer(spec.tokenizer)
-    model = factory.build_model(spec.model, spec.lora, spec.training.seed)
+    cfg = _attention_for(spec.model, device)
+    model = factory.build_model(cfg, spec.lora, spec.training.seed)
     if spec.lora is not None:  # the checkpoint holds the adapters; the frozen base is rebuilt
-        model.load_state_dict(factory.initial_state(spec.model, spec.lora, spec.training.seed))
+        model.load_state_dict(factory.initial_state(cfg, spec.lora, spec.training.seed))
     load_model_weights(ckpt, model)
     if spec.lora is not None and merge:
         merge_lora(model)  # one matrix per layer again: as fast as the base model
@@ -89,6 +90,15 @@ def load_for_inference(
                       stacklevel=2)  # fmt: skip
         profile = derive_profile(spec.objective, spec.model, tok)
     return LoadedModel(_ready(model, device), tok, spec.model, ckpt, profile, spec=spec)
+
+
+def _attention_for(cfg: ModelConfig, device: torch.device | None) -> ModelConfig:
+    """The run's attention backend, except FlexAttention off CUDA: a GPU run sampled on CPU uses auto
+    (a CPU flex forward compiles for every new shape, slower than a sampling call)."""
+    on_cuda = device is not None and device.type == "cuda"
+    return (
+        cfg.model_copy(update={"attention_backend": "auto"}) if cfg.attention_backend == "flex" and not on_cuda else cfg
+    )
 
 
 def _ready(model: nn.Module, device: torch.device | None) -> nn.Module:

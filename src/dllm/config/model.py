@@ -113,7 +113,9 @@ class ModelConfig(Section):
     init_std: float = Field(default=0.02, gt=0)
     """Standard deviation of the normal weight initialisation."""
     attention_backend: Literal["auto", "sdpa", "flex", "blockwise"] = "auto"
-    """Attention: sdpa (dense mask, the reference), flex (BlockMask), blockwise (exact block-sparse SDPA), auto."""
+    """sdpa (dense mask, the reference), flex (BlockMask), blockwise (exact, block-sparse), auto (per device)."""
+    flex_compile: bool = True
+    """FlexAttention through torch.compile (false: eager, for tests and debugging)."""
 
     @model_validator(mode="before")
     @classmethod

@@ -27,8 +27,8 @@ MODEL_YAML = "model.yaml"
 WEIGHTS = "model.safetensors"
 
 # fields that may differ from the checkpoint's: how the weights are used, not what they are
-_USAGE_FIELDS = {"preset", "init_from", "vocab_size", "max_seq_len", "attention_backend", "init_std",
-                 "router_aux_loss_coef", "shift_logits"}  # fmt: skip
+_USAGE_FIELDS = {"preset", "init_from", "vocab_size", "max_seq_len", "attention_backend", "flex_compile",
+                 "init_std", "router_aux_loss_coef", "shift_logits"}  # fmt: skip
 
 
 def is_model_folder(path: Path) -> bool:

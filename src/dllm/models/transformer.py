@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dllm.attention.backends import ATTENTION_BACKENDS
+from dllm.attention.backends import make_attention
 from dllm.attention.masks import AttentionMask
 from dllm.config.model import ModelConfig
 from dllm.models.output import ModelOutput, SelfConditioned
@@ -89,7 +89,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(H * D, E, bias=cfg.attn_out_bias)
         self.q_norm = RMSNorm(D, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(D, cfg.norm_eps) if cfg.qk_norm else None
-        self.attend = ATTENTION_BACKENDS.get(cfg.attention_backend)
+        self.attend = make_attention(cfg.attention_backend, cfg.flex_compile)
 
     def forward(
         self,

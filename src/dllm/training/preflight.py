@@ -14,6 +14,7 @@ import importlib.util
 
 import torch
 
+from dllm.attention.backends.auto import resolve_backend
 from dllm.config.model import ModelConfig
 from dllm.config.rules import check_objective, check_topology, round_up
 from dllm.config.spec import RunSpec
@@ -44,6 +45,7 @@ def resolve_run_spec(
     spec = spec.model_copy(update={"model": model.model_copy(update={"vocab_size": max(vocab, tok.vocab_size)})})
     check_topology(spec, world_size if world_size is not None else spec.topology.world_size)
     _check_device(spec)
+    spec = _resolve_attention(spec)
     if spec.data.seq_len > spec.model.max_seq_len:
         raise ConfigError(
             f"data.seq_len: {spec.data.seq_len} exceeds model.max_seq_len {spec.model.max_seq_len}; raise max_seq_len"
@@ -90,6 +92,15 @@ def _check_lora(spec: RunSpec) -> None:
             build_model(spec.model, spec.lora)
     except ValueError as e:
         raise ConfigError(f"lora.targets: {e}") from None
+
+
+def _resolve_attention(spec: RunSpec) -> RunSpec:
+    """`model.attention_backend: auto` becomes the concrete backend it runs on the training device, so the
+    resolved config records which attention path trains (auto's choice depends on nothing else)."""
+    on_gpu = spec.training.device == "cuda" or (spec.training.device == "auto" and torch.cuda.is_available())
+    m = spec.model
+    backend = resolve_backend(m.attention_backend, "cuda" if on_gpu else "cpu", m.flex_compile)
+    return spec.model_copy(update={"model": m.model_copy(update={"attention_backend": backend})})
 
 
 def _check_device(spec: RunSpec) -> None:

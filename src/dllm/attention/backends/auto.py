@@ -1,54 +1,67 @@
 """`auto` backend: per call, the fastest backend that can compute it.
 
-- plain bidirectional/causal: SDPA without a mask tensor (fused no-mask / is_causal kernels);
+Which one runs is a pure function of the mask description, the device type and `model.flex_compile`
+(`choose_backend`), never of thread counts, installed compilers or the environment, so that
+`resolve_backend` can name, once per run, the concrete backend `auto` stands for on its device: a run
+recorded with that name computes exactly what `auto` did.
+
+- plain bidirectional/causal: SDPA without a mask tensor (fused no-mask / is_causal kernels); every
+  concrete backend takes this path for plain masks too;
 - structured mask on CUDA: FlexAttention (BlockMask sparsity, forward and backward);
-- block_causal / block_diffusion mask on CPU: `blockwise`, exact SDPA calls over block-aligned query
-  chunks. FlexAttention has no CPU backward, and the dense mask scores all 4*L*L pairs of BD3LM's 2L
-  layout while blockwise scores ~L*L*(S+3)/S: 1.9-2.2x faster forward + backward and 2.6-2.9x faster
-  forward than dense, and faster forward than compiled FlexAttention too (bench/attention.py, 2L =
-  1024 and 2048), with no compile;
-- other structured masks (documents, padding, windows) on CPU: SDPA with a dense mask. Compiled
+- structured mask on CPU: `blockwise`. For block_causal / block_diffusion it computes exact SDPA calls
+  over block-aligned query chunks: FlexAttention has no CPU backward, and the dense mask scores all
+  4*L*L pairs of BD3LM's 2L layout while blockwise scores ~L*L*(S+3)/S: 1.9-2.2x faster forward +
+  backward and 2.6-2.9x faster forward than dense, and faster forward than compiled FlexAttention too
+  (bench/attention.py, 2L = 1024 and 2048), with no compile. Other structured masks (documents,
+  padding, windows on bidirectional / causal) it hands to SDPA with a dense mask. Compiled
   FlexAttention is faster on big masks but costs ~30 s per new shape, more than a CPU sampling call;
   choose `flex` explicitly for long CPU jobs;
-- FlexAttention forced eager (DLLM_FLEX_COMPILE=0) or any other device: SDPA. Eager FlexAttention
-  materialises every score and ran ~6x slower than dense SDPA on the block-diffusion mask.
+- FlexAttention configured eager (model.flex_compile: false) or any other device: SDPA. Eager
+  FlexAttention materialises every score and ran ~6x slower than dense SDPA on the block-diffusion mask.
 
 Shapes: B batch, H query heads, K key/value heads, L query length, S key length, D head width.
 """
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 
 from dllm.attention.backends.blockwise import blockwise_attention
-from dllm.attention.backends.flex import compile_enabled, flex_attention_backend, needs_grad
+from dllm.attention.backends.flex import FlexBackend
 from dllm.attention.backends.sdpa import sdpa_attention
-from dllm.attention.masks import BLOCK_KINDS, AttentionMask
+from dllm.attention.masks import AttentionMask
 
 
-def choose_backend(
-    mask: AttentionMask, device_type: str, grad: bool, flex_compiled: bool
-) -> Literal["sdpa", "flex", "blockwise"]:
-    """Which backend `auto` uses for a mask on a device, with or without gradients."""
-    if mask.is_plain:
-        return "sdpa"
+def resolve_backend(name: str, device_type: str, flex_compile: bool) -> str:
+    """The concrete backend `name` stands for on a device: `auto` -> the one it uses for structured masks
+    there (cpu: blockwise; cuda: flex if compiled, else sdpa; other devices: sdpa); other names as given."""
+    if name != "auto":
+        return name
     if device_type == "cpu":
         # no CPU flex backward; blockwise skips most of BD3LM's masked pairs, exactly, and compiles nothing
-        return "blockwise" if mask.kind in BLOCK_KINDS else "sdpa"
-    if device_type == "cuda" and flex_compiled:
+        return "blockwise"
+    if device_type == "cuda" and flex_compile:
         return "flex"
     return "sdpa"
 
 
-def auto_attention(q_BHLD: torch.Tensor, k_BKSD: torch.Tensor, v_BKSD: torch.Tensor, mask: AttentionMask):
-    """q [B, H, L, D], k/v [B, K, S, D] -> [B, H, L, D] with the backend `choose_backend` picks."""
-    grad = needs_grad(q_BHLD, k_BKSD, v_BKSD)
-    flex_compiled = torch.compiler.is_compiling() or compile_enabled()
-    backend = choose_backend(mask, q_BHLD.device.type, grad, flex_compiled)
-    if backend == "flex":
-        return flex_attention_backend(q_BHLD, k_BKSD, v_BKSD, mask)
-    if backend == "blockwise":
-        return blockwise_attention(q_BHLD, k_BKSD, v_BKSD, mask)
-    return sdpa_attention(q_BHLD, k_BKSD, v_BKSD, mask)
+def choose_backend(mask: AttentionMask, device_type: str, flex_compile: bool) -> str:
+    """Which backend `auto` runs for a mask on a device: SDPA's mask-free kernels for plain masks, else
+    the resolved backend (which takes the same mask-free path for plain masks, so both agree)."""
+    return "sdpa" if mask.is_plain else resolve_backend("auto", device_type, flex_compile)
+
+
+class AutoBackend:
+    """The `auto` backend: q [B, H, L, D], k/v [B, K, S, D] -> [B, H, L, D] with the backend `choose_backend` picks."""
+
+    def __init__(self, flex_compile: bool = True) -> None:
+        self.flex_compile = flex_compile
+        self.flex = FlexBackend(compiled=flex_compile)
+
+    def __call__(self, q_BHLD: torch.Tensor, k_BKSD: torch.Tensor, v_BKSD: torch.Tensor, mask: AttentionMask):
+        backend = choose_backend(mask, q_BHLD.device.type, self.flex_compile)
+        if backend == "flex":
+            return self.flex(q_BHLD, k_BKSD, v_BKSD, mask)
+        if backend == "blockwise":
+            return blockwise_attention(q_BHLD, k_BKSD, v_BKSD, mask)
+        return sdpa_attention(q_BHLD, k_BKSD, v_BKSD, mask)

@@ -1,8 +1,5 @@
 """BD3LM's block-diffusion attention on CPU as two exact parts merged with log-sum-exp statistics.
 
-The path for what the fused kernel (bd_fused.py) does not take: bfloat16 / float16 / float64, key
-padding, documents that are not one run each, or no C compiler on the machine.
-
 The 2L layout [x_t ; x_0] allows L*L + L*B of 4*L*L pairs (masks.block_diffusion). Every allowed key
 of a query lies in one of two disjoint sets:
 
@@ -23,16 +20,18 @@ and its backward), which returns the log-sum-exp the public SDPA hides. Masks co
 mask function at global indices, so documents, key padding and windows are exact by construction;
 rows with no allowed key at all output 0, as the CPU flash kernel does.
 
-Three measured refinements (bench/objectives.py, demo model, L = 512):
+Two measured refinements (bench/objectives.py, demo model, L = 512):
 - a part A call over both halves stacks the G query heads that share a key/value head along its rows
   ([B, K, G * 2 * Lc, D]): each key is read once for G heads, and 256 rows instead of 128 move the
   kernel to its larger query tile (64 rows instead of 32); ~3.5% off a full layer's attention;
 - keys that no row of a chunk may see (other documents, outside a window; for x_t's rows alone, as
   in a last layer, their own block's x_0) are left out of its call: the key slice runs from the first
   to the last key some row sees. The demo corpus packs ~20-token documents, so part A scores
-  ~0.37 * L * L pairs instead of 1.125 * L * L: attention fell from ~280 to ~140 ms of a training step;
-- a pattern without per-position tensors is the same every step: its plan is kept across steps
-  (`AttentionMask.memo` with `nbytes`; ~5 ms per step to build at L = 512).
+  ~0.37 * L * L pairs instead of 1.125 * L * L: attention fell from ~280 to ~140 ms of a training step.
+
+A plan (chunk spans, additive masks, rows without keys) is built once per mask description and shape
+(`AttentionMask.cache`) and shared by all layers of the forward; the last layer's x_t-only plan is a
+view of it. Each step builds its own (~5 ms at L = 512, ~1% of a demo step).
 
 Shapes: B batch, H query heads, K key/value heads, L sequence length (2L layout), D head width,
 N number of blocks, Q / C rows of one call's queries / keys.
@@ -109,11 +108,6 @@ class Plan:
         self.b_mask = _additive(allowed_b.expand(batch, n, bs, bs).reshape(batch * n, 1, bs, bs), dtype)
         self.b_no_key = _missing(allowed_b.any(-1).expand(batch, n, bs).reshape(batch, 1, L), 1)  # [B, 1, L]
 
-    def nbytes(self) -> int:
-        no_key = [t for t in (*self.call_no_key, self.b_no_key) if t is not None]
-        tensors = [*self.a_masks, *self.a_has_key, *self.call_masks, *no_key, self.b_mask]
-        return sum(t.untyped_storage().nbytes() for t in {id(t): t for t in tensors}.values())
-
     def noisy_rows(self) -> Plan:
         """The plan of a call whose queries are x_t's rows only (a last layer): part A's masks are views
         of the first rows of each chunk's, narrowed to the keys those rows see (the mask function is not
@@ -132,16 +126,16 @@ class Plan:
 
     @staticmethod
     def of(mask: AttentionMask, q: torch.Tensor, k: torch.Tensor, seq_len: int, num_chunks: int) -> Plan:
-        """The plan of this call: built once per mask description and shape (`mask.memo`), and kept
-        across descriptions (training steps) when the pattern has no per-position tensors."""
+        """The plan of this call, built once per mask description and shape (`mask.cache`): every
+        layer of one forward gets the same description."""
         group = q.shape[1] // k.shape[1]  # query heads per key/value head
         key = ("bd_split", q.shape[0], seq_len, q.shape[2], num_chunks, group, q.dtype, q.device)
         if q.shape[2] == seq_len:  # x_t's queries only: a view of the full plan when the step built one
             full = ("bd_split", q.shape[0], seq_len, 2 * seq_len, num_chunks, group, q.dtype, q.device)
-            if (built := mask.memoized(full)) is not None:
-                return mask.memo(key, built.noisy_rows, nbytes=Plan.nbytes)
+            if (built := mask.cache.built(full)) is not None:
+                return mask.cache.memo(key, built.noisy_rows)
         build = lambda: Plan(mask, q.shape[0], seq_len, q.shape[2], num_chunks, group, q.dtype, q.device)  # noqa: E731
-        return mask.memo(key, build, nbytes=Plan.nbytes)
+        return mask.cache.memo(key, build)
 
     def query_rows(self, x_BHQD: torch.Tensor, s: int, e: int) -> torch.Tensor:
         """Part A's call rows of chunk [s, e): x_t[s:e] then (unless noisy-only) x_0[s:e], as

@@ -9,23 +9,25 @@ positions into `num_chunks` block-aligned chunks [s, e) and runs one SDPA call p
   block-diagonal + offset block-causal + block-causal parts), so every allowed key of every query row
   is in its call: the softmax is the dense one, no online-softmax merging. With S equal chunks the
   calls score L*L*(S+3)/S pairs instead of 4*L*L (S = 8: 2.9x fewer).
-- block_causal, and causal with documents / padding / window (blocks of one token): queries [s, e),
-  keys [0, e): L*L*(S+1)/(2S) pairs instead of L*L.
+- block_causal: queries [s, e), keys [0, e): L*L*(S+1)/(2S) pairs instead of L*L.
 - a window also drops keys more than `window` positions before the chunk (they are masked anyway).
 
 Each chunk's bool mask is the shared mask function (`mask_mod(mask, S)`) evaluated at the global query
 and key indices, so documents, padding and windows are exact by construction. Chunk masks are built
-once per description and shape (`AttentionMask.memo`) and shared by all layers. Any other pattern
-(bidirectional with documents, q and k of different lengths, one chunk) is the dense SDPA reference.
+once per description and shape (`AttentionMask.cache`) and shared by all layers. Any other call is
+the SDPA reference: plain masks take its mask-free kernels (as `auto` does, so a run resolved from
+`auto` to `blockwise` computes the same), and bidirectional / causal masks with documents, padding or
+a window, q and k of different lengths, or one chunk take the dense mask. Causal masks with documents
+were once chunked here as blocks of one token: forward + backward measured 1.4-2.2x slower than the
+dense mask (CPU, 2 threads, B 8, H 4, K 2, D 32, L = 512 and 1024, ~20-token documents), and `auto`
+never sent them here.
 
 `DEFAULT_NUM_CHUNKS` was measured with bench/attention.py --chunk-counts (CPU, 1 thread, B2 H8 D64,
 block 32, 2L = 1024 and 2048): forward + backward 1.9-2.8x faster than the dense mask at 6-12 chunks
 (within noise of each other), less at 2, 4 and 16; 8 was chosen. Cost: each call's q/k/v chunks are
 copies saved for backward (keys ~(S/2 + 2) * L rows per k/v tensor instead of 2L).
 
-On CPU, block_diffusion in float32 without documents, padding or a window takes one fused kernel
-(bd_fused.py: a flash-attention tile loop over exactly the allowed key ranges, built on first use
-with the C compiler); other CPU block_diffusion calls take the split path (bd_split.py): the same chunks against x_0's
+On CPU, block_diffusion takes the split path instead (bd_split.py): the same chunks against x_0's
 keys only plus one batched call for x_t's own blocks, merged exactly with log-sum-exp statistics
 (1.16*L*L pairs at S = 8, no gathered k/v copies). `chunked_attention` is the one-call-per-chunk
 path for every other device and pattern, and both are tested against the dense SDPA reference.
@@ -41,9 +43,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dllm.attention.backends import bd_fused, bd_split
+from dllm.attention.backends import bd_split
 from dllm.attention.backends.sdpa import sdpa_attention
-from dllm.attention.masks import AttentionMask, MaskMod, depends_on_batch, layout_length, mask_mod
+from dllm.attention.masks import BLOCK_KINDS, AttentionMask, MaskMod, depends_on_batch, layout_length, mask_mod
 
 DEFAULT_NUM_CHUNKS = 8
 """Query chunks per call (capped at the number of blocks); measured with bench/attention.py."""
@@ -67,8 +69,6 @@ def blockwise_attention(
     num_chunks: int = DEFAULT_NUM_CHUNKS,
 ) -> torch.Tensor:
     """q [B, H, L, D], k/v [B, K, S, D] -> [B, H, L, D]; equal to `sdpa_attention` up to float rounding."""
-    if not torch.compiler.is_compiling() and bd_fused.supports(q_BHLD, k_BKSD, mask):
-        return bd_fused.fused_attention(q_BHLD, k_BKSD, v_BKSD, mask)  # CPU float32 block diffusion, one kernel
     if bd_split.supports(q_BHLD, k_BKSD, mask):  # CPU block diffusion: two exact parts merged (bd_split.py)
         return bd_split.split_attention(q_BHLD, k_BKSD, v_BKSD, mask, num_chunks)
     return chunked_attention(q_BHLD, k_BKSD, v_BKSD, mask, num_chunks)
@@ -96,15 +96,16 @@ def chunked_attention(
 
 
 def chunk_plan(mask: AttentionMask, q_len: int, kv_len: int, num_chunks: int) -> tuple[Chunk, ...] | None:
-    """The calls that cover every query with all its allowed keys; None when dense SDPA is the better path."""
+    """The calls that cover every query with all its allowed keys; None when SDPA is the path (not a block
+    pattern, a query offset, or one chunk)."""
     if num_chunks < 1:
         raise ValueError(f"blockwise attention needs num_chunks >= 1, got {num_chunks}")
     noisy_only = mask.kind == "block_diffusion" and 2 * q_len == kv_len  # only x_t's outputs are needed
-    if mask.is_plain or mask.kind == "bidirectional" or mask.query_offset or (q_len != kv_len and not noisy_only):
+    if mask.kind not in BLOCK_KINDS or mask.query_offset or (q_len != kv_len and not noisy_only):
         return None
     seq_len = layout_length(mask, kv_len)  # L; raises on a bad 2L length before any slicing
-    assert seq_len is not None  # kv_len is given
-    spans = chunk_spans(seq_len, mask.block_size or 1, num_chunks)
+    assert seq_len is not None and mask.block_size is not None  # kv_len is given; block kinds have one
+    spans = chunk_spans(seq_len, mask.block_size, num_chunks)
     if len(spans) == 1:
         return None  # one chunk holds every key: the dense call itself
     reach = mask.window - 1 if mask.window is not None else seq_len  # keys before s - reach are out of the window
@@ -123,7 +124,7 @@ def chunk_spans(seq_len: int, block_size: int, num_chunks: int) -> list[Span]:
     """Block-aligned [s, e) splitting L into min(num_chunks, blocks) chunks of (nearly) equal block counts.
 
     Equal chunks minimise the scored pairs: L*L + 3*sum(Lc^2) for block diffusion, (L*L + sum(Lc^2)) / 2
-    for block_causal / causal.
+    for block_causal.
     """
     num_blocks = -(-seq_len // block_size)  # block_causal allows a partial last block
     n = min(num_chunks, num_blocks)
@@ -142,7 +143,7 @@ def chunk_masks(
         mod = mask_mod(mask, kv_len)
         return tuple(span_mask(mod, mask_batch, c.query_spans, c.key_spans, device) for c in chunks)
 
-    return mask.memo(key, build)
+    return mask.cache.memo(key, build)
 
 
 def span_mask(

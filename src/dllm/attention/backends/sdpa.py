@@ -21,4 +21,4 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Atte
 def sdpa_mask(mask: AttentionMask, batch: int, q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
     """Dense bool [B, 1, Lq, Lk] from the shared mask function, built once per description and shape."""
     key = ("sdpa", batch, q_len, kv_len, device)
-    return mask.memo(key, lambda: dense_mask(mask_mod(mask, kv_len), batch, q_len, kv_len, device))
+    return mask.cache.memo(key, lambda: dense_mask(mask_mod(mask, kv_len), batch, q_len, kv_len, device))
