@@ -316,3 +316,17 @@ def test_retained_memory_is_reused_without_page_faults():
     assert applied == "True"
     assert retained < 1000  # 10 x 16384 pages without it
     assert run("system")[1] > 10 * 16384 * 0.9
+
+
+def test_resume_may_change_the_attention_kernel_but_not_the_model(train_yaml: Path):
+    """Backends are exact, so a run written with `auto` resumes under a resolved or other backend;
+    a different architecture is refused before anything is overwritten."""
+    from dllm.errors import CheckpointError
+
+    run_dir = _run_dir(train_yaml, "training.steps=2")
+    train_from_run_dir(run_dir)
+    text = (run_dir / "config.yaml").read_text()
+    (run_dir / "config.yaml").write_text(text.replace("attention_backend: blockwise", "attention_backend: auto"))
+    assert _run_dir(train_yaml, "training.steps=3", "model.attention_backend=sdpa") == run_dir
+    with pytest.raises(CheckpointError, match=r"different model \(model.hidden_size, model.num_heads, model.num_kv_"):
+        _run_dir(train_yaml, "model.hidden_size=32", "model.num_heads=2", "model.num_kv_heads=1")

@@ -41,9 +41,16 @@ def prepare_run_dir(spec: RunSpec) -> Path:
     return run_dir
 
 
+# how attention is computed, not what: every backend is exact, so a resumed run may change them
+_KERNEL_FIELDS = ("attention_backend", "flex_compile")
+
+
 def _check_same_model(spec: RunSpec, cfg_path: Path) -> None:
     old = yaml.safe_load(cfg_path.read_text(encoding="utf-8")) or {}
     new = spec.model_dump(mode="json")
+    for cfg in (old.get("model") or {}, new["model"]):
+        for key in _KERNEL_FIELDS:
+            cfg.pop(key, None)
     for section in ("model", "tokenizer", "objective"):
         if old.get(section) != new[section]:
             diff = sorted(k for k in new[section] if old.get(section, {}).get(k) != new[section][k])
