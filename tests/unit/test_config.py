@@ -784,3 +784,9 @@ def test_resolved_config_records_the_attention_backend(
     monkeypatch.setattr(torch.cuda, "device_count", lambda: int(gpu))
     spec = _spec(artifact_root, model={"attention_backend": backend}, training={"device": device})
     assert resolve_run_spec(spec, check_data=False)[0].model.attention_backend == recorded
+
+
+def test_flex_compile_without_flex_is_a_warning(artifact_root: Path, no_gpu: None):
+    spec = _spec(artifact_root, model={"flex_compile": False})
+    _, warnings = resolve_run_spec(spec, check_data=False)
+    assert warnings == ["model.flex_compile: false has no effect with attention_backend blockwise"]

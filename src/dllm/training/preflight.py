@@ -46,6 +46,9 @@ def resolve_run_spec(
     check_topology(spec, world_size if world_size is not None else spec.topology.world_size)
     _check_device(spec)
     spec = _resolve_attention(spec)
+    backend = spec.model.attention_backend
+    if not spec.model.flex_compile and backend in ("sdpa", "blockwise"):
+        warnings.append(f"model.flex_compile: false has no effect with attention_backend {backend}")
     if spec.data.seq_len > spec.model.max_seq_len:
         raise ConfigError(
             f"data.seq_len: {spec.data.seq_len} exceeds model.max_seq_len {spec.model.max_seq_len}; raise max_seq_len"
