@@ -15,25 +15,12 @@ Shapes: B batch, R region (positions of the active block or sub-block).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from dllm.registry import Registry
+from dllm.sampling.proposals import Proposal
 
-
-@dataclass(frozen=True)
-class Proposal:
-    """What the model proposes at each position of the region."""
-
-    tokens_BR: torch.Tensor
-    """The proposed token (argmax or a sample)."""
-    prob_BR: torch.Tensor
-    """Probability of the proposed token (float64)."""
-    margin_BR: torch.Tensor
-    """Top-1 minus top-2 probability (float64)."""
-    entropy_BR: torch.Tensor
-    """Entropy of the predicted distribution in nats (float64)."""
+__all__ = ["POLICIES", "Proposal", "make_policy", "most_confident", "select_topk"]
 
 
 class LowConfidence:
