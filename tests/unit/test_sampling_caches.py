@@ -58,7 +58,7 @@ def prefers_mask(tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
 
 
 def sampler(**kw) -> SamplerConfig:
-    base = {"gen_length": 12, "block_length": 4, "steps": 12, "stop_at_eos": False}
+    base = {"gen_length": 12, "block_length": 4, "steps": 12, "stop_at_eos": False, "shift": "off"}
     return SamplerConfig(**{**base, **kw})
 
 
@@ -203,7 +203,7 @@ def test_no_mask_and_full_length_for_every_valid_combination(tiny, model_kind, p
     for attention, cache, steps, temperature in combos:
         try:
             cfg = SamplerConfig(gen_length=G, block_length=b, steps=steps, policy=policy, attention=attention,
-                                cache=cache, temperature=temperature, stop_at_eos=False)  # fmt: skip
+                                cache=cache, temperature=temperature, stop_at_eos=False, shift="off")  # fmt: skip
         except ValidationError:
             continue
         valid += 1
