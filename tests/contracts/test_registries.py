@@ -30,7 +30,7 @@ from dllm.diffusion.objectives import OBJECTIVES, LossOutput, ModelInputs, Model
 from dllm.diffusion.schedules import SCHEDULES
 from dllm.models import MODELS
 from dllm.registry import Registry
-from dllm.sampling.generate import SpecialIds
+from dllm.sampling.generate import SpecialIds, commit_schedule
 from dllm.sampling.policies import POLICIES, Proposal, StepState, make_policy, select_topk
 
 REGISTRIES: dict[str, Registry] = {
@@ -388,7 +388,8 @@ def test_policy_step_contract(name):
     budget = policy.budget(4, probs.shape[1])
 
     def state(undecided, step, seed=1):
-        return StepState(undecided, eligible.sum(-1), step, budget, torch.Generator().manual_seed(seed))
+        schedule = commit_schedule(eligible.sum(-1), budget)
+        return StepState(undecided, schedule, step, budget, torch.Generator().manual_seed(seed))
 
     start = policy.start(state(eligible, 0))
     assert start is None or (start.shape == probs.shape and bool(((start >= 0) & (start < 10)).all()))

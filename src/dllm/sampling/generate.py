@@ -137,7 +137,7 @@ class Loop:
         self.runner = Runner(model, self.canvas, cfg, special, shift, self.counters)
         self.x = self.canvas.x_BT.clone()
         self.undecided_BT = self.x == special.mask_id
-        self.logits_BRV: torch.Tensor | None = None  # the last forward's, while the canvas is unchanged
+        self.last_logits: torch.Tensor | None = None  # the block's last forward, reused while nothing is written
         self.written = True
 
     def run(self) -> GenerationResult:
@@ -165,18 +165,18 @@ class Loop:
         for rlo in range(lo, hi, sub):
             rhi = rlo + sub
             eligible = self.undecided_BT[:, rlo:rhi]
-            num_start_B = eligible.sum(-1)
-            start = self.policy.start(StepState(eligible, num_start_B, 0, budget, self.generator))
+            schedule_BS = commit_schedule(eligible.sum(-1), budget)
+            start = self.policy.start(StepState(eligible, schedule_BS, 0, budget, self.generator))
             if start is not None:
                 self.x[:, rlo:rhi] = torch.where(eligible, start, self.x[:, rlo:rhi])
-            self.logits_BRV, k = None, 0
+            self.last_logits, k = None, 0
             while bool((eligible := self.undecided_BT[:, rlo:rhi]).any()):
                 every = cfg.refresh_every  # prefix / dual caches: a full forward every N steps as well
                 refresh = step_in_block == 0 or (every is not None and step_in_block % every == 0)
                 logits = self.predict(lo, hi, refresh)[:, rlo - lo : rhi - lo]
                 prop = full_proposal(logits, cfg.temperature, self.generator, cfg.top_k, cfg.top_p)
                 self.counters.overrun_steps += int(k >= budget)
-                commit = self.policy.step(prop, StepState(eligible, num_start_B, k, budget, self.generator))
+                commit = self.policy.step(prop, StepState(eligible, schedule_BS, k, budget, self.generator))
                 self.write(rlo, rhi, commit, b, step_in_block)
                 k, step_in_block = k + 1, step_in_block + 1
                 if cfg.stop_at_eos and self.all_rows_ended():
@@ -185,11 +185,11 @@ class Loop:
 
     def predict(self, lo: int, hi: int, refresh: bool) -> torch.Tensor:
         """Logits of the block: a forward, or the last one when nothing was written since (exact)."""
-        if self.logits_BRV is None or self.written or not self.cfg.reuse_unchanged:
-            self.logits_BRV = self.runner.predict(self.x, lo, hi, refresh)
+        if self.last_logits is None or self.written or not self.cfg.reuse_unchanged:
+            self.last_logits = self.runner.predict(self.x, lo, hi, refresh)
         else:
             self.counters.reused_forwards += 1
-        return self.logits_BRV
+        return self.last_logits
 
     def write(self, rlo: int, rhi: int, commit: Commit, block: int, step: int) -> None:
         """Apply a policy's commit to the region [rlo, rhi), count it, and show it to the callback."""

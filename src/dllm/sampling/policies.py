@@ -28,7 +28,7 @@ from dllm.config.sampler import SamplerConfig
 from dllm.diffusion.corruption import uniform_token_ids
 from dllm.registry import Registry
 from dllm.sampling.canvas import SpecialIds
-from dllm.sampling.proposals import Proposal, commit_schedule
+from dllm.sampling.proposals import Proposal
 
 __all__ = ["POLICIES", "Commit", "Proposal", "StepState", "make_policy", "most_confident", "select_topk"]
 
@@ -39,8 +39,8 @@ class StepState:
 
     eligible_BR: torch.Tensor
     """Undecided positions: masked (uniform: the whole region until its last step)."""
-    num_start_B: torch.Tensor
-    """Undecided positions per row when the region started (what the schedule spreads over the budget)."""
+    schedule_BS: torch.Tensor
+    """commit_schedule of the region: its undecided positions at the start spread evenly over the budget."""
     step: int
     """Steps already taken in this region."""
     budget: int
@@ -93,9 +93,9 @@ class Scheduled(Policy):
 
     def step(self, prop: Proposal, state: StepState) -> Commit:
         if state.step < state.budget:
-            k_B = commit_schedule(state.num_start_B, state.budget)[:, state.step]
+            k_B = state.schedule_BS[:, state.step]
         else:  # past the budget: one token per step rather than leave a mask
-            k_B = torch.ones_like(state.num_start_B)
+            k_B = torch.ones_like(state.schedule_BS[:, 0])
         return Commit(select_topk(self.scores(prop, state.generator), state.eligible_BR, k_B), prop.tokens_BR)
 
 
@@ -217,7 +217,7 @@ class Uniform(Policy):
 
     def step(self, prop: Proposal, state: StepState) -> Commit:
         alpha_s = (state.step + 1) / state.budget  # s = 1 - (step + 1) / N
-        keep_B = torch.floor(alpha_s * state.num_start_B.double() + 1e-9).long()
+        keep_B = torch.floor(alpha_s * state.eligible_BR.sum(-1).double() + 1e-9).long()
         keep = select_topk(prop.prob_BR, state.eligible_BR, keep_B)
         tokens = torch.where(keep, prop.tokens_BR, self.noise(state))
         return Commit(keep, tokens, renoise_BR=state.eligible_BR & ~keep, final=alpha_s >= 1)
