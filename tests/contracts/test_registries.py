@@ -22,7 +22,7 @@ from dllm.attention.masks import AttentionMask
 from dllm.config.model import ModelConfig
 from dllm.config.objectives import BD3LMConfig, FastDLLMv2Config, MDLMConfig, ObjectiveConfig, UniformConfig
 from dllm.config.prepare import PrepareSpec
-from dllm.config.sampler import PROCESS_POLICIES, SamplerConfig
+from dllm.config.sampler import SamplerConfig
 from dllm.data.loader import Batch
 from dllm.data.prepare.sources import SOURCES
 from dllm.diffusion.corruption import NoiseKeys
@@ -30,7 +30,8 @@ from dllm.diffusion.objectives import OBJECTIVES, LossOutput, ModelInputs, Token
 from dllm.diffusion.schedules import SCHEDULES
 from dllm.models import MODELS
 from dllm.registry import Registry
-from dllm.sampling.policies import POLICIES, Proposal, make_policy, select_topk
+from dllm.sampling.generate import SpecialIds, commit_schedule
+from dllm.sampling.policies import POLICIES, Proposal, StepState, make_policy, select_topk
 from tests.helpers import output_of_logits
 
 REGISTRIES: dict[str, Registry] = {
@@ -85,8 +86,7 @@ CONFIG_LITERALS = {  # registry -> names its config accepts
     "ATTENTION_BACKENDS": lambda: literal_names(ModelConfig, "attention_backend"),
     "OBJECTIVES": lambda: union_literals(ObjectiveConfig, "name"),
     "SCHEDULES": lambda: union_literals(ObjectiveConfig, "schedule"),
-    # the process policies (ancestral, first_hitting, uniform) are loops of generate.py, not commit rules
-    "POLICIES": lambda: literal_names(SamplerConfig, "policy") - set(PROCESS_POLICIES),
+    "POLICIES": lambda: literal_names(SamplerConfig, "policy"),
     "SOURCES": source_kinds,
 }
 
@@ -339,16 +339,28 @@ def test_objective_loss_normalisation_ignores_padding(name, schedule, model):
 # policies
 
 
-@pytest.mark.parametrize("name", POLICIES.names())
-def test_policy_contract(name):
-    """Scheduled policies score positions (reproducibly; `select_topk` commits k of the eligible ones);
-    parallel policies commit a reproducible subset of the eligible positions, at least one per row."""
-    policy = make_policy(name, threshold=0.7, factor=1.0)
+POLICY_SPECIAL = SpecialIds(mask_id=9, pad_id=8, eos_id=7, num_tokens=10)
+
+
+def policy_inputs(name: str):
+    policy = make_policy(SamplerConfig(policy=name, threshold=0.7, factor=1.0), POLICY_SPECIAL)
     g = torch.Generator().manual_seed(0)
     probs = torch.rand(3, 10, generator=g, dtype=torch.float64)
     prop = Proposal(torch.randint(0, 9, (3, 10), generator=g), probs, probs / 2, 1 - probs)
     eligible = torch.rand(3, 10, generator=torch.Generator().manual_seed(2)) < 0.5
     eligible[:, 0] = True
+    return policy, prop, probs, eligible
+
+
+COMMIT_RULES = [n for n in POLICIES.names() if hasattr(POLICIES.get(n), "scores") or hasattr(POLICIES.get(n), "commit")]
+"""Policies that are a score (scheduled) or a commit rule (parallel); the process policies only step."""
+
+
+@pytest.mark.parametrize("name", COMMIT_RULES)
+def test_policy_contract(name):
+    """Scheduled policies score positions (reproducibly; `select_topk` commits k of the eligible ones);
+    parallel policies commit a reproducible subset of the eligible positions, at least one per row."""
+    policy, prop, probs, eligible = policy_inputs(name)
     if policy.scheduled:
         scores = policy.scores(prop, torch.Generator().manual_seed(1))
         assert scores.shape == probs.shape
@@ -365,6 +377,37 @@ def test_policy_contract(name):
         assert torch.equal(sel, policy.commit(prop, eligible))
         none = policy.commit(prop, torch.zeros_like(eligible))
         assert not bool(none.any()), "nothing eligible, nothing committed"
+
+
+@pytest.mark.parametrize("name", POLICIES.names())
+def test_policy_step_contract(name):
+    """Every policy's step writes only undecided positions, reproducibly with the same generator, and
+    decides a whole region within its budget plus one step per position (the loop's overrun)."""
+    policy, prop, probs, eligible = policy_inputs(name)
+    budget = policy.budget(4, probs.shape[1])
+
+    def state(undecided, step, seed=1):
+        schedule = commit_schedule(eligible.sum(-1), budget)
+        return StepState(undecided, schedule, step, budget, torch.Generator().manual_seed(seed))
+
+    start = policy.start(state(eligible, 0))
+    assert start is None or (start.shape == probs.shape and bool(((start >= 0) & (start < 10)).all()))
+    undecided = eligible.clone()
+    for k in range(budget + probs.shape[1]):
+        if not bool(undecided.any()):
+            break
+        c = policy.step(prop, state(undecided, k))
+        again = policy.step(prop, state(undecided, k))
+        assert torch.equal(c.positions_BR, again.positions_BR) and torch.equal(c.tokens_BR, again.tokens_BR)
+        assert c.positions_BR.dtype == torch.bool and c.tokens_BR.shape == probs.shape
+        written = c.positions_BR if c.renoise_BR is None else c.positions_BR | c.renoise_BR
+        assert not bool((written & ~undecided).any()), "wrote a decided position"
+        assert not bool((c.tokens_BR == POLICY_SPECIAL.mask_id)[written].any())
+        if c.final:
+            undecided &= ~c.positions_BR
+    assert not bool(undecided.any()), "the region was not decided"
+    none = policy.step(prop, state(torch.zeros_like(eligible), 0))
+    assert not bool(none.positions_BR.any()), "nothing undecided, nothing committed"
 
 
 # --------------------------------------------------------------------------------------------------

@@ -72,7 +72,7 @@ def tiny() -> Transformer:
 
 
 def sampler(**kw) -> SamplerConfig:
-    base = {"gen_length": 8, "block_length": 8, "steps": 8, "stop_at_eos": False}
+    base = {"gen_length": 8, "block_length": 8, "steps": 8, "stop_at_eos": False, "shift": "off"}
     return SamplerConfig(**{**base, **kw})
 
 

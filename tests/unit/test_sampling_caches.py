@@ -30,9 +30,10 @@ ALL_POLICIES = [*COMMIT_POLICIES, "ancestral", "first_hitting", "uniform"]
 CACHES = {"bidirectional": ["none", "prefix", "dual"], "block": ["none", "block"]}
 
 
-def make_tiny(seed: int = 0, num_layers: int = 2) -> Transformer:
+def make_tiny(seed: int = 0, num_layers: int = 2, shift_logits: bool = False) -> Transformer:
     """A random tiny transformer in float64 (see the module docstring for why float64)."""
-    model = Transformer(ModelConfig(preset="tiny", vocab_size=V, init_std=0.2, num_layers=num_layers))
+    cfg = ModelConfig(preset="tiny", vocab_size=V, init_std=0.2, num_layers=num_layers, shift_logits=shift_logits)
+    model = Transformer(cfg)
     model.init_weights(torch.Generator().manual_seed(seed))
     return model.double().eval()
 
@@ -58,7 +59,7 @@ def prefers_mask(tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
 
 
 def sampler(**kw) -> SamplerConfig:
-    base = {"gen_length": 12, "block_length": 4, "steps": 12, "stop_at_eos": False}
+    base = {"gen_length": 12, "block_length": 4, "steps": 12, "stop_at_eos": False, "shift": "off"}
     return SamplerConfig(**{**base, **kw})
 
 
@@ -123,6 +124,22 @@ def test_batched_equals_each_prompt_alone_for_every_cache(tiny, attention, polic
         for i, prompt in enumerate(prompts):
             alone = run(tiny, [prompt], cfg)
             assert alone.sequences[0] == batched.sequences[i], (cache, i)
+
+
+@pytest.mark.parametrize(("attention", "cache"), [("bidirectional", "none"), ("bidirectional", "dual"),
+                                                  ("block", "none"), ("block", "block")])  # fmt: skip
+def test_a_model_that_shifts_its_own_logits_decodes_as_its_unshifted_weights(attention, cache):
+    """shift on: the model returns unshifted states and the runner shifts across its slices itself, so
+    a shift_logits model decodes exactly as the same weights without the flag."""
+    plain, shifting = make_tiny(0), make_tiny(0, shift_logits=True)
+    cfg = sampler(attention=attention, cache=cache, shift="on")
+    a, b = run(plain, PROMPTS, cfg), run(shifting, PROMPTS, cfg)
+    assert a.sequences == b.sequences and torch.equal(a.canvas_BL, b.canvas_BL)
+
+
+def test_generate_refuses_an_unresolved_shift(tiny):
+    with pytest.raises(ValueError, match="resolve_sampler"):
+        run(tiny, PROMPTS, sampler(shift="auto"))
 
 
 def test_shifted_model_refuses_an_empty_prompt_alone(tiny):
@@ -203,7 +220,7 @@ def test_no_mask_and_full_length_for_every_valid_combination(tiny, model_kind, p
     for attention, cache, steps, temperature in combos:
         try:
             cfg = SamplerConfig(gen_length=G, block_length=b, steps=steps, policy=policy, attention=attention,
-                                cache=cache, temperature=temperature, stop_at_eos=False)  # fmt: skip
+                                cache=cache, temperature=temperature, stop_at_eos=False, shift="off")  # fmt: skip
         except ValidationError:
             continue
         valid += 1

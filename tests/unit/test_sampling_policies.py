@@ -31,7 +31,7 @@ def tiny() -> Transformer:
 
 
 def sampler(**kw) -> SamplerConfig:
-    base = {"gen_length": 8, "block_length": 4, "steps": 8, "stop_at_eos": False}
+    base = {"gen_length": 8, "block_length": 4, "steps": 8, "stop_at_eos": False, "shift": "off"}
     return SamplerConfig(**{**base, **kw})
 
 
@@ -56,7 +56,7 @@ def test_margin_scores_are_top1_minus_top2():
     prop = full_proposal(logits, 0.0, None)
     top = logits.softmax(-1).sort(-1, descending=True).values
     torch.testing.assert_close(prop.margin_BR, top[..., 0] - top[..., 1], rtol=0, atol=1e-12)
-    policy = make_policy("margin")
+    policy = make_policy(sampler(policy="margin"))
     assert isinstance(policy, Margin) and policy.scheduled
     torch.testing.assert_close(policy.scores(prop, None), top[..., 0] - top[..., 1], rtol=0, atol=1e-12)
 
@@ -68,7 +68,7 @@ def test_entropy_scores_are_minus_the_entropy():
     prop = full_proposal(logits, 0.0, None)
     p = logits.softmax(-1)
     expected = (p * p.clamp_min(1e-300).log()).sum(-1)  # = -entropy
-    policy = make_policy("entropy")
+    policy = make_policy(sampler(policy="entropy"))
     assert isinstance(policy, Entropy) and policy.scheduled
     scores = policy.scores(prop, None)
     torch.testing.assert_close(scores, expected, rtol=0, atol=1e-12)
@@ -83,7 +83,7 @@ def test_entropy_scores_are_minus_the_entropy():
 
 
 def test_threshold_commits_all_above_tau_and_at_least_the_most_confident():
-    policy = make_policy("threshold", threshold=0.5)
+    policy = make_policy(sampler(policy="threshold", threshold=0.5))
     assert isinstance(policy, Threshold) and not policy.scheduled
     prop = proposal(
         [
@@ -106,7 +106,7 @@ def test_threshold_commits_all_above_tau_and_at_least_the_most_confident():
 
 
 def test_factor_rule_by_hand():
-    policy = make_policy("factor", factor=1.0)
+    policy = make_policy(sampler(policy="factor", factor=1.0))
     assert isinstance(policy, Factor) and not policy.scheduled
     prop = proposal(
         [
@@ -132,7 +132,7 @@ def test_factor_rule_by_hand():
 
 def test_factor_never_commits_more_than_the_eligible_positions():
     # a large factor accepts every n, even the zero-probability padding of ineligible positions
-    policy = make_policy("factor", factor=100.0)
+    policy = make_policy(sampler(policy="factor", factor=100.0))
     prop = proposal([[0.3, 0.2, 0.9, 0.1, 0.4]])
     eligible = torch.tensor([[True, False, True, False, False]])
     assert policy.commit(prop, eligible).tolist() == [[True, False, True, False, False]]

@@ -1,1 +1,2 @@
-"""Sampling: policies decide what to commit; generate.py owns the loop and the model calls."""
+"""Sampling: policies decide what to write at each step; generate.py owns the one loop, runner.py the
+model call and its cache; canvas.py lays out the rows; proposals.py turns logits into proposals."""

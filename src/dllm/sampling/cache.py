@@ -2,7 +2,7 @@
 
 A forward over a slice [query_start, query_start + Q) of the canvas writes its keys and values
 (post-RoPE) into the buffers at those positions and attends to buffer positions [0, key_end). What
-the rest of the buffer holds decides what kind of cache it is (sampling/generate.py chooses):
+the rest of the buffer holds decides what kind of cache it is (sampling/runner.py chooses):
 
 - prefix cache (Fast-dLLM, approximate for bidirectional models): refreshed by a full forward, then
   the active block and everything after it run against the prefix's cached keys;

@@ -1,28 +1,17 @@
-"""THE sampling loop: every policy and cache of masked and block diffusion decoding in one place.
+"""THE sampling loop: one loop for every policy and cache of masked, block and uniform-state diffusion.
 
-The canvas is [prompt ; gen_length masks] per row. Blocks are decoded left to right (LLaDA's
-semi-autoregressive schedule, Nie et al. 2025; block diffusion, Arriola et al. 2025); inside a block
-each step runs the model, proposes a token per position, and the policy (policies.py) commits some of
-the masked ones. This module owns the model call, the cache (cache.py) and the counters.
+The canvas (canvas.py) is [prompt ; gen_length masks] per row. Blocks are decoded left to right (LLaDA's
+semi-autoregressive schedule, Nie et al. 2025; block diffusion, Arriola et al. 2025), each in regions
+(sub-blocks, Fast-dLLM v2; else the whole block). Each step of a region runs the model (runner.py, or
+reuses the last forward when nothing was written since: the same input gives the same logits),
+proposes a token per position (proposals.py) and lets the policy (policies.py) say what to write. This
+module owns the loop, the counters, the step callback and the early exits.
 
-Layouts:
-- bidirectional models: prompts left-padded to a common length P; blocks of `block_length` start at P.
-- block models (attention: block): blocks are aligned to positions counted from each prompt's start,
-  as in training, so a prompt that ends inside a block shares it with the first generated tokens.
-  Rows are left-padded by whole blocks; a row's own tail past its gen_length is padding.
-  Padding is a separate "document" for the mask (it sees only padding; real tokens never see it).
-
-Model calls (Runner): the whole canvas (no cache); the active block and everything after it against
-a cached prefix (prefix cache), only the active block against cached prefix and suffix (dual cache),
-both refreshed by a full forward at each block start or every `refresh_every` steps; for block models
-the canvas up to the active block under the block-causal mask (no cache), or with the exact block
-cache only the active block (plus the previous block's clean tokens once, whose keys are then final).
-Shifted models (position i predicted from hidden i-1) run one extra query row before the slice.
-
-The loop never returns a mask: a block that is not done after its step budget keeps going, one step
+The loop never returns a mask: a region that is not done after its step budget keeps going, one step
 at a time (counted in `overrun_steps`). The budget is steps / (gen_length / block_length) per canvas
-block; for block models a prompt that ends inside a block makes one block more (partial at both ends).
-Shapes: B batch, T canvas, V vocabulary, R region, Q query rows.
+block, split evenly over its sub-blocks; for block models a prompt that ends inside a block makes one
+block more (partial at both ends).
+Shapes: B batch, T canvas, V vocabulary, R region.
 """
 
 from __future__ import annotations
@@ -32,20 +21,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dllm.attention.masks import AttentionMask
 from dllm.config.sampler import SamplerConfig
-from dllm.diffusion.corruption import uniform_token_ids
-from dllm.sampling.cache import KVCache
-from dllm.sampling.policies import Proposal, make_policy, select_topk
+from dllm.sampling.canvas import Canvas, SpecialIds, left_pad
+from dllm.sampling.policies import Commit, StepState, make_policy
+from dllm.sampling.proposals import commit_schedule, filter_logits, full_proposal, propose
+from dllm.sampling.runner import Runner
 
-
-@dataclass(frozen=True)
-class SpecialIds:
-    mask_id: int
-    pad_id: int
-    eos_id: int
-    num_tokens: int | None = None
-    """Ids the tokenizer can produce (uniform-state decoding draws random tokens from them)."""
+__all__ = [
+    "Counters", "GenerationResult", "SpecialIds", "StepEvent", "commit_schedule", "filter_logits",
+    "full_proposal", "generate", "left_pad", "propose",
+]  # fmt: skip
 
 
 @dataclass
@@ -110,239 +95,6 @@ class StepEvent:
     mask_id: int
 
 
-# --------------------------------------------------------------------------------------------------
-# proposals
-
-
-def commit_schedule(num_masked_B: torch.Tensor, steps: int) -> torch.Tensor:
-    """[B, steps] tokens to commit per step: an even split, the remainder to the first steps."""
-    base = torch.div(num_masked_B, steps, rounding_mode="floor")
-    rem = num_masked_B % steps
-    sched = base[:, None].expand(-1, steps).clone()
-    sched += (torch.arange(steps, device=num_masked_B.device)[None, :] < rem[:, None]).long()
-    return sched
-
-
-def filter_logits(logits: torch.Tensor, top_k: int | None, top_p: float | None) -> torch.Tensor:
-    """Logits outside the top-k / nucleus set to -inf (the most probable token always stays)."""
-    if top_k is not None and top_k < logits.shape[-1]:
-        kth = logits.topk(top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and top_p < 1:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        drop_sorted = (cum - sorted_logits.softmax(-1)) >= top_p  # mass before this token already >= p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits
-
-
-def propose(
-    logits_BLV: torch.Tensor,
-    temperature: float,
-    generator: torch.Generator | None,
-    top_k: int | None = None,
-    top_p: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Proposed token per position and its probability under the model.
-
-    With temperature > 0 the token is argmax(logits / T + Gumbel) in float64 over the top-k / top-p
-    set: low-precision Gumbel noise measurably biases sampling (LLaDA, appendix B.4)."""
-    prop = full_proposal(logits_BLV, temperature, generator, top_k, top_p)
-    return prop.tokens_BR, prop.prob_BR
-
-
-def full_proposal(
-    logits_BLV: torch.Tensor,
-    temperature: float,
-    generator: torch.Generator | None,
-    top_k: int | None = None,
-    top_p: float | None = None,
-) -> Proposal:
-    logits = logits_BLV.double()
-    if temperature > 0:
-        filtered = filter_logits(logits, top_k, top_p)
-        u = torch.rand(logits.shape, generator=generator, device=logits.device, dtype=torch.float64)
-        gumbel = -torch.log(-torch.log(u.clamp_min(1e-300)))
-        tokens = (filtered / temperature + gumbel).argmax(-1)
-    else:
-        tokens = logits.argmax(-1)
-    probs = torch.softmax(logits, dim=-1)
-    top2 = probs.topk(min(2, probs.shape[-1]), dim=-1).values
-    margin = top2[..., 0] - (top2[..., 1] if top2.shape[-1] > 1 else 0)
-    entropy = -(probs * probs.clamp_min(1e-300).log()).sum(-1)
-    return Proposal(tokens, probs.gather(-1, tokens[..., None]).squeeze(-1), margin, entropy)
-
-
-def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prompts right-aligned in one [B, P] tensor, and which positions are real."""
-    P = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), P), pad_id, dtype=torch.long, device=device)
-    valid = torch.zeros((len(prompts), P), dtype=torch.bool, device=device)
-    for i, p in enumerate(prompts):
-        if p:
-            ids[i, P - len(p) :] = torch.tensor(p, dtype=torch.long, device=device)
-            valid[i, P - len(p) :] = True
-    return ids, valid
-
-
-# --------------------------------------------------------------------------------------------------
-# the canvas
-
-
-@dataclass
-class Canvas:
-    x_BT: torch.Tensor
-    valid_BT: torch.Tensor
-    """Real tokens (prompt and generated positions); False at padding."""
-    prompt_BT: torch.Tensor
-    gen_BT: torch.Tensor
-    """Positions to generate."""
-    positions_BT: torch.Tensor
-    blocks: list[tuple[int, int]]
-    gen_start_B: list[int]
-    block_attention: bool
-    block_length: int
-
-    @staticmethod
-    def build(
-        prompts: list[list[int]], cfg: SamplerConfig, special: SpecialIds, block_attention: bool, device,
-        shift: bool = False,
-    ) -> Canvas:  # fmt: skip
-        """`shift`: a shifted block model reads the row before the first active block, so that block
-        never starts at canvas index 0 (one more block of padding when it would)."""
-        B, G, bl = len(prompts), cfg.gen_length, cfg.block
-        lens = [len(p) for p in prompts]
-        if block_attention:  # whole blocks of left padding: blocks stay aligned to each prompt's start
-            A = max(-(-n // bl) * bl for n in lens)
-            if shift and min(lens) < bl:  # some row's first active block would start at index 0
-                A += bl
-            starts = [A - (-(-n // bl) * bl) for n in lens]
-            T = -(-max(s + n + G for s, n in zip(starts, lens, strict=True)) // bl) * bl
-        else:
-            P = max(lens)
-            starts, T = [P - n for n in lens], P + G
-        x = torch.full((B, T), special.pad_id, dtype=torch.long, device=device)
-        prompt = torch.zeros((B, T), dtype=torch.bool, device=device)
-        gen = torch.zeros_like(prompt)
-        for i, (s, p) in enumerate(zip(starts, prompts, strict=True)):
-            if p:
-                x[i, s : s + len(p)] = torch.tensor(p, dtype=torch.long, device=device)
-            prompt[i, s : s + len(p)] = True
-            gen[i, s + len(p) : s + len(p) + G] = True
-        x = torch.where(gen, special.mask_id, x)
-        valid = prompt | gen
-        positions = (valid.long().cumsum(-1) - 1).clamp_min(0)
-        gen_start = [s + n for s, n in zip(starts, lens, strict=True)]
-        if block_attention:
-            first = min(gen_start) // bl * bl
-            blocks = [(lo, lo + bl) for lo in range(first, T, bl)]
-        else:
-            blocks = [(T - G + k * bl, T - G + (k + 1) * bl) for k in range(G // bl)]
-        return Canvas(x, valid, prompt, gen, positions, blocks, gen_start, block_attention, bl)
-
-
-# --------------------------------------------------------------------------------------------------
-# model calls
-
-
-class Runner:
-    """Runs the model for the predictions of a canvas region, with the configured cache."""
-
-    def __init__(self, model: torch.nn.Module, canvas: Canvas, cfg: SamplerConfig, special: SpecialIds,
-                 shift: bool, counters: Counters) -> None:  # fmt: skip
-        self.model, self.canvas, self.cfg, self.special = model, canvas, cfg, special
-        self.shift, self.counters = int(shift), counters
-        T = canvas.x_BT.shape[1]
-        self.cache = KVCache(T) if cfg.cache != "none" else None
-        self.clean_upto = 0  # exact block cache: keys of [0, clean_upto) are final
-        self._masks: dict[tuple[int, int], AttentionMask] = {}
-        self.mask_col = torch.tensor([special.mask_id], device=canvas.x_BT.device)
-
-    def mask(self, qs: int, ke: int) -> AttentionMask:
-        """Queries from canvas index qs, keys [0, ke)."""
-        if (qs, ke) not in self._masks:
-            c = self.canvas
-            valid = c.valid_BT[:, :ke]
-            padded = not bool(valid.all())
-            bl = c.block_length
-            if c.block_attention and not padded and qs // bl == (ke - 1) // bl:
-                # every query is in the last key block: block-causal allows all keys (no mask to build)
-                m = AttentionMask("bidirectional", query_offset=qs)
-            elif c.block_attention:
-                docs = valid.long() if padded else None  # padding is its own document
-                m = AttentionMask("block_causal", doc_ids_BL=docs, block_size=bl, query_offset=qs)
-            else:
-                m = AttentionMask("bidirectional", key_valid_BL=valid if padded else None, query_offset=qs)
-            self._masks[(qs, ke)] = m
-        return self._masks[(qs, ke)]
-
-    def forward(self, x_BT: torch.Tensor, qs: int, qe: int, ke: int) -> torch.Tensor:
-        """Raw (unshifted) logits [B, qe - qs, V] of canvas rows [qs, qe) attending to keys [0, ke)."""
-        kwargs: dict = {}
-        if self.cache is not None:
-            kwargs["cache"] = self.cache.at(qs, ke)
-            self.counters.cached_tokens += x_BT.shape[0] * (ke - (qe - qs))
-        tokens, positions = x_BT[:, qs:qe], self.canvas.positions_BT[:, qs:qe]
-        mask = self.mask(qs, ke)
-        if self.cfg.cfg_scale > 0:  # one batched call: conditional rows, then the prompt masked
-            uncond = torch.where(self.canvas.prompt_BT[:, qs:qe], self.special.mask_id, tokens)
-            both = _at_least_float32(
-                self.model(torch.cat([tokens, uncond]), positions.repeat(2, 1), _twice(mask), **kwargs).logits()
-            )
-            cond, unc = both.chunk(2)
-            logits = unc + (1 + self.cfg.cfg_scale) * (cond - unc)
-        else:
-            logits = _at_least_float32(self.model(tokens, positions, mask, **kwargs).logits())
-        self.counters.nfe += 1
-        self.counters.query_tokens += tokens.numel() * (2 if self.cfg.cfg_scale > 0 else 1)
-        return logits.index_fill(-1, self.mask_col, float("-inf"))  # the mask token is never a prediction
-
-    def predict(self, x_BT: torch.Tensor, lo: int, hi: int, refresh: bool) -> torch.Tensor:
-        """Logits [B, hi - lo, V] predicting canvas positions [lo, hi) (the active block).
-
-        `refresh`: the first step of a block, or a scheduled refresh of an approximate cache."""
-        T, s = x_BT.shape[1], self.shift
-        mode = self.cfg.cache
-        if self.canvas.block_attention:
-            if mode == "block":
-                qs = min(self.clean_upto, lo - s)  # the previous block's clean rows, once, then final
-                raw = self.forward(x_BT, qs, hi, hi)
-                self.clean_upto = max(self.clean_upto, lo)
-            else:
-                qs = 0
-                raw = self.forward(x_BT, 0, hi, hi)
-        elif mode == "none" or refresh:
-            qs = 0
-            raw = self.forward(x_BT, 0, T, T)
-        elif mode == "prefix":
-            qs = lo - s
-            raw = self.forward(x_BT, qs, T, T)
-        else:  # dual
-            qs = lo - s
-            raw = self.forward(x_BT, qs, hi, T)
-        return raw[:, lo - s - qs : hi - s - qs]
-
-
-def _at_least_float32(logits: torch.Tensor) -> torch.Tensor:
-    """bf16 / fp16 logits upcast for the proposal; float64 (a float64 model) kept as it is."""
-    return logits if logits.dtype == torch.float64 else logits.float()
-
-
-def _twice(mask: AttentionMask) -> AttentionMask:
-    """The same description for a batch stacked twice (classifier-free guidance)."""
-
-    def rep(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t.repeat(2, 1)
-
-    return AttentionMask(mask.kind, key_valid_BL=rep(mask.key_valid_BL), doc_ids_BL=rep(mask.doc_ids_BL),
-                         block_size=mask.block_size, window=mask.window, query_offset=mask.query_offset)  # fmt: skip
-
-
-# --------------------------------------------------------------------------------------------------
-# the loop
-
-
 def generate(
     model: torch.nn.Module,
     prompts: list[list[int]],
@@ -354,212 +106,118 @@ def generate(
     stop: Callable[[list[int]], bool] | None = None,
 ) -> GenerationResult:
     """Decode `gen_length` tokens after each prompt. `stop(row_ids)` says whether a row's decided
-    prefix already ends the row (stop strings); `callback` sees the canvas after every step.
+    prefix already ends the row (stop strings); `callback` sees the canvas after every step. `cfg`
+    must be resolved (`config.rules.resolve_sampler`): its shift is on or off, never auto.
 
     The loop runs under `torch.inference_mode` (less dispatch work per op than `no_grad`: ~10% of a
     small model's forward); the returned canvas is an ordinary tensor, usable in autograd later."""
     with torch.inference_mode():
-        result = _generate(model, prompts, cfg, special, generator, callback, stop)
+        result = Loop(model, prompts, cfg, special, generator, callback, stop).run()
     result.canvas_BL = result.canvas_BL.clone()  # inference tensors cannot enter autograd
     return result
 
 
-def _generate(
-    model: torch.nn.Module,
-    prompts: list[list[int]],
-    cfg: SamplerConfig,
-    special: SpecialIds,
-    generator: torch.Generator | None,
-    callback: Callable[[StepEvent], None] | None,
-    stop: Callable[[list[int]], bool] | None,
-) -> GenerationResult:
-    if not prompts:
-        raise ValueError("generate needs at least one prompt")
-    device = next(model.parameters()).device
-    block_attention = cfg.attention == "block"
-    shift = resolve_shift(cfg, model)
-    if shift and min(len(p) for p in prompts) == 0:
-        raise ValueError("a shifted model predicts position i from i-1: every prompt needs at least one token")
-    canvas = Canvas.build(prompts, cfg, special, block_attention, device, shift)
-    counters = Counters()
-    runner = Runner(model, canvas, cfg, special, shift, counters)
-    loop = Loop(runner, canvas, cfg, special, generator, callback, stop)
-    if cfg.policy in ("ancestral", "first_hitting"):
-        loop.reverse_process()
-    elif cfg.policy == "uniform":
-        loop.uniform_process()
-    else:
-        loop.commit_loop()
-    x = loop.x
-    assert not bool((x == special.mask_id).any()), "the loop decodes every masked position"
-    sequences = []
-    for i, row in enumerate(x.tolist()):
-        s = canvas.gen_start_B[i]
-        out = row[s : s + cfg.gen_length]
-        if cfg.stop_at_eos and special.eos_id in out:
-            out = out[: out.index(special.eos_id)]
-        sequences.append(out)
-    return GenerationResult(sequences, x, counters, canvas.gen_start_B)
-
-
-def resolve_shift(cfg: SamplerConfig, model: torch.nn.Module) -> bool:
-    if cfg.shift != "auto":
-        return cfg.shift == "on"
-    return bool(getattr(getattr(model, "cfg", None), "shift_logits", False))
-
-
 class Loop:
-    def __init__(self, runner: Runner, canvas: Canvas, cfg: SamplerConfig, special: SpecialIds,
+    """One generate call: the canvas, its undecided positions, the counters, and the loop over them."""
+
+    def __init__(self, model: torch.nn.Module, prompts: list[list[int]], cfg: SamplerConfig, special: SpecialIds,
                  generator, callback, stop) -> None:  # fmt: skip
-        self.runner, self.canvas, self.cfg, self.special = runner, canvas, cfg, special
-        self.generator, self.callback, self.stop = generator, callback, stop
-        self.x = canvas.x_BT.clone()
-        self.counters = runner.counters
-        self.steps_per_block = cfg.total_steps // cfg.num_blocks
+        if not prompts:
+            raise ValueError("generate needs at least one prompt")
+        if cfg.shift == "auto":
+            raise ValueError("sampler.shift is auto: resolve the sampler first (config.rules.resolve_sampler)")
+        shift = cfg.shift == "on"
+        if shift and min(len(p) for p in prompts) == 0:
+            raise ValueError("a shifted model predicts position i from i-1: every prompt needs at least one token")
+        self.cfg, self.special, self.generator, self.callback, self.stop = cfg, special, generator, callback, stop
+        self.policy = make_policy(cfg, special)
+        device = next(model.parameters()).device
+        self.canvas = Canvas.build(prompts, cfg, special, cfg.attention == "block", device, shift)
+        self.counters = Counters()
+        self.runner = Runner(model, self.canvas, cfg, special, shift, self.counters)
+        self.x = self.canvas.x_BT.clone()
+        self.undecided_BT = self.x == special.mask_id
+        self.last_logits: torch.Tensor | None = None  # the block's last forward, reused while nothing is written
+        self.written = True
 
-    # -- helpers ------------------------------------------------------------------------------------
-    def masked(self) -> torch.Tensor:
-        return self.x == self.special.mask_id
+    def run(self) -> GenerationResult:
+        for b, (lo, hi) in enumerate(self.canvas.blocks):
+            if self.decode_block(b, lo, hi) or (self.stop is not None and self.all_rows_ended()):
+                # every row has ended: what is left lies after each row's end and is cut from the output
+                self.x = torch.where(self.undecided_BT, self.special.eos_id, self.x)
+                break
+        assert not bool((self.x == self.special.mask_id).any()), "the loop decodes every masked position"
+        sequences = []
+        for row, s in zip(self.x.tolist(), self.canvas.gen_start_B, strict=True):
+            out = row[s : s + self.cfg.gen_length]
+            if self.cfg.stop_at_eos and self.special.eos_id in out:
+                out = out[: out.index(self.special.eos_id)]
+            sequences.append(out)
+        return GenerationResult(sequences, self.x, self.counters, self.canvas.gen_start_B)
 
-    def commit(self, lo: int, hi: int, commit_BR: torch.Tensor, tokens_BR: torch.Tensor, block: int, step: int):
-        region = self.x[:, lo:hi]
-        self.x[:, lo:hi] = torch.where(commit_BR, tokens_BR, region)
-        self.counters.tokens_committed += int(commit_BR.sum())
+    def decode_block(self, b: int, lo: int, hi: int) -> bool:
+        """Decode block b = [lo, hi) one region (sub-block) at a time; True once every row has ended."""
+        cfg = self.cfg
+        sub = cfg.sub_block_length or hi - lo
+        steps_per_block = cfg.total_steps // cfg.num_blocks
+        budget = self.policy.budget(max(steps_per_block // ((hi - lo) // sub), 1), sub)
+        step_in_block = 0
+        for rlo in range(lo, hi, sub):
+            rhi = rlo + sub
+            eligible = self.undecided_BT[:, rlo:rhi]
+            schedule_BS = commit_schedule(eligible.sum(-1), budget)
+            start = self.policy.start(StepState(eligible, schedule_BS, 0, budget, self.generator))
+            if start is not None:
+                self.x[:, rlo:rhi] = torch.where(eligible, start, self.x[:, rlo:rhi])
+            self.last_logits, k = None, 0
+            while bool((eligible := self.undecided_BT[:, rlo:rhi]).any()):
+                every = cfg.refresh_every  # prefix / dual caches: a full forward every N steps as well
+                refresh = step_in_block == 0 or (every is not None and step_in_block % every == 0)
+                logits = self.predict(lo, hi, refresh)[:, rlo - lo : rhi - lo]
+                prop = full_proposal(logits, cfg.temperature, self.generator, cfg.top_k, cfg.top_p)
+                self.counters.overrun_steps += int(k >= budget)
+                commit = self.policy.step(prop, StepState(eligible, schedule_BS, k, budget, self.generator))
+                self.write(rlo, rhi, commit, b, step_in_block)
+                k, step_in_block = k + 1, step_in_block + 1
+                if cfg.stop_at_eos and self.all_rows_ended():
+                    return True
+        return False
+
+    def predict(self, lo: int, hi: int, refresh: bool) -> torch.Tensor:
+        """Logits of the block: a forward, or the last one when nothing was written since (exact)."""
+        if self.last_logits is None or self.written or not self.cfg.reuse_unchanged:
+            self.last_logits = self.runner.predict(self.x, lo, hi, refresh)
+        else:
+            self.counters.reused_forwards += 1
+        return self.last_logits
+
+    def write(self, rlo: int, rhi: int, commit: Commit, block: int, step: int) -> None:
+        """Apply a policy's commit to the region [rlo, rhi), count it, and show it to the callback."""
+        at = commit.positions_BR if commit.renoise_BR is None else commit.positions_BR | commit.renoise_BR
+        self.x[:, rlo:rhi] = torch.where(at, commit.tokens_BR, self.x[:, rlo:rhi])
+        num = int(commit.positions_BR.sum())
+        if commit.final:
+            self.undecided_BT[:, rlo:rhi] &= ~commit.positions_BR
+            self.counters.tokens_committed += num
+        self.written = num > 0 or commit.renoise_BR is not None
         self.counters.steps += 1
         if self.callback is not None:
             committed = torch.zeros_like(self.x, dtype=torch.bool)
-            committed[:, lo:hi] = commit_BR
+            committed[:, rlo:rhi] = commit.positions_BR
             self.callback(StepEvent(self.x, committed, block, step, self.canvas.gen_start_B, self.special.mask_id))
 
     def all_rows_ended(self) -> bool:
-        """Every row's output can no longer change: an EOS (or a stop) with no mask before it."""
+        """Every row's output can no longer change: an EOS (or a stop) with nothing undecided before it."""
         if not self.cfg.stop_at_eos and self.stop is None:
             return False
-        for i, row in enumerate(self.x.tolist()):
-            s = self.canvas.gen_start_B[i]
+        mask_id, eos_id = self.special.mask_id, self.special.eos_id
+        rows = torch.where(self.undecided_BT, mask_id, self.x).tolist()  # uniform: noise is undecided too
+        for row, s in zip(rows, self.canvas.gen_start_B, strict=True):
             gen = row[s : s + self.cfg.gen_length]
-            decided = gen[: gen.index(self.special.mask_id)] if self.special.mask_id in gen else gen
-            ended = self.cfg.stop_at_eos and self.special.eos_id in decided
+            decided = gen[: gen.index(mask_id)] if mask_id in gen else gen
+            ended = self.cfg.stop_at_eos and eos_id in decided
             if not ended and self.stop is not None:
                 ended = self.stop(decided)
             if not ended:
                 return False
         return True
-
-    def finish_early(self) -> None:
-        """Every row has ended: the masks left lie after each row's end and are cut from the output."""
-        self.x = torch.where(self.masked(), self.special.eos_id, self.x)
-
-    # -- scheduled and parallel policies ---------------------------------------------------------------
-    def commit_loop(self) -> None:
-        cfg = self.cfg
-        policy = make_policy(cfg.policy, cfg.threshold, cfg.factor)
-        sub = cfg.sub_block_length or cfg.block
-        for b, (lo, hi) in enumerate(self.canvas.blocks):
-            regions = [(r, r + sub) for r in range(lo, hi, sub)]
-            budget = max(self.steps_per_block // len(regions), 1)
-            step_in_block = 0
-            for rlo, rhi in regions:
-                eligible = self.masked()[:, rlo:rhi]
-                sched = commit_schedule(eligible.sum(-1), budget)
-                k = 0
-                while bool(self.masked()[:, rlo:rhi].any()):
-                    refresh = step_in_block == 0 or (
-                        cfg.refresh_every is not None and step_in_block % cfg.refresh_every == 0
-                    )
-                    logits = self.runner.predict(self.x, lo, hi, refresh)[:, rlo - lo : rhi - lo]
-                    prop = full_proposal(logits, cfg.temperature, self.generator, cfg.top_k, cfg.top_p)
-                    eligible = self.masked()[:, rlo:rhi]
-                    if k >= budget:  # past the budget: keep going rather than leave a mask
-                        self.counters.overrun_steps += 1
-                    if policy.scheduled:
-                        n_B = sched[:, k] if k < budget else torch.ones_like(sched[:, 0])
-                        commit = select_topk(policy.scores(prop, self.generator), eligible, n_B)
-                    else:
-                        commit = policy.commit(prop, eligible)
-                    self.commit(rlo, rhi, commit, prop.tokens_BR, b, step_in_block)
-                    k += 1
-                    step_in_block += 1
-                    if cfg.stop_at_eos and self.all_rows_ended():
-                        return self.finish_early()
-            if self.stop is not None and self.all_rows_ended():
-                return self.finish_early()
-        return None
-
-    # -- MDLM reverse process ------------------------------------------------------------------------
-    def reverse_process(self) -> None:
-        """ancestral: each step from t to s = t - 1/N unmasks each masked position with probability
-        (t - s) / t (linear schedule) with a token drawn from the model; a step that unmasks nothing
-        leaves the input unchanged, so its forward is reused (exact). first_hitting: one position per
-        forward, in uniformly random order (the exact process for time-agnostic models)."""
-        cfg, first_hitting = self.cfg, self.cfg.policy == "first_hitting"
-        for b, (lo, hi) in enumerate(self.canvas.blocks):
-            N = hi - lo if first_hitting else self.steps_per_block
-            logits, step = None, 0
-            while bool(self.masked()[:, lo:hi].any()):
-                eligible = self.masked()[:, lo:hi]
-                if step >= N:
-                    self.counters.overrun_steps += 1
-                if first_hitting:
-                    u = torch.rand(eligible.shape, generator=self.generator, device=self.x.device)
-                    unmask = select_topk(u, eligible, torch.ones_like(eligible[:, 0], dtype=torch.long))
-                else:
-                    t, s = 1 - step / N, max(1 - (step + 1) / N, 0.0)
-                    p = (t - s) / t if step < N - 1 else 1.0
-                    u = torch.rand(eligible.shape, generator=self.generator, device=self.x.device)
-                    unmask = eligible & (u < p)
-                changed = bool(unmask.any())
-                if logits is None or not cfg.reuse_unchanged or self._dirty:
-                    logits = self.runner.predict(self.x, lo, hi, refresh=True)
-                    self._dirty = False
-                else:
-                    self.counters.reused_forwards += 1
-                prop = full_proposal(logits, cfg.temperature, self.generator, cfg.top_k, cfg.top_p)
-                self.commit(lo, hi, unmask, prop.tokens_BR, b, step)
-                self._dirty = changed
-                step += 1
-                if cfg.stop_at_eos and self.all_rows_ended():
-                    return self.finish_early()
-            if self.stop is not None and self.all_rows_ended():
-                return self.finish_early()
-        return None
-
-    _dirty = False
-
-    # -- uniform-state decoding ---------------------------------------------------------------------
-    def uniform_process(self) -> None:
-        """Uniform-state models have no mask: the block starts as uniformly random tokens; each step
-        predicts x_0 everywhere, keeps the alpha(s) share of most confident predictions and re-noises
-        the rest with fresh random tokens; the last step keeps every prediction."""
-        cfg, special = self.cfg, self.special
-        if special.num_tokens is None:
-            raise ValueError("uniform decoding needs SpecialIds.num_tokens (the tokenizer's vocabulary)")
-        for b, (lo, hi) in enumerate(self.canvas.blocks):
-            region = self.masked()[:, lo:hi]
-            self.x[:, lo:hi] = torch.where(region, self._random_tokens(region.shape), self.x[:, lo:hi])
-            N = self.steps_per_block
-            n_B = region.sum(-1)
-            for step in range(N):
-                logits = self.runner.predict(self.x, lo, hi, refresh=True)
-                prop = full_proposal(logits, cfg.temperature, self.generator, cfg.top_k, cfg.top_p)
-                alpha_s = (step + 1) / N  # linear schedule: alpha(s) = 1 - s, s = 1 - (step + 1) / N
-                keep_B = torch.floor(alpha_s * n_B.double() + 1e-9).long()
-                keep = select_topk(prop.prob_BR, region, keep_B)
-                noise = self._random_tokens(region.shape)
-                new = torch.where(keep, prop.tokens_BR, torch.where(region, noise, self.x[:, lo:hi]))
-                self.x[:, lo:hi] = new
-                self.counters.steps += 1
-                if self.callback is not None:
-                    committed = torch.zeros_like(self.x, dtype=torch.bool)
-                    committed[:, lo:hi] = keep
-                    self.callback(StepEvent(self.x, committed, b, step, self.canvas.gen_start_B, special.mask_id))
-            self.counters.tokens_committed += int(n_B.sum())
-            if self.all_rows_ended():  # EOS or a stop string in every row's decoded blocks
-                return self.finish_early()
-        return None
-
-    def _random_tokens(self, shape) -> torch.Tensor:
-        """Uniform over the tokenizer's ids without the mask id (as the uniform objective corrupts)."""
-        assert self.special.num_tokens is not None
-        u = torch.rand(shape, generator=self.generator, device=self.x.device)
-        return uniform_token_ids(u, self.special.num_tokens, self.special.mask_id)

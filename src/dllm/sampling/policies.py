@@ -1,14 +1,19 @@
-"""Which masked positions to commit at a step. A policy never calls the model.
+"""What each step of the loop writes into the active region. A policy never calls the model.
 
-A policy gets the step's proposals (token, its probability, the runner-up's probability, the entropy
-of the distribution) for the eligible positions and returns a bool commit mask:
+Every policy is an object with `step(proposal, state) -> Commit`: it gets the step's proposals (token,
+its probability, the runner-up's probability, the entropy of the distribution) and the region's state
+(undecided positions, step, budget, generator) and says which positions take which tokens.
 
 - scheduled policies (low_confidence, random, margin, entropy) score positions and commit the k best,
-  k from the block's schedule (LLaDA's semi-autoregressive remasking);
+  k from the region's even schedule (LLaDA's semi-autoregressive remasking, Nie et al. 2025);
 - threshold commits every position whose proposal has probability >= tau, and at least the most
-  confident one per row (Fast-dLLM's confidence-aware parallel decoding);
+  confident one per row (Fast-dLLM's confidence-aware parallel decoding, Wu et al. 2025);
 - factor commits the n most confident positions with (n + 1) * (1 - p_n) < f, at least one
-  (Fast-dLLM's factor-based rule: more tokens per step when the model is sure of many).
+  (Fast-dLLM's factor-based rule: more tokens per step when the model is sure of many);
+- ancestral simulates the MDLM reverse process (Sahoo et al. 2024) with the linear schedule;
+  first_hitting unmasks one position per step in random order (Zheng et al. 2024);
+- uniform decodes uniform-state models (no mask token): the region starts as random tokens and each
+  step keeps the alpha(s) share of most confident predictions and re-noises the rest.
 
 Shapes: B batch, R region (positions of the active block or sub-block).
 """
@@ -19,78 +24,142 @@ from dataclasses import dataclass
 
 import torch
 
+from dllm.config.sampler import SamplerConfig
+from dllm.diffusion.corruption import uniform_token_ids
 from dllm.registry import Registry
+from dllm.sampling.canvas import SpecialIds
+from dllm.sampling.proposals import Proposal
+
+__all__ = ["POLICIES", "Commit", "Proposal", "StepState", "make_policy", "most_confident", "select_topk"]
 
 
 @dataclass(frozen=True)
-class Proposal:
-    """What the model proposes at each position of the region."""
+class StepState:
+    """The active region at one step, as a policy sees it."""
 
+    eligible_BR: torch.Tensor
+    """Undecided positions: masked (uniform: the whole region until its last step)."""
+    schedule_BS: torch.Tensor
+    """commit_schedule of the region: its undecided positions at the start spread evenly over the budget."""
+    step: int
+    """Steps already taken in this region."""
+    budget: int
+    """The region's step budget; the loop keeps going past it (overrun) rather than leave a mask."""
+    generator: torch.Generator | None
+
+
+@dataclass(frozen=True)
+class Commit:
+    """What a step writes into the region."""
+
+    positions_BR: torch.Tensor
+    """Positions decided at this step; they take `tokens_BR` (the callback's `committed_BT`)."""
     tokens_BR: torch.Tensor
-    """The proposed token (argmax or a sample)."""
-    prob_BR: torch.Tensor
-    """Probability of the proposed token (float64)."""
-    margin_BR: torch.Tensor
-    """Top-1 minus top-2 probability (float64)."""
-    entropy_BR: torch.Tensor
-    """Entropy of the predicted distribution in nats (float64)."""
+    """The tokens written at `positions_BR` (and at `renoise_BR`)."""
+    renoise_BR: torch.Tensor | None = None
+    """Uniform decoding: positions rewritten with the fresh noise `tokens_BR` holds there."""
+    final: bool = True
+    """The decided positions leave the undecided set (uniform: only at the region's last step)."""
 
 
-class LowConfidence:
-    """Commit the positions whose proposed token has the highest probability (LLaDA's default)."""
+class Policy:
+    """Defaults: built without settings, the loop's budget, regions start as masks."""
+
+    scheduled = False
+
+    @classmethod
+    def from_config(cls, cfg: SamplerConfig, special: SpecialIds | None) -> Policy:
+        return cls()
+
+    def budget(self, steps: int, length: int) -> int:
+        """The step budget of a region of `length` positions given `steps` by the block's budget."""
+        return steps
+
+    def start(self, state: StepState) -> torch.Tensor | None:
+        """What the undecided positions hold before the first step (None: the mask token)."""
+        return None
+
+    def step(self, prop: Proposal, state: StepState) -> Commit:
+        raise NotImplementedError
+
+
+class Scheduled(Policy):
+    """Commit the k best-scoring undecided positions, k from the region's even schedule (one past it)."""
 
     scheduled = True
+
+    def scores(self, prop: Proposal, generator: torch.Generator | None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def step(self, prop: Proposal, state: StepState) -> Commit:
+        if state.step < state.budget:
+            k_B = state.schedule_BS[:, state.step]
+        else:  # past the budget: one token per step rather than leave a mask
+            k_B = torch.ones_like(state.schedule_BS[:, 0])
+        return Commit(select_topk(self.scores(prop, state.generator), state.eligible_BR, k_B), prop.tokens_BR)
+
+
+class LowConfidence(Scheduled):
+    """Commit the positions whose proposed token has the highest probability (LLaDA's default)."""
 
     def scores(self, prop: Proposal, generator: torch.Generator | None) -> torch.Tensor:
         return prop.prob_BR
 
 
-class RandomOrder:
+class RandomOrder(Scheduled):
     """Commit random positions (the original masked-diffusion reverse process)."""
-
-    scheduled = True
 
     def scores(self, prop: Proposal, generator: torch.Generator | None) -> torch.Tensor:
         return torch.rand(prop.prob_BR.shape, generator=generator, device=prop.prob_BR.device)
 
 
-class Margin:
+class Margin(Scheduled):
     """Commit the positions where the top-1 beats the top-2 probability by the most (Kim et al. 2025)."""
-
-    scheduled = True
 
     def scores(self, prop: Proposal, generator: torch.Generator | None) -> torch.Tensor:
         return prop.margin_BR
 
 
-class Entropy:
+class Entropy(Scheduled):
     """Commit the positions with the lowest predictive entropy (Dream's `entropy` remasking)."""
-
-    scheduled = True
 
     def scores(self, prop: Proposal, generator: torch.Generator | None) -> torch.Tensor:
         return -prop.entropy_BR
 
 
-class Threshold:
-    """Every eligible position with p >= tau, and each row's most confident one."""
+class Parallel(Policy):
+    """Commit as many undecided positions as the rule trusts (at least one per row)."""
 
-    scheduled = False
+    def commit(self, prop: Proposal, eligible_BR: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def step(self, prop: Proposal, state: StepState) -> Commit:
+        return Commit(self.commit(prop, state.eligible_BR), prop.tokens_BR)
+
+
+class Threshold(Parallel):
+    """Every eligible position with p >= tau, and each row's most confident one."""
 
     def __init__(self, tau: float) -> None:
         self.tau = tau
+
+    @classmethod
+    def from_config(cls, cfg: SamplerConfig, special: SpecialIds | None) -> Policy:
+        return cls(cfg.threshold)
 
     def commit(self, prop: Proposal, eligible_BR: torch.Tensor) -> torch.Tensor:
         return (eligible_BR & (prop.prob_BR >= self.tau)) | most_confident(prop.prob_BR, eligible_BR)
 
 
-class Factor:
+class Factor(Parallel):
     """The n most confident eligible positions with (n + 1) * (1 - p_n) < f (p sorted descending), n >= 1."""
-
-    scheduled = False
 
     def __init__(self, factor: float) -> None:
         self.factor = factor
+
+    @classmethod
+    def from_config(cls, cfg: SamplerConfig, special: SpecialIds | None) -> Policy:
+        return cls(cfg.factor)
 
     def commit(self, prop: Proposal, eligible_BR: torch.Tensor) -> torch.Tensor:
         probs = torch.where(eligible_BR, prop.prob_BR.double(), torch.zeros_like(prop.prob_BR, dtype=torch.float64))
@@ -103,22 +172,77 @@ class Factor:
         return select_topk(prop.prob_BR, eligible_BR, k_B)
 
 
-POLICIES: Registry[type] = Registry("sampling policy")
+class Ancestral(Policy):
+    """MDLM's ancestral sampler: the step from t to s = t - 1/N unmasks each masked position with
+    probability (t - s) / t (linear schedule; MDLM, Sahoo et al. 2024); the last step unmasks the
+    rest. A step that unmasks nothing leaves the input unchanged, so the loop reuses its forward."""
+
+    def step(self, prop: Proposal, state: StepState) -> Commit:
+        N, k, eligible = state.budget, state.step, state.eligible_BR
+        t, s = 1 - k / N, max(1 - (k + 1) / N, 0.0)
+        p = (t - s) / t if k < N - 1 else 1.0
+        u = torch.rand(eligible.shape, generator=state.generator, device=eligible.device)
+        return Commit(eligible & (u < p), prop.tokens_BR)
+
+
+class FirstHitting(Policy):
+    """One position per forward, in uniformly random order: the exact reverse process of a
+    time-agnostic masked model (first-hitting sampler, Zheng et al. 2024). Its budget is the region."""
+
+    def budget(self, steps: int, length: int) -> int:
+        return length
+
+    def step(self, prop: Proposal, state: StepState) -> Commit:
+        eligible = state.eligible_BR
+        u = torch.rand(eligible.shape, generator=state.generator, device=eligible.device)
+        return Commit(select_topk(u, eligible, torch.ones_like(eligible[:, 0], dtype=torch.long)), prop.tokens_BR)
+
+
+class Uniform(Policy):
+    """Uniform-state decoding: the region starts as uniformly random tokens; each step predicts x_0
+    everywhere, keeps the alpha(s) share of most confident predictions and re-noises the rest with
+    fresh random tokens (linear schedule alpha(s) = 1 - s); the last step keeps every prediction."""
+
+    def __init__(self, num_tokens: int, mask_id: int) -> None:
+        self.num_tokens, self.mask_id = num_tokens, mask_id
+
+    @classmethod
+    def from_config(cls, cfg: SamplerConfig, special: SpecialIds | None) -> Policy:
+        if special is None or special.num_tokens is None:
+            raise ValueError("uniform decoding needs SpecialIds.num_tokens (the tokenizer's vocabulary)")
+        return cls(special.num_tokens, special.mask_id)
+
+    def start(self, state: StepState) -> torch.Tensor:
+        return self.noise(state)
+
+    def step(self, prop: Proposal, state: StepState) -> Commit:
+        alpha_s = (state.step + 1) / state.budget  # s = 1 - (step + 1) / N
+        keep_B = torch.floor(alpha_s * state.eligible_BR.sum(-1).double() + 1e-9).long()
+        keep = select_topk(prop.prob_BR, state.eligible_BR, keep_B)
+        tokens = torch.where(keep, prop.tokens_BR, self.noise(state))
+        return Commit(keep, tokens, renoise_BR=state.eligible_BR & ~keep, final=alpha_s >= 1)
+
+    def noise(self, state: StepState) -> torch.Tensor:
+        """Uniform over the tokenizer's ids without the mask id (as the uniform objective corrupts)."""
+        u = torch.rand(state.eligible_BR.shape, generator=state.generator, device=state.eligible_BR.device)
+        return uniform_token_ids(u, self.num_tokens, self.mask_id)
+
+
+POLICIES: Registry[type[Policy]] = Registry("sampling policy")
 POLICIES.add("low_confidence", LowConfidence)
 POLICIES.add("random", RandomOrder)
 POLICIES.add("margin", Margin)
 POLICIES.add("entropy", Entropy)
 POLICIES.add("threshold", Threshold)
 POLICIES.add("factor", Factor)
+POLICIES.add("ancestral", Ancestral)
+POLICIES.add("first_hitting", FirstHitting)
+POLICIES.add("uniform", Uniform)
 
 
-def make_policy(name: str, threshold: float = 0.9, factor: float = 1.0):
-    cls = POLICIES.get(name)
-    if cls is Threshold:
-        return Threshold(threshold)
-    if cls is Factor:
-        return Factor(factor)
-    return cls()
+def make_policy(cfg: SamplerConfig, special: SpecialIds | None = None) -> Policy:
+    """The policy `cfg.policy`, built from the sampler fields it uses (uniform: also the special ids)."""
+    return POLICIES.get(cfg.policy).from_config(cfg, special)
 
 
 def most_confident(prob_BR: torch.Tensor, eligible_BR: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,123 @@
+"""The Runner: THE model call of sampling, with its attention masks, KV-cache slices and guidance.
+
+Model calls: the whole canvas (no cache); the active block and everything after it against a cached
+prefix (prefix cache), only the active block against cached prefix and suffix (dual cache), both
+refreshed by a full forward at each block start or every `refresh_every` steps; for block models the
+canvas up to the active block under the block-causal mask (no cache), or with the exact block cache
+only the active block (plus the previous block's clean tokens once, whose keys are then final).
+Shifted models (position i predicted from hidden i-1) run one extra query row before the slice.
+
+Shapes: B batch, T canvas, V vocabulary, Q query rows.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from dllm.attention.masks import AttentionMask
+from dllm.config.sampler import SamplerConfig
+from dllm.sampling.cache import KVCache
+from dllm.sampling.canvas import Canvas, SpecialIds
+
+if TYPE_CHECKING:
+    from dllm.sampling.generate import Counters
+
+
+class Runner:
+    """Runs the model for the predictions of a canvas region, with the configured cache.
+
+    `shift` is the sampler's resolved shift (from the decode profile): the model returns unshifted
+    states, and the runner reads row i-1 for position i across cache slices itself."""
+
+    def __init__(self, model: torch.nn.Module, canvas: Canvas, cfg: SamplerConfig, special: SpecialIds,
+                 shift: bool, counters: Counters) -> None:  # fmt: skip
+        self.model, self.canvas, self.cfg, self.special = model, canvas, cfg, special
+        self.shift, self.counters = int(shift), counters
+        T = canvas.x_BT.shape[1]
+        self.cache = KVCache(T) if cfg.cache != "none" else None
+        self.clean_upto = 0  # exact block cache: keys of [0, clean_upto) are final
+        self._masks: dict[tuple[int, int], AttentionMask] = {}
+        self.mask_col = torch.tensor([special.mask_id], device=canvas.x_BT.device)
+
+    def mask(self, qs: int, ke: int) -> AttentionMask:
+        """Queries from canvas index qs, keys [0, ke)."""
+        if (qs, ke) not in self._masks:
+            c = self.canvas
+            valid = c.valid_BT[:, :ke]
+            padded = not bool(valid.all())
+            bl = c.block_length
+            if c.block_attention and not padded and qs // bl == (ke - 1) // bl:
+                # every query is in the last key block: block-causal allows all keys (no mask to build)
+                m = AttentionMask("bidirectional", query_offset=qs)
+            elif c.block_attention:
+                docs = valid.long() if padded else None  # padding is its own document
+                m = AttentionMask("block_causal", doc_ids_BL=docs, block_size=bl, query_offset=qs)
+            else:
+                m = AttentionMask("bidirectional", key_valid_BL=valid if padded else None, query_offset=qs)
+            self._masks[(qs, ke)] = m
+        return self._masks[(qs, ke)]
+
+    def forward(self, x_BT: torch.Tensor, qs: int, qe: int, ke: int) -> torch.Tensor:
+        """Raw (unshifted) logits [B, qe - qs, V] of canvas rows [qs, qe) attending to keys [0, ke).
+
+        The one place sampling calls the model. Classifier-free guidance (Ho & Salimans 2022; the
+        prompt masked as in LLaDA, Nie et al. 2025) runs as one batched call: conditional rows, then
+        the same rows with the prompt masked; logits = uncond + (1 + w) * (cond - uncond)."""
+        kwargs: dict = {}
+        if self.cache is not None:
+            kwargs["cache"] = self.cache.at(qs, ke)
+            self.counters.cached_tokens += x_BT.shape[0] * (ke - (qe - qs))
+        tokens, positions, mask = x_BT[:, qs:qe], self.canvas.positions_BT[:, qs:qe], self.mask(qs, ke)
+        w = self.cfg.cfg_scale
+        if w > 0:
+            uncond = torch.where(self.canvas.prompt_BT[:, qs:qe], self.special.mask_id, tokens)
+            tokens, positions, mask = torch.cat([tokens, uncond]), positions.repeat(2, 1), _twice(mask)
+        logits = _at_least_float32(self.model(tokens, positions, mask, **kwargs).logits())
+        if w > 0:
+            cond, unc = logits.chunk(2)
+            logits = unc + (1 + w) * (cond - unc)
+        self.counters.nfe += 1
+        self.counters.query_tokens += tokens.numel()
+        return logits.index_fill(-1, self.mask_col, float("-inf"))  # the mask token is never a prediction
+
+    def predict(self, x_BT: torch.Tensor, lo: int, hi: int, refresh: bool) -> torch.Tensor:
+        """Logits [B, hi - lo, V] predicting canvas positions [lo, hi) (the active block).
+
+        `refresh`: the first step of a block, or a scheduled refresh of an approximate cache."""
+        T, s = x_BT.shape[1], self.shift
+        mode = self.cfg.cache
+        if self.canvas.block_attention:
+            if mode == "block":
+                qs = min(self.clean_upto, lo - s)  # the previous block's clean rows, once, then final
+                raw = self.forward(x_BT, qs, hi, hi)
+                self.clean_upto = max(self.clean_upto, lo)
+            else:
+                qs = 0
+                raw = self.forward(x_BT, 0, hi, hi)
+        elif mode == "none" or refresh:
+            qs = 0
+            raw = self.forward(x_BT, 0, T, T)
+        elif mode == "prefix":
+            qs = lo - s
+            raw = self.forward(x_BT, qs, T, T)
+        else:  # dual
+            qs = lo - s
+            raw = self.forward(x_BT, qs, hi, T)
+        return raw[:, lo - s - qs : hi - s - qs]
+
+
+def _at_least_float32(logits: torch.Tensor) -> torch.Tensor:
+    """bf16 / fp16 logits upcast for the proposal; float64 (a float64 model) kept as it is."""
+    return logits if logits.dtype == torch.float64 else logits.float()
+
+
+def _twice(mask: AttentionMask) -> AttentionMask:
+    """The same description for a batch stacked twice (classifier-free guidance)."""
+
+    def rep(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.repeat(2, 1)
+
+    return AttentionMask(mask.kind, key_valid_BL=rep(mask.key_valid_BL), doc_ids_BL=rep(mask.doc_ids_BL),
+                         block_size=mask.block_size, window=mask.window, query_offset=mask.query_offset)  # fmt: skip
