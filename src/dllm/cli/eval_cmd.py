@@ -31,13 +31,10 @@ def likelihood(
     as_json: bool = typer.Option(False, "--json", help="One JSON line instead of the text summary."),
 ) -> None:
     """Negative ELBO per token (and the perplexity bound) on prepared data; exact NLL for --kind ar."""
-    import numpy as np
     import torch
 
     from dllm.checkpoint.inference import load_for_inference
-    from dllm.data.artifact import validate_artifact
-    from dllm.data.loader import StepLoader
-    from dllm.evaluation.likelihood import nelbo_samples, scoring_for, summarize
+    from dllm.evaluation.likelihood import scoring_for, summarize
 
     if mc_samples < 1 or batch_size < 1:
         raise ConfigError("--mc-samples and --batch-size must be >= 1")
@@ -47,6 +44,27 @@ def likelihood(
         raise ConfigError(f"--device: {device!r} is not available here; use cpu")
     loaded = load_for_inference(run, checkpoint, torch.device(device), model_dir=model)
     how = scoring_for(loaded, kind)
+    artifact = _scoring_data(data, loaded, how)
+    samples = 1 if how.kind == "ar" else mc_samples
+    parts = _score_rows(loaded.model, artifact, how, limit, batch_size, samples, sampling == "stratified", seed, device)
+    result = summarize(parts, exact=how.kind == "ar")
+    if as_json:
+        record = {"source": str(loaded.source), "data": str(data), "kind": how.kind, "sampling": sampling}
+        out(json.dumps({**record, **result.as_dict()}))
+        return
+    what = "exact NLL" if result.exact else "NELBO (upper bound on NLL)"
+    out(f"{what} per token: {result.nelbo_per_token:.4f} nats  (MC stderr {result.mc_stderr:.4f}, "
+        f"data stderr {result.data_stderr:.4f})")  # fmt: skip
+    bound = "" if result.exact else " bound"
+    out(f"perplexity{bound}: {result.ppl_bound:.3f}")
+    out(f"{result.rows} rows, {result.tokens} scored tokens, {result.mc_samples} sample(s) per row, "
+        f"{result.forward_passes} forward passes ({how.kind}, {sampling})")  # fmt: skip
+
+
+def _scoring_data(data: Path, loaded, how):
+    """The artifact to score, checked against the model: same tokenizer, rows that fit, whole blocks."""
+    from dllm.data.artifact import validate_artifact
+
     artifact = validate_artifact(data, checksums=False)
     tok_id = loaded.tokenizer.identity()
     for key in ("vocab_hash", "special_ids"):
@@ -58,6 +76,17 @@ def likelihood(
         )
     if how.kind == "block" and artifact.seq_len % (how.block_size or 1):
         raise ConfigError(f"--data: seq_len {artifact.seq_len} is not a multiple of the block size {how.block_size}")
+    return artifact
+
+
+def _score_rows(model, artifact, how, limit, batch_size, num_samples, antithetic, seed, device) -> list:
+    """Monte Carlo samples of the bound (or the exact NLL) for the first `limit` rows, a batch at a time."""
+    import numpy as np
+    import torch
+
+    from dllm.data.loader import StepLoader
+    from dllm.evaluation.likelihood import nelbo_samples
+
     loader = StepLoader(artifact, global_batch_size=1, micro_batch_size=1, shuffle=False)
     rows = artifact.num_sequences if limit is None else min(limit, artifact.num_sequences)
     gen = torch.Generator().manual_seed(seed)
@@ -67,29 +96,11 @@ def likelihood(
         valid = None if batch.doc_ids_BL is None or artifact.manifest["layout"] != "indexed" else batch.doc_ids_BL == 0
         parts.append(
             nelbo_samples(
-                loaded.model, batch.tokens_BL.to(device), batch.loss_mask_BL.to(device), how,
-                num_samples=1 if how.kind == "ar" else mc_samples, antithetic=sampling == "stratified",
-                generator=gen, valid_BL=None if valid is None else valid.to(device),
+                model, batch.tokens_BL.to(device), batch.loss_mask_BL.to(device), how, num_samples=num_samples,
+                antithetic=antithetic, generator=gen, valid_BL=None if valid is None else valid.to(device),
             )
         )  # fmt: skip
-    result = summarize(parts, exact=how.kind == "ar")
-    record = {
-        "source": str(loaded.source),
-        "data": str(data),
-        "kind": how.kind,
-        "sampling": sampling,
-        **result.as_dict(),
-    }
-    if as_json:
-        out(json.dumps(record))
-        return
-    what = "exact NLL" if result.exact else "NELBO (upper bound on NLL)"
-    out(f"{what} per token: {result.nelbo_per_token:.4f} nats  (MC stderr {result.mc_stderr:.4f}, "
-        f"data stderr {result.data_stderr:.4f})")  # fmt: skip
-    bound = "" if result.exact else " bound"
-    out(f"perplexity{bound}: {result.ppl_bound:.3f}")
-    out(f"{result.rows} rows, {result.tokens} scored tokens, {result.mc_samples} sample(s) per row, "
-        f"{result.forward_passes} forward passes ({how.kind}, {sampling})")  # fmt: skip
+    return parts
 
 
 @app.command()
@@ -115,9 +126,7 @@ def tasks(
     """Exact-match accuracy through any sampler, with NFE, tokens per forward and wall time."""
     import torch
 
-    from dllm.config.sampler import resolve_sampler
     from dllm.evaluation.tasks import load_task, run_task
-    from dllm.sampling.generate import generate as sample
 
     if limit < 1 or batch_size < 1:
         raise ConfigError("--limit and --batch-size must be >= 1")
@@ -127,34 +136,42 @@ def tasks(
     loaded_tasks = [load_task(n, limit, seed) for n in names]
     flags = {"policy": policy, "cache": cache, "gen_length": gen_length}
     s = setup_sampling(run, checkpoint, model, device, sampler_config, overrides, flags)
-    tok = s.loaded.tokenizer
+    task_length = gen_length is None and "gen_length" not in _file_and_set_fields(sampler_config, overrides)
     gen = torch.Generator(device=s.device).manual_seed(s.cfg.seed)
-    results = []
-    for task in loaded_tasks:
-        cfg = s.cfg
-        if gen_length is None and "gen_length" not in _file_and_set_fields(sampler_config, overrides):
-            block = cfg.block_length or task.max_new_tokens
-            n = -(-task.max_new_tokens // block) * block
-            cfg = resolve_sampler(cfg.model_copy(update={"gen_length": n}), s.loaded.profile)
-        stops = list(cfg.stop_strings) or list(task.stop_strings)
-        stop_fn = stop_function(tok, stops)
-
-        def generate_batch(prompts: list[str], cfg=cfg, stops=stops, stop_fn=stop_fn):
-            res = sample(s.loaded.model, [tok.encode(p) for p in prompts], cfg, s.special, generator=gen, stop=stop_fn)
-            return [cut_at_stop(tok.decode(ids), stops) for ids in res.sequences], res.counters
-
-        results.append(run_task(task, generate_batch, batch_size))
+    results = [run_task(task, _task_sampler(s, task, task_length, gen), batch_size) for task in loaded_tasks]
     if output is not None:
         tmp = output.with_name(output.name + ".tmp")
         tmp.write_text("".join(json.dumps(o) + "\n" for r in results for o in r.outputs), encoding="utf-8")
         tmp.replace(output)
+    _report_tasks(s, results, as_json)
+
+
+def _task_sampler(s, task, task_length: bool, gen):
+    """prompts -> (answers, counters) for one task: its own generation length (whole blocks) unless
+    the user set one, its stop strings unless the sampler has some."""
+    from dllm.config.sampler import resolve_sampler
+    from dllm.sampling.generate import generate as sample
+
+    cfg, tok = s.cfg, s.loaded.tokenizer
+    if task_length:
+        block = cfg.block_length or task.max_new_tokens
+        n = -(-task.max_new_tokens // block) * block
+        cfg = resolve_sampler(cfg.model_copy(update={"gen_length": n}), s.loaded.profile)
+    stops = list(cfg.stop_strings) or list(task.stop_strings)
+    stop_fn = stop_function(tok, stops)
+
+    def generate_batch(prompts: list[str]):
+        res = sample(s.loaded.model, [tok.encode(p) for p in prompts], cfg, s.special, generator=gen, stop=stop_fn)
+        return [cut_at_stop(tok.decode(ids), stops) for ids in res.sequences], res.counters
+
+    return generate_batch
+
+
+def _report_tasks(s, results, as_json: bool) -> None:
     if as_json:
         for r in results:
-            out(
-                json.dumps(
-                    {"source": str(s.loaded.source), "policy": s.cfg.policy, "cache": s.cfg.cache, **r.summary()}
-                )
-            )
+            record = {"source": str(s.loaded.source), "policy": s.cfg.policy, "cache": s.cfg.cache}
+            out(json.dumps({**record, **r.summary()}))
         return
     header = f"{'task':<16}{'accuracy':>10}{'n':>6}{'NFE/call':>10}{'fwd/answer':>12}{'tok/fwd':>9}{'wall s':>9}"
     out(header)
