@@ -44,8 +44,7 @@ def resolve_run_spec(
         )
     spec = spec.model_copy(update={"model": model.model_copy(update={"vocab_size": max(vocab, tok.vocab_size)})})
     check_topology(spec, world_size if world_size is not None else spec.topology.world_size)
-    _check_device(spec)
-    spec = _resolve_attention(spec)
+    spec = _resolve_attention(spec, _check_device(spec))
     backend = spec.model.attention_backend
     if not spec.model.flex_compile and backend in ("sdpa", "blockwise"):
         warnings.append(f"model.flex_compile: false has no effect with attention_backend {backend}")
@@ -97,16 +96,16 @@ def _check_lora(spec: RunSpec) -> None:
         raise ConfigError(f"lora.targets: {e}") from None
 
 
-def _resolve_attention(spec: RunSpec) -> RunSpec:
+def _resolve_attention(spec: RunSpec, device_type: str) -> RunSpec:
     """`model.attention_backend: auto` becomes the concrete backend it runs on the training device, so the
     resolved config records which attention path trains (auto's choice depends on nothing else)."""
-    on_gpu = spec.training.device == "cuda" or (spec.training.device == "auto" and torch.cuda.is_available())
     m = spec.model
-    backend = resolve_backend(m.attention_backend, "cuda" if on_gpu else "cpu", m.flex_compile)
+    backend = resolve_backend(m.attention_backend, device_type, m.flex_compile)
     return spec.model_copy(update={"model": m.model_copy(update={"attention_backend": backend})})
 
 
-def _check_device(spec: RunSpec) -> None:
+def _check_device(spec: RunSpec) -> str:
+    """The training device type (cuda or cpu), after checking that the settings can run on it."""
     dev, topo = spec.training.device, spec.topology
     gpu = torch.cuda.is_available()
     if dev == "cuda" and not gpu:
@@ -125,6 +124,7 @@ def _check_device(spec: RunSpec) -> None:
         raise ConfigError(
             f"topology.nproc_per_node: {topo.nproc_per_node} processes but {torch.cuda.device_count()} GPU(s) visible"
         )
+    return "cuda" if on_gpu else "cpu"
 
 
 def _check_artifact(spec: RunSpec, tok_identity: dict) -> None:
