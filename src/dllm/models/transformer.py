@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dllm.attention.backends import make_attention
+from dllm.attention.backends import AttentionFn, make_attention
 from dllm.attention.masks import AttentionMask
 from dllm.config.model import ModelConfig
 from dllm.models.output import ModelOutput, SelfConditioned
@@ -79,7 +79,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, attend: AttentionFn) -> None:
         super().__init__()
         E, H, K, D = cfg.hidden_size, cfg.num_heads, cfg.kv_heads, cfg.dim_per_head
         self.num_heads, self.num_kv_heads, self.head_dim = H, K, D
@@ -89,7 +89,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(H * D, E, bias=cfg.attn_out_bias)
         self.q_norm = RMSNorm(D, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(D, cfg.norm_eps) if cfg.qk_norm else None
-        self.attend = make_attention(cfg.attention_backend, cfg.flex_compile)
+        self.attend = attend  # one backend object per model, shared by its layers
 
     def forward(
         self,
@@ -177,11 +177,11 @@ class MoE(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, attend: AttentionFn) -> None:
         super().__init__()
         self.post_norm = cfg.norm_position == "post"
         self.input_layernorm = make_norm(cfg)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, attend)
         self.post_attention_layernorm = make_norm(cfg)
         self.mlp = MoE(cfg) if cfg.num_experts else MLP(cfg)
 
@@ -233,7 +233,8 @@ class Transformer(nn.Module):
         self.embed_positions = nn.Embedding(cfg.max_seq_len, E) if cfg.position == "learned" else None
         self.embed_norm = make_norm(cfg) if cfg.embedding_norm else None
         self.self_cond_proj = nn.Linear(E, E, bias=False) if cfg.self_condition else None
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        attend = make_attention(cfg.attention_backend, cfg.flex_compile)  # a compile failure is met once
+        self.layers = nn.ModuleList(Block(cfg, attend) for _ in range(cfg.num_layers))
         self.norm = make_norm(cfg) if cfg.final_norm else None
         self.head_transform = MLMHead(cfg) if cfg.head == "mlm" else None
         self.head_bias = nn.Parameter(torch.zeros(V)) if cfg.head == "mlm" else None
