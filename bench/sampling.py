@@ -112,7 +112,7 @@ def resolved(loaded, fields: dict[str, Any]) -> SamplerConfig:
 def run_slice(loaded, cfg: SamplerConfig, prompts: list[str], answers: list[str], batch: int) -> list[float]:
     """Generate for `prompts` in calls of `batch` prompts: [wall seconds, NFE, tokens committed, right]."""
     tok = loaded.tokenizer
-    special = SpecialIds(tok.mask_id, tok.pad_id, tok.eos_id, tok.vocab_size)
+    special = SpecialIds.of(loaded.profile)
     ids = [tok.encode(p) for p in prompts]
     t0, nfe, committed, right = time.perf_counter(), 0, 0, 0
     for i in range(0, len(ids), batch):

@@ -62,6 +62,5 @@ def setup_sampling(
         raise ConfigError(f"--device: {device!r} is not available here; use cpu")
     loaded = load_for_inference(run, checkpoint, torch.device(device), model_dir=model)
     cfg = resolve_sampler(cfg, loaded.profile)
-    p = loaded.profile
-    special = SpecialIds(mask_id=p.mask_id, pad_id=p.pad_id, eos_id=p.eos_id, num_tokens=p.num_tokens)
+    special = SpecialIds.of(loaded.profile)
     return SamplingSetup(loaded, cfg, special, torch.device(device))

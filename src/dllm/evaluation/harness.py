@@ -204,7 +204,7 @@ class DllmLM(LM):
         self.cfg_scale = self.sampler.cfg_scale
         self.seed = self.sampler.seed
         tok = self.tokenizer
-        self.special = SpecialIds(mask_id=tok.mask_id, pad_id=tok.pad_id, eos_id=tok.eos_id, num_tokens=tok.vocab_size)
+        self.special = SpecialIds.of(self.loaded.profile)
         self.prefix_id = tok.bos_id if tok.bos_id is not None else tok.eos_id
         self.max_length = int(a.max_length or self.loaded.model_cfg.max_seq_len)
         if self.max_length > self.loaded.model_cfg.max_seq_len:

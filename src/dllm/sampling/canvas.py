@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dllm.config.profile import DecodeProfile
 from dllm.config.sampler import SamplerConfig
 
 
@@ -26,6 +27,11 @@ class SpecialIds:
     eos_id: int
     num_tokens: int | None = None
     """Ids the tokenizer can produce (uniform-state decoding draws random tokens from them)."""
+
+    @classmethod
+    def of(cls, profile: DecodeProfile) -> SpecialIds:
+        """The ids a model's decode profile records."""
+        return cls(profile.mask_id, profile.pad_id, profile.eos_id, profile.num_tokens)
 
 
 def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
