@@ -112,6 +112,27 @@ def import_edges(root: Path) -> list[Edge]:
     return sorted(edges, key=lambda e: (str(e.file), e.line))
 
 
+def registry_edges(root: Path, registries: dict[str, str]) -> list[Edge]:
+    """Every `NAME.resolve(...)` of a registry ({NAME: the part its targets live in}): resolving a name imports
+    the target's module, so it is an edge from the resolving part to the registry's part."""
+    edges = []
+    for file in sorted(root.rglob("*.py")):
+        source = _part_of(root, _module_name(root, file)[0])
+        for node in ast.walk(ast.parse(file.read_text(), filename=str(file))):
+            func = node.func if isinstance(node, ast.Call) else None
+            if isinstance(func, ast.Attribute) and func.attr == "resolve" and isinstance(func.value, ast.Name):
+                target = registries.get(func.value.id)
+                if target is not None and target != source:
+                    edges.append(Edge(file, node.lineno, ast.unparse(node), source, target))
+    return edges
+
+
+def real_registries() -> dict[str, str]:
+    from dllm.config.registries import ALL
+
+    return {name: reg.part for name, reg in ALL.items()}
+
+
 def find_cycle(allowed: dict[str, set[str]]) -> list[str] | None:
     """A cycle of allowed edges (as a path that returns to its start), or None for a DAG."""
     try:
@@ -121,10 +142,11 @@ def find_cycle(allowed: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def violations(root: Path, allowed: dict[str, set[str]]) -> list[str]:
-    """One message per import that `allowed` does not permit, naming the file, the line and the import."""
+def violations(root: Path, allowed: dict[str, set[str]], registries: dict[str, str] | None = None) -> list[str]:
+    """One message per import (or registry resolution) that `allowed` does not permit, naming the file, the
+    line and the statement."""
     out = []
-    for e in import_edges(root):
+    for e in import_edges(root) + registry_edges(root, registries or {}):
         if e.target in allowed.get(e.source, set()):
             continue
         shown = e.file.relative_to(REPO if REPO in e.file.parents else root.parent)
@@ -143,7 +165,7 @@ def violations(root: Path, allowed: dict[str, set[str]]) -> list[str]:
 
 def test_every_import_follows_architecture_toml():
     allowed, _ = load_rules()
-    found = violations(SRC, allowed)
+    found = violations(SRC, allowed, real_registries())
     if found:
         pytest.fail("imports that break the layering:\n" + "\n".join(found), pytrace=False)
 
@@ -153,6 +175,13 @@ def test_checker_sees_the_real_imports():
     edges = {(e.source, e.target) for e in import_edges(SRC)}
     assert {("cli", "config"), ("training", "models"), ("models", "attention"), ("data", ROOT)} <= edges
     assert len(edges) > 40
+
+
+def test_checker_sees_the_registry_resolutions():
+    """Names resolved through config/registries.py are edges too (training resolves OBJECTIVES in diffusion)."""
+    edges = {(e.source, e.target) for e in registry_edges(SRC, real_registries())}
+    assert {("training", "diffusion"), ("tokenization", "tokenization")} & edges == {("training", "diffusion")}
+    assert len(edges) >= 3
 
 
 def test_architecture_toml_is_a_dag():
@@ -250,3 +279,18 @@ def test_cycle_in_the_rules_is_reported():
     rules = {"config": {"errors"}, "errors": set(), "models": {"config", "training"}, "training": {"models"}}
     assert set(find_cycle(rules) or []) == {"models", "training"}
     assert find_cycle({**rules, "training": {"config"}}) is None
+
+
+def test_checker_reports_a_registry_resolution_across_the_layering(tmp_path: Path):
+    """`OBJECTIVES.resolve(...)` in models imports diffusion through a string: reported like an import."""
+    root = tmp_path / "dllm"
+    _write(root, "__init__.py", "")
+    _write(root, "diffusion/__init__.py", "")
+    _write(root, "models/__init__.py", "")
+    _write(root, "models/layers.py", "def f(name):\n    return OBJECTIVES.resolve(name)\n")
+    allowed = {ROOT: set(), "models": set(), "diffusion": {"models"}}
+    found = violations(root, allowed, {"OBJECTIVES": "diffusion", "NORMS": "models"})
+    assert len(found) == 1 and found[0].startswith(
+        "dllm/models/layers.py:2: `OBJECTIVES.resolve(name)` makes models import diffusion"
+    ), found
+    assert violations(root, allowed, {"OBJECTIVES": "models"}) == []  # resolving inside its own part

@@ -1,13 +1,14 @@
 """Contract tests for every registry and every registered implementation.
 
-Registries: MODELS, OBJECTIVES, SCHEDULES, POLICIES, SOURCES, ATTENTION_BACKENDS. A new entry is
-covered here without writing a test: names come from the registries and the config Literals.
+Registries: every one in dllm.config.registries.ALL. A new entry is covered here without writing a
+test: names come from the registries, and the config must accept exactly the registered names.
 
 Shapes: B batch, L sequence, V vocabulary, H query heads, K key/value heads, D head width.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import typing
@@ -17,31 +18,35 @@ import pytest
 import torch
 from pydantic import BaseModel
 
-from dllm.attention.backends import ATTENTION_BACKENDS, make_attention
+from dllm.attention.backends import make_attention
 from dllm.attention.masks import AttentionMask
+from dllm.config.data import TokenizerConfig
 from dllm.config.model import ModelConfig
 from dllm.config.objectives import BD3LMConfig, FastDLLMv2Config, MDLMConfig, ObjectiveConfig, UniformConfig
 from dllm.config.prepare import PrepareSpec
+from dllm.config.profile import DecodeProfile
+from dllm.config.registries import (
+    ALL,
+    ATTENTION_BACKENDS,
+    FAMILIES,
+    OBJECTIVES,
+    POLICIES,
+    SCHEDULES,
+    SOURCES,
+    TOKENIZERS,
+)
 from dllm.config.sampler import SamplerConfig
+from dllm.config.training import SchedulerConfig
 from dllm.data.loader import Batch
-from dllm.data.prepare.sources import SOURCES
 from dllm.diffusion.corruption import NoiseKeys
-from dllm.diffusion.objectives import OBJECTIVES, LossOutput, ModelInputs, TokenIds
-from dllm.diffusion.schedules import SCHEDULES
-from dllm.models import MODELS
-from dllm.registry import Registry
+from dllm.diffusion.objectives import LossOutput, ModelInputs, TokenIds
+from dllm.models import Transformer
+from dllm.registry import Registry, entry
 from dllm.sampling.generate import SpecialIds, commit_schedule
-from dllm.sampling.policies import POLICIES, Proposal, StepState, make_policy, select_topk
+from dllm.sampling.policies import Parallel, Proposal, Scheduled, StepState, make_policy, select_topk
 from tests.helpers import output_of_logits
 
-REGISTRIES: dict[str, Registry] = {
-    "MODELS": MODELS,
-    "OBJECTIVES": OBJECTIVES,
-    "SCHEDULES": SCHEDULES,
-    "POLICIES": POLICIES,
-    "SOURCES": SOURCES,
-    "ATTENTION_BACKENDS": ATTENTION_BACKENDS,
-}
+REGISTRIES: dict[str, Registry] = ALL
 
 
 def literal_names(model_cls, field: str) -> set[str]:
@@ -67,27 +72,39 @@ def union_literals(annotation, field: str) -> set[str]:
     return out
 
 
-def source_kinds() -> set[str]:
-    """Every `kind` a source entry of prepare.yaml accepts (through list/Union/Annotated)."""
+def source_sections() -> list[type[BaseModel]]:
+    """Every source section class prepare.yaml accepts (through list/Union/Annotated)."""
 
-    def walk(tp) -> set[str]:
+    def walk(tp) -> list[type[BaseModel]]:
         if isinstance(tp, type) and issubclass(tp, BaseModel):
-            return literal_names(tp, "kind") if "kind" in tp.model_fields else set()
-        out: set[str] = set()
-        for arg in typing.get_args(tp):
-            out |= walk(arg)
-        return out
+            return [tp] if "kind" in tp.model_fields else []
+        return [cls for arg in typing.get_args(tp) for cls in walk(arg)]
 
     return walk(PrepareSpec.model_fields["sources"].annotation)
 
 
+def source_field(field: str) -> set[str]:
+    return {n for cls in source_sections() if field in cls.model_fields for n in literal_names(cls, field)}
+
+
+OBJECTIVE_SECTIONS = typing.get_args(typing.get_args(ObjectiveConfig)[0])
+CONFIG_SECTIONS = {cls.model_fields["name"].default: cls for cls in OBJECTIVE_SECTIONS}
+"""objective name -> its config section (an objective brings its own fields)."""
+
 CONFIG_LITERALS = {  # registry -> names its config accepts
-    "MODELS": lambda: literal_names(ModelConfig, "family"),
+    "FAMILIES": lambda: literal_names(ModelConfig, "family"),
+    "NORMS": lambda: literal_names(ModelConfig, "norm"),
+    "ACTIVATIONS": lambda: literal_names(ModelConfig, "activation"),
     "ATTENTION_BACKENDS": lambda: literal_names(ModelConfig, "attention_backend"),
     "OBJECTIVES": lambda: union_literals(ObjectiveConfig, "name"),
-    "SCHEDULES": lambda: union_literals(ObjectiveConfig, "schedule"),
+    "SCHEDULES": lambda: union_literals(ObjectiveConfig, "schedule") | literal_names(DecodeProfile, "schedule"),
     "POLICIES": lambda: literal_names(SamplerConfig, "policy"),
-    "SOURCES": source_kinds,
+    "CACHES": lambda: literal_names(SamplerConfig, "cache"),
+    "SOURCES": lambda: source_field("kind"),
+    "RECORD_FORMATS": lambda: source_field("format"),
+    "LAYOUTS": lambda: literal_names(PrepareSpec, "layout"),
+    "TOKENIZERS": lambda: literal_names(TokenizerConfig, "kind"),
+    "LR_SCHEDULES": lambda: literal_names(SchedulerConfig, "name"),
 }
 
 
@@ -96,60 +113,80 @@ CONFIG_LITERALS = {  # registry -> names its config accepts
 
 
 def test_registry_class_behaviour():
-    reg: Registry[int] = Registry("widget")
-    reg.add("b", 2)
-
-    @reg.register("a")
-    def a():
-        return 1
-
-    assert reg.get("a") is a and reg.get("b") == 2
-    assert reg.names() == ["a", "b"] and list(reg) == ["a", "b"] and len(reg) == 2
+    reg: Registry = Registry("widget", "registry_fixture", {"b": "x:B", "a": entry("x:A.make", "odd")})
+    assert reg.names() == ("b", "a") and list(reg) == ["b", "a"] and len(reg) == 2  # declaration order
+    assert reg.names("odd") == ("a",) and reg.has("a", "odd") and not reg.has("b", "odd") and not reg.has("c", "odd")
     assert "a" in reg and "c" not in reg
-    with pytest.raises(KeyError, match="widget 'a' is already registered"):
-        reg.add("a", 3)
-    with pytest.raises(KeyError, match="already registered"):
-        reg.register("b")(4)
-    assert reg.get("a") is a and reg.get("b") == 2 and len(reg) == 2
-    with pytest.raises(KeyError, match=r"unknown widget 'zzz'; known: a, b"):
-        reg.get("zzz")
+    assert reg.module_of("a") == "dllm.registry_fixture.x"
+    with pytest.raises(KeyError, match=r"unknown widget 'zzz'; known: b, a"):
+        reg.resolve("zzz")
+    with pytest.raises(AssertionError, match="not 'module:object'"):
+        Registry("widget", "part", {"a": "no_colon"})
+
+
+def test_registry_resolves_lazily_and_once(monkeypatch):
+    """Nothing is imported until a name is resolved; a dotted attribute (a classmethod) is followed."""
+    reg: Registry = Registry("tokenizer", "tokenization", {"byte": "byte:ByteTokenizer.from_config"})
+    imported: list[str] = []
+    real = importlib.import_module
+    monkeypatch.setattr(importlib, "import_module", lambda name: imported.append(name) or real(name))
+    assert imported == []
+    first = reg.resolve("byte")
+    assert reg.resolve("byte") is first and imported == ["dllm.tokenization.byte"]
+    assert first.__self__.__name__ == "ByteTokenizer"
 
 
 @pytest.mark.parametrize("reg_name", sorted(REGISTRIES))
-def test_registry_rejects_duplicate_names(reg_name):
+def test_every_entry_resolves_inside_its_part(reg_name):
+    """Each target imports, exists, is callable, and lives in the part the registry declares (the layering
+    of ARCHITECTURE.toml applies to the string targets too)."""
     reg = REGISTRIES[reg_name]
     assert len(reg) > 0, f"{reg_name} is empty"
-    before = {n: reg.get(n) for n in reg.names()}
-    for name in reg.names():
-        with pytest.raises(KeyError, match="already registered"):
-            reg.add(name, object())
-        with pytest.raises(KeyError, match="already registered"):
-            reg.register(name)(object())
-    assert {n: reg.get(n) for n in reg.names()} == before
+    for name in reg:
+        assert reg.module_of(name).startswith(f"dllm.{reg.part}."), (reg_name, name)
+        obj = reg.resolve(name)
+        assert obj is not None, f"{reg_name} {name!r} resolves to None"
+        assert callable(obj) or reg_name == "FAMILIES", f"{reg_name} {name!r}: {obj!r} is not callable"
+
+
+def test_families_resolve_to_their_own_family():
+    for name in REGISTRIES["FAMILIES"]:
+        assert REGISTRIES["FAMILIES"].resolve(name).name == name
 
 
 @pytest.mark.parametrize("reg_name", sorted(REGISTRIES))
 def test_registry_unknown_name_lists_known(reg_name):
     reg = REGISTRIES[reg_name]
     with pytest.raises(KeyError) as info:
-        reg.get("no-such-name")
+        reg.resolve("no-such-name")
     for name in reg.names():
         assert name in str(info.value)
 
 
+def test_every_registry_has_its_config_field():
+    assert set(CONFIG_LITERALS) == set(REGISTRIES)
+
+
 @pytest.mark.parametrize("reg_name", sorted(CONFIG_LITERALS))
-def test_every_config_name_is_registered(reg_name):
+def test_config_accepts_exactly_the_registered_names(reg_name):
+    """Strings stop at the YAML boundary: the config accepts every registered name and nothing else."""
     accepted = CONFIG_LITERALS[reg_name]()
-    assert accepted, f"no Literal names found for {reg_name}"
-    missing = accepted - set(REGISTRIES[reg_name].names())
-    assert not missing, f"{reg_name}: config accepts {sorted(missing)} but nothing is registered under them"
+    registered = set(REGISTRIES[reg_name].names())
+    assert accepted == registered, f"{reg_name}: config accepts {sorted(accepted)}, registered {sorted(registered)}"
 
 
-@pytest.mark.parametrize("reg_name", sorted(CONFIG_LITERALS))
-def test_every_registered_name_is_selectable_from_config(reg_name):
-    """Strings stop at the YAML boundary: a registered name no config accepts is unreachable."""
-    unreachable = set(REGISTRIES[reg_name].names()) - CONFIG_LITERALS[reg_name]()
-    assert not unreachable, f"{reg_name}: {sorted(unreachable)} registered but no config Literal accepts them"
+def test_tags_agree_with_the_implementations():
+    """The facts the config reads from tags before importing anything match the implementations."""
+    for name in OBJECTIVES:
+        facts = CONFIG_SECTIONS[name]().decode_facts()
+        assert (facts["attention"] == "block") == OBJECTIVES.has(name, "block"), name
+    for name in POLICIES:
+        policy = POLICIES.resolve(name)
+        assert POLICIES.has(name, "scheduled") == policy.scheduled, name
+        process = not issubclass(policy, (Scheduled, Parallel))  # simulates the reverse process itself
+        assert POLICIES.has(name, "process") == process, name
+    for name in TOKENIZERS:
+        assert TOKENIZERS.has(name, "path") == (name != "byte")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -161,12 +198,12 @@ MASK_ID = V - 1
 
 def tiny_model(family: str, seed: int = 0):
     cfg = ModelConfig(preset="tiny", family=family, vocab_size=V, num_layers=1)
-    model = MODELS.get(family)(cfg)
+    model = Transformer(cfg)
     model.init_weights(torch.Generator().manual_seed(seed))
     return model
 
 
-@pytest.mark.parametrize("family", MODELS.names())
+@pytest.mark.parametrize("family", FAMILIES.names())
 def test_model_contract(family):
     model = tiny_model(family)
     tokens = torch.randint(0, V, (2, 6), generator=torch.Generator().manual_seed(0))
@@ -215,7 +252,7 @@ def test_every_registered_objective_has_a_contract_case():
 
 def build_objective(case: str, schedule: str):
     cfg = OBJECTIVE_CONFIGS[case](schedule)
-    return OBJECTIVES.get(cfg.name)(cfg, TOKEN_IDS)
+    return OBJECTIVES.resolve(cfg.name)(cfg, TOKEN_IDS)
 
 
 def views(inp: ModelInputs, B: int) -> int:
@@ -233,7 +270,7 @@ def predictor_positions(inp: ModelInputs) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def model():
-    return tiny_model(MODELS.names()[0]).eval()
+    return tiny_model(FAMILIES.names()[0]).eval()
 
 
 @pytest.mark.parametrize(("name", "schedule"), OBJECTIVE_CASES)
@@ -282,7 +319,7 @@ def test_objective_loss_finite_and_gradients_only_at_supervised_positions(name, 
 @pytest.mark.parametrize(("name", "schedule"), OBJECTIVE_CASES)
 def test_objective_gradients_reach_model_parameters(name, schedule):
     obj = build_objective(name, schedule)
-    m = tiny_model(MODELS.names()[0])
+    m = tiny_model(FAMILIES.names()[0])
     inp = obj.prepare(make_batch(4, 12), NoiseKeys(0, 4))
     obj.loss(output_of_logits(m(inp.tokens_BL, inp.positions_BL, inp.mask).logits()), inp).loss_sum.backward()
     assert all(p.grad is not None and bool(torch.isfinite(p.grad).all()) for p in m.parameters())
@@ -352,7 +389,7 @@ def policy_inputs(name: str):
     return policy, prop, probs, eligible
 
 
-COMMIT_RULES = [n for n in POLICIES.names() if hasattr(POLICIES.get(n), "scores") or hasattr(POLICIES.get(n), "commit")]
+COMMIT_RULES = [n for n in POLICIES.names() if issubclass(POLICIES.resolve(n), (Scheduled, Parallel))]
 """Policies that are a score (scheduled) or a commit rule (parallel); the process policies only step."""
 
 
@@ -500,11 +537,11 @@ def test_source_yields_records_in_order_with_locations(kind, tmp_path: Path):
     from dllm.data.prepare.render import render
     from dllm.tokenization import ByteTokenizer
 
-    assert kind in source_kinds()
+    assert kind in source_field("kind")
     raw, name = _source_input(kind, tmp_path)
     spec = PrepareSpec.model_validate({"sources": [raw], "output": "out", "seq_len": 8})
     cfg = spec.sources[0]
-    records = list(SOURCES.get(kind)(cfg, tmp_path))
+    records = list(SOURCES.resolve(kind)(cfg, tmp_path))
     tok = ByteTokenizer()
     texts = [tok.decode(render(r, cfg, tok, add_bos=False, append_eos=False).ids) for r in records]
     assert texts == ["doc 0", "doc 1", "doc 2"]

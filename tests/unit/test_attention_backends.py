@@ -20,11 +20,13 @@ import pytest
 import torch
 
 import dllm.attention.backends.flex as flex_module
-from dllm.attention.backends import ATTENTION_BACKENDS, make_attention
+from dllm.attention.backends import make_attention
 from dllm.attention.backends.auto import AutoBackend, choose_backend, resolve_backend
+from dllm.attention.backends.blockwise import blockwise_attention
 from dllm.attention.backends.flex import FlexBackend, FlexCPUBackwardWarning
 from dllm.attention.backends.sdpa import sdpa_attention
 from dllm.attention.masks import AttentionMask, dense_mask, mask_mod
+from dllm.config.registries import ATTENTION_BACKENDS
 
 CPU = torch.device("cpu")
 B, L, D = 2, 8, 8
@@ -151,7 +153,9 @@ def test_backends_are_built_from_options():
         flex, auto = make_attention("flex", flex_compile), make_attention("auto", flex_compile)
         assert isinstance(flex, FlexBackend) and flex.compiled is flex_compile and flex.compile_error is None
         assert isinstance(auto, AutoBackend) and auto.flex_compile is flex_compile
-        assert auto.flex.compiled is flex_compile
+        cuda = auto.for_device("cuda")  # built lazily, once per device type
+        assert isinstance(cuda, FlexBackend) if flex_compile else cuda is sdpa_attention
+        assert auto.for_device("cuda") is cuda and auto.for_device("cpu") is blockwise_attention
     assert make_attention("flex", True) is not make_attention("flex", True)  # each its own state
     with pytest.raises(KeyError, match="unknown attention backend 'dense'"):
         make_attention("dense", flex_compile=True)

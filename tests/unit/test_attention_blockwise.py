@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import dllm.attention.backends.auto as auto_module
+import dllm.attention.backends.blockwise as blockwise_module
 from dllm.attention.backends import make_attention
 from dllm.attention.backends.auto import choose_backend
 from dllm.attention.backends.bd_split import split_attention
@@ -386,8 +386,8 @@ def test_choose_backend_sends_cpu_block_masks_to_blockwise():
 
 def test_auto_calls_blockwise_for_block_diffusion_on_cpu(monkeypatch):
     calls = []
-    real = auto_module.blockwise_attention
-    monkeypatch.setattr(auto_module, "blockwise_attention", lambda *a: calls.append(a[3]) or real(*a))
+    real = blockwise_module.blockwise_attention
+    monkeypatch.setattr(blockwise_module, "blockwise_attention", lambda *a: calls.append(a[3]) or real(*a))
     mask = AttentionMask("block_diffusion", block_size=4, doc_ids_BL=doc_ids_BL(2, 32, 0))
     q, k, v = make_qkv(2, (4, 2), 64)
     auto = make_attention("auto", flex_compile=True)  # on CPU flex is never compiled: blockwise takes it

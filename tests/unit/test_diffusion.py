@@ -12,11 +12,12 @@ import torch
 import torch.nn.functional as F
 
 from dllm.config.objectives import MDLMConfig
+from dllm.config.registries import OBJECTIVES, SCHEDULES
 from dllm.data.loader import Batch
 from dllm.diffusion.corruption import NoiseKeys, mask_tokens
-from dllm.diffusion.objectives import OBJECTIVES, ModelInputs, TokenIds
+from dllm.diffusion.objectives import ModelInputs, TokenIds
 from dllm.diffusion.objectives.mdlm import MDLMObjective
-from dllm.diffusion.schedules import SCHEDULES, CosineSchedule, LinearSchedule
+from dllm.diffusion.schedules import CosineSchedule, LinearSchedule
 from dllm.seeding import mix_key
 from tests.helpers import output_of_logits
 
@@ -49,7 +50,7 @@ SCHEDULE_CLASSES = {"linear": LinearSchedule, "cosine": CosineSchedule}
 def test_schedules_registered():
     assert set(SCHEDULES.names()) >= set(SCHEDULE_CLASSES)
     for name, cls in SCHEDULE_CLASSES.items():
-        assert SCHEDULES.get(name) is cls
+        assert SCHEDULES.resolve(name) is cls
 
 
 @pytest.mark.parametrize("name", sorted(SCHEDULE_CLASSES))
@@ -207,7 +208,7 @@ def test_mask_tokens_empirical_rate(p):
 
 
 def test_objective_registered():
-    assert OBJECTIVES.get("mdlm") is MDLMObjective
+    assert OBJECTIVES.resolve("mdlm") is MDLMObjective
 
 
 @pytest.mark.parametrize("schedule", ["linear", "cosine"])

@@ -12,7 +12,6 @@ import torch
 
 from dllm.attention.masks import AttentionMask
 from dllm.config.model import ModelConfig
-from dllm.models import MODELS
 from dllm.models.transformer import Transformer, apply_rope, rope_cos_sin, train_flops_per_token
 
 V = 64
@@ -44,10 +43,6 @@ def model64() -> Transformer:
 
 # --------------------------------------------------------------------------------------------------
 # shapes and parameters
-
-
-def test_registered_as_llama():
-    assert MODELS.get("llama") is Transformer
 
 
 def test_forward_shapes_and_hidden():

@@ -12,10 +12,11 @@ import torch
 from torch import nn
 
 from dllm.config.model import ModelConfig
+from dllm.config.registries import POLICIES
 from dllm.config.sampler import SamplerConfig
 from dllm.models.transformer import Transformer
 from dllm.sampling.generate import SpecialIds, commit_schedule, generate, left_pad, propose
-from dllm.sampling.policies import POLICIES, LowConfidence, Proposal, RandomOrder, select_topk
+from dllm.sampling.policies import LowConfidence, Proposal, RandomOrder, select_topk
 from tests.helpers import output_of_logits
 
 V = 32
@@ -84,8 +85,8 @@ PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8], [9]]
 
 
 def test_policies_registered():
-    assert POLICIES.get("low_confidence") is LowConfidence
-    assert POLICIES.get("random") is RandomOrder
+    assert POLICIES.resolve("low_confidence") is LowConfidence
+    assert POLICIES.resolve("random") is RandomOrder
 
 
 def as_proposal(p: torch.Tensor) -> Proposal:

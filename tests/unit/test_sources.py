@@ -20,12 +20,13 @@ from dllm.config.prepare import (
     ParquetSourceConfig,
     TextSourceConfig,
 )
-from dllm.data.prepare.sources import SOURCES, Record, jsonl_records, source_files
+from dllm.config.registries import SOURCES
+from dllm.data.prepare.sources import Record, jsonl_records, source_files
 from dllm.errors import DataError
 
 
 def _read(cfg: Any, base_dir: Path) -> list[Record]:
-    return list(SOURCES.get(cfg.kind)(cfg, base_dir))
+    return list(SOURCES.resolve(cfg.kind)(cfg, base_dir))
 
 
 def _jsonl_bytes(rows: list[Any]) -> bytes:
@@ -53,7 +54,7 @@ def hf(monkeypatch: pytest.MonkeyPatch):
 
 
 def test_every_kind_is_registered():
-    assert SOURCES.names() == ["hf_dataset", "jsonl", "npy", "parquet", "text"]
+    assert sorted(SOURCES.names()) == ["hf_dataset", "jsonl", "npy", "parquet", "text"]
 
 
 # --------------------------------------------------------------------------------------------------

@@ -15,8 +15,9 @@ from dllm.config.model import ModelConfig
 from dllm.config.profile import PROFILE_FILE, DecodeProfile, build_profile, read_profile
 from dllm.config.spec import RunSpec
 from dllm.errors import CheckpointError
-from dllm.models import MODELS, factory
+from dllm.models import factory
 from dllm.models.lora import merge_lora
+from dllm.models.transformer import Transformer
 from dllm.tokenization import Tokenizer, build_tokenizer
 
 RUN_CONFIG = "config.yaml"
@@ -114,7 +115,7 @@ def _load_pretrained(folder: Path, device: torch.device | None) -> LoadedModel:
     tok = build_tokenizer(pretrained_tokenizer(folder) or TokenizerConfig())
     vocab = max(cfg.vocab_size or 0, tok.vocab_size)
     cfg = cfg.model_copy(update={"vocab_size": vocab, "init_from": folder})
-    model = MODELS.get(cfg.family)(cfg)
+    model = Transformer(cfg)
     model.load_state_dict(pretrained_state(cfg), strict=True)
     profile = read_profile(folder) or derive_profile(None, cfg, tok)  # a folder from elsewhere: a masked model
     return LoadedModel(_ready(model, device), tok, cfg, folder, profile)

@@ -72,13 +72,14 @@ def _export(out: Path, run: Path | None, checkpoint: Path | None, model: Path | 
 def _export_adapter(out: Path, run: Path | None, checkpoint: Path | None) -> None:
     """A PEFT adapter folder whose module paths are those of the family's Hugging Face model."""
     from dllm.checkpoint.inference import load_for_inference
-    from dllm.models.families import FAMILIES, module_path_to_hf
+    from dllm.config.registries import FAMILIES
+    from dllm.models.families import module_path_to_hf
     from dllm.models.lora import save_adapter
 
     loaded = load_for_inference(run, checkpoint, merge=False)
     if loaded.spec is None or loaded.spec.lora is None:
         raise ConfigError("--adapter-only needs a run trained with a lora section")
-    family = FAMILIES.get(loaded.model_cfg.family)
+    family = FAMILIES.resolve(loaded.model_cfg.family)
     base = str(loaded.model_cfg.init_from) if loaded.model_cfg.init_from else None
     save_adapter(loaded.model, out, loaded.spec.lora, base_model_name_or_path=base,
                  rename_module=lambda path: module_path_to_hf(family, path))  # fmt: skip

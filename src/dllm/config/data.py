@@ -7,12 +7,13 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from dllm.config.base import RelPath, Section
+from dllm.config.registries import TOKENIZERS
 
 
 class TokenizerConfig(Section):
     """Which tokenizer turns text into ids (the same one must prepare the data and train)."""
 
-    kind: Literal["byte", "hf"] = "byte"
+    kind: Literal[TOKENIZERS.names()] = "byte"  # type: ignore[valid-type]
     """byte: 256 byte ids + specials, needs no files; hf: a Hugging Face tokenizer folder on disk."""
     path: RelPath | None = None
     """Folder with tokenizer.json / tokenizer_config.json (kind hf only)."""
@@ -21,10 +22,11 @@ class TokenizerConfig(Section):
 
     @model_validator(mode="after")
     def _check_path(self) -> TokenizerConfig:
-        if self.kind == "hf" and self.path is None:
-            raise ValueError("kind 'hf' needs path: a local tokenizer folder")
-        if self.kind == "byte" and self.path is not None:
-            raise ValueError("kind 'byte' takes no path; remove it or use kind 'hf'")
+        needs_path = TOKENIZERS.has(self.kind, "path")
+        if needs_path and self.path is None:
+            raise ValueError(f"kind {self.kind!r} needs path: a local tokenizer folder")
+        if not needs_path and self.path is not None:
+            raise ValueError(f"kind {self.kind!r} takes no path; remove it or use kind 'hf'")
         return self
 
 

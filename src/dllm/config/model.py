@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from dllm.config.base import RelPath, Section
+from dllm.config.registries import ACTIVATIONS, ATTENTION_BACKENDS, FAMILIES, NORMS
 
 # Size presets for the native transformer. A preset fills the fields the user did not set.
 MODEL_PRESETS: dict[str, dict[str, Any]] = {
@@ -42,7 +43,7 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
 class ModelConfig(Section):
     """The network: one block stack whose family fields describe llama, qwen, gpt2, bert, ... layouts."""
 
-    family: Literal["llama", "qwen2", "qwen3", "qwen3_moe", "llada", "dream", "gpt2", "bert"] = "llama"
+    family: Literal[FAMILIES.names()] = "llama"  # type: ignore[valid-type]
     """Architecture family: fills the layout fields below and names the Hugging Face weight layout."""
     preset: str | None = None
     """Size preset that fills the size fields left unset here (tiny, demo, small, 350m)."""
@@ -66,7 +67,7 @@ class ModelConfig(Section):
     """Longest sequence the model is used with (RoPE positions, or the learned position table)."""
     rope_theta: float = Field(default=10000.0, gt=0)
     """RoPE base frequency."""
-    norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
+    norm: Literal[NORMS.names()] = "rmsnorm"  # type: ignore[valid-type]
     """Normalisation layers: RMSNorm (llama, qwen) or LayerNorm (gpt2, bert)."""
     norm_bias: bool = False
     """LayerNorm with a bias."""
@@ -82,7 +83,7 @@ class ModelConfig(Section):
     """Positions: rotary (RoPE) or a learned absolute table of max_seq_len rows (gpt2, bert)."""
     mlp: Literal["gated", "plain"] = "gated"
     """MLP: gated (SwiGLU-style gate * up) or plain (up, activation, down)."""
-    activation: Literal["silu", "gelu", "gelu_tanh"] = "silu"
+    activation: Literal[ACTIVATIONS.names()] = "silu"  # type: ignore[valid-type]
     """MLP activation."""
     qk_norm: bool = False
     """RMSNorm on queries and keys per head (Qwen3-style)."""
@@ -112,7 +113,7 @@ class ModelConfig(Section):
     """Add an input for self-conditioning (the embedding of a previous pass's predictions, zero-initialised)."""
     init_std: float = Field(default=0.02, gt=0)
     """Standard deviation of the normal weight initialisation."""
-    attention_backend: Literal["auto", "sdpa", "flex", "blockwise"] = "auto"
+    attention_backend: Literal[ATTENTION_BACKENDS.names()] = "auto"  # type: ignore[valid-type]
     """sdpa (dense mask, the reference), flex (BlockMask), blockwise (exact, block-sparse), auto (per device)."""
     flex_compile: bool = True
     """FlexAttention through torch.compile (false: eager, for tests and debugging)."""

@@ -7,6 +7,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, model_validator
 
 from dllm.config.base import Section
+from dllm.config.registries import SCHEDULES
 
 
 class MDLMConfig(Section):
@@ -14,7 +15,7 @@ class MDLMConfig(Section):
 
     name: Literal["mdlm"] = "mdlm"
     """Objective: mdlm (masked diffusion, loss weighted by the schedule's ELBO weight)."""
-    schedule: Literal["linear", "cosine"] = "linear"
+    schedule: Literal[SCHEDULES.names()] = "linear"  # type: ignore[valid-type]
     """Noise schedule alpha(t): linear (alpha = 1 - t, weight 1/t) or cosine."""
     eps: float = Field(default=1e-3, gt=0, lt=1)
     """Smallest noise level: t ~ U(eps, 1]."""
@@ -35,7 +36,7 @@ class BD3LMConfig(Section):
     """Objective: bd3lm (block diffusion; loss on the noisy half only)."""
     block_size: int = Field(default=16, gt=0)
     """Tokens per block; must divide data.seq_len."""
-    schedule: Literal["linear", "cosine"] = "linear"
+    schedule: Literal[SCHEDULES.names()] = "linear"  # type: ignore[valid-type]
     """Noise schedule alpha(t) and its ELBO weight."""
     eps_min: float = Field(default=1e-3, gt=0, le=1)
     """Lower end of the noise interval: t ~ U[eps_min, eps_max] per block (BD3LM's clipped schedule)."""
@@ -91,7 +92,7 @@ class UniformConfig(Section):
 
     name: Literal["uniform"] = "uniform"
     """Objective: uniform (no mask token; x0-prediction cross-entropy on every supervised token)."""
-    schedule: Literal["linear", "cosine"] = "linear"
+    schedule: Literal[SCHEDULES.names()] = "linear"  # type: ignore[valid-type]
     """Noise schedule alpha(t)."""
     eps: float = Field(default=1e-3, gt=0, lt=1)
     """Smallest noise level: t ~ U(eps, 1]."""
@@ -106,5 +107,3 @@ class UniformConfig(Section):
 
 
 ObjectiveConfig = Annotated[MDLMConfig | BD3LMConfig | FastDLLMv2Config | UniformConfig, Field(discriminator="name")]
-
-BLOCK_OBJECTIVES = ("bd3lm", "fast_dllm_v2")

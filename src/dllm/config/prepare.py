@@ -13,8 +13,9 @@ from pydantic import Field, model_validator
 
 from dllm.config.base import RelPath, Section
 from dllm.config.data import TokenizerConfig
+from dllm.config.registries import LAYOUTS, RECORD_FORMATS
 
-Format = Literal["text", "messages", "prompt_completion", "tokens"]
+Format = Literal[RECORD_FORMATS.names()]  # type: ignore[valid-type]
 Supervision = Literal["auto", "full", "completion_only", "assistant_only", "provided"]
 
 # which supervision each record format accepts; the first one is what `auto` means
@@ -154,7 +155,7 @@ class PrepareSpec(Section):
     """Artifact folder to write (staged in a temporary folder, then renamed into place)."""
     seq_len: int = Field(gt=1)
     """Tokens per training row (the training data.seq_len); the longest sample in layout indexed."""
-    layout: Literal["packed", "indexed"] = "packed"
+    layout: Literal[LAYOUTS.names()] = "packed"  # type: ignore[valid-type]
     """packed: documents joined by EOS and cut into rows (pretraining); indexed: one sample per row (SFT)."""
     append_eos: bool = True
     """Put EOS after every document (the separator between packed documents)."""

@@ -18,6 +18,7 @@ from typing import Literal
 from pydantic import Field, ValidationError, model_validator
 
 from dllm.config.base import Section
+from dllm.config.registries import SCHEDULES
 from dllm.errors import CheckpointError
 
 PROFILE_FILE = "decode_profile.json"
@@ -39,7 +40,7 @@ class DecodeProfile(Section):
     """Sub-block decoded in parallel inside a block (Fast-dLLM v2); null: whole blocks."""
     shift: bool = False
     """Position i is predicted from the hidden state at i-1 (Dream, Fast-dLLM v2, BD3LM with shift)."""
-    schedule: Literal["linear", "cosine"] = "linear"
+    schedule: Literal[SCHEDULES.names()] = "linear"  # type: ignore[valid-type]
     """Noise schedule alpha(t) the model was trained under (likelihood bounds use it)."""
     corruption: Literal["mask", "uniform"] = "mask"
     """Noise: the mask token (absorbing) or uniformly random tokens (uniform-state models)."""

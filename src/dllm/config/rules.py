@@ -8,7 +8,7 @@ calls these: config sits below tokenization, models and data and imports none of
 
 from __future__ import annotations
 
-from dllm.config.objectives import BLOCK_OBJECTIVES
+from dllm.config.registries import OBJECTIVES
 from dllm.config.spec import RunSpec
 from dllm.errors import ConfigError
 
@@ -20,7 +20,7 @@ def round_up(n: int, multiple: int) -> int:
 def check_objective(spec: RunSpec) -> None:
     """Objective x model x data combinations that cannot work, with the reason."""
     obj, model = spec.objective, spec.model
-    if obj.name in BLOCK_OBJECTIVES:
+    if OBJECTIVES.has(obj.name, "block"):
         if spec.data.seq_len % obj.block_size:
             raise ConfigError(
                 f"objective.block_size: {obj.block_size} does not divide data.seq_len {spec.data.seq_len}; "

@@ -8,17 +8,8 @@ from pydantic import Field, ValidationError, model_validator
 
 from dllm.config.base import Section
 from dllm.config.profile import DecodeProfile
+from dllm.config.registries import CACHES, POLICIES
 from dllm.errors import ConfigError
-
-SAMPLING_POLICIES = (
-    "low_confidence", "random", "margin", "entropy", "threshold", "factor", "ancestral", "first_hitting", "uniform",
-)  # fmt: skip
-
-SCHEDULED_POLICIES = ("low_confidence", "random", "margin", "entropy")
-"""Policies that commit a fixed number of positions per step (the schedule spreads a block over its steps)."""
-
-PROCESS_POLICIES = ("ancestral", "first_hitting", "uniform")
-"""Policies that simulate the reverse process itself (their own loop; no cache, no sub-blocks)."""
 
 
 class SamplerConfig(Section):
@@ -37,7 +28,7 @@ class SamplerConfig(Section):
     """Semi-autoregressive block, decoded left to right; divides gen_length. null: gen_length / the run's block."""
     steps: int | None = Field(default=None, gt=0)
     """Step budget over all blocks, a multiple of the number of blocks; null: gen_length (one token per step)."""
-    policy: Literal[SAMPLING_POLICIES] = "low_confidence"  # type: ignore[valid-type]
+    policy: Literal[POLICIES.names()] = "low_confidence"  # type: ignore[valid-type]
     """What to commit: low_confidence, random, margin, entropy, threshold, factor, ancestral, first_hitting, uniform."""
     threshold: float = Field(default=0.9, gt=0, le=1)
     """policy threshold: commit every masked position whose proposal has at least this probability (at least one)."""
@@ -51,7 +42,7 @@ class SamplerConfig(Section):
     """Nucleus sampling: the smallest set of tokens with this total probability (temperature > 0); null keeps all."""
     cfg_scale: float = Field(default=0.0, ge=0)
     """Classifier-free guidance w: uncond + (1 + w) * (cond - uncond), prompt masked in the uncond pass; 0 is off."""
-    cache: Literal["none", "prefix", "dual", "block"] = "none"
+    cache: Literal[CACHES.names()] = "none"  # type: ignore[valid-type]
     """KV cache: prefix or dual (approximate, bidirectional models), block (exact, block models), or none."""
     refresh_every: int | None = Field(default=None, gt=0)
     """prefix / dual: also refresh the cache with a full forward every N steps in a block; null: block starts only."""
@@ -95,18 +86,18 @@ class SamplerConfig(Section):
             if self.block % self.sub_block_length:
                 raise ValueError(f"sub_block_length {self.sub_block_length} must divide block_length {self.block}")
             subs = self.block // self.sub_block_length
-            if self.policy in SCHEDULED_POLICIES and (self.total_steps // num_blocks) % subs:
+            if POLICIES.has(self.policy, "scheduled") and (self.total_steps // num_blocks) % subs:
                 raise ValueError(f"steps per block ({self.total_steps // num_blocks}) must be a multiple of the "
                                  f"{subs} sub-blocks of a block")  # fmt: skip
-        if self.policy in PROCESS_POLICIES and (self.cache != "none" or self.sub_block_length is not None):
+        if POLICIES.has(self.policy, "process") and (self.cache != "none" or self.sub_block_length is not None):
             raise ValueError(f"policy {self.policy} runs its own reverse process: use cache none, no sub-blocks")
         if self.cfg_scale > 0 and self.cache != "none":
             raise ValueError("cfg_scale > 0 runs a masked-prompt pass beside each forward: use cache none")
-        if self.refresh_every is not None and self.cache not in ("prefix", "dual"):
+        if self.refresh_every is not None and not CACHES.has(self.cache, "approximate"):
             raise ValueError(f"refresh_every applies to the prefix and dual caches, not cache {self.cache}")
-        if self.attention == "bidirectional" and (self.cache == "block" or self.sub_block_length is not None):
+        if self.attention == "bidirectional" and (CACHES.has(self.cache, "block") or self.sub_block_length is not None):
             raise ValueError("cache block and sub_block_length need block attention (a block-diffusion model)")
-        if self.attention == "block" and self.cache in ("prefix", "dual"):
+        if self.attention == "block" and CACHES.has(self.cache, "approximate"):
             raise ValueError(f"block models decode with the exact cache: use cache block, not {self.cache}")
         if self.attention == "block" and self.policy in ("ancestral", "first_hitting", "uniform"):
             raise ValueError(f"policy {self.policy} decodes bidirectional models; use attention bidirectional")

@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import Field, ValidationInfo, field_validator
 
 from dllm.config.base import Section
+from dllm.config.registries import LR_SCHEDULES
 
 
 class TrainingConfig(Section):
@@ -52,7 +53,7 @@ class OptimizerConfig(Section):
 class SchedulerConfig(Section):
     """The learning-rate schedule."""
 
-    name: Literal["cosine", "linear", "constant"] = "cosine"
+    name: Literal[LR_SCHEDULES.names()] = "cosine"  # type: ignore[valid-type]
     """Shape after warmup: cosine or linear decay to min_lr_ratio * lr, or constant."""
     warmup_steps: int = Field(default=0, ge=0)
     """Steps of linear warmup from 0 to the peak learning rate."""

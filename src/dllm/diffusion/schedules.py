@@ -10,8 +10,6 @@ import math
 
 import torch
 
-from dllm.registry import Registry
-
 
 class LinearSchedule:
     """alpha(t) = 1 - t, so w(t) = 1 / t (LLaDA's loss)."""
@@ -31,8 +29,3 @@ class CosineSchedule:
 
     def weight(self, t: torch.Tensor) -> torch.Tensor:
         return 0.5 * math.pi * torch.tan(0.5 * math.pi * (1.0 - t))
-
-
-SCHEDULES: Registry[type] = Registry("noise schedule")
-SCHEDULES.add("linear", LinearSchedule)
-SCHEDULES.add("cosine", CosineSchedule)

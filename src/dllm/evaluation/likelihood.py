@@ -26,8 +26,8 @@ from typing import Literal
 import torch
 
 from dllm.attention.masks import AttentionMask
+from dllm.config.registries import SCHEDULES
 from dllm.diffusion.objectives.block import shifted_rows, two_halves
-from dllm.diffusion.schedules import SCHEDULES
 from dllm.models.chunked_ce import linear_cross_entropy
 
 Kind = Literal["mdlm", "block", "ar"]
@@ -95,7 +95,7 @@ def nelbo_samples(
         hidden, has = predictor_hidden(model, tokens_BL, tokens_BL, how, docs)
         nll_B = _row_ce(model, hidden, scored & has, tokens_BL, None)
         return NelboSamples(nll_B[:, None], (scored & has).sum(-1).cpu(), 1)
-    schedule = SCHEDULES.get(how.schedule)()
+    schedule = SCHEDULES.resolve(how.schedule)()
     gen_device = torch.Generator().manual_seed(int(torch.randint(0, 2**62, (1,), generator=generator)))
     out = torch.zeros(B, num_samples, dtype=torch.float64)
     passes = 0

@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 from dllm.config.model import LoraConfig, ModelConfig
-from dllm.models import MODELS
 from dllm.models.lora import apply_lora
 from dllm.models.pretrained import pretrained_state
+from dllm.models.transformer import Transformer
 from dllm.seeding import mix_key
 
 _LORA_STREAM = 0x10AA  # keeps the adapters' random stream apart from the base initialisation
@@ -21,7 +21,7 @@ _LORA_STREAM = 0x10AA  # keeps the adapters' random stream apart from the base i
 
 def build_model(cfg: ModelConfig, lora: LoraConfig | None, seed: int = 0) -> nn.Module:
     """The module tree (on the current default device, e.g. meta), adapters included."""
-    model = MODELS.get(cfg.family)(cfg)
+    model = Transformer(cfg)
     if lora is not None:
         apply_lora(model, lora, torch.Generator().manual_seed(mix_key(seed, _LORA_STREAM)))
     return model
@@ -32,7 +32,7 @@ def initial_state(cfg: ModelConfig, lora: LoraConfig | None, seed: int) -> dict[
     `model.init_from` checkpoint or a seeded initialisation, plus fresh adapters (B = 0)."""
     if cfg.init_from is not None and lora is None:
         return pretrained_state(cfg)  # no second copy of a large model in memory
-    model = MODELS.get(cfg.family)(cfg)
+    model = Transformer(cfg)
     if cfg.init_from is not None:
         model.load_state_dict(pretrained_state(cfg), strict=True)
     else:

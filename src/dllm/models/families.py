@@ -16,9 +16,9 @@ import torch
 
 from dllm.config.model import ModelConfig
 from dllm.errors import ConfigError
-from dllm.registry import Registry
 
 StateDict = dict[str, torch.Tensor]
+ConfigMap = Callable[[dict[str, Any]], dict[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -38,9 +38,6 @@ class Family:
     to_hf_extra: Callable[[StateDict, ModelConfig], StateDict] = field(default=lambda sd, cfg: sd)
     ignore_hf: tuple[str, ...] = ()
     """HF keys (regex) that carry nothing the native model needs (buffers, unused poolers)."""
-
-
-FAMILIES: Registry[Family] = Registry("model family")
 
 
 # -- name maps -----------------------------------------------------------------------------------------
@@ -233,25 +230,23 @@ def _drop_tied_head(sd: StateDict, cfg: ModelConfig) -> StateDict:
     return sd
 
 
-for _name, _types, _arch, _from in (
-    ("llama", ("llama",), "LlamaForCausalLM", _llama_config_from_hf),
-    ("qwen2", ("qwen2",), "Qwen2ForCausalLM", _qwen2_config_from_hf),
-    ("qwen3", ("qwen3",), "Qwen3ForCausalLM", _qwen3_config_from_hf),
-    ("dream", ("Dream", "dream"), "DreamModel", _qwen2_config_from_hf),
-):
-    FAMILIES.add(
-        _name,
-        Family(
-            _name, _types, _arch, _name != "dream", _from, _llama_config_to_hf, _LLAMA_RENAMES,
-            from_hf_extra=_drop_tied_head, ignore_hf=(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",),
-        ),
+def _llama_like(
+    name: str, model_types: tuple[str, ...], architecture: str, config_from_hf: ConfigMap, causal_lm: bool = True
+) -> Family:
+    """A family with LLaMA's weight names (llama, qwen2, qwen3, dream): only the config keys differ."""
+    return Family(
+        name, model_types, architecture, causal_lm, config_from_hf, _llama_config_to_hf, _LLAMA_RENAMES,
+        from_hf_extra=_drop_tied_head, ignore_hf=(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",),
     )  # fmt: skip
-FAMILIES.add(
-    "qwen3_moe",
-    Family(
-        "qwen3_moe", ("qwen3_moe",), "Qwen3MoeForCausalLM", True, _qwen3_moe_config_from_hf, _qwen3_moe_config_to_hf,
-        _LLAMA_RENAMES, from_hf_extra=_fuse_experts, to_hf_extra=_split_experts,
-    ),
+
+
+LLAMA = _llama_like("llama", ("llama",), "LlamaForCausalLM", _llama_config_from_hf)
+QWEN2 = _llama_like("qwen2", ("qwen2",), "Qwen2ForCausalLM", _qwen2_config_from_hf)
+QWEN3 = _llama_like("qwen3", ("qwen3",), "Qwen3ForCausalLM", _qwen3_config_from_hf)
+DREAM = _llama_like("dream", ("Dream", "dream"), "DreamModel", _qwen2_config_from_hf, causal_lm=False)
+QWEN3_MOE = Family(
+    "qwen3_moe", ("qwen3_moe",), "Qwen3MoeForCausalLM", True, _qwen3_moe_config_from_hf, _qwen3_moe_config_to_hf,
+    _LLAMA_RENAMES, from_hf_extra=_fuse_experts, to_hf_extra=_split_experts,
 )  # fmt: skip
 
 
@@ -301,10 +296,7 @@ def _llada_config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     }  # fmt: skip
 
 
-FAMILIES.add(
-    "llada",
-    Family("llada", ("llada",), "LLaDAModelLM", False, _llada_config_from_hf, _llada_config_to_hf, _LLADA_RENAMES),
-)
+LLADA = Family("llada", ("llada",), "LLaDAModelLM", False, _llada_config_from_hf, _llada_config_to_hf, _LLADA_RENAMES)
 
 
 # -- GPT-2 (Conv1D weights are [in, out]; q, k, v fused in c_attn) -------------------------------------
@@ -378,12 +370,9 @@ def _gpt2_config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     }  # fmt: skip
 
 
-FAMILIES.add(
-    "gpt2",
-    Family(
-        "gpt2", ("gpt2",), "GPT2LMHeadModel", True, _gpt2_config_from_hf, _gpt2_config_to_hf, _GPT2_RENAMES,
-        from_hf_extra=_gpt2_from_hf, to_hf_extra=_gpt2_to_hf,
-    ),
+GPT2 = Family(
+    "gpt2", ("gpt2",), "GPT2LMHeadModel", True, _gpt2_config_from_hf, _gpt2_config_to_hf, _GPT2_RENAMES,
+    from_hf_extra=_gpt2_from_hf, to_hf_extra=_gpt2_to_hf,
 )  # fmt: skip
 
 
@@ -447,10 +436,7 @@ def _bert_config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     }  # fmt: skip
 
 
-FAMILIES.add(
-    "bert",
-    Family(
-        "bert", ("bert",), "BertForMaskedLM", False, _bert_config_from_hf, _bert_config_to_hf, _BERT_RENAMES,
-        from_hf_extra=_bert_from_hf, to_hf_extra=_bert_to_hf, ignore_hf=(r"bert\.pooler\..*",),
-    ),
+BERT = Family(
+    "bert", ("bert",), "BertForMaskedLM", False, _bert_config_from_hf, _bert_config_to_hf, _BERT_RENAMES,
+    from_hf_extra=_bert_from_hf, to_hf_extra=_bert_to_hf, ignore_hf=(r"bert\.pooler\..*",),
 )  # fmt: skip

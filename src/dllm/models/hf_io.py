@@ -18,8 +18,9 @@ import torch
 
 from dllm import __version__
 from dllm.config.model import ModelConfig
+from dllm.config.registries import FAMILIES
 from dllm.errors import ConfigError
-from dllm.models.families import FAMILIES, Family, StateDict, state_from_hf, state_to_hf
+from dllm.models.families import Family, StateDict, state_from_hf, state_to_hf
 
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
@@ -43,10 +44,11 @@ def read_hf_config(folder: Path) -> dict[str, Any]:
 
 def family_of(hf_config: dict[str, Any], where: str = "model.init_from") -> Family:
     model_type = hf_config.get("model_type")
-    for name in FAMILIES:
-        if model_type in FAMILIES.get(name).model_types:
-            return FAMILIES.get(name)
-    known = ", ".join(t for n in FAMILIES for t in FAMILIES.get(n).model_types)
+    families: list[Family] = [FAMILIES.resolve(name) for name in FAMILIES]
+    for family in families:
+        if model_type in family.model_types:
+            return family
+    known = ", ".join(t for family in families for t in family.model_types)
     raise ConfigError(f"{where}: model_type {model_type!r} is not supported; supported: {known}")
 
 
@@ -106,7 +108,7 @@ def export_hf(state: StateDict, cfg: ModelConfig, folder: Path, tokenizer_dir: P
     """Write a Hugging Face folder (config.json, model.safetensors, tokenizer files)."""
     from safetensors.torch import save_file
 
-    family = FAMILIES.get(cfg.family)
+    family: Family = FAMILIES.resolve(cfg.family)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     hf_state = state_to_hf(family, {k: v.detach().cpu().contiguous() for k, v in state.items()}, cfg)

@@ -13,7 +13,6 @@ N tokens (flattened), X experts.
 from __future__ import annotations
 
 import math
-from functools import partial
 from typing import Any
 
 import torch
@@ -23,41 +22,14 @@ from torch import nn
 from dllm.attention.backends import AttentionFn, make_attention
 from dllm.attention.masks import AttentionMask
 from dllm.config.model import ModelConfig
+from dllm.config.registries import ACTIVATIONS, NORMS
+from dllm.models.layers import RMSNorm
 from dllm.models.output import ModelOutput, SelfConditioned
-
-ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": partial(F.gelu, approximate="tanh")}
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # normalise in float32 for stability under autocast, as LLaMA does
-        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
-
-
-class LayerNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, bias: bool) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = None if self.bias is None else self.bias.float()
-        return F.layer_norm(x.float(), (x.shape[-1],), self.weight.float(), bias, self.eps).to(x.dtype)
 
 
 def make_norm(cfg: ModelConfig, dim: int | None = None) -> nn.Module:
-    dim = dim or cfg.hidden_size
-    if cfg.norm == "layernorm":
-        return LayerNorm(dim, cfg.norm_eps, cfg.norm_bias)
-    return RMSNorm(dim, cfg.norm_eps)
+    """The norm `model.norm` names (NORMS), over `dim` features (the hidden width by default)."""
+    return NORMS.resolve(cfg.norm).of(cfg, dim or cfg.hidden_size)
 
 
 def rope_cos_sin(positions_BL: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,7 +99,7 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(E, inner, bias=cfg.mlp_bias) if cfg.mlp == "gated" else None
         self.up_proj = nn.Linear(E, inner, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(inner, E, bias=cfg.mlp_bias)
-        self.act = ACTIVATIONS[cfg.activation]
+        self.act = ACTIVATIONS.resolve(cfg.activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_proj is None:
@@ -143,7 +115,7 @@ class Experts(nn.Module):
         X, E, inner = cfg.num_experts, cfg.hidden_size, cfg.expert_size
         self.gate_up_proj = nn.Parameter(torch.empty(X, 2 * inner, E))
         self.down_proj = nn.Parameter(torch.empty(X, E, inner))
-        self.act = ACTIVATIONS[cfg.activation]
+        self.act = ACTIVATIONS.resolve(cfg.activation)
 
     def forward(self, x_NE: torch.Tensor, experts_NK: torch.Tensor, weights_NK: torch.Tensor) -> torch.Tensor:
         out_NE = torch.zeros_like(x_NE)
@@ -214,7 +186,7 @@ class MLMHead(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.dense = nn.Linear(cfg.hidden_size, cfg.hidden_size)
-        self.act = ACTIVATIONS[cfg.activation]
+        self.act = ACTIVATIONS.resolve(cfg.activation)
         self.norm = make_norm(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

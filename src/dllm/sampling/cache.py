@@ -66,3 +66,56 @@ class KVCache:
         """Position the next forward: queries from `query_start`, keys [0, key_end)."""
         self.query_start, self.key_end = query_start, key_end
         return self
+
+
+# -- cache modes: which canvas rows a forward runs for the active block --------------------------------
+Window = tuple[int, int, int]
+"""(qs, qe, ke): queries are canvas rows [qs, qe), keys [0, ke)."""
+
+
+class CacheMode:
+    """`sampler.cache` (registered in dllm.config.registries.CACHES): the forward window for the active
+    block [lo, hi) of a canvas of T rows, with the sampler's shift s (position i read from row i - s).
+    One instance per generation call (the exact block cache keeps state)."""
+
+    buffers = True
+    """Whether forwards read and write a KVCache."""
+
+    def window(self, lo: int, hi: int, T: int, s: int, refresh: bool, block_attention: bool) -> Window:
+        raise NotImplementedError
+
+
+class NoCache(CacheMode):
+    """Every forward runs the whole canvas (block models: up to the active block; nothing after it is seen)."""
+
+    buffers = False
+
+    def window(self, lo: int, hi: int, T: int, s: int, refresh: bool, block_attention: bool) -> Window:
+        return (0, hi, hi) if block_attention else (0, T, T)
+
+
+class PrefixCache(CacheMode):
+    """Fast-dLLM prefix cache: a refresh runs the whole canvas; then the active block and everything after."""
+
+    def window(self, lo: int, hi: int, T: int, s: int, refresh: bool, block_attention: bool) -> Window:
+        return (0, T, T) if refresh else (lo - s, T, T)
+
+
+class DualCache(CacheMode):
+    """Fast-dLLM dual cache: a refresh runs the whole canvas; then only the active block, against both sides."""
+
+    def window(self, lo: int, hi: int, T: int, s: int, refresh: bool, block_attention: bool) -> Window:
+        return (0, T, T) if refresh else (lo - s, hi, T)
+
+
+class BlockCache(CacheMode):
+    """The exact block cache: the previous block's clean rows run once (with the first forward of the next
+    block), after which their keys are final; refreshes change nothing."""
+
+    def __init__(self) -> None:
+        self.clean_upto = 0  # keys of [0, clean_upto) are final
+
+    def window(self, lo: int, hi: int, T: int, s: int, refresh: bool, block_attention: bool) -> Window:
+        qs = min(self.clean_upto, lo - s)
+        self.clean_upto = max(self.clean_upto, lo)
+        return qs, hi, hi

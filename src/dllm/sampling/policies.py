@@ -24,13 +24,13 @@ from dataclasses import dataclass
 
 import torch
 
+from dllm.config.registries import POLICIES
 from dllm.config.sampler import SamplerConfig
 from dllm.diffusion.corruption import uniform_token_ids
-from dllm.registry import Registry
 from dllm.sampling.canvas import SpecialIds
 from dllm.sampling.proposals import Proposal
 
-__all__ = ["POLICIES", "Commit", "Proposal", "StepState", "make_policy", "most_confident", "select_topk"]
+__all__ = ["Commit", "Proposal", "StepState", "make_policy", "most_confident", "select_topk"]
 
 
 @dataclass(frozen=True)
@@ -228,21 +228,9 @@ class Uniform(Policy):
         return uniform_token_ids(u, self.num_tokens, self.mask_id)
 
 
-POLICIES: Registry[type[Policy]] = Registry("sampling policy")
-POLICIES.add("low_confidence", LowConfidence)
-POLICIES.add("random", RandomOrder)
-POLICIES.add("margin", Margin)
-POLICIES.add("entropy", Entropy)
-POLICIES.add("threshold", Threshold)
-POLICIES.add("factor", Factor)
-POLICIES.add("ancestral", Ancestral)
-POLICIES.add("first_hitting", FirstHitting)
-POLICIES.add("uniform", Uniform)
-
-
 def make_policy(cfg: SamplerConfig, special: SpecialIds | None = None) -> Policy:
     """The policy `cfg.policy`, built from the sampler fields it uses (uniform: also the special ids)."""
-    return POLICIES.get(cfg.policy).from_config(cfg, special)
+    return POLICIES.resolve(cfg.policy).from_config(cfg, special)
 
 
 def most_confident(prob_BR: torch.Tensor, eligible_BR: torch.Tensor) -> torch.Tensor:

@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from dllm.attention.masks import AttentionMask
+from dllm.config.registries import CACHES
 from dllm.config.sampler import SamplerConfig
-from dllm.sampling.cache import KVCache
+from dllm.sampling.cache import CacheMode, KVCache
 from dllm.sampling.canvas import Canvas, SpecialIds
 
 if TYPE_CHECKING:
@@ -36,8 +37,8 @@ class Runner:
         self.model, self.canvas, self.cfg, self.special = model, canvas, cfg, special
         self.shift, self.counters = int(shift), counters
         T = canvas.x_BT.shape[1]
-        self.cache = KVCache(T) if cfg.cache != "none" else None
-        self.clean_upto = 0  # exact block cache: keys of [0, clean_upto) are final
+        self.mode: CacheMode = CACHES.resolve(cfg.cache)()
+        self.cache = KVCache(T) if self.mode.buffers else None
         self._masks: dict[tuple[int, int], AttentionMask] = {}
         self.mask_col = torch.tensor([special.mask_id], device=canvas.x_BT.device)
 
@@ -87,24 +88,8 @@ class Runner:
 
         `refresh`: the first step of a block, or a scheduled refresh of an approximate cache."""
         T, s = x_BT.shape[1], self.shift
-        mode = self.cfg.cache
-        if self.canvas.block_attention:
-            if mode == "block":
-                qs = min(self.clean_upto, lo - s)  # the previous block's clean rows, once, then final
-                raw = self.forward(x_BT, qs, hi, hi)
-                self.clean_upto = max(self.clean_upto, lo)
-            else:
-                qs = 0
-                raw = self.forward(x_BT, 0, hi, hi)
-        elif mode == "none" or refresh:
-            qs = 0
-            raw = self.forward(x_BT, 0, T, T)
-        elif mode == "prefix":
-            qs = lo - s
-            raw = self.forward(x_BT, qs, T, T)
-        else:  # dual
-            qs = lo - s
-            raw = self.forward(x_BT, qs, hi, T)
+        qs, qe, ke = self.mode.window(lo, hi, T, s, refresh, self.canvas.block_attention)
+        raw = self.forward(x_BT, qs, qe, ke)
         return raw[:, lo - s - qs : hi - s - qs]
 
 

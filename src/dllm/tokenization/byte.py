@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dllm.tokenization.base import ChatEncoding, sha256_json
+
+if TYPE_CHECKING:
+    from dllm.config.data import TokenizerConfig
 
 # A deliberately plain chat template: role headers as text, the turn closed by EOS.
 _ROLE_HEADER = {"system": "System: ", "user": "User: ", "assistant": "Assistant: "}
@@ -15,6 +18,11 @@ class ByteTokenizer:
 
     kind = "byte"
     num_bytes = 256
+
+    @classmethod
+    def from_config(cls, cfg: TokenizerConfig) -> ByteTokenizer:
+        """The registered constructor of kind `byte` (no options)."""
+        return cls()
 
     def __init__(self) -> None:
         self.pad_id = 256

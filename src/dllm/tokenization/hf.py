@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dllm.errors import ConfigError
 from dllm.tokenization.base import ChatEncoding, sha256_json
+
+if TYPE_CHECKING:
+    from dllm.config.data import TokenizerConfig
 
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
@@ -20,6 +23,12 @@ class HFTokenizer:
     """Wraps `transformers.AutoTokenizer` loaded from a local folder."""
 
     kind = "hf"
+
+    @classmethod
+    def from_config(cls, cfg: TokenizerConfig) -> HFTokenizer:
+        """The registered constructor of kind `hf`: the folder `tokenizer.path`."""
+        assert cfg.path is not None  # guaranteed by TokenizerConfig validation
+        return cls(cfg.path, mask_token=cfg.mask_token)
 
     def __init__(self, path: Path, mask_token: str = "<|mask|>") -> None:
         try:

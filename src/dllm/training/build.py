@@ -15,11 +15,12 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 
 from dllm.checkpoint.inference import derive_profile
 from dllm.checkpoint.manager import CheckpointManager
+from dllm.config.registries import OBJECTIVES
 from dllm.config.rules import check_topology
 from dllm.config.spec import RunSpec
 from dllm.data.artifact import open_artifact
 from dllm.data.loader import StepLoader
-from dllm.diffusion.objectives import OBJECTIVES, TokenIds
+from dllm.diffusion.objectives import TokenIds
 from dllm.models import factory
 from dllm.parallel.apply import apply_parallelism, unwrap, wrap_replicated
 from dllm.parallel.dims import DistEnv, ParallelDims, init_process_group, pick_device
@@ -84,7 +85,7 @@ def build_trainer(spec: RunSpec, run_dir: Path, env: DistEnv | None = None) -> T
     profile = derive_profile(spec.objective, spec.model, tok)  # how this run's checkpoints decode
     trainer = Trainer(
         model=model,
-        objective=OBJECTIVES.get(spec.objective.name)(
+        objective=OBJECTIVES.resolve(spec.objective.name)(
             spec.objective, token_ids(tok), chunked_loss=tr.chunked_loss, shift_logits=spec.model.shift_logits
         ),
         optimizer=build_optimizer(model, spec.optimizer),

@@ -24,12 +24,13 @@ Shapes: B batch, H query heads, K key/value heads, L query length, S key length,
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from dllm.attention.backends.blockwise import blockwise_attention
-from dllm.attention.backends.flex import FlexBackend
 from dllm.attention.backends.sdpa import sdpa_attention
 from dllm.attention.masks import AttentionMask
+from dllm.config.registries import ATTENTION_BACKENDS
 
 
 def resolve_backend(name: str, device_type: str, flex_compile: bool) -> str:
@@ -52,16 +53,27 @@ def choose_backend(mask: AttentionMask, device_type: str, flex_compile: bool) ->
 
 
 class AutoBackend:
-    """The `auto` backend: q [B, H, L, D], k/v [B, K, S, D] -> [B, H, L, D] with the backend `choose_backend` picks."""
+    """The `auto` backend: q [B, H, L, D], k/v [B, K, S, D] -> [B, H, L, D].
+
+    Plain masks take SDPA's mask-free kernels; structured masks the backend `resolve_backend` names for
+    the tensors' device, built once per device type (so one model moved between devices stays right)."""
 
     def __init__(self, flex_compile: bool = True) -> None:
         self.flex_compile = flex_compile
-        self.flex = FlexBackend(compiled=flex_compile)
+        self._structured: dict[str, Callable[..., torch.Tensor]] = {}
+
+    def for_device(self, device_type: str) -> Callable[..., torch.Tensor]:
+        """The backend this one runs structured masks with on `device_type`."""
+        if device_type not in self._structured:
+            name = resolve_backend("auto", device_type, self.flex_compile)
+            self._structured[device_type] = ATTENTION_BACKENDS.resolve(name)(self.flex_compile)
+        return self._structured[device_type]
 
     def __call__(self, q_BHLD: torch.Tensor, k_BKSD: torch.Tensor, v_BKSD: torch.Tensor, mask: AttentionMask):
-        backend = choose_backend(mask, q_BHLD.device.type, self.flex_compile)
-        if backend == "flex":
-            return self.flex(q_BHLD, k_BKSD, v_BKSD, mask)
-        if backend == "blockwise":
-            return blockwise_attention(q_BHLD, k_BKSD, v_BKSD, mask)
-        return sdpa_attention(q_BHLD, k_BKSD, v_BKSD, mask)
+        backend = sdpa_attention if mask.is_plain else self.for_device(q_BHLD.device.type)
+        return backend(q_BHLD, k_BKSD, v_BKSD, mask)
+
+
+def auto_backend(flex_compile: bool) -> AutoBackend:
+    """The registered factory of `auto`."""
+    return AutoBackend(flex_compile=flex_compile)

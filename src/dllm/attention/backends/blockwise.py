@@ -38,6 +38,7 @@ Q / C rows of one chunk's queries / keys.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -174,3 +175,8 @@ def in_sequence_order(outs_BHQD: list[torch.Tensor], chunks: tuple[Chunk, ...]) 
         sizes = [e - s for s, e in chunk.query_spans]
         pieces += zip((s for s, _ in chunk.query_spans), out_BHQD.split(sizes, dim=2), strict=True)
     return torch.cat([piece for _, piece in sorted(pieces, key=lambda p: p[0])], dim=2)
+
+
+def blockwise_backend(flex_compile: bool) -> Callable[..., torch.Tensor]:
+    """The registered factory of `blockwise` (no options)."""
+    return blockwise_attention

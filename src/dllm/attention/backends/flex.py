@@ -108,3 +108,8 @@ def compiled_flex() -> Callable[..., torch.Tensor]:
     wrapper per process so that every backend object (one per layer) reuses the same compiled graphs;
     it holds no switch: whether to compile is each backend's `compiled`."""
     return torch.compile(flex_attention, dynamic=False)
+
+
+def flex_backend(flex_compile: bool) -> FlexBackend:
+    """The registered factory of `flex`: compiled unless `model.flex_compile` is false."""
+    return FlexBackend(compiled=flex_compile)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -22,3 +24,8 @@ def sdpa_mask(mask: AttentionMask, batch: int, q_len: int, kv_len: int, device: 
     """Dense bool [B, 1, Lq, Lk] from the shared mask function, built once per description and shape."""
     key = ("sdpa", batch, q_len, kv_len, device)
     return mask.cache.memo(key, lambda: dense_mask(mask_mod(mask, kv_len), batch, q_len, kv_len, device))
+
+
+def sdpa_backend(flex_compile: bool) -> Callable[..., torch.Tensor]:
+    """The registered factory of `sdpa` (no options)."""
+    return sdpa_attention

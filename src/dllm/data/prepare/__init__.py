@@ -20,6 +20,7 @@ import numpy as np
 
 from dllm import __version__
 from dllm.config.prepare import PrepareSpec
+from dllm.config.registries import LAYOUTS, SOURCES
 from dllm.data.artifact import (
     FORMAT,
     FORMAT_VERSION,
@@ -30,9 +31,9 @@ from dllm.data.artifact import (
     token_dtype,
     write_manifest,
 )
-from dllm.data.prepare.packing import LAYOUTS
+from dllm.data.prepare.packing import Layout
 from dllm.data.prepare.render import Document, fit_length, pad_to_multiple, render
-from dllm.data.prepare.sources import SOURCES, Record, source_files
+from dllm.data.prepare.sources import Record, SourceReader, source_files
 from dllm.errors import DataError
 from dllm.tokenization import Tokenizer, build_tokenizer
 
@@ -85,7 +86,8 @@ def _process_chunk(chunk: list[tuple[int, Record]]) -> list[Outcome]:
 def _chunks(spec: PrepareSpec, base_dir: Path) -> Iterator[list[tuple[int, Record]]]:
     chunk: list[tuple[int, Record]] = []
     for i, src in enumerate(spec.sources):
-        for record in SOURCES.get(src.kind)(src, base_dir):
+        read: SourceReader = SOURCES.resolve(src.kind)
+        for record in read(src, base_dir):
             chunk.append((i, record))
             if len(chunk) == CHUNK:
                 yield chunk
@@ -220,7 +222,8 @@ def prepare(
             "loss_mask": ArrayWriter(stage, "loss_mask", np.dtype("u1")),
             "doc_starts": ArrayWriter(stage, "doc_starts", np.dtype("<u8")),
         }
-        layout = LAYOUTS[spec.layout](spec.seq_len, tok.pad_id, *writers.values())
+        layout_cls: type[Layout] = LAYOUTS.resolve(spec.layout)
+        layout = layout_cls(spec.seq_len, tok.pad_id, *writers.values())
         for outcome in outcomes(spec, base_dir, tok, workers):
             stats.add(outcome)
             for piece in outcome.pieces:

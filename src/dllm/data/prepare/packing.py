@@ -77,6 +77,3 @@ class Indexed(Layout):
         self._write(doc.ids, doc.loss_mask)
         self.num_sequences += 1
         self.num_padding += self.seq_len - len(doc)
-
-
-LAYOUTS: dict[str, type[Layout]] = {"packed": Packed, "indexed": Indexed}

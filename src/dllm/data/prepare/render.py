@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dllm.config.prepare import RecordFields
+from dllm.config.registries import RECORD_FORMATS
 from dllm.data.prepare.sources import Record
 from dllm.errors import DataError
 from dllm.tokenization import Tokenizer
@@ -125,17 +126,14 @@ def render_tokens(record: Record, f: RecordFields, tok: Tokenizer) -> Document:
     return Document(ids, mask)
 
 
-RENDERERS: dict[str, Callable[[Record, RecordFields, Tokenizer], Document]] = {
-    "text": render_text,
-    "prompt_completion": render_prompt_completion,
-    "messages": render_messages,
-    "tokens": render_tokens,
-}
+Renderer = Callable[[Record, RecordFields, Tokenizer], Document]
+"""A record format's renderer (registered in dllm.config.registries.RECORD_FORMATS)."""
 
 
 def render(record: Record, f: RecordFields, tok: Tokenizer, add_bos: bool, append_eos: bool) -> Document:
     """Token ids and loss mask of one record, with BOS (never a target) and EOS (a target)."""
-    doc = RENDERERS[f.format](record, f, tok)
+    renderer: Renderer = RECORD_FORMATS.resolve(f.format)
+    doc = renderer(record, f, tok)
     ids, mask = doc.ids, doc.loss_mask
     if add_bos and tok.bos_id is not None and (not ids or ids[0] != tok.bos_id):
         ids, mask = [tok.bos_id, *ids], [0, *mask]

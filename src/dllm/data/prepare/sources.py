@@ -28,7 +28,6 @@ from dllm.config.prepare import (
     TextSourceConfig,
 )
 from dllm.errors import DataError
-from dllm.registry import Registry
 
 PARQUET_BATCH_ROWS = 1024  # rows held in memory at once when reading a Parquet file
 
@@ -42,7 +41,7 @@ class Record:
 
 
 SourceReader = Callable[[Any, Path], Iterator[Record]]
-SOURCES: Registry[SourceReader] = Registry("source")
+"""A source kind's reader (registered in dllm.config.registries.SOURCES): its config section -> records."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -129,7 +128,6 @@ def jsonl_records(path: Path) -> Iterator[Record]:
         yield Record(data=data, where=where)
 
 
-@SOURCES.register("jsonl")
 def read_jsonl(cfg: JsonlSourceConfig, base_dir: Path) -> Iterator[Record]:
     for path in expand_paths(cfg.path, base_dir, "sources.path"):
         yield from jsonl_records(path)
@@ -155,7 +153,6 @@ def _text_lines(path: Path) -> Iterator[Record]:
             yield Record(data={"text": text}, where=where)
 
 
-@SOURCES.register("text")
 def read_text(cfg: TextSourceConfig, base_dir: Path) -> Iterator[Record]:
     """One record per file, or one per non-empty line (`per_line`), as {"text": ...}."""
     for path in expand_paths(cfg.path, base_dir, "sources.path"):
@@ -175,7 +172,6 @@ def _parquet_rows(path: Path) -> Iterator[dict[str, Any]]:
         yield from batch.to_pylist()  # nested columns (struct, list) become dicts and lists
 
 
-@SOURCES.register("parquet")
 def read_parquet(cfg: ParquetSourceConfig, base_dir: Path) -> Iterator[Record]:
     """Each row of each file (a batch of rows in memory at a time), `file:row N`."""
     for path in expand_paths(cfg.path, base_dir, "sources.path"):
@@ -201,7 +197,6 @@ def _load_npy(path: Path) -> np.ndarray:
     return array
 
 
-@SOURCES.register("npy")
 def read_npy(cfg: NpySourceConfig, base_dir: Path) -> Iterator[Record]:
     """A 1-D array is one document; a 2-D array one per row with negative ids (padding) dropped."""
     for path in expand_paths(cfg.path, base_dir, "sources.path"):
@@ -267,7 +262,6 @@ def _hf_from_files(cfg: HFDatasetSourceConfig, base_dir: Path) -> tuple[Any, str
     return dataset, cfg.path
 
 
-@SOURCES.register("hf_dataset")
 def read_hf_dataset(cfg: HFDatasetSourceConfig, base_dir: Path) -> Iterator[Record]:
     """Rows of a save_to_disk folder, or of local data_files through a `datasets` builder; never downloads."""
     dataset, name = _hf_from_disk(cfg, base_dir) if cfg.data_files is None else _hf_from_files(cfg, base_dir)

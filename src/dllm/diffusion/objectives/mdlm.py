@@ -13,10 +13,10 @@ import torch
 
 from dllm.attention.masks import AttentionMask
 from dllm.config.objectives import MDLMConfig
+from dllm.config.registries import SCHEDULES
 from dllm.data.loader import Batch
 from dllm.diffusion.corruption import NoiseKeys, mask_tokens
 from dllm.diffusion.objectives.base import LossOutput, ModelInputs, TokenIds
-from dllm.diffusion.schedules import SCHEDULES
 from dllm.models.chunked_ce import linear_cross_entropy, plain_cross_entropy
 from dllm.models.output import ModelOutput
 
@@ -27,7 +27,7 @@ class MDLMObjective:
         self.ids = ids
         self.mask_id = ids.mask_id
         self.shift_logits = shift_logits  # Dream-style models: position i is predicted from the state at i-1
-        self.schedule = SCHEDULES.get(cfg.schedule)()
+        self.schedule = SCHEDULES.resolve(cfg.schedule)()
         # the chunked LM head + CE never materialises [tokens x vocab] logits; the plain one is its reference
         self.cross_entropy = linear_cross_entropy if chunked_loss else plain_cross_entropy
 

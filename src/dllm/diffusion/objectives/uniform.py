@@ -13,11 +13,11 @@ import torch
 
 from dllm.attention.masks import AttentionMask
 from dllm.config.objectives import UniformConfig
+from dllm.config.registries import SCHEDULES
 from dllm.data.loader import Batch
 from dllm.diffusion.corruption import NoiseKeys, corrupt_tokens, uniform_token_ids
 from dllm.diffusion.objectives.base import LossOutput, ModelInputs, TokenIds
 from dllm.diffusion.objectives.mdlm import weighted_ce
-from dllm.diffusion.schedules import SCHEDULES
 from dllm.models.chunked_ce import linear_cross_entropy, plain_cross_entropy
 from dllm.models.output import ModelOutput
 
@@ -28,7 +28,7 @@ class UniformObjective:
     ) -> None:
         assert not shift_logits, "config rules refuse model.shift_logits with this objective"
         self.cfg, self.ids = cfg, ids
-        self.schedule = SCHEDULES.get(cfg.schedule)()
+        self.schedule = SCHEDULES.resolve(cfg.schedule)()
         self.cross_entropy = linear_cross_entropy if chunked_loss else plain_cross_entropy
 
     def normalizer(self, batch: Batch) -> int:

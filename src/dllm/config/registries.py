@@ -1,0 +1,150 @@
+"""Every extension point of dllm, one registry per kind: the only place a name picks an implementation.
+
+The config sections take their allowed values from here (`Literal[OBJECTIVES.names()]`), so a YAML
+typo is rejected with the list of known names before anything is built, and the assembly step
+(training/build.py, checkpoint/inference.py, the sampling setup) resolves each name once. Adding an
+implementation (an objective, schedule, sampling policy or cache, source, record format, artifact
+layout, tokenizer, attention backend, family, norm, activation, learning-rate schedule) is its own
+file or function plus one line here; an objective or a source also brings its config section (its
+own fields), whose `name`/`kind` tag must be the registered name. tests/contracts/test_registries.py
+checks that the config accepts exactly the registered names and that every entry resolves, inside
+the part its registry declares; tests/test_architecture.py holds each `resolve` to the layering.
+Tags are facts the config needs before anything is imported.
+"""
+
+from __future__ import annotations
+
+from dllm.registry import Registry, entry
+
+# -- diffusion ----------------------------------------------------------------------------------------
+OBJECTIVES = Registry(
+    "objective",
+    "diffusion",
+    {
+        "mdlm": "objectives.mdlm:MDLMObjective",
+        "bd3lm": entry("objectives.block:BD3LMObjective", "block"),  # block: trains the block-diffusion layout
+        "fast_dllm_v2": entry("objectives.block:FastDLLMv2Objective", "block"),
+        "uniform": "objectives.uniform:UniformObjective",
+    },
+)
+SCHEDULES = Registry(
+    "noise schedule",
+    "diffusion",
+    {"linear": "schedules:LinearSchedule", "cosine": "schedules:CosineSchedule"},
+)
+
+# -- sampling: scheduled policies commit a step-schedule count per step; process policies follow the
+#    reverse process itself (no cache, no sub-blocks)
+POLICIES = Registry(
+    "sampling policy",
+    "sampling",
+    {
+        "low_confidence": entry("policies:LowConfidence", "scheduled"),
+        "random": entry("policies:RandomOrder", "scheduled"),
+        "margin": entry("policies:Margin", "scheduled"),
+        "entropy": entry("policies:Entropy", "scheduled"),
+        "threshold": "policies:Threshold",
+        "factor": "policies:Factor",
+        "ancestral": entry("policies:Ancestral", "process"),
+        "first_hitting": entry("policies:FirstHitting", "process"),
+        "uniform": entry("policies:Uniform", "process"),
+    },
+)
+CACHES = Registry(
+    "sampling cache",
+    "sampling",
+    {
+        "none": "cache:NoCache",
+        "prefix": entry("cache:PrefixCache", "approximate"),  # approximate: bidirectional models, refreshable
+        "dual": entry("cache:DualCache", "approximate"),
+        "block": entry("cache:BlockCache", "block"),  # block: exact, needs block attention
+    },
+)
+
+# -- data ---------------------------------------------------------------------------------------------
+SOURCES = Registry(
+    "source",
+    "data",
+    {
+        "jsonl": "prepare.sources:read_jsonl",
+        "parquet": "prepare.sources:read_parquet",
+        "text": "prepare.sources:read_text",
+        "hf_dataset": "prepare.sources:read_hf_dataset",
+        "npy": "prepare.sources:read_npy",
+    },
+)
+RECORD_FORMATS = Registry(
+    "record format",
+    "data",
+    {
+        "text": "prepare.render:render_text",
+        "messages": "prepare.render:render_messages",
+        "prompt_completion": "prepare.render:render_prompt_completion",
+        "tokens": "prepare.render:render_tokens",
+    },
+)
+LAYOUTS = Registry(
+    "artifact layout",
+    "data",
+    {"packed": "prepare.packing:Packed", "indexed": "prepare.packing:Indexed"},
+)
+TOKENIZERS = Registry(
+    "tokenizer",
+    "tokenization",
+    {"byte": "byte:ByteTokenizer.from_config", "hf": entry("hf:HFTokenizer.from_config", "path")},  # path: a folder
+)
+
+# -- models -------------------------------------------------------------------------------------------
+ATTENTION_BACKENDS = Registry(
+    "attention backend",
+    "attention",
+    {
+        "auto": "backends.auto:auto_backend",
+        "sdpa": "backends.sdpa:sdpa_backend",
+        "flex": "backends.flex:flex_backend",
+        "blockwise": "backends.blockwise:blockwise_backend",
+    },
+)
+FAMILIES = Registry(
+    "model family",
+    "models",
+    {
+        "llama": "families:LLAMA",
+        "qwen2": "families:QWEN2",
+        "qwen3": "families:QWEN3",
+        "qwen3_moe": "families:QWEN3_MOE",
+        "llada": "families:LLADA",
+        "dream": "families:DREAM",
+        "gpt2": "families:GPT2",
+        "bert": "families:BERT",
+    },
+)
+NORMS = Registry("norm", "models", {"rmsnorm": "layers:RMSNorm", "layernorm": "layers:LayerNorm"})
+ACTIVATIONS = Registry(
+    "activation",
+    "models",
+    {"silu": "layers:silu", "gelu": "layers:gelu", "gelu_tanh": "layers:gelu_tanh"},
+)
+
+# -- training -----------------------------------------------------------------------------------------
+LR_SCHEDULES = Registry(
+    "learning-rate schedule",
+    "training",
+    {"cosine": "lr:cosine_decay", "linear": "lr:linear_decay", "constant": "lr:constant"},
+)
+
+ALL: dict[str, Registry] = {
+    "OBJECTIVES": OBJECTIVES,
+    "SCHEDULES": SCHEDULES,
+    "POLICIES": POLICIES,
+    "CACHES": CACHES,
+    "SOURCES": SOURCES,
+    "RECORD_FORMATS": RECORD_FORMATS,
+    "LAYOUTS": LAYOUTS,
+    "TOKENIZERS": TOKENIZERS,
+    "ATTENTION_BACKENDS": ATTENTION_BACKENDS,
+    "FAMILIES": FAMILIES,
+    "NORMS": NORMS,
+    "ACTIVATIONS": ACTIVATIONS,
+    "LR_SCHEDULES": LR_SCHEDULES,
+}
