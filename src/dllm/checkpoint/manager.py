@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import warnings
 from collections.abc import Iterator
@@ -38,10 +39,17 @@ from dllm.parallel.dims import DistEnv, barrier
 
 TRAINER_STATE = "trainer_state.json"
 LATEST = "latest"
+_STEP_DIR = re.compile(r"step_(\d+)")
 
 
 def _step_name(step: int) -> str:
     return f"step_{step:08d}"
+
+
+def _step_of(name: str) -> int | None:
+    """The step of a published checkpoint folder name (None for `.tmp` folders and anything else)."""
+    m = _STEP_DIR.fullmatch(name)
+    return int(m.group(1)) if m else None
 
 
 def _options(model: nn.Module) -> StateDictOptions:
@@ -98,7 +106,7 @@ class CheckpointManager:
                 shutil.rmtree(final)
             os.replace(tmp, final)
             _write_latest(self.folder, final.name)
-            self._prune()
+            self._prune(final)
         barrier(self.env)
         return final
 
@@ -112,10 +120,21 @@ class CheckpointManager:
         set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"], options=options)
         return read_trainer_state(path)
 
-    def _prune(self) -> None:
-        done = sorted(p for p in self.folder.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
-        for old in done[: -self.cfg.keep_last_n]:
-            shutil.rmtree(old, ignore_errors=True)
+    def _prune(self, published: Path) -> None:
+        """Keep the newest `keep_last_n` checkpoints up to the one just published. Folders of later
+        steps (left by an interrupted timeline) are not this run's history and are left alone, and
+        the target of `latest` is never removed."""
+        newest = _step_of(published.name)
+        assert newest is not None
+        pointed = _pointer_target(self.folder)
+        done = sorted(
+            (step, p)
+            for p in self.folder.iterdir()
+            if (step := _step_of(p.name)) is not None and step <= newest and p.is_dir()
+        )
+        for _, old in done[: -self.cfg.keep_last_n]:
+            if old.name not in (pointed, published.name):
+                shutil.rmtree(old, ignore_errors=True)
 
 
 def _write_latest(folder: Path, name: str) -> None:
@@ -124,12 +143,20 @@ def _write_latest(folder: Path, name: str) -> None:
     os.replace(tmp, folder / LATEST)
 
 
+def _pointer_target(folder: Path) -> str | None:
+    pointer = folder / LATEST
+    return pointer.read_text(encoding="utf-8").strip() if pointer.is_file() else None
+
+
 def latest_checkpoint(folder: Path) -> Path | None:
     """The newest published checkpoint of a checkpoints folder, or None."""
     pointer = Path(folder) / LATEST
-    if not pointer.is_file():
+    name = _pointer_target(Path(folder))
+    if name is None:
         return None
-    path = Path(folder) / pointer.read_text().strip()
+    if _step_of(name) is None:  # only a folder of this one: nothing elsewhere on disk
+        raise CheckpointError(f"{pointer}: names {name[:80]!r}, not a step_N folder; delete {pointer} to start over")
+    path = Path(folder) / name
     if not (path / TRAINER_STATE).is_file():
         raise CheckpointError(f"{pointer} names {path.name}, which is incomplete; delete {pointer} to start over")
     return path
