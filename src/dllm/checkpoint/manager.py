@@ -1,12 +1,16 @@
 """CheckpointManager: save/load model + optimizer (DCP, resharding-safe) and the trainer state.
 
 Layout of a run folder:
-  checkpoints/step_00000100/   DCP shards + .metadata + trainer_state.json + decode_profile.json
+  checkpoints/step_00000100/   DCP shards (tensors only) + .metadata + trainer_state.json (every
+                               non-tensor state, the optimizer's hyper-parameters included) +
+                               decode_profile.json + manifest.json (size and SHA-256 of each file)
   checkpoints/latest           text file naming the newest complete checkpoint
 
-Publishing is atomic: every rank writes into `step_X.tmp`, then the main rank renames it to
-`step_X` and only then rewrites `latest` (write to a temp file + os.replace). A crash mid-save leaves
-a `.tmp` folder that nothing reads and the next save removes.
+Publishing is atomic: every rank writes into `step_X.tmp`; the main rank writes the JSON files and
+the manifest (every file fsynced first), renames it to `step_X` and only then rewrites `latest`
+(write to a temp file + os.replace). A crash mid-save leaves a `.tmp` folder that nothing reads and
+the next save removes. Loading unpickles nothing but DCP metadata, and that through a restricted unpickler
+(safe_read.py); the manifest is checked first.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -32,13 +37,18 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from dllm.checkpoint.files import verify_checkpoint, write_manifest
+from dllm.checkpoint.safe_read import SafeLoadPlanner, SafeReader, check_tensors, read_metadata_file
 from dllm.config.profile import DecodeProfile, write_profile
 from dllm.config.training import CheckpointingConfig
-from dllm.errors import CheckpointError
-from dllm.parallel.dims import DistEnv, barrier
+from dllm.errors import CheckpointError, UserError
+from dllm.parallel.dims import DistEnv, all_reduce_sum, barrier
 
 TRAINER_STATE = "trainer_state.json"
 LATEST = "latest"
+METADATA = ".metadata"  # DCP's index of the shards (a pickle: read by safe_read only)
+PARAM_GROUPS = "optim_param_groups"
+"""Key of trainer_state.json holding the optimizer's param_groups (kept out of DCP: no pickle)."""
 _STEP_DIR = re.compile(r"step_(\d+)")
 
 
@@ -95,30 +105,53 @@ class CheckpointManager:
             shutil.rmtree(tmp, ignore_errors=True)
         barrier(self.env)
         model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(model))
+        tensors = {"model": model_sd, "optim": {"state": optim_sd["state"]}}
         with _quiet_dcp():
-            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp), **_dcp_kwargs(self.env))
+            dcp.save(tensors, checkpoint_id=str(tmp), **_dcp_kwargs(self.env))
         barrier(self.env)
         if self.env.is_main:
-            (tmp / TRAINER_STATE).write_text(json.dumps({"step": step, **state}, indent=2, sort_keys=True))
-            if self.profile is not None:
-                write_profile(self.profile, tmp)
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            _write_latest(self.folder, final.name)
-            self._prune(final)
+            self._publish(tmp, final, {"step": step, **state, PARAM_GROUPS: optim_sd["param_groups"]})
         barrier(self.env)
         return final
 
+    def _publish(self, tmp: Path, final: Path, trainer_state: dict[str, Any]) -> None:
+        """JSON files + manifest (every file fsynced first) -> rename -> `latest`."""
+        (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=2, sort_keys=True), encoding="utf-8")
+        if self.profile is not None:
+            write_profile(self.profile, tmp)
+        write_manifest(tmp, trainer_state["step"])
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _write_latest(self.folder, final.name)
+        self._prune(final)
+
     def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """Restore model and optimizer in place; returns the trainer state (step, loader, ...)."""
+        path = Path(path)
+        self._verify(path, next(model.parameters()).device)
+        state = read_trainer_state(path)
+        groups = state.pop(PARAM_GROUPS, None)  # None: written before they moved out of DCP
         options = _options(model)
         model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
-        sd = {"model": model_sd, "optim": optim_sd}
-        with _quiet_dcp():
-            dcp.load(sd, checkpoint_id=str(path), **_dcp_kwargs(self.env))
-        set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"], options=options)
-        return read_trainer_state(path)
+        optim = optim_sd if groups is None else {"state": optim_sd["state"]}
+        sd = {"model": model_sd, "optim": optim}
+        _read(path, sd, "the model being resumed", self.env)
+        if groups is not None:
+            optim = {**sd["optim"], "param_groups": groups}
+        set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=optim, options=options)
+        return state
+
+    def _verify(self, path: Path, device: torch.device) -> None:
+        """Check the files against the manifest: sizes on every rank, SHA-256 on the main rank only
+        (each rank reading the whole checkpoint would multiply the I/O by the world size)."""
+        err: CheckpointError | None = None
+        try:
+            verify_checkpoint(path, hashes=self.cfg.verify and self.env.is_main)
+        except CheckpointError as e:
+            err = e
+        if _any_rank(err is not None, self.env, device):
+            raise err or CheckpointError(f"{path}: the main rank found a damaged file (see its error)")
 
     def _prune(self, published: Path) -> None:
         """Keep the newest `keep_last_n` checkpoints up to the one just published. Folders of later
@@ -135,6 +168,34 @@ class CheckpointManager:
         for _, old in done[: -self.cfg.keep_last_n]:
             if old.name not in (pointed, published.name):
                 shutil.rmtree(old, ignore_errors=True)
+
+
+def _any_rank(flag: bool, env: DistEnv, device: torch.device) -> bool:
+    """Whether `flag` is set on any rank (every rank must call this)."""
+    if not env.distributed:
+        return flag
+    return bool(all_reduce_sum(torch.tensor([float(flag)], device=device), env).item() > 0)
+
+
+def _read(path: Path, sd: dict[str, Any], what: str, env: DistEnv | None) -> None:
+    """DCP-load `sd` in place from `path` through the safe reader, after checking that the model's
+    tensors are in the checkpoint with their shapes; failures are one line."""
+    check_tensors(read_metadata_file(path / METADATA), "model", sd["model"], path, what)
+    kwargs = _dcp_kwargs(env) if env is not None else {"no_dist": True}
+    try:
+        with _quiet_dcp():
+            dcp.load(sd, storage_reader=SafeReader(path), planner=SafeLoadPlanner(), **kwargs)
+    except CheckpointException as e:
+        raise _one_line(e, path) from None
+
+
+def _one_line(e: CheckpointException, path: Path) -> UserError:
+    """The first rank's failure of a DCP load as a user error (a shard that is truncated or garbled)."""
+    first = next(iter(e.failures.values()))[0]
+    if isinstance(first, UserError):
+        return first
+    lines = str(first).strip().splitlines() or [""]
+    return CheckpointError(f"{path}: could not be read ({type(first).__name__}: {lines[0]}); use another checkpoint")
 
 
 def _write_latest(folder: Path, name: str) -> None:
@@ -166,14 +227,22 @@ def read_trainer_state(path: Path) -> dict[str, Any]:
     f = Path(path) / TRAINER_STATE
     if not f.is_file():
         raise CheckpointError(f"{path}: not a dllm checkpoint (no {TRAINER_STATE})")
-    return json.loads(f.read_text())
+    try:
+        state = json.loads(f.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError):
+        state = None
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+        raise CheckpointError(f"{f}: damaged (not the JSON trainer state dllm writes); use another checkpoint")
+    return state
 
 
-def load_model_weights(path: Path, model: nn.Module) -> None:
+def load_model_weights(path: Path, model: nn.Module, verify: bool = True) -> None:
     """Load the saved (trainable) weights of a checkpoint into a single-process model, whatever world
-    size saved it; frozen base weights must already be in place (see models.factory)."""
+    size saved it; frozen base weights must already be in place (see models.factory). `verify`
+    checks every file's SHA-256 against the manifest first (sizes are always checked)."""
+    path = Path(path)
+    verify_checkpoint(path, hashes=verify)
     options = _options(model)
     sd = {"model": get_model_state_dict(model, options=options)}
-    with _quiet_dcp():
-        dcp.load(sd, checkpoint_id=str(path), no_dist=True)
+    _read(path, sd, "the model built from the run's config.yaml", None)
     set_model_state_dict(model, sd["model"], options=options)

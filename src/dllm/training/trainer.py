@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dllm.checkpoint.manager import CheckpointManager
+from dllm.checkpoint.manager import TRAINER_STATE, CheckpointManager
 from dllm.config.training import LoggingConfig, TrainingConfig
 from dllm.data.loader import Batch, StepLoader
 from dllm.diffusion.corruption import NoiseKeys
@@ -86,6 +86,15 @@ class Trainer:
 
     def resume(self, path: Any) -> None:
         state = self.checkpoints.load(path, self.model, self.optimizer)
+        try:
+            self._restore(path, state)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:  # a damaged or hand-edited state
+            raise CheckpointError(
+                f"{path}/{TRAINER_STATE}: damaged ({type(e).__name__}: {e}); use another checkpoint"
+            ) from None
+        self.metrics.truncate_after(self.step)
+
+    def _restore(self, path: Any, state: dict[str, Any]) -> None:
         saved = state.get("identity", {}).get("tokenizer", {})
         if saved.get("vocab_hash") != self.identity["tokenizer"]["vocab_hash"]:
             raise CheckpointError(
@@ -96,7 +105,6 @@ class Trainer:
         self.lr_schedule.load_state_dict(state["lr_schedule"])
         self.noise = NoiseKeys(int(state["noise"]["seed"]), int(state["noise"]["group_size"]))
         self.step = int(state["step"])
-        self.metrics.truncate_after(self.step)
 
     # -- one step ---------------------------------------------------------------------------------
     def _autocast(self) -> contextlib.AbstractContextManager:
