@@ -1,12 +1,14 @@
-"""Item 5 of issue 23: checksummed checkpoints, and damaged checkpoints as one line.
+"""Item 5 of issue 23: checksummed checkpoints, damaged checkpoints as one line, and a NaN/Inf guard.
 
 Every published checkpoint carries manifest.json (size + SHA-256 of each file); loading checks it, so
 each kind of damage is one line naming the damaged file, on the inference path, on resume and from
-the CLI. Checkpoints without a manifest (written before) still load, with a warning.
+the CLI. Checkpoints without a manifest (written before) still load, with a warning. A step whose loss
+or gradient norm is not finite stops the run with one line and publishes nothing.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import re
@@ -14,11 +16,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from dllm.checkpoint.files import MANIFEST
 from dllm.checkpoint.inference import load_for_inference
-from dllm.errors import CheckpointError
+from dllm.checkpoint.manager import latest_checkpoint
+from dllm.errors import CheckpointError, TrainingError
+from dllm.training import trainer as trainer_mod
 from tests.reliability.ckpt_runs import STEP2, cli, resume, trained_run
 
 SHARD = "__0_0.distcp"
@@ -130,3 +135,28 @@ def test_a_checkpoint_without_manifest_loads_with_a_warning(run_dir: Path):
         load_for_inference(run_dir)
     with pytest.warns(UserWarning, match="no manifest.json"):
         assert len(resume(run_dir)) == 2
+
+
+@pytest.mark.parametrize("poison", ["loss", "gradient"])
+def test_a_non_finite_step_stops_the_run_and_publishes_nothing(
+    workdir: Path, poison: str, monkeypatch: pytest.MonkeyPatch
+):
+    """Steps 1-2 train and publish step 2; step 3 turns NaN (in its loss, or only in its gradients)."""
+    every_step = "checkpointing.every_steps=1"
+    run_dir = trained_run(workdir, every_step)
+    real = trainer_mod.run_model
+
+    def poisoned(model, inputs):
+        out = real(model, inputs)
+        if poison == "loss":
+            return dataclasses.replace(out, hidden_BLE=out.hidden_BLE * float("nan"))
+        out.hidden_BLE.register_hook(lambda g: g * float("inf"))  # a finite loss, an infinite gradient
+        return out
+
+    monkeypatch.setattr(trainer_mod, "run_model", poisoned)
+    with pytest.raises(TrainingError, match=r"^step 3: the (loss|gradient norm) is (nan|inf)") as e:
+        resume(run_dir, every_step, steps=5)
+    assert "\n" not in str(e.value)
+    assert latest_checkpoint(run_dir / "checkpoints").name == STEP2
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["latest", "step_00000001", STEP2]
+    assert all(torch.isfinite(p).all() for p in load_for_inference(run_dir).model.parameters())
