@@ -8,9 +8,11 @@ written before manifests existed still load, with a warning.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import shutil
 import warnings
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,7 @@ from dllm.errors import CheckpointError
 
 MANIFEST = "manifest.json"
 _FORMAT = "dllm.checkpoint"
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 _CHUNK = 1 << 20
 
 
@@ -116,3 +119,59 @@ def _check_file(path: Path, entry: dict[str, Any], hashes: bool) -> None:
         raise CheckpointError(f"{path}: {size} bytes where {MANIFEST} records {entry['bytes']} (truncated?): {advice}")
     if hashes and _digest(path) != entry["sha256"]:
         raise CheckpointError(f"{path}: damaged (its SHA-256 differs from {MANIFEST}): {advice}")
+
+
+# -- disk full ------------------------------------------------------------------------------------
+def _errnos(exc: BaseException) -> set[int]:
+    """Every errno in an exception, its causes and contexts, and the per-rank failures DCP wraps
+    (torch.save reports a full disk as `unexpected pos`, with the OSError only as its context)."""
+    found: set[int] = set()
+    todo, seen = [exc], set()
+    while todo:
+        e = todo.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno is not None:
+            found.add(e.errno)
+        todo += [x for x in (e.__cause__, e.__context__) if x is not None]
+        todo += [pair[0] for pair in getattr(e, "failures", {}).values()]
+    return found
+
+
+def disk_full_error(exc: BaseException, folder: Path, needed_bytes: int) -> CheckpointError | None:
+    """The one-line error for a write that failed for lack of space (by its errno, or because the
+    disk now has less room than the write needs), else None."""
+    free = _free_bytes(folder)
+    if not (_errnos(exc) & set(_DISK_FULL)) and (free is None or free >= needed_bytes):
+        return None
+    return no_space(folder, needed_bytes, free)
+
+
+def no_space(folder: Path, needed_bytes: int, free: int | None) -> CheckpointError:
+    have = "" if free is None else f", {_mb(free)} MB free"
+    return CheckpointError(
+        f"no space left on {folder} (needs about {_mb(needed_bytes)} MB{have}); "
+        "free some space or set run.output_dir to a bigger disk, then launch again to resume"
+    )
+
+
+def check_free_space(folder: Path, needed_bytes: int) -> None:
+    """Refuse a write that cannot fit before starting it."""
+    free = _free_bytes(folder)
+    if free is not None and free < needed_bytes:
+        raise no_space(folder, needed_bytes, free)
+
+
+def _free_bytes(folder: Path) -> int | None:
+    for p in (folder, *folder.parents):
+        if p.exists():
+            try:
+                return shutil.disk_usage(p).free
+            except OSError:
+                return None
+    return None
+
+
+def _mb(num_bytes: int) -> int:
+    return max(1, -(-num_bytes // (1 << 20)))

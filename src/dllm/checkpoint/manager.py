@@ -6,10 +6,11 @@ Layout of a run folder:
                                decode_profile.json + manifest.json (size and SHA-256 of each file)
   checkpoints/latest           text file naming the newest complete checkpoint
 
-Publishing is atomic: every rank writes into `step_X.tmp`; the main rank writes the JSON files and
-the manifest (every file fsynced first), renames it to `step_X` and only then rewrites `latest`
-(write to a temp file + os.replace). A crash mid-save leaves a `.tmp` folder that nothing reads and
-the next save removes. Loading unpickles nothing but DCP metadata, and that through a restricted unpickler
+Publishing is atomic and durable: every rank writes into `step_X.tmp`; the main rank writes the JSON
+files and the manifest, fsyncs every file and the folder, renames it to `step_X`, fsyncs the parent
+and only then rewrites `latest` (a temp file fsynced + os.replace). A failed save (a full disk
+included) removes its `.tmp` folder; a crash mid-save leaves one that nothing reads and the next
+save removes. Loading unpickles nothing but DCP metadata, and that through a restricted unpickler
 (safe_read.py); the manifest is checked first.
 """
 
@@ -20,8 +21,9 @@ import os
 import re
 import shutil
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +39,14 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from dllm.checkpoint.files import verify_checkpoint, write_manifest
+from dllm.checkpoint.files import (
+    check_free_space,
+    disk_full_error,
+    fsync_dir,
+    verify_checkpoint,
+    write_manifest,
+    write_text_durably,
+)
 from dllm.checkpoint.safe_read import SafeLoadPlanner, SafeReader, check_tensors, read_metadata_file
 from dllm.config.profile import DecodeProfile, write_profile
 from dllm.config.training import CheckpointingConfig
@@ -100,31 +109,61 @@ class CheckpointManager:
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> Path:
         final = self.folder / _step_name(step)
         tmp = self.folder / f"{_step_name(step)}.tmp"
-        if self.env.is_main:
-            self.folder.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)
-        barrier(self.env)
         model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(model))
         tensors = {"model": model_sd, "optim": {"state": optim_sd["state"]}}
+        trainer_state = {"step": step, **state, PARAM_GROUPS: optim_sd["param_groups"]}
+        needed = _num_bytes(tensors)
+        device = next(model.parameters()).device
+        self._guarded(lambda: self._begin(tmp, needed), tmp, needed, device)
+        barrier(self.env)
         with _quiet_dcp():
-            dcp.save(tensors, checkpoint_id=str(tmp), **_dcp_kwargs(self.env))
+            save = partial(dcp.save, tensors, checkpoint_id=str(tmp), **_dcp_kwargs(self.env))
+            self._guarded(save, tmp, needed, device, main_only=False)
         barrier(self.env)
-        if self.env.is_main:
-            self._publish(tmp, final, {"step": step, **state, PARAM_GROUPS: optim_sd["param_groups"]})
-        barrier(self.env)
+        self._guarded(lambda: self._publish(tmp, final, trainer_state), tmp, needed, device)
         return final
 
+    def _begin(self, tmp: Path, needed_bytes: int) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        check_free_space(self.folder, needed_bytes)
+
     def _publish(self, tmp: Path, final: Path, trainer_state: dict[str, Any]) -> None:
-        """JSON files + manifest (every file fsynced first) -> rename -> `latest`."""
-        (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=2, sort_keys=True), encoding="utf-8")
+        """JSON files + manifest (every file fsynced) -> rename -> fsync the parent -> `latest`."""
+        write_text_durably(tmp / TRAINER_STATE, json.dumps(trainer_state, indent=2, sort_keys=True))
         if self.profile is not None:
             write_profile(self.profile, tmp)
         write_manifest(tmp, trainer_state["step"])
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
-        _write_latest(self.folder, final.name)
+        fsync_dir(self.folder)
+        write_text_durably(self.folder / LATEST, final.name + "\n")
         self._prune(final)
+
+    def _guarded(
+        self, fn: Callable[[], Any], tmp: Path, needed_bytes: int, device: torch.device, main_only: bool = True
+    ) -> None:
+        """Run one part of a save (on the main rank only, or on all ranks for the collective DCP save);
+        if it fails on any rank, every rank stops: the partial `tmp` folder is removed and a full disk
+        is reported in one line."""
+        err: BaseException | None = None
+        if self.env.is_main or not main_only:
+            try:
+                fn()
+            except BaseException as e:  # cleaned up and re-raised below
+                err = e
+        failed = _any_rank(err is not None, self.env, device) if main_only else err is not None
+        if not failed:
+            return
+        if self.env.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if err is None:
+            raise CheckpointError(f"{tmp}: the main rank could not write this checkpoint (see its error)")
+        full = None if isinstance(err, UserError) else disk_full_error(err, self.folder, needed_bytes)
+        if full is not None:
+            raise full from None
+        raise err
 
     def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """Restore model and optimizer in place; returns the trainer state (step, loader, ...)."""
@@ -170,6 +209,17 @@ class CheckpointManager:
                 shutil.rmtree(old, ignore_errors=True)
 
 
+def _num_bytes(tree: Any) -> int:
+    """Bytes of the tensors in a nested state dict (a DTensor counts its global size)."""
+    if isinstance(tree, torch.Tensor):
+        return tree.numel() * tree.element_size()
+    if isinstance(tree, dict):
+        return sum(_num_bytes(v) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return sum(_num_bytes(v) for v in tree)
+    return 0
+
+
 def _any_rank(flag: bool, env: DistEnv, device: torch.device) -> bool:
     """Whether `flag` is set on any rank (every rank must call this)."""
     if not env.distributed:
@@ -196,12 +246,6 @@ def _one_line(e: CheckpointException, path: Path) -> UserError:
         return first
     lines = str(first).strip().splitlines() or [""]
     return CheckpointError(f"{path}: could not be read ({type(first).__name__}: {lines[0]}); use another checkpoint")
-
-
-def _write_latest(folder: Path, name: str) -> None:
-    tmp = folder / f"{LATEST}.tmp"
-    tmp.write_text(name + "\n")
-    os.replace(tmp, folder / LATEST)
 
 
 def _pointer_target(folder: Path) -> str | None:
