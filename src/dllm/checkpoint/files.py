@@ -111,7 +111,7 @@ def _valid_entry(name: Any, entry: Any) -> bool:
 
 
 def _check_file(path: Path, entry: dict[str, Any], hashes: bool) -> None:
-    advice = "restore it from a copy, or resume from an older checkpoint"
+    advice = "restore it from a copy, or use an older checkpoint (resume: name it in checkpoints/latest)"
     if not path.is_file():
         raise CheckpointError(f"{path}: missing (listed in {MANIFEST}); the checkpoint is incomplete: {advice}")
     size = path.stat().st_size
