@@ -24,3 +24,7 @@ class DataError(UserError):
 
 class CheckpointError(UserError):
     """A checkpoint or run folder that is missing or does not match the config."""
+
+
+class TrainingError(UserError):
+    """A run that cannot go on as configured (a loss or gradient that is not finite)."""

@@ -82,7 +82,7 @@ def load_for_inference(
     model = factory.build_model(cfg, spec.lora, spec.training.seed)
     if spec.lora is not None:  # the checkpoint holds the adapters; the frozen base is rebuilt
         model.load_state_dict(factory.initial_state(cfg, spec.lora, spec.training.seed))
-    load_model_weights(ckpt, model)
+    load_model_weights(ckpt, model, verify=spec.checkpointing.verify)
     if spec.lora is not None and merge:
         merge_lora(model)  # one matrix per layer again: as fast as the base model
     profile = read_profile(ckpt)

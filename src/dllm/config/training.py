@@ -72,6 +72,8 @@ class CheckpointingConfig(Section):
     """auto: continue from the newest checkpoint of the run folder if there is one."""
     save_final: bool = True
     """Save a checkpoint after the last step."""
+    verify: bool = True
+    """Check each checkpoint file's SHA-256 before loading it (sizes always); false skips it for huge ones."""
 
 
 class LoggingConfig(Section):

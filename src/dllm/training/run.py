@@ -14,6 +14,7 @@ from pathlib import Path
 
 import yaml
 
+from dllm.checkpoint.files import disk_full_error, write_text_durably
 from dllm.config.loading import dump_config, load_config
 from dllm.config.spec import RunSpec
 from dllm.errors import CheckpointError
@@ -34,9 +35,14 @@ def prepare_run_dir(spec: RunSpec) -> Path:
     if has_ckpt and spec.checkpointing.resume == "never":
         _set_aside(run_dir / "checkpoints")
     run_dir.mkdir(parents=True, exist_ok=True)
-    tmp = cfg_path.with_suffix(".yaml.tmp")
-    tmp.write_text(dump_config(spec), encoding="utf-8")
-    os.replace(tmp, cfg_path)
+    text = dump_config(spec)
+    try:
+        write_text_durably(cfg_path, text)
+    except OSError as e:
+        full = disk_full_error(e, run_dir, len(text.encode()))
+        if full is None:
+            raise
+        raise full from None
     _point_latest(run_dir)
     return run_dir
 

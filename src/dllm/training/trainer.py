@@ -9,6 +9,7 @@ sum the normalisation needs.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -16,12 +17,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from dllm.checkpoint.manager import CheckpointManager
+from dllm.checkpoint.manager import TRAINER_STATE, CheckpointManager
 from dllm.config.training import LoggingConfig, TrainingConfig
 from dllm.data.loader import Batch, StepLoader
 from dllm.diffusion.corruption import NoiseKeys
 from dllm.diffusion.objectives.base import ModelInputs, Objective
-from dllm.errors import CheckpointError
+from dllm.errors import CheckpointError, TrainingError
 from dllm.models.output import ModelOutput, SelfConditioned
 from dllm.parallel.apply import set_grad_sync
 from dllm.parallel.dims import DistEnv, ParallelDims, all_reduce_sum
@@ -86,6 +87,15 @@ class Trainer:
 
     def resume(self, path: Any) -> None:
         state = self.checkpoints.load(path, self.model, self.optimizer)
+        try:
+            self._restore(path, state)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:  # a damaged or hand-edited state
+            raise CheckpointError(
+                f"{path}/{TRAINER_STATE}: damaged ({type(e).__name__}: {e}); use another checkpoint"
+            ) from None
+        self.metrics.truncate_after(self.step)
+
+    def _restore(self, path: Any, state: dict[str, Any]) -> None:
         saved = state.get("identity", {}).get("tokenizer", {})
         if saved.get("vocab_hash") != self.identity["tokenizer"]["vocab_hash"]:
             raise CheckpointError(
@@ -96,7 +106,6 @@ class Trainer:
         self.lr_schedule.load_state_dict(state["lr_schedule"])
         self.noise = NoiseKeys(int(state["noise"]["seed"]), int(state["noise"]["group_size"]))
         self.step = int(state["step"])
-        self.metrics.truncate_after(self.step)
 
     # -- one step ---------------------------------------------------------------------------------
     def _autocast(self) -> contextlib.AbstractContextManager:
@@ -170,6 +179,7 @@ class Trainer:
                 batches = self.loader.next_step()
                 t_data = time.perf_counter() - t0
                 stats = self.train_step(batches)
+                _check_finite(stats, self.step)  # before anything is logged or saved
                 step_s = time.perf_counter() - t0
                 losses.append(stats.loss)
                 tps = self.tokens_per_step / step_s
@@ -196,6 +206,18 @@ class Trainer:
             "data_s": round(t_data, 4),
             **{f"{k}_s": round(v, 4) for k, v in stats.times_s.items()},
         }
+
+
+def _check_finite(stats: StepStats, step: int) -> None:
+    """Stop a diverged run: its weights are already NaN/Inf after this step, so nothing is saved.
+    The numbers are reduced over ranks, so every rank stops at the same step."""
+    bad = {name: v for name, v in (("loss", stats.loss), ("gradient norm", stats.grad_norm)) if not math.isfinite(v)}
+    if bad:
+        what = " and ".join(f"{name} is {v}" for name, v in bad.items())
+        raise TrainingError(
+            f"step {step}: the {what}; stopped without saving this step (the last checkpoint is intact). "
+            "Lower optimizer.lr, or train in float32 or bfloat16 rather than float16 (training.autocast_dtype)"
+        )
 
 
 def run_model(model: nn.Module, inputs: ModelInputs) -> ModelOutput:

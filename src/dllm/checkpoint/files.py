@@ -1,0 +1,177 @@
+"""The files of a checkpoint: durable writes, the SHA-256 manifest, and disk-full reporting.
+
+A published checkpoint folder holds `manifest.json`: the size and SHA-256 of every other file in it.
+Loading checks sizes always and hashes unless `checkpointing.verify: false`, so a flipped byte, a
+truncated or missing shard is one line naming the file instead of a silently wrong model. Folders
+written before manifests existed still load, with a warning.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+from dllm.errors import CheckpointError
+
+MANIFEST = "manifest.json"
+_FORMAT = "dllm.checkpoint"
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+_CHUNK = 1 << 20
+
+
+def fsync_dir(folder: Path) -> None:
+    """Make a rename or a new file in `folder` survive a power loss (the entry lives in the folder)."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_text_durably(path: Path, text: str) -> None:
+    """Write `path` through a temp file that is fsynced and renamed into place; a failed write
+    removes the temp file and leaves any old `path` as it was."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with tmp.open("w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def _digest(path: Path, sync: bool = False) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as fh:
+        while chunk := fh.read(_CHUNK):
+            h.update(chunk)
+        if sync:  # the pages DCP or we wrote are on disk before the folder is published
+            os.fsync(fh.fileno())
+    return h.hexdigest()
+
+
+def write_manifest(folder: Path, step: int) -> None:
+    """fsync every file of `folder` and record its size and SHA-256 in `folder/manifest.json`."""
+    files = {
+        p.name: {"bytes": p.stat().st_size, "sha256": _digest(p, sync=True)}
+        for p in sorted(folder.iterdir())
+        if p.is_file() and p.name != MANIFEST
+    }
+    body = {"format": _FORMAT, "version": 1, "step": step, "files": files}
+    write_text_durably(folder / MANIFEST, json.dumps(body, indent=2, sort_keys=True) + "\n")
+
+
+def verify_checkpoint(folder: Path, hashes: bool = True) -> None:
+    """Refuse a checkpoint whose files differ from its manifest (sizes always, SHA-256 when `hashes`)."""
+    listed = _read_manifest(folder)
+    if listed is None:
+        warnings.warn(
+            f"{folder}: no {MANIFEST} (written before checkpoints carried checksums); loading it unchecked",
+            stacklevel=3,
+        )
+        return
+    for name, entry in listed.items():
+        _check_file(folder / name, entry, hashes)
+
+
+def _read_manifest(folder: Path) -> dict[str, dict[str, Any]] | None:
+    path = folder / MANIFEST
+    if not path.is_file():
+        return None
+    try:
+        body = json.loads(path.read_text(encoding="utf-8"))
+        files = body["files"] if body.get("format") == _FORMAT else None
+        ok = isinstance(files, dict) and all(_valid_entry(k, v) for k, v in files.items())
+    except (ValueError, TypeError, KeyError, AttributeError):
+        ok = False
+    if not ok:
+        raise CheckpointError(f"{path}: damaged or not a dllm checkpoint manifest; use another checkpoint")
+    return files
+
+
+def _valid_entry(name: Any, entry: Any) -> bool:
+    """A plain file name of this folder (nothing that reaches outside it) with a size and a digest."""
+    plain = isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
+    return (
+        plain
+        and isinstance(entry, dict)
+        and isinstance(entry.get("bytes"), int)
+        and isinstance(entry.get("sha256"), str)
+    )
+
+
+def _check_file(path: Path, entry: dict[str, Any], hashes: bool) -> None:
+    advice = "restore it from a copy, or use an older checkpoint (resume: name it in checkpoints/latest)"
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing (listed in {MANIFEST}); the checkpoint is incomplete: {advice}")
+    size = path.stat().st_size
+    if size != entry["bytes"]:
+        raise CheckpointError(f"{path}: {size} bytes where {MANIFEST} records {entry['bytes']} (truncated?): {advice}")
+    if hashes and _digest(path) != entry["sha256"]:
+        raise CheckpointError(f"{path}: damaged (its SHA-256 differs from {MANIFEST}): {advice}")
+
+
+# -- disk full ------------------------------------------------------------------------------------
+def _errnos(exc: BaseException) -> set[int]:
+    """Every errno in an exception, its causes and contexts, and the per-rank failures DCP wraps
+    (torch.save reports a full disk as `unexpected pos`, with the OSError only as its context)."""
+    found: set[int] = set()
+    todo, seen = [exc], set()
+    while todo:
+        e = todo.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno is not None:
+            found.add(e.errno)
+        todo += [x for x in (e.__cause__, e.__context__) if x is not None]
+        todo += [pair[0] for pair in getattr(e, "failures", {}).values()]
+    return found
+
+
+def disk_full_error(exc: BaseException, folder: Path, needed_bytes: int) -> CheckpointError | None:
+    """The one-line error for a write that failed for lack of space (by its errno, or because the
+    disk now has less room than the write needs), else None."""
+    free = _free_bytes(folder)
+    if not (_errnos(exc) & set(_DISK_FULL)) and (free is None or free >= needed_bytes):
+        return None
+    return no_space(folder, needed_bytes, free)
+
+
+def no_space(folder: Path, needed_bytes: int, free: int | None) -> CheckpointError:
+    have = "" if free is None else f", {_mb(free)} MB free"
+    return CheckpointError(
+        f"no space left on {folder} (needs about {_mb(needed_bytes)} MB{have}); "
+        "free some space or set run.output_dir to a bigger disk, then launch again to resume"
+    )
+
+
+def check_free_space(folder: Path, needed_bytes: int) -> None:
+    """Refuse a write that cannot fit before starting it."""
+    free = _free_bytes(folder)
+    if free is not None and free < needed_bytes:
+        raise no_space(folder, needed_bytes, free)
+
+
+def _free_bytes(folder: Path) -> int | None:
+    for p in (folder, *folder.parents):
+        if p.exists():
+            try:
+                return shutil.disk_usage(p).free
+            except OSError:
+                return None
+    return None
+
+
+def _mb(num_bytes: int) -> int:
+    return max(1, -(-num_bytes // (1 << 20)))
