@@ -96,7 +96,6 @@ class Trainer:
         self.lr_schedule.load_state_dict(state["lr_schedule"])
         self.noise = NoiseKeys(int(state["noise"]["seed"]), int(state["noise"]["group_size"]))
         self.step = int(state["step"])
-        self.metrics.truncate_after(self.step)
 
     # -- one step ---------------------------------------------------------------------------------
     def _autocast(self) -> contextlib.AbstractContextManager:
@@ -164,6 +163,7 @@ class Trainer:
         progress = Progress(self.log_cfg, self.cfg.steps, self.step, enabled=self.env.is_main)
         losses: list[float] = []
         every = self.log_cfg.every_steps
+        self.metrics.start(self.step)  # the log now ends at this step: no duplicate after a resume
         try:
             while self.step < self.cfg.steps:
                 t0 = time.perf_counter()
