@@ -30,6 +30,7 @@ def _logged(run_dir: Path, n: int) -> bool:
 
 @needs_proc
 @pytest.mark.distributed
+@pytest.mark.slow  # 8-20 s: two workers start on a shared 2-core machine
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
 def test_two_workers_end_with_their_launcher(workdir: Path, sig: signal.Signals):
     run_dir = _long_run(workdir)
