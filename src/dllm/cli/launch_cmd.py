@@ -22,9 +22,10 @@ def launch(
 ) -> None:
     """Train: checks the config and world size before any worker starts."""
     from dllm.errors import ConfigError
-    from dllm.parallel.launch import format_command, run_command, worker_command
+    from dllm.parallel.launch import format_command, worker_command
     from dllm.training.preflight import resolve_run_spec
-    from dllm.training.run import CONFIG_NAME, prepare_run_dir, run_dir_of, train_from_run_dir
+    from dllm.training.run import CONFIG_NAME, prepare_run_dir, run_dir_of
+    from dllm.training.run_lock import lock_run_dir
 
     overrides = list(set_ or [])
     if nproc_per_node is not None:
@@ -49,13 +50,43 @@ def launch(
         out(format_command(cmd))
         info(f"dry run: config ok for {topo.world_size} process(es); {spec_path} is written at launch")
         return
-    run_dir = prepare_run_dir(spec)
-    info(f"run folder: {run_dir}")
-    if in_process:
-        train_from_run_dir(run_dir)
-    else:
-        info(format_command(cmd))
-        code = run_command(cmd)
-        if code != 0:
-            raise typer.Exit(code)
+    lock = lock_run_dir(run_dir_of(spec), per_host=topo.nnodes > 1)
+    try:  # the lock is held until every worker has ended
+        run_dir = prepare_run_dir(spec)
+        info(f"run folder: {run_dir}")
+        _train(run_dir, None if in_process else cmd, lock.fd)
+    finally:
+        lock.release()
     info(f"done: {run_dir} (next: dllm generate --run {run_dir})")
+
+
+def _train(run_dir: Path, torchrun_cmd: list[str] | None, lock_fd: int) -> None:
+    """Train in this process, or under torchrun; SIGINT/SIGTERM end every worker, with a last word."""
+    from dllm.parallel.launch import Stopped, format_command, run_command, stop_on_signals
+    from dllm.training.run import train_from_run_dir
+
+    try:
+        with stop_on_signals():
+            if torchrun_cmd is None:
+                train_from_run_dir(run_dir)
+                return
+            info(format_command(torchrun_cmd))
+            code = run_command(torchrun_cmd, keep_fds=(lock_fd,))
+    except Stopped as stop:
+        info(f"dllm: stopped by {stop.signal_name}: all training processes have ended; {_resume_hint(run_dir)}")
+        raise typer.Exit(stop.exit_code) from None
+    if code != 0:
+        raise typer.Exit(code)
+
+
+def _resume_hint(run_dir: Path) -> str:
+    from dllm.checkpoint.manager import latest_checkpoint
+    from dllm.errors import UserError
+
+    try:
+        latest = latest_checkpoint(run_dir / "checkpoints")
+    except UserError:
+        latest = None
+    if latest is None:
+        return "no checkpoint was published yet"
+    return f"the same command resumes from {latest}"

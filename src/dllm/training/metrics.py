@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from dllm.config.training import LoggingConfig
 
 
 class MetricsLogger:
+    """metrics.jsonl holds one record per logged step of the run's history up to its current state:
+    `start` is called before the first step, so a resume or a restart never duplicates steps."""
+
     def __init__(self, run_dir: Path, cfg: LoggingConfig, enabled: bool) -> None:
         self.enabled = enabled
         self.path = run_dir / "metrics.jsonl"
@@ -25,26 +29,27 @@ class MetricsLogger:
             except ImportError:
                 if cfg.tensorboard == "on":
                     raise
-        self._fh = open(self.path, "a", encoding="utf-8") if enabled else None  # noqa: SIM115
+        self._fh: TextIO | None = None
 
-    def truncate_after(self, step: int) -> None:
-        """On resume, drop records the interrupted run wrote after its last checkpoint."""
-        if not self.enabled or self._fh is None or not self.path.exists():
+    def start(self, step: int) -> None:
+        """Open the file for a run that goes on after `step`. From a checkpoint (step > 0), the
+        records after it were written by the interrupted run and are written again, so they go (and
+        so does a line torn by a kill). From scratch (no checkpoint yet, or `resume: never`) the old
+        records are history of another start: kept aside as metrics.jsonl.N, never deleted."""
+        if not self.enabled:
             return
-        self._fh.close()
-        kept = [
-            line
-            for line in self.path.read_text(encoding="utf-8").splitlines()
-            if line.strip() and json.loads(line).get("step", 0) <= step
-        ]
-        tmp = self.path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
-        os.replace(tmp, self.path)
+        self._close_file()
+        if self.path.exists() and step == 0 and self.path.stat().st_size > 0:
+            kept = _set_aside(self.path)
+            print(f"dllm: starting at step 0: kept the earlier metrics as {kept}", file=sys.stderr)
+        elif self.path.exists():
+            _truncate_after(self.path, step)
         self._fh = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
 
     def log(self, step: int, values: dict[str, Any]) -> None:
-        if not self.enabled or self._fh is None:
+        if not self.enabled:
             return
+        assert self._fh is not None, "MetricsLogger.start(step) comes before the first record"
         record = {"step": step, **values}
         self._fh.write(json.dumps(record) + "\n")
         self._fh.flush()
@@ -53,17 +58,60 @@ class MetricsLogger:
                 if isinstance(v, (int, float)):
                     self._tb.add_scalar(k, v, step)
 
-    def close(self) -> None:
+    def _close_file(self) -> None:
         if self._fh is not None:
             self._fh.close()
             self._fh = None
+
+    def close(self) -> None:
+        self._close_file()
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+
+
+def _records(text: str) -> list[dict[str, Any]]:
+    """The records of a metrics file. Every record is written as one whole line, so a line that
+    does not parse is the torn end of a write cut by a kill (or a full disk) and is skipped."""
+    records = []
+    for line in text.splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            records.append(record)
+    return records
+
+
+def _truncate_after(path: Path, step: int) -> None:
+    """Keep the whole records up to `step`; rewritten through a temp file, so a kill leaves either
+    the old file or the new one."""
+    text = path.read_text(encoding="utf-8", errors="replace")
+    kept = [r for r in _records(text) if r["step"] <= step]
+    new_text = "".join(json.dumps(r) + "\n" for r in kept)
+    if new_text == text:
+        return
+    tmp = path.with_suffix(".jsonl.tmp")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(new_text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def _set_aside(path: Path) -> Path:
+    """Rename `path` to the first free `path.N` (N = 1, 2, ...) and return that name."""
+    n = 1
+    while path.with_name(f"{path.name}.{n}").exists():
+        n += 1
+    target = path.with_name(f"{path.name}.{n}")
+    os.replace(path, target)
+    return target
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return _records(path.read_text(encoding="utf-8", errors="replace"))

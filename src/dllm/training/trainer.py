@@ -173,6 +173,7 @@ class Trainer:
         progress = Progress(self.log_cfg, self.cfg.steps, self.step, enabled=self.env.is_main)
         losses: list[float] = []
         every = self.log_cfg.every_steps
+        self.metrics.start(self.step)  # the log now ends at this step: no duplicate after a resume
         try:
             while self.step < self.cfg.steps:
                 t0 = time.perf_counter()

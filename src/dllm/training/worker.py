@@ -1,18 +1,28 @@
-"""Worker process entry: `python -m dllm.training.worker RUN_DIR/config.yaml` (what torchrun starts)."""
+"""Worker process entry: `python -m dllm.training.worker [--watch-stdin] RUN_DIR/config.yaml` (what
+torchrun starts). `--watch-stdin`: end when stdin closes, i.e. with the launcher (dllm.parallel.launch)."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 from dllm.errors import UserError
 
+USAGE = "usage: python -m dllm.training.worker [--watch-stdin] RUN_DIR/config.yaml"
+
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    from dllm.parallel.launch import WATCH_STDIN, watch_launcher
+
+    watch = WATCH_STDIN in args
+    args = [a for a in args if a != WATCH_STDIN]
     if len(args) != 1:
-        print("usage: python -m dllm.training.worker RUN_DIR/config.yaml", file=sys.stderr)
+        print(USAGE, file=sys.stderr)
         return 2
+    if watch:  # first, so that a worker started after the launcher died ends at once
+        watch_launcher(announce=os.environ.get("RANK", "0") == "0")
     from dllm.training.run import train_from_run_dir
 
     try:

@@ -1,0 +1,77 @@
+"""One launch per run folder: an exclusive `flock` on RUN_DIR/run.lock, which names its holder.
+
+The launcher takes it, not rank 0: the launcher writes the run folder before any worker exists
+(config.yaml, the `latest` link, old checkpoints moved aside for `resume: never`), and every worker
+ends with the launcher (dllm.parallel.launch). torchrun inherits the descriptor, so the lock stays
+held until torchrun has reaped its workers even when the launcher is SIGKILLed. The kernel releases
+a flock when the last process holding it exits, so a lock left by a dead launch is simply taken
+over; the file itself is never deleted (deleting a lock file races with the next taker).
+
+Multi-node runs lock one file per host (run.HOST.lock): the nodes of one run share the folder on a
+shared filesystem, where one file would lock out every node but the first.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from dllm.errors import CheckpointError
+
+LOCK_NAME = "run.lock"
+
+
+@dataclass
+class RunLock:
+    path: Path
+    fd: int
+
+    def release(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)  # closing the last descriptor of the open file releases the flock
+            self.fd = -1
+
+
+def lock_name(per_host: bool) -> str:
+    return f"run.{socket.gethostname()}.lock" if per_host else LOCK_NAME
+
+
+def lock_run_dir(run_dir: Path, per_host: bool = False) -> RunLock:
+    """Take the run folder's lock or raise a one-line CheckpointError naming the holder."""
+    path = run_dir / lock_name(per_host)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot create the run lock ({e.strerror}); check run.output_dir") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        holder = _holder(fd)
+        os.close(fd)
+        if isinstance(e, BlockingIOError):
+            raise CheckpointError(
+                f"{run_dir} is in use by another dllm launch ({holder}); wait for it to end or stop it, "
+                "or choose another run.name"
+            ) from None
+        raise CheckpointError(
+            f"{path}: cannot lock the run folder ({e.strerror}); put run.output_dir on a local disk"
+        ) from None
+    os.ftruncate(fd, 0)
+    stamp = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+    os.pwrite(fd, (json.dumps(stamp) + "\n").encode(), 0)
+    return RunLock(path, fd)
+
+
+def _holder(fd: int) -> str:
+    """'host H, pid P, since T' from the lock file (the holder may not have written it yet)."""
+    try:
+        stamp = json.loads(os.pread(fd, 4096, 0).decode())
+        return f"host {stamp['host']}, pid {stamp['pid']}, since {stamp['since']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "holder not recorded yet"

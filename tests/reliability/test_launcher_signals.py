@@ -1,0 +1,84 @@
+"""Issue 23 item 3: the workers end with `dllm launch`. SIGKILL of the launcher used to leave
+torchrun and both workers training (and publishing checkpoints); SIGTERM ended the launcher alone,
+without a word."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dllm.training.metrics import read_metrics
+from tests.helpers import tiny_train_values, write_yaml
+from tests.reliability.launch_helpers import SMALL, kill_leftovers, live_pids, needs_proc, start_launch, wait_for
+
+LONG = {**SMALL, "training": {"steps": 100_000}, "checkpointing": {"every_steps": 5}}
+
+
+def _long_run(workdir: Path) -> Path:
+    write_yaml(workdir / "train.yaml", tiny_train_values(**LONG))
+    return workdir / "runs" / "t"
+
+
+def _logged(run_dir: Path, n: int) -> bool:
+    return len(read_metrics(run_dir)) >= n
+
+
+@needs_proc
+@pytest.mark.distributed
+@pytest.mark.slow  # 8-20 s: two workers start on a shared 2-core machine
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_two_workers_end_with_their_launcher(workdir: Path, sig: signal.Signals):
+    run_dir = _long_run(workdir)
+    proc = start_launch(workdir, "--nproc-per-node", "2")
+    try:
+        assert wait_for(lambda: _logged(run_dir, 3), 90), "the workers did not start training"
+        assert len(live_pids(workdir)) == 4  # the launcher, torchrun and two workers
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)
+        assert wait_for(lambda: not live_pids(workdir), 10), f"alive after the launcher got {sig.name}"
+        seen = len(read_metrics(run_dir))
+        assert not wait_for(lambda: _logged(run_dir, seen + 1), 1.0), "training went on"
+    finally:
+        kill_leftovers(workdir)
+        proc.kill()
+    if sig == signal.SIGTERM:
+        assert proc.returncode == 128 + signal.SIGTERM
+        assert err.strip().splitlines()[-1].startswith("dllm: stopped by SIGTERM: all training processes have ended")
+        assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_one_process_run_stops_with_a_last_word(workdir: Path, sig: signal.Signals):
+    run_dir = _long_run(workdir)
+    proc = start_launch(workdir)
+    try:
+        assert wait_for(lambda: _logged(run_dir, 6), 60), "no checkpoint yet"  # one every 5 steps
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + sig
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"dllm: stopped by {sig.name}: ") and "resumes from" in last, err[-2000:]
+    assert "Traceback" not in err
+
+
+def test_a_worker_ends_when_its_launcher_is_gone():
+    """The watchdog a worker starts with --watch-stdin: end of file on stdin ends the process."""
+    code = "import time; from dllm.parallel.launch import watch_launcher; watch_launcher(True); time.sleep(60)"
+    read_end, write_end = os.pipe()
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=read_end, stderr=subprocess.PIPE, text=True)
+    os.close(read_end)
+    try:
+        assert not wait_for(lambda: proc.poll() is not None, 2.0)  # an open pipe: the worker goes on
+        os.close(write_end)  # what the kernel does when the launcher dies
+        _, err = proc.communicate(timeout=15)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0
+    assert "the launcher has stopped" in err
