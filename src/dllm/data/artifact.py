@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -46,6 +47,7 @@ class ArrayWriter:
         self._fh: BinaryIO = open(folder / self.file, "wb")  # noqa: SIM115 - closed in close()
         self._sha = hashlib.sha256()
         self.count = 0
+        self.max = 0  # recorded in the manifest: training checks token ids against it without reading the file
 
     def write(self, values: np.ndarray | list[int]) -> None:
         arr = np.ascontiguousarray(np.asarray(values), dtype=self.dtype)
@@ -53,6 +55,8 @@ class ArrayWriter:
         self._fh.write(data)
         self._sha.update(data)
         self.count += arr.size
+        if arr.size:
+            self.max = max(self.max, int(arr.max()))
 
     def close(self) -> dict[str, Any]:
         self._fh.close()
@@ -60,6 +64,7 @@ class ArrayWriter:
             "file": self.file,
             "dtype": self.dtype.str,
             "count": self.count,
+            "max": self.max,
             "sha256": self._sha.hexdigest(),
         }
 
@@ -128,7 +133,7 @@ class Artifact:
 
     def array(self, name: str) -> np.ndarray:
         entry = self.manifest["files"][name]
-        return np.memmap(self.path / entry["file"], dtype=np.dtype(entry["dtype"]), mode="r", shape=(entry["count"],))
+        return np.memmap(_file_of(self, name), dtype=np.dtype(entry["dtype"]), mode="r", shape=(entry["count"],))
 
 
 def read_manifest(path: str | Path) -> dict[str, Any]:
@@ -140,6 +145,8 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
         manifest = json.loads(mf.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise DataError(f"{mf}:{e.lineno}: invalid JSON ({e.msg}); re-run `dllm data prepare --overwrite`") from None
+    except (ValueError, RecursionError):  # not UTF-8, a number too long to read, nested too deeply
+        raise DataError(f"{mf}: not a readable manifest; re-run `dllm data prepare --overwrite`") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise DataError(f"{mf}: not a dllm artifact manifest")
     if manifest.get("format_version") != FORMAT_VERSION:
@@ -164,47 +171,133 @@ def sha256_file(path: Path) -> str:
 
 
 _REQUIRED = ("layout", "seq_len", "num_sequences", "files", "tokenizer", "fingerprint", "stats")
+# the dtypes each array may have (what ArrayWriter records); anything else is a corrupt or hostile manifest
+_DTYPES = {"tokens": ("<u2", "<u4"), "loss_mask": ("|u1",), "doc_starts": ("<u8",)}
+_REDO = "re-run `dllm data prepare --overwrite`"
+_FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")  # a plain name: no separator, no "..", no NUL
+
+
+def _count(value: Any, where: str) -> int:
+    """A non-negative integer field of the manifest (JSON booleans and floats are not counts)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise DataError(f"{where} must be a non-negative integer, got {str(value)[:40]!r}; {_REDO}")
+    return value
+
+
+def _file_of(art: Artifact, name: str) -> Path:
+    """The file of array `name`: a plain name inside the artifact folder (links resolved), never a path outside."""
+    mf = art.path / MANIFEST
+    entry = art.manifest["files"].get(name)
+    if not isinstance(entry, dict) or not isinstance(entry.get("file"), str) or not isinstance(entry.get("dtype"), str):
+        raise DataError(f"{mf}: files.{name} must be an object with file, dtype and count; {_REDO}")
+    file = entry["file"]
+    path = art.path / file
+    if not _FILE_NAME.fullmatch(file) or path.resolve().parent != art.path.resolve():
+        raise DataError(f"{mf}: files.{name}.file {file[:80]!r} points outside the artifact folder; {_REDO}")
+    return path
+
+
+def _check_file(art: Artifact, name: str) -> None:
+    """One array's file: inside the folder, an expected dtype, and exactly count x itemsize bytes."""
+    mf = art.path / MANIFEST
+    path = _file_of(art, name)
+    entry = art.manifest["files"][name]
+    if entry["dtype"] not in _DTYPES[name]:
+        raise DataError(
+            f"{mf}: files.{name}.dtype is {entry['dtype'][:20]!r}, expected {' or '.join(_DTYPES[name])}; {_REDO}"
+        )
+    count = _count(entry.get("count"), f"{mf}: files.{name}.count")
+    if not path.is_file():
+        raise DataError(f"{path}: missing file listed in the manifest")
+    expected = count * np.dtype(entry["dtype"]).itemsize
+    if path.stat().st_size != expected:
+        raise DataError(f"{path}: {path.stat().st_size} bytes, the manifest says {expected} (truncated or changed)")
+
+
+def check_layout(art: Artifact) -> None:
+    """Schema, file names, dtypes, sizes and counts; reads no file (a few stat calls).
+
+    Training runs it every time it opens an artifact: a corrupt or hostile manifest is one line naming
+    the file, never a crash in numpy or a read outside the folder."""
+    mf = art.path / MANIFEST
+    missing = [k for k in _REQUIRED if k not in art.manifest]
+    if missing:
+        raise DataError(f"{mf}: missing keys {', '.join(missing)}")
+    files, tokenizer = art.manifest["files"], art.manifest["tokenizer"]
+    if not isinstance(files, dict) or not isinstance(tokenizer, dict):
+        raise DataError(f"{mf}: files and tokenizer must be objects; {_REDO}")
+    if art.manifest["layout"] not in ("packed", "indexed"):
+        raise DataError(f"{mf}: layout is {str(art.manifest['layout'])[:40]!r}, expected packed or indexed; {_REDO}")
+    for key in ("seq_len", "num_sequences"):
+        _count(art.manifest[key], f"{mf}: {key}")
+    _count(tokenizer.get("vocab_size"), f"{mf}: tokenizer.vocab_size")
+    for name in _DTYPES:
+        if name not in files:
+            raise DataError(f"{mf}: files.{name} is missing")
+        _check_file(art, name)
+    n_tokens = _num_tokens(art)
+    for name in ("tokens", "loss_mask"):
+        if int(files[name]["count"]) != n_tokens:
+            raise DataError(f"{mf}: files.{name}.count is {files[name]['count']}, expected {n_tokens}")
+
+
+def _num_tokens(art: Artifact) -> int:
+    if art.manifest["layout"] == "indexed":
+        return int(art.manifest["files"]["tokens"]["count"])
+    return art.num_sequences * art.seq_len
+
+
+def _check_doc_starts(art: Artifact, n_tokens: int) -> None:
+    path = _file_of(art, "doc_starts")
+    starts = np.asarray(art.array("doc_starts"), dtype=np.uint64)
+    if starts.size and (np.any(starts[1:] <= starts[:-1]) or int(starts[0]) != 0 or int(starts[-1]) >= n_tokens):
+        raise DataError(f"{path}: doc_starts are not increasing offsets inside tokens, from 0; {_REDO}")
+    if art.manifest["layout"] == "indexed":
+        if starts.size != art.num_sequences:
+            raise DataError(
+                f"{art.path / MANIFEST}: an indexed artifact needs one doc_start per sample, the first at 0"
+            )
+        lengths = np.diff(np.append(starts.astype(np.int64), n_tokens))
+        if lengths.size and int(lengths.max()) > art.seq_len:
+            raise DataError(f"{path}: a sample has {int(lengths.max())} tokens, more than seq_len {art.seq_len}")
+
+
+def check_values(art: Artifact, vocab_size: int | None = None, *, trust_recorded: bool = False) -> None:
+    """Document offsets, token ids below the vocabulary and a 0/1 loss mask (after `check_layout`).
+
+    With `trust_recorded`, the maxima the manifest records are used when present (the token and mask
+    files are not read): the cheap check at launch; the loader checks every batch it reads, so a file
+    changed after preparation still stops training with one line. Otherwise, or for an artifact that
+    records no maxima, one numpy pass over each file."""
+    _check_doc_starts(art, _num_tokens(art))
+    vocab = int(art.tokenizer["vocab_size"]) if vocab_size is None else vocab_size
+    for name, limit in (("tokens", vocab - 1), ("loss_mask", 1)):
+        recorded = art.manifest["files"][name].get("max")
+        if recorded is not None:
+            _check_max(art, name, _count(recorded, f"{art.path / MANIFEST}: files.{name}.max"), limit, vocab, True)
+        if not (trust_recorded and recorded is not None):
+            values = art.array(name)
+            _check_max(art, name, int(values.max()) if values.size else 0, limit, vocab, False)
+
+
+def _check_max(art: Artifact, name: str, top: int, limit: int, vocab: int, recorded: bool) -> None:
+    if top <= limit:
+        return
+    note = f" (the maximum recorded in {MANIFEST})" if recorded else ""
+    what = f"token id {top}{note} is outside the vocabulary ({vocab})"
+    if name == "loss_mask":
+        what = f"loss_mask holds values other than 0 and 1{note}"
+    raise DataError(f"{_file_of(art, name)}: {what}; {_REDO}")
 
 
 def validate_artifact(path: str | Path, checksums: bool = True) -> Artifact:
     """Check schema, file sizes, hashes, and value ranges; raises DataError naming the problem."""
     art = open_artifact(path)
-    mf = art.path / MANIFEST
-    missing = [k for k in _REQUIRED if k not in art.manifest]
-    if missing:
-        raise DataError(f"{mf}: missing keys {', '.join(missing)}")
-    files = art.manifest["files"]
-    for name in ("tokens", "loss_mask", "doc_starts"):
-        if name not in files:
-            raise DataError(f"{mf}: files.{name} is missing")
-    for entry in files.values():
-        fp = art.path / entry["file"]
-        if not fp.is_file():
-            raise DataError(f"{fp}: missing file listed in the manifest")
-        expected = int(entry["count"]) * np.dtype(entry["dtype"]).itemsize
-        if fp.stat().st_size != expected:
-            raise DataError(f"{fp}: {fp.stat().st_size} bytes, the manifest says {expected}")
-        if checksums and sha256_file(fp) != entry["sha256"]:
-            raise DataError(f"{fp}: SHA-256 differs from the manifest (the file changed or is corrupt)")
-    indexed = art.manifest["layout"] == "indexed"
-    n_tokens = int(files["tokens"]["count"]) if indexed else art.num_sequences * art.seq_len
-    for name in ("tokens", "loss_mask"):
-        if int(files[name]["count"]) != n_tokens:
-            raise DataError(f"{mf}: files.{name}.count is {files[name]['count']}, expected {n_tokens}")
-    vocab = int(art.tokenizer["vocab_size"])
-    tokens = art.array("tokens")
-    if tokens.size and int(tokens.max()) >= vocab:
-        raise DataError(f"{art.path}: token id {int(tokens.max())} is outside the vocabulary ({vocab})")
-    mask = art.array("loss_mask")
-    if mask.size and int(mask.max()) > 1:
-        raise DataError(f"{art.path}: loss_mask holds values other than 0 and 1")
-    starts = np.asarray(art.array("doc_starts"), dtype=np.int64)
-    if starts.size and (np.any(np.diff(starts) <= 0) or int(starts[-1]) >= max(n_tokens, 1)):
-        raise DataError(f"{art.path}: doc_starts are not increasing offsets inside tokens")
-    if indexed:
-        lengths = np.diff(np.append(starts, n_tokens))
-        if starts.size != art.num_sequences or (starts.size and starts[0] != 0):
-            raise DataError(f"{mf}: an indexed artifact needs one doc_start per sample, the first at 0")
-        if lengths.size and int(lengths.max()) > art.seq_len:
-            raise DataError(f"{art.path}: a sample has {int(lengths.max())} tokens, more than seq_len {art.seq_len}")
+    check_layout(art)
+    if checksums:
+        for name in _DTYPES:
+            fp = _file_of(art, name)
+            if sha256_file(fp) != art.manifest["files"][name].get("sha256"):
+                raise DataError(f"{fp}: SHA-256 differs from the manifest (the file changed or is corrupt)")
+    check_values(art)
     return art
