@@ -13,12 +13,13 @@ never leaves a half-written artifact. Same input + same config gives the same by
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
 import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,26 +71,124 @@ class ArrayWriter:
 
 
 @contextmanager
-def staged_folder(output: Path, overwrite: bool) -> Iterator[Path]:
-    """Yield a temporary folder next to `output`; on success rename it to `output`."""
+def staged_folder(output: Path, overwrite: bool, keep: Iterable[Path] = ()) -> Iterator[Path]:
+    """Yield a temporary folder next to `output`; on success rename it to `output`.
+
+    Only a previous artifact is ever replaced, and never one that is or holds a path in `keep` (the
+    inputs and the config's folder). Parent folders created here are removed again on failure, and
+    staging folders of killed runs are cleaned up.
+    """
     output = Path(output)
-    if output.exists() and not overwrite:
-        raise DataError(f"{output} already exists; pass --overwrite to replace it")
-    output.parent.mkdir(parents=True, exist_ok=True)
+    check_replaceable(output, overwrite, keep)
+    created = _make_parents(output.parent)
     stage = output.parent / f".{output.name}.tmp-{os.getpid()}"
-    if stage.exists():
-        shutil.rmtree(stage)
-    stage.mkdir()
     try:
+        remove_stale_stages(output)
+        if stage.exists():  # left by an earlier process with our PID, so a dead one
+            shutil.rmtree(stage)
+        _mkdir(stage)
         yield stage
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
+        _remove_created(created)
         raise
     trash = output.parent / f".{output.name}.old-{os.getpid()}"
     if output.exists():
         os.replace(output, trash)
     os.replace(stage, output)
     shutil.rmtree(trash, ignore_errors=True)
+
+
+def check_replaceable(output: Path, overwrite: bool, keep: Iterable[Path] = ()) -> None:
+    """Refuse an existing `output` unless it is an artifact, `overwrite` is set, and it holds nothing in `keep`."""
+    if not os.path.lexists(output):
+        return
+    if not _is_artifact(output):
+        raise DataError(
+            f"{output} exists and is not a dllm artifact (no {MANIFEST} of this format); "
+            "choose another output (--overwrite only replaces an artifact)"
+        )
+    if not overwrite:
+        raise DataError(f"{output} already exists; pass --overwrite to replace it")
+    real = output.resolve()
+    for path in keep:
+        p = Path(path).resolve()
+        if p == real or real in p.parents:
+            raise DataError(f"{output} holds {path}, which replacing it would delete; choose another output")
+
+
+def _is_artifact(folder: Path) -> bool:
+    """A folder with a manifest of our format (any version): the only kind of folder --overwrite replaces."""
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return False
+    return folder.is_dir() and isinstance(manifest, dict) and manifest.get("format") == FORMAT
+
+
+def _mkdir(folder: Path, parents: bool = False) -> None:
+    """mkdir whose failure (a file in the way, no permission) is one line naming the output."""
+    try:
+        folder.mkdir(parents=parents, exist_ok=parents)
+    except OSError as e:
+        blocker = next((p for p in (folder, *folder.parents) if os.path.lexists(p)), folder)
+        if blocker != folder and not blocker.is_dir():
+            raise DataError(f"output: {blocker} is a file, not a folder; choose another output") from None
+        reason = "permission denied" if isinstance(e, PermissionError) else (e.strerror or type(e).__name__)
+        raise DataError(f"output: cannot create {folder} ({reason}); choose another output") from None
+
+
+def _make_parents(folder: Path) -> list[Path]:
+    """Create `folder` and its missing parents; returns those created, deepest first."""
+    missing = []
+    p = folder
+    while not os.path.lexists(p) and p != p.parent:
+        missing.append(p)
+        p = p.parent
+    _mkdir(folder, parents=True)
+    return missing
+
+
+def _remove_created(folders: list[Path]) -> None:
+    """Remove folders this run created (deepest first) while they are empty: never anything else."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:
+            return
+
+
+_STAGE_FILES = frozenset({MANIFEST, "tokens.bin", "loss_mask.bin", "doc_starts.bin"})
+
+
+def remove_stale_stages(output: Path) -> list[Path]:
+    """Remove the staging folders `.NAME.tmp-PID` of `output` left by killed processes.
+
+    Only folders of exactly that name whose process is gone and which hold nothing but the files
+    prepare writes; anything else (a live run, a user's file, another name) is left alone."""
+    prefix = f".{output.name}.tmp-"
+    removed = []
+    for folder in output.parent.glob(glob.escape(prefix) + "*"):
+        pid = folder.name[len(prefix) :]
+        if not pid.isdigit() or folder.is_symlink() or not folder.is_dir() or _alive(int(pid)):
+            continue
+        if set(os.listdir(folder)) <= _STAGE_FILES:
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` exists on this machine (unknown counts as alive: nothing is removed)."""
+    if os.name != "posix" or pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (OSError, OverflowError):  # PermissionError: it exists, owned by someone else
+        return True
+    return True
 
 
 def write_manifest(folder: Path, manifest: dict[str, Any]) -> None:

@@ -201,6 +201,12 @@ def _provenance(spec: PrepareSpec, base_dir: Path) -> dict[str, Any]:
     return {"dllm_version": __version__, "sources": files}
 
 
+def _inputs(spec: PrepareSpec, base_dir: Path) -> list[Path]:
+    """What replacing the output must never delete: the config's folder, the tokenizer and every source file."""
+    paths = [base_dir, *(p for src in spec.sources for p in source_files(src, base_dir))]
+    return paths if spec.tokenizer.path is None else [*paths, Path(spec.tokenizer.path)]
+
+
 def prepare(
     spec: PrepareSpec,
     base_dir: Path,
@@ -214,7 +220,7 @@ def prepare(
     tok = build_tokenizer(spec.tokenizer)
     out = Path(output) if output is not None else spec.output
     stats = PrepareStats()
-    with staged_folder(out, overwrite) as stage:
+    with staged_folder(out, overwrite, keep=_inputs(spec, base_dir)) as stage:
         writers = {
             "tokens": ArrayWriter(stage, "tokens", token_dtype(tok.vocab_size)),
             "loss_mask": ArrayWriter(stage, "loss_mask", np.dtype("u1")),
