@@ -132,7 +132,7 @@ def _mkdir(folder: Path, parents: bool = False) -> None:
         folder.mkdir(parents=parents, exist_ok=parents)
     except OSError as e:
         blocker = next((p for p in (folder, *folder.parents) if os.path.lexists(p)), folder)
-        if blocker != folder and not blocker.is_dir():
+        if not blocker.is_dir():
             raise DataError(f"output: {blocker} is a file, not a folder; choose another output") from None
         reason = "permission denied" if isinstance(e, PermissionError) else (e.strerror or type(e).__name__)
         raise DataError(f"output: cannot create {folder} ({reason}); choose another output") from None
