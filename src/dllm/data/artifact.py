@@ -7,8 +7,10 @@ Both layouts hold the same three arrays:
 `packed`: tokens holds num_sequences * seq_len ids (rows cut from one stream of documents).
 `indexed`: one sample per document at its own length (<= seq_len); the loader pads it to seq_len.
 
-The writer stages everything in a temporary sibling folder and renames it into place, so a crash
-never leaves a half-written artifact. Same input + same config gives the same bytes.
+The manifest gives each array's file, dtype, count, largest value and SHA-256. The writer stages
+everything in a temporary sibling folder and renames it into place, so a crash never leaves a
+half-written artifact, and it only ever replaces a previous artifact. Same input + same config gives
+the same bytes. Training checks the layout and the recorded maxima before it trusts an artifact.
 """
 
 from __future__ import annotations
@@ -119,11 +121,13 @@ def check_replaceable(output: Path, overwrite: bool, keep: Iterable[Path] = ()) 
 
 def _is_artifact(folder: Path) -> bool:
     """A folder with a manifest of our format (any version): the only kind of folder --overwrite replaces."""
+    if not (folder.is_dir() and (folder / MANIFEST).is_file()):
+        return False
     try:
         manifest = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError):
         return False
-    return folder.is_dir() and isinstance(manifest, dict) and manifest.get("format") == FORMAT
+    return isinstance(manifest, dict) and manifest.get("format") == FORMAT
 
 
 def _mkdir(folder: Path, parents: bool = False) -> None:
@@ -145,7 +149,11 @@ def _make_parents(folder: Path) -> list[Path]:
     while not os.path.lexists(p) and p != p.parent:
         missing.append(p)
         p = p.parent
-    _mkdir(folder, parents=True)
+    try:
+        _mkdir(folder, parents=True)
+    except DataError:  # it may have failed halfway down
+        _remove_created(missing)
+        raise
     return missing
 
 
@@ -170,7 +178,7 @@ def remove_stale_stages(output: Path) -> list[Path]:
     removed = []
     for folder in output.parent.glob(glob.escape(prefix) + "*"):
         pid = folder.name[len(prefix) :]
-        if not pid.isdigit() or folder.is_symlink() or not folder.is_dir() or _alive(int(pid)):
+        if not (pid.isascii() and pid.isdigit()) or folder.is_symlink() or not folder.is_dir() or _alive(int(pid)):
             continue
         if set(os.listdir(folder)) <= _STAGE_FILES:
             shutil.rmtree(folder, ignore_errors=True)
