@@ -1,0 +1,1 @@
+"""Reliability and security hardening (issue 23): one test file per item."""

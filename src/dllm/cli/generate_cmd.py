@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -28,6 +29,21 @@ def _read_prompts(prompt: list[str] | None, prompts_file: Path | None) -> list[s
     if not prompts:
         raise ConfigError("give at least one --prompt TEXT or --prompts-file FILE.jsonl")
     return prompts
+
+
+def _check_output(output: Path | None) -> None:
+    """A file that can be written, checked before a model is loaded or a token sampled."""
+    if output is None:
+        return
+    if output.is_dir():
+        raise ConfigError(f"--output: {output} is a folder; give a file, e.g. {output / 'samples.jsonl'}")
+    parent = output.absolute().parent
+    if not parent.exists():
+        raise ConfigError(f"--output: the folder {parent} does not exist; create it first")
+    if not parent.is_dir():
+        raise ConfigError(f"--output: {parent} is not a folder; choose another output file")
+    if not os.access(parent, os.W_OK):
+        raise ConfigError(f"--output: cannot write in {parent} (permission denied); choose another output file")
 
 
 def generate(
@@ -62,6 +78,7 @@ def generate(
     flags = {"gen_length": gen_length, "block_length": block_length, "steps": steps, "policy": policy,
              "cache": cache, "temperature": temperature, "seed": seed, "stop_strings": stop or None}  # fmt: skip
     texts = _read_prompts(prompt, prompts_file)
+    _check_output(output)
     s = setup_sampling(run, checkpoint, model, device, sampler_config, overrides, flags)
     tok, cfg = s.loaded.tokenizer, s.cfg
 

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from dllm.data.artifact import Artifact
-from dllm.errors import CheckpointError
+from dllm.errors import CheckpointError, DataError
 
 
 @dataclass(frozen=True)
@@ -77,6 +77,7 @@ class StepLoader:
         self.seed, self.shuffle = seed, shuffle
         self.indexed = artifact.manifest["layout"] == "indexed"
         self.pad_id = int(artifact.tokenizer["special_ids"]["pad"])
+        self.vocab_size = int(artifact.tokenizer["vocab_size"])
         # document start offsets in memory (8 bytes per document): per-token document index (packed),
         # sample boundaries (indexed, which always needs them: padding must not be attended to)
         starts = np.asarray(artifact.array("doc_starts"), dtype=np.int64)
@@ -109,8 +110,10 @@ class StepLoader:
             return self._read_samples(rows, positions)
         L = self.seq_len
         idx = (rows[:, None] * L + np.arange(L)[None, :]).reshape(-1)
-        tokens = torch.from_numpy(self.tokens[idx].astype(np.int64)).view(-1, L)
-        mask = torch.from_numpy(self.loss_mask[idx].astype(np.bool_)).view(-1, L)
+        tokens_raw, mask_raw = self.tokens[idx], self.loss_mask[idx]
+        self._check_values(tokens_raw, mask_raw)
+        tokens = torch.from_numpy(tokens_raw.astype(np.int64)).view(-1, L)
+        mask = torch.from_numpy(mask_raw.astype(np.bool_)).view(-1, L)
         doc = None
         if self.doc_starts is not None:
             doc = torch.from_numpy(np.searchsorted(self.doc_starts, idx, side="right").astype(np.int64)).view(-1, L)
@@ -122,15 +125,31 @@ class StepLoader:
         assert self.doc_starts is not None and self.sample_ends is not None
         B, L = len(rows), self.seq_len
         tokens = np.full((B, L), self.pad_id, dtype=np.int64)
-        mask = np.zeros((B, L), dtype=np.bool_)
+        mask = np.zeros((B, L), dtype=np.uint8)
         doc = np.ones((B, L), dtype=np.int64)
         for i, r in enumerate(rows):
             lo, hi = int(self.doc_starts[r]), int(self.sample_ends[r])
             tokens[i, : hi - lo] = self.tokens[lo:hi]
             mask[i, : hi - lo] = self.loss_mask[lo:hi]
             doc[i, : hi - lo] = 0
+        self._check_values(tokens, mask)
         pos = torch.from_numpy(positions.astype(np.int64))
-        return Batch(torch.from_numpy(tokens), torch.from_numpy(mask), pos, torch.from_numpy(doc))
+        return Batch(torch.from_numpy(tokens), torch.from_numpy(mask.astype(np.bool_)), pos, torch.from_numpy(doc))
+
+    def _check_values(self, tokens: np.ndarray, mask: np.ndarray) -> None:
+        """Every batch read: the checks at launch trust the maxima the manifest records, so a file
+        changed after preparation is caught here (one line) instead of as an out-of-range embedding
+        index or a mask value silently read as True. Costs one max over the batch."""
+        if tokens.size and int(tokens.max()) >= self.vocab_size:
+            raise DataError(
+                f"{self.tokens.filename}: token id {int(tokens.max())} is outside the vocabulary ({self.vocab_size}); "
+                "the file changed after preparation: run `dllm data validate` and prepare the data again"
+            )
+        if mask.size and int(mask.max()) > 1:
+            raise DataError(
+                f"{self.loss_mask.filename}: loss_mask holds values other than 0 and 1; "
+                "the file changed after preparation: run `dllm data validate` and prepare the data again"
+            )
 
     def next_step(self) -> list[Batch]:
         per_rank = self.global_batch_size // self.dp_size

@@ -18,7 +18,7 @@ from dllm.checkpoint.manager import CheckpointManager
 from dllm.config.registries import OBJECTIVES
 from dllm.config.rules import check_topology
 from dllm.config.spec import RunSpec
-from dllm.data.artifact import open_artifact
+from dllm.data.artifact import check_layout, open_artifact
 from dllm.data.loader import StepLoader
 from dllm.diffusion.objectives import TokenIds
 from dllm.models import factory
@@ -68,6 +68,7 @@ def build_trainer(spec: RunSpec, run_dir: Path, env: DistEnv | None = None) -> T
     init_process_group(env, spec.topology, device)
     tok = build_tokenizer(spec.tokenizer)
     artifact = open_artifact(spec.data.path)
+    check_layout(artifact)  # a worker started without the preflight; the loader checks the values it reads
     dims = ParallelDims.from_topology(spec.topology, env.world_size)
     model = build_model(spec, device, env)
     tr = spec.training

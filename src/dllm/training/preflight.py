@@ -18,7 +18,7 @@ from dllm.attention.backends.auto import resolve_backend
 from dllm.config.model import ModelConfig
 from dllm.config.rules import check_objective, check_topology, round_up
 from dllm.config.spec import RunSpec
-from dllm.data.artifact import read_manifest
+from dllm.data.artifact import check_layout, check_values, open_artifact
 from dllm.errors import ConfigError, DataError
 from dllm.models.factory import build_model
 from dllm.models.pretrained import merge_pretrained, pretrained_tokenizer
@@ -128,10 +128,13 @@ def _check_device(spec: RunSpec) -> str:
 
 
 def _check_artifact(spec: RunSpec, tok_identity: dict) -> None:
+    """The artifact fits this run; its files are checked before its manifest is believed."""
     try:
-        manifest = read_manifest(spec.data.path)
+        art = open_artifact(spec.data.path)
+        check_layout(art)
     except DataError as e:
         raise ConfigError(f"data.path: {e}") from None
+    manifest = art.manifest
     if int(manifest["seq_len"]) != spec.data.seq_len:
         raise ConfigError(
             f"data.seq_len: {spec.data.seq_len} but the artifact {spec.data.path} was packed to "
@@ -145,8 +148,9 @@ def _check_artifact(spec: RunSpec, tok_identity: dict) -> None:
                 "use the same tokenizer section as prepare.yaml"
             )
     block = getattr(spec.objective, "block_size", None)
-    multiple = (manifest.get("prepare_config") or {}).get("pad_to_multiple")
-    if block is not None and multiple and multiple % block:
+    prepared = manifest.get("prepare_config")
+    multiple = prepared.get("pad_to_multiple") if isinstance(prepared, dict) else None
+    if block is not None and isinstance(multiple, int) and multiple and multiple % block:
         raise ConfigError(
             f"objective.block_size: {block} does not divide the artifact's pad_to_multiple {multiple} "
             f"({spec.data.path}): documents would not start on block boundaries; set pad_to_multiple to a "
@@ -158,6 +162,10 @@ def _check_artifact(spec: RunSpec, tok_identity: dict) -> None:
             f"training.global_batch_size: {tr.global_batch_size} exceeds the {manifest['num_sequences']} "
             "sequences of the artifact; lower it or add data"
         )
+    try:  # after the tokenizer check: ids from another tokenizer are that mistake, not corruption
+        check_values(art, int(tok_identity["vocab_size"]), trust_recorded=True)
+    except DataError as e:
+        raise ConfigError(f"data.path: {e}") from None
 
 
 def _has_tensorboard() -> bool:

@@ -32,7 +32,7 @@ from dllm.data.artifact import (
     write_manifest,
 )
 from dllm.data.prepare.packing import Layout
-from dllm.data.prepare.render import Document, fit_length, pad_to_multiple, render
+from dllm.data.prepare.render import Document, fit_length, pad_to_multiple, render, text_chars
 from dllm.data.prepare.sources import Record, SourceReader, source_files
 from dllm.errors import DataError
 from dllm.tokenization import Tokenizer, build_tokenizer
@@ -51,7 +51,9 @@ class Outcome:
     error: str = ""
 
 
-def process_record(record: Record, src: Any, spec: PrepareSpec, tok: Tokenizer) -> Outcome:
+def process_record(record: Record, src: Any, spec: PrepareSpec, tok: Tokenizer, max_chars: int | None) -> Outcome:
+    if max_chars is not None and text_chars(record, src) > max_chars:
+        return Outcome([], "rejected")  # cannot fit the length limit: never tokenized (a 50 MB line took 3 GB)
     try:
         doc = render(record, src, tok, spec.add_bos, spec.append_eos)
     except DataError as e:
@@ -73,14 +75,28 @@ def process_record(record: Record, src: Any, spec: PrepareSpec, tok: Tokenizer) 
 _WORKER: dict[str, Any] = {}
 
 
-def _init_worker(spec: PrepareSpec) -> None:
+def _init_worker(spec: PrepareSpec, max_chars: int | None) -> None:
     _WORKER["spec"] = spec
     _WORKER["tok"] = build_tokenizer(spec.tokenizer)
+    _WORKER["max_chars"] = max_chars
 
 
 def _process_chunk(chunk: list[tuple[int, Record]]) -> list[Outcome]:
-    spec, tok = _WORKER["spec"], _WORKER["tok"]
-    return [process_record(rec, spec.sources[i], spec, tok) for i, rec in chunk]
+    spec, tok, max_chars = _WORKER["spec"], _WORKER["tok"], _WORKER["max_chars"]
+    return [process_record(rec, spec.sources[i], spec, tok, max_chars) for i, rec in chunk]
+
+
+def max_text_chars(spec: PrepareSpec, tok: Tokenizer) -> int | None:
+    """The most characters a record may hold and still fit the length limit, when overflow is reject.
+
+    A token stands for at most `M` bytes of text (M: its longest decoded form), and a character is
+    at least a byte, so text of more than limit * M characters needs more than `limit` tokens. The
+    factor 2 leaves room for decoders that drop a byte (a leading space) and normalizers that merge
+    characters; only a normalizer that deletes most of a text would make this reject a record that fits."""
+    if spec.overflow != "reject" or spec.length_limit is None:
+        return None
+    longest = max(len(tok.decode([i], skip_special=False).encode("utf-8", "replace")) for i in range(tok.vocab_size))
+    return 2 * spec.length_limit * max(longest, 1)
 
 
 def _chunks(spec: PrepareSpec, base_dir: Path) -> Iterator[list[tuple[int, Record]]]:
@@ -109,12 +125,13 @@ def _ordered_map(fn: Callable, items: Iterable, pool: Any, ahead: int) -> Iterat
 
 def outcomes(spec: PrepareSpec, base_dir: Path, tok: Tokenizer, workers: int) -> Iterator[Outcome]:
     chunks = _chunks(spec, base_dir)
+    max_chars = max_text_chars(spec, tok)
     if workers <= 1:
         for chunk in chunks:
-            yield from (process_record(rec, spec.sources[i], spec, tok) for i, rec in chunk)
+            yield from (process_record(rec, spec.sources[i], spec, tok, max_chars) for i, rec in chunk)
         return
     ctx = mp.get_context("spawn" if os.name == "nt" else "fork")
-    with ctx.Pool(workers, initializer=_init_worker, initargs=(spec,)) as pool:
+    with ctx.Pool(workers, initializer=_init_worker, initargs=(spec, max_chars)) as pool:
         for results in _ordered_map(_process_chunk, chunks, pool, ahead=4 * workers):
             yield from results
 
@@ -203,6 +220,12 @@ def _provenance(spec: PrepareSpec, base_dir: Path) -> dict[str, Any]:
     return {"dllm_version": __version__, "sources": files}
 
 
+def _inputs(spec: PrepareSpec, base_dir: Path) -> list[Path]:
+    """What replacing the output must never delete: the config's folder, the tokenizer and every source file."""
+    paths = [base_dir, *(p for src in spec.sources for p in source_files(src, base_dir))]
+    return paths if spec.tokenizer.path is None else [*paths, Path(spec.tokenizer.path)]
+
+
 def prepare(
     spec: PrepareSpec,
     base_dir: Path,
@@ -216,7 +239,7 @@ def prepare(
     tok = build_tokenizer(spec.tokenizer)
     out = Path(output) if output is not None else spec.output
     stats = PrepareStats()
-    with staged_folder(out, overwrite) as stage:
+    with staged_folder(out, overwrite, keep=_inputs(spec, base_dir)) as stage:
         writers = {
             "tokens": ArrayWriter(stage, "tokens", token_dtype(tok.vocab_size)),
             "loss_mask": ArrayWriter(stage, "loss_mask", np.dtype("u1")),

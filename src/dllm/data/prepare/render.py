@@ -7,6 +7,7 @@ chat template (`assistant_mask`), never from searching the rendered text.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +40,27 @@ def get_field(data: dict[str, Any], dotted: str, where: str, option: str = "text
             raise DataError(f"{where}: record has no field {dotted!r}; set {option} in the source config")
         node = node[part]
     return node
+
+
+def text_chars(record: Record, f: RecordFields) -> int:
+    """Characters in the strings the record's format renders (missing fields count 0); tokenizes nothing."""
+    fields = {
+        "text": [f.text_field],
+        "messages": [f.messages_field],
+        "prompt_completion": [f.prompt_field, f.completion_field],
+    }.get(f.format, [])
+    stack: list[Any] = []
+    for dotted in fields:
+        with contextlib.suppress(DataError):  # a missing field: render names it
+            stack.append(get_field(record.data, dotted, record.where))
+    total = 0
+    while stack:  # iterative: a record may nest as deep as JSON allows
+        node = stack.pop()
+        if isinstance(node, str):
+            total += len(node)
+        elif isinstance(node, list | dict):
+            stack.extend(node.values() if isinstance(node, dict) else node)
+    return total
 
 
 def _encode(tok: Tokenizer, text: str, where: str) -> list[int]:
@@ -106,6 +128,11 @@ def render_messages(record: Record, f: RecordFields, tok: Tokenizer) -> Document
             f"{record.where}: the tokenizer's chat template marks no assistant spans ({{% generation %}}); "
             "use supervision full or a template with generation markers"
         )
+    if not any(enc.assistant_mask):  # it would train on nothing but the EOS and padding appended to it
+        raise DataError(
+            f"{record.where}: the chat has no assistant turn to train on (supervision assistant_only); "
+            "remove the record or set on_bad_record: skip"
+        )
     return Document(enc.ids, list(enc.assistant_mask))
 
 
@@ -113,7 +140,8 @@ def render_tokens(record: Record, f: RecordFields, tok: Tokenizer) -> Document:
     ids = get_field(record.data, f.input_ids_field, record.where, "input_ids_field")
     if hasattr(ids, "tolist"):
         ids = ids.tolist()
-    if not isinstance(ids, list) or not all(isinstance(i, int) and 0 <= i < tok.vocab_size for i in ids):
+    # JSON true/false are Python ints too, but never token ids
+    if not isinstance(ids, list) or not all(type(i) is int and 0 <= i < tok.vocab_size for i in ids):
         raise DataError(f"{record.where}: {f.input_ids_field!r} must be a list of ids in [0, {tok.vocab_size})")
     mask = [1] * len(ids)
     if f.labels_field or f.loss_mask_field:

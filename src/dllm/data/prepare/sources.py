@@ -6,6 +6,7 @@ row. pyarrow (parquet) and datasets (hf_dataset) are optional and imported only 
 
 from __future__ import annotations
 
+import codecs
 import glob
 import gzip
 import importlib
@@ -53,11 +54,33 @@ def _resolve(path: str, base_dir: Path) -> Path:
 
 
 def expand_paths(pattern: str, base_dir: Path, field: str) -> list[Path]:
-    """Sorted files matching a path or glob relative to `base_dir`; an empty match is an error."""
-    matches = sorted(Path(p) for p in glob.glob(str(_resolve(pattern, base_dir)), recursive=True) if Path(p).is_file())
+    """Sorted files matching a path or glob relative to `base_dir`, each file once; an empty match is an error.
+
+    `**` does not descend into linked folders: glob.glob follows a link back to a parent about 40
+    levels deep (the same file read 41 times; two such links, 2**40 paths). A file reached under two
+    names (a link to it) is read once, under its first name in sorted order."""
+    seen: set[str] = set()
+    matches = []
+    for path in sorted(_glob(str(_resolve(pattern, base_dir)))):
+        real = os.path.realpath(path)
+        if path.is_file() and real not in seen:
+            seen.add(real)
+            matches.append(path)
     if not matches:
         raise DataError(f"{field}: no file matches {pattern!r} (looked in {base_dir})")
     return matches
+
+
+def _glob(pattern: str) -> Iterable[Path]:
+    """glob.glob, but with pathlib's `**`, which does not follow linked folders."""
+    parts = Path(pattern).parts
+    first = next((i for i, part in enumerate(parts) if glob.has_magic(part)), len(parts))
+    if "**" not in parts[first:]:
+        return (Path(p) for p in glob.glob(pattern))
+    root, rest = Path(*parts[:first]), str(Path(*parts[first:]))
+    rest = f"{rest}/*" if parts[-1] == "**" else rest  # pathlib's trailing `**` lists folders only
+    hidden = any(part.startswith(".") for part in parts[first:])  # glob.glob skips dot files unless asked
+    return (p for p in root.glob(rest) if hidden or not any(q.startswith(".") for q in p.relative_to(root).parts))
 
 
 def _first_line(e: BaseException) -> str:
@@ -105,7 +128,7 @@ def _lines(path: Path) -> Iterator[tuple[str, str]]:
         with _open_binary(path) as fh:
             for lineno, raw in enumerate(fh, start=1):
                 where = f"{path}:{lineno}"
-                yield where, _decode(raw, where)
+                yield where, _decode(raw.removeprefix(codecs.BOM_UTF8) if lineno == 1 else raw, where)
     except (OSError, EOFError, zlib.error) as e:  # unreadable file, corrupt or truncated gzip
         raise DataError(f"{path}:{lineno + 1}: cannot read ({_first_line(e)}); check or re-create the file") from None
 
@@ -123,6 +146,10 @@ def jsonl_records(path: Path) -> Iterator[Record]:
             data = json.loads(line)
         except json.JSONDecodeError as e:
             raise DataError(f"{where}: invalid JSON ({e.msg}); fix or remove the line") from None
+        except ValueError:  # an integer beyond Python's digit limit
+            raise DataError(f"{where}: a number is too large to read; fix or remove the line") from None
+        except RecursionError:
+            raise DataError(f"{where}: JSON nested too deeply to read; flatten or remove the line") from None
         if not isinstance(data, dict):
             raise DataError(f"{where}: expected a JSON object per line, got {type(data).__name__}")
         yield Record(data=data, where=where)
@@ -139,6 +166,7 @@ def _text_file(path: Path) -> Record:
             raw = fh.read()
     except (OSError, EOFError, zlib.error) as e:
         raise DataError(f"{path}: cannot read ({_first_line(e)}); check or re-create the file") from None
+    raw = raw.removeprefix(codecs.BOM_UTF8)
     try:
         return Record(data={"text": raw.decode("utf-8")}, where=str(path))
     except UnicodeDecodeError as e:
