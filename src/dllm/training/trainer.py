@@ -93,7 +93,6 @@ class Trainer:
             raise CheckpointError(
                 f"{path}/{TRAINER_STATE}: damaged ({type(e).__name__}: {e}); use another checkpoint"
             ) from None
-        self.metrics.truncate_after(self.step)
 
     def _restore(self, path: Any, state: dict[str, Any]) -> None:
         saved = state.get("identity", {}).get("tokenizer", {})
