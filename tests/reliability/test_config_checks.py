@@ -20,7 +20,6 @@ from dllm.config.sampler import SamplerConfig, resolve_sampler
 from dllm.config.spec import RunSpec
 from dllm.errors import ConfigError
 from dllm.models.transformer import Transformer
-from dllm.training import preflight
 from dllm.training.preflight import resolve_run_spec
 from tests.helpers import tiny_train_values, write_yaml
 
@@ -90,17 +89,17 @@ def test_a_model_beyond_the_machines_memory_is_refused_with_the_numbers(train_ya
                          check_data=False)  # fmt: skip
     assert time.perf_counter() - t0 < 5  # counted, never allocated
     # the tiny model (vocab 320): 119,104 parameters x 16 bytes = 1.9 MB; refused on a 1 MB machine, by name and number
-    monkeypatch.setattr(preflight, "_host_memory_bytes", lambda: 1_000_000)
+    monkeypatch.setattr("dllm.models.sizing.host_memory_bytes", lambda: 1_000_000)
     with pytest.raises(
         ConfigError, match=r"^model: 119,104 parameters need at least 1\.9 MB per machine .* its 1\.0 MB"
     ):
         resolve_run_spec(load_config(RunSpec, train_yaml), check_data=False)
-    monkeypatch.setattr(preflight, "_host_memory_bytes", lambda: 10_000_000)
+    monkeypatch.setattr("dllm.models.sizing.host_memory_bytes", lambda: 10_000_000)
     resolve_run_spec(load_config(RunSpec, train_yaml), check_data=False)
 
 
 def test_lora_counts_frozen_weights_only(train_yaml: Path, no_gpu: None, monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr(preflight, "_host_memory_bytes", lambda: 1_000_000)  # 1.9 MB trained, 0.5 MB frozen
+    monkeypatch.setattr("dllm.models.sizing.host_memory_bytes", lambda: 1_000_000)  # 1.9 MB trained, 0.5 MB frozen
     resolve_run_spec(load_config(RunSpec, train_yaml, ["lora.rank=2"]), check_data=False)
 
 

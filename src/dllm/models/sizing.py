@@ -8,6 +8,8 @@ it against `Transformer.num_params()` for every family.
 
 from __future__ import annotations
 
+import os
+
 from dllm.config.model import ModelConfig
 
 TRAIN_BYTES_PER_PARAM = 16
@@ -55,3 +57,11 @@ def format_bytes(n: float) -> str:
         if n >= scale:
             return f"{n / scale:,.1f} {unit}"
     return f"{n / 1e3:,.1f} kB"
+
+
+def host_memory_bytes() -> int:
+    """Physical memory of this machine (0 where the platform does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0

@@ -21,6 +21,7 @@ from dllm.config.rules import check_objective, check_topology, round_up
 from dllm.config.spec import RunSpec
 from dllm.data.artifact import read_manifest
 from dllm.errors import ConfigError, DataError
+from dllm.models import sizing
 from dllm.models.factory import build_model
 from dllm.models.pretrained import merge_pretrained, pretrained_tokenizer
 from dllm.models.sizing import TRAIN_BYTES_PER_PARAM, count_params, format_bytes
@@ -149,7 +150,7 @@ def _check_memory(spec: RunSpec, device_type: str) -> None:
     if device_type == "cuda":
         need, have, where = per_rank, _gpu_memory_bytes(topo.nproc_per_node), "GPU"
     else:
-        need, have, where = per_rank * topo.nproc_per_node, _host_memory_bytes(), "machine"
+        need, have, where = per_rank * topo.nproc_per_node, sizing.host_memory_bytes(), "machine"
     if have and need > have:
         raise ConfigError(
             f"model: {num_params:,} parameters need at least {format_bytes(need)} per {where} for weights, "
@@ -163,14 +164,6 @@ def _gpu_memory_bytes(num_gpus: int) -> int:
     try:
         return min(torch.cuda.get_device_properties(i).total_memory for i in range(num_gpus))
     except (RuntimeError, AssertionError):  # torch without CUDA raises AssertionError here
-        return 0
-
-
-def _host_memory_bytes() -> int:
-    """Physical memory of this machine (0 where the platform does not say)."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
         return 0
 
 
