@@ -139,6 +139,43 @@ def _check_device(spec: RunSpec) -> str:
     return "cuda" if on_gpu else "cpu"
 
 
+def _check_artifact(spec: RunSpec, tok_identity: dict) -> None:
+    try:
+        manifest = read_manifest(spec.data.path)
+    except DataError as e:
+        raise ConfigError(f"data.path: {e}") from None
+    if int(manifest["seq_len"]) != spec.data.seq_len:
+        raise ConfigError(
+            f"data.seq_len: {spec.data.seq_len} but the artifact {spec.data.path} was packed to "
+            f"{manifest['seq_len']}; set data.seq_len: {manifest['seq_len']} or re-prepare the data"
+        )
+    art_tok = manifest["tokenizer"]
+    for key in ("vocab_hash", "special_ids"):
+        if art_tok.get(key) != tok_identity.get(key):
+            raise ConfigError(
+                f"tokenizer: differs from the one that prepared {spec.data.path} ({key} mismatch); "
+                "use the same tokenizer section as prepare.yaml"
+            )
+    block = getattr(spec.objective, "block_size", None)
+    multiple = (manifest.get("prepare_config") or {}).get("pad_to_multiple")
+    if block is not None and multiple and multiple % block:
+        raise ConfigError(
+            f"objective.block_size: {block} does not divide the artifact's pad_to_multiple {multiple} "
+            f"({spec.data.path}): documents would not start on block boundaries; set pad_to_multiple to a "
+            "multiple of the block size in prepare.yaml and prepare again, or change block_size"
+        )
+    tr = spec.training
+    if int(manifest["num_sequences"]) < tr.global_batch_size:
+        raise ConfigError(
+            f"training.global_batch_size: {tr.global_batch_size} exceeds the {manifest['num_sequences']} "
+            "sequences of the artifact; lower it or add data"
+        )
+
+
+def _has_tensorboard() -> bool:
+    return importlib.util.find_spec("tensorboard") is not None
+
+
 def _check_memory(spec: RunSpec, device_type: str) -> None:
     """Refuse a model whose weights, gradients and optimizer state alone exceed the machine's memory
     (a lower bound: activations come on top), before anything is allocated."""
@@ -177,40 +214,3 @@ def _machine_warnings(spec: RunSpec, device_type: str) -> list[str]:
             "and train slower than fewer would"
         ]
     return []
-
-
-def _check_artifact(spec: RunSpec, tok_identity: dict) -> None:
-    try:
-        manifest = read_manifest(spec.data.path)
-    except DataError as e:
-        raise ConfigError(f"data.path: {e}") from None
-    if int(manifest["seq_len"]) != spec.data.seq_len:
-        raise ConfigError(
-            f"data.seq_len: {spec.data.seq_len} but the artifact {spec.data.path} was packed to "
-            f"{manifest['seq_len']}; set data.seq_len: {manifest['seq_len']} or re-prepare the data"
-        )
-    art_tok = manifest["tokenizer"]
-    for key in ("vocab_hash", "special_ids"):
-        if art_tok.get(key) != tok_identity.get(key):
-            raise ConfigError(
-                f"tokenizer: differs from the one that prepared {spec.data.path} ({key} mismatch); "
-                "use the same tokenizer section as prepare.yaml"
-            )
-    block = getattr(spec.objective, "block_size", None)
-    multiple = (manifest.get("prepare_config") or {}).get("pad_to_multiple")
-    if block is not None and multiple and multiple % block:
-        raise ConfigError(
-            f"objective.block_size: {block} does not divide the artifact's pad_to_multiple {multiple} "
-            f"({spec.data.path}): documents would not start on block boundaries; set pad_to_multiple to a "
-            "multiple of the block size in prepare.yaml and prepare again, or change block_size"
-        )
-    tr = spec.training
-    if int(manifest["num_sequences"]) < tr.global_batch_size:
-        raise ConfigError(
-            f"training.global_batch_size: {tr.global_batch_size} exceeds the {manifest['num_sequences']} "
-            "sequences of the artifact; lower it or add data"
-        )
-
-
-def _has_tensorboard() -> bool:
-    return importlib.util.find_spec("tensorboard") is not None
