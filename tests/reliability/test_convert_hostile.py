@@ -149,3 +149,26 @@ def test_good_folders_still_convert(good: Path, tmp_path: Path, legacy: bool):
     assert dllm(["convert", "--from-hf", str(src), "--to", str(tmp_path / "out2")]) == 0
     a, b = load_file(str(tmp_path / "out" / WEIGHTS)), load_file(str(tmp_path / "out2" / WEIGHTS))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+MODEL_YAML_EDITS = [
+    ("negative", lambda t: t.replace("hidden_size: 64", "hidden_size: -1"), "model.yaml: model: hidden_size:"),
+    ("list", lambda t: "model: [1]\n", "model.yaml: model must be a mapping"),
+    ("tokenizer list", lambda t: t + "tokenizer: [1]\n", "duplicate key 'tokenizer'"),
+    ("bigger", lambda t: t.replace("hidden_size: 64", "hidden_size: 256"), "describes 476,416 parameters"),
+    ("fewer layers", lambda t: t.replace("num_layers: 2", "num_layers: 1"), "input_layernorm.weight has no place"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("edit", "expected"), [e[1:] for e in MODEL_YAML_EDITS], ids=[e[0] for e in MODEL_YAML_EDITS])
+def test_a_model_folder_whose_model_yaml_lies_is_one_line(good: Path, tmp_path: Path, edit, expected: str,
+                                                           capsys: pytest.CaptureFixture[str]):  # fmt: skip
+    """A `dllm convert` folder (model.yaml + native safetensors) edited by hand, then sampled from."""
+    assert dllm(["convert", "--from-hf", str(good), "--to", str(tmp_path / "m")]) == 0
+    yaml_file = tmp_path / "m" / "model.yaml"
+    yaml_file.write_text(edit(yaml_file.read_text()))
+    capsys.readouterr()
+    code = dllm(["generate", "--model", str(tmp_path / "m"), "-p", "x", "--gen-length", "4"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("dllm: error: ") and expected in lines[0], lines[0]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -102,7 +103,7 @@ def _safetensors_files(folder: Path) -> list[Path] | None:
     return [folder / shard for shard in shards]
 
 
-def _safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+def safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     """Tensor shapes from a safetensors header, without reading (or allocating) any tensor."""
     from safetensors import SafetensorError, safe_open
 
@@ -151,7 +152,7 @@ def hf_weight_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
         raise ConfigError(f"model.init_from: {folder} holds no model.safetensors, shard index or pytorch_model.bin")
     shapes: dict[str, tuple[int, ...]] = {}
     for path in files:
-        shapes.update(_safetensors_shapes(path))
+        shapes.update(safetensors_shapes(path))
     return shapes
 
 
@@ -173,39 +174,64 @@ def check_hf_weights(folder: Path, family: Family, src_cfg: ModelConfig, cfg: Mo
     """Refuse weights that do not belong to config.json, or a model that cannot fit in memory, before
     loading anything: the sizes from the headers, then the family's name map run on meta tensors."""
     shapes = hf_weight_shapes(folder)
-    stored, described = sum(math.prod(s) for s in shapes.values()), count_params(src_cfg)
-    if described > stored:
-        raise ConfigError(
-            f"{folder}/config.json describes {described:,} parameters but the weight files hold {stored:,} values; "
-            "the config and the weights do not belong together"
-        )
-    need, have = 4 * count_params(cfg), sizing.host_memory_bytes()  # the imported weights are float32
-    if have and need > have:
-        raise ConfigError(
-            f"{folder}: {count_params(cfg):,} parameters need {format_bytes(need)} in float32, more than this "
-            f"machine's {format_bytes(have)} of memory"
-        )
-    _check_shapes(folder, family, src_cfg, shapes)
 
-
-def _check_shapes(folder: Path, family: Family, cfg: ModelConfig, shapes: dict[str, tuple[int, ...]]) -> None:
-    from dllm.models import MODELS
-
-    with torch.device("meta"):
-        expected = {k: tuple(v.shape) for k, v in MODELS.get(cfg.family)(cfg).state_dict().items()}
+    def to_native() -> dict[str, tuple[int, ...]]:
         try:
-            native = state_from_hf(family, {k: torch.empty(s) for k, s in shapes.items()}, cfg)
+            with torch.device("meta"):
+                native = state_from_hf(family, {k: torch.empty(s) for k, s in shapes.items()}, src_cfg)
         except (KeyError, IndexError, RuntimeError, ValueError) as e:
             raise ConfigError(f"{folder}: the weights do not fit a {family.name} model ({e})") from None
-    missing = sorted(expected.keys() - native.keys())
+        return {k: tuple(v.shape) for k, v in native.items()}
+
+    check_weight_shapes(Path(folder) / "config.json", src_cfg, cfg, shapes, to_native, lambda k: _hf_name(family, k))
+
+
+def check_weight_shapes(
+    config_file: Path,
+    src_cfg: ModelConfig,
+    cfg: ModelConfig,
+    stored: dict[str, tuple[int, ...]],
+    to_native: Callable[[], dict[str, tuple[int, ...]]],
+    file_name: Callable[[str], str] = str,
+) -> None:
+    """The stored tensors (`stored`: shapes by file name) must be exactly the model `src_cfg` describes, and the
+    model `cfg` (its vocabulary possibly grown) must fit in memory; the count is checked first, so a config
+    describing an absurd model is refused before a meta model of it is built."""
+    described, num_stored = count_params(src_cfg), sum(math.prod(s) for s in stored.values())
+    if described > num_stored:
+        raise ConfigError(
+            f"{config_file} describes {described:,} parameters but the weight files hold {num_stored:,} values; "
+            "the config and the weights do not belong together"
+        )
+    need, have = 4 * count_params(cfg), sizing.host_memory_bytes()  # the loaded weights are float32
+    if have and need > have:
+        raise ConfigError(
+            f"{config_file.parent}: {count_params(cfg):,} parameters need {format_bytes(need)} in float32, more "
+            f"than this machine's {format_bytes(have)} of memory"
+        )
+    native = to_native()
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in _meta_model(src_cfg).state_dict().items()}
+    where = config_file.parent
+    missing, unexpected = sorted(expected.keys() - native.keys()), sorted(native.keys() - expected.keys())
     if missing:
-        raise ConfigError(f"{folder}: no weight {_hf_name(family, missing[0])} ({len(missing)} missing in all)")
+        raise ConfigError(f"{where}: no weight {file_name(missing[0])} ({len(missing)} missing in all)")
+    if unexpected:
+        raise ConfigError(
+            f"{where}: weight {file_name(unexpected[0])} has no place in the model {config_file.name} describes"
+        )
     for key, shape in expected.items():
-        if tuple(native[key].shape) != shape:
+        if native[key] != shape:
             raise ConfigError(
-                f"{folder}: {_hf_name(family, key)} has shape {list(native[key].shape)} but config.json implies "
+                f"{where}: {file_name(key)} has shape {list(native[key])} but {config_file.name} implies "
                 f"{list(shape)}; the config and the weights do not belong together"
             )
+
+
+def _meta_model(cfg: ModelConfig) -> torch.nn.Module:
+    from dllm.models import MODELS  # the registry's module imports this one
+
+    return MODELS.get(cfg.family)(cfg)
 
 
 def _hf_name(family: Family, native_key: str) -> str:
