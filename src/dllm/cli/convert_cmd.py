@@ -50,9 +50,11 @@ def _import(src: Path, out: Path) -> None:
     tok_cfg = pretrained_tokenizer(src) or TokenizerConfig()
     tok = build_tokenizer(tok_cfg)
     cfg = cfg.model_copy(update={"vocab_size": max(cfg.vocab_size or 0, tok.vocab_size)})
-    folder = save_model_folder(out, import_hf(src, cfg), cfg, tok_cfg)
+    state = import_hf(src, cfg)  # every check (config, headers, shapes, memory) before the first write
+    profile = derive_profile(None, cfg, tok)  # a masked model until trained otherwise
+    folder = save_model_folder(out, state, cfg, tok_cfg)
     _save_tokenizer(tok, folder)
-    write_profile(derive_profile(None, cfg, tok), folder)  # a masked model until trained otherwise
+    write_profile(profile, folder)
     info(f"wrote {folder}: {cfg.family}, {cfg.num_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}")
     info(f"use it with model.init_from: {folder}, or dllm generate --model {folder}")
 

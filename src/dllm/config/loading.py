@@ -18,14 +18,114 @@ from dllm.errors import ConfigError
 S = TypeVar("S", bound=BaseModel)
 
 
+MAX_YAML_VALUES = 100_000
+"""Most values a config may expand to: YAML aliases can make 700 bytes expand to billions (a "billion laughs")."""
+MAX_YAML_DEPTH = 64
+"""Deepest nesting of mappings and lists a config may have."""
+MAX_INT_CHARS = 100
+"""Longest integer literal read (Python refuses to convert more than 4300 digits, and no field needs 100)."""
+
+
+class _Refused(yaml.constructor.ConstructorError):
+    """A YAML document that parses but is refused (duplicate key, too big, too deep, recursive)."""
+
+
+class _ConfigLoader(yaml.SafeLoader):
+    """SafeLoader whose integers must fit in 64 bits (the limit is checked before converting)."""
+
+    def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
+        if len(node.value) > MAX_INT_CHARS:
+            raise _Refused(None, None, f"integer of {len(node.value)} characters is too large", node.start_mark)
+        value = super().construct_yaml_int(node)
+        if not -(2**63) <= value < 2**63:
+            raise _Refused(None, None, f"integer {node.value} does not fit in 64 bits", node.start_mark)
+        return value
+
+
+_ConfigLoader.add_constructor("tag:yaml.org,2002:int", _ConfigLoader.construct_yaml_int)
+
+
+def _check_tree(root: yaml.Node) -> None:
+    """Refuse duplicate keys, recursive aliases, deep nesting and alias expansion beyond MAX_YAML_VALUES.
+
+    Sizes are memoised per node, so a shared (aliased) node is walked once however often it is used."""
+    sizes: dict[int, int] = {}
+    active: set[int] = set()
+
+    def size(node: yaml.Node, depth: int) -> int:
+        key = id(node)
+        if key in sizes:
+            return sizes[key]
+        if key in active:
+            raise _Refused(None, None, "an alias refers to the node that contains it", node.start_mark)
+        if depth > MAX_YAML_DEPTH:
+            raise _Refused(None, None, f"nested deeper than {MAX_YAML_DEPTH} levels", node.start_mark)
+        active.add(key)
+        if isinstance(node, yaml.MappingNode):
+            _check_duplicate_keys(node)
+            children = [child for pair in node.value for child in pair]
+        else:
+            children = node.value if isinstance(node, yaml.SequenceNode) else []
+        total = 1 + sum(size(child, depth + 1) for child in children)
+        active.discard(key)
+        if total > MAX_YAML_VALUES:
+            problem = f"expands to more than {MAX_YAML_VALUES:,} values through aliases; write it out without them"
+            raise _Refused(None, None, problem, node.start_mark)
+        sizes[key] = total
+        return total
+
+    size(root, 0)
+
+
+def _check_duplicate_keys(node: yaml.MappingNode) -> None:
+    first: dict[tuple[str, str], int] = {}
+    for key_node, _ in node.value:
+        if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+            continue
+        line = key_node.start_mark.line + 1
+        seen = first.setdefault((key_node.tag, key_node.value), line)
+        if seen != line:
+            raise _Refused(
+                None, None, f"duplicate key {key_node.value!r} (first on line {seen}); keep one", key_node.start_mark
+            )
+
+
+def parse_yaml(text: str) -> tuple[Any, yaml.Node | None]:
+    """Parse one YAML document with the checks above; raises yaml.YAMLError (with a mark when known)."""
+    loader = _ConfigLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None, None
+        _check_tree(node)
+        return loader.construct_document(node), node
+    except RecursionError:
+        raise _Refused(None, None, "nested too deeply", None) from None
+    finally:
+        loader.dispose()
+
+
+def _read_text(path: Path) -> str:
+    """The file as text: UTF-8 (a leading byte-order mark is dropped), else one line naming the byte."""
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read the config ({e.strerror})") from None
+    try:
+        return raw.decode("utf-8").removeprefix("\ufeff")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise ConfigError(
+            f"{path}:{line}: not UTF-8 text (byte 0x{raw[e.start]:02x}); save the config as UTF-8"
+        ) from None
+
+
 def read_yaml(path: Path) -> tuple[dict[str, Any], yaml.Node | None]:
     """Parse a YAML mapping; returns the data and its node tree (for line numbers)."""
     if not path.is_file():
         raise ConfigError(f"{path}: no such config file")
-    text = path.read_text(encoding="utf-8")
     try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-        data = yaml.safe_load(text)
+        data, node = parse_yaml(_read_text(path))
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
@@ -47,7 +147,9 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         if not sep or not key or any(not part for part in key.split(".")):
             raise ConfigError(f"--set {item!r}: expected KEY=VALUE with a dotted key, e.g. training.steps=50")
         try:
-            value = yaml.safe_load(raw) if raw.strip() else None
+            value = parse_yaml(raw)[0] if raw.strip() else None
+        except _Refused as e:
+            raise ConfigError(f"--set {key}: {e.problem}") from None
         except yaml.YAMLError:
             value = raw
         parts = key.split(".")
@@ -152,13 +254,24 @@ def format_validation_error(
         msg = "required field is missing"
     elif "input" in first and kind not in ("model_type", "dict_type") and not isinstance(first["input"], dict):
         msg = f"{msg} (got {first['input']!r})"
-    if overridden and dotted in overridden:
+    blamed = _overridden_key(dotted, overridden or set())
+    if blamed == dotted:
         return f"--set {dotted}: {msg}"
+    if blamed is not None:  # a section-level rule that an override broke: name the override, not the file
+        return f"--set {blamed}: {dotted}: {msg}"
     line = _field_line(node, loc) if loc else None
     where = f"{source}:{line}" if line else source
     if len(errors) > 1:
         msg += f" (and {len(errors) - 1} more problem(s))"
     return f"{where}: {dotted}: {msg}"
+
+
+def _overridden_key(dotted: str, overridden: set[str]) -> str | None:
+    """The `--set` key behind an error at `dotted`: the same field, one inside it, or a section holding it."""
+    for key in sorted(overridden):
+        if key == dotted or key.startswith(dotted + ".") or dotted.startswith(key + "."):
+            return key
+    return None
 
 
 def load_config(cls: type[S], path: str | Path, overrides: list[str] | None = None) -> S:

@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
-from dllm.config.base import RelPath, Section
+from dllm.config.base import PathPattern, RelPath, Section
 from dllm.config.data import TokenizerConfig
 from dllm.config.registries import LAYOUTS, RECORD_FORMATS
 
@@ -76,7 +76,7 @@ class JsonlSourceConfig(RecordFields):
 
     kind: Literal["jsonl"] = "jsonl"
     """Source kind: jsonl."""
-    path: str
+    path: PathPattern
     """File or glob relative to this config file (matches are read in sorted order)."""
 
 
@@ -85,7 +85,7 @@ class ParquetSourceConfig(RecordFields):
 
     kind: Literal["parquet"] = "parquet"
     """Source kind: parquet."""
-    path: str
+    path: PathPattern
     """File or glob relative to this config file (matches are read in sorted order)."""
 
 
@@ -94,7 +94,7 @@ class TextSourceConfig(RecordFields):
 
     kind: Literal["text"] = "text"
     """Source kind: text."""
-    path: str
+    path: PathPattern
     """File or glob relative to this config file (matches are read in sorted order)."""
     per_line: bool = False
     """One document per non-empty line instead of one per file."""
@@ -111,9 +111,9 @@ class HFDatasetSourceConfig(RecordFields):
 
     kind: Literal["hf_dataset"] = "hf_dataset"
     """Source kind: hf_dataset."""
-    path: str
+    path: PathPattern
     """A folder written by `save_to_disk`, or a builder name (json, parquet, csv, text) with data_files."""
-    data_files: list[str] | None = None
+    data_files: list[PathPattern] | None = None
     """Local files or globs for `load_dataset(path, data_files=...)`, relative to this config file."""
     split: str = "train"
     """Split to read."""
@@ -124,7 +124,7 @@ class NpySourceConfig(RecordFields):
 
     kind: Literal["npy"] = "npy"
     """Source kind: npy."""
-    path: str
+    path: PathPattern
     """File or glob relative to this config file (matches are read in sorted order)."""
     format: Format = "tokens"
     """Record shape: always tokens for npy."""

@@ -115,6 +115,11 @@ def resolve_sampler(cfg: SamplerConfig, profile: DecodeProfile) -> SamplerConfig
         )
     if profile.corruption != "uniform" and cfg.policy == "uniform":
         raise ConfigError(f"sampler.policy: uniform decodes uniform-state models; {trained}")
+    if cfg.gen_length > profile.max_length:
+        raise ConfigError(
+            f"sampler.gen_length: {cfg.gen_length} exceeds the {profile.max_length} positions the model covers "
+            "(prompt + generation); lower it"
+        )
     attention = cfg.attention if cfg.attention != "auto" else profile.attention
     shift = cfg.shift if cfg.shift != "auto" else ("on" if profile.shift else "off")
     values = {**cfg.model_dump(), "attention": attention, "shift": shift}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator
 
@@ -42,8 +42,8 @@ class OptimizerConfig(Section):
     """Optimizer: adamw (decoupled weight decay on matrices only)."""
     lr: float = Field(default=3e-4, gt=0)
     """Peak learning rate."""
-    betas: tuple[float, float] = (0.9, 0.95)
-    """Adam beta1, beta2."""
+    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (0.9, 0.95)
+    """Adam beta1, beta2 (each in [0, 1): the decay of the moment averages)."""
     eps: float = Field(default=1e-8, gt=0)
     """Adam epsilon."""
     weight_decay: float = Field(default=0.1, ge=0)

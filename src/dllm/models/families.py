@@ -65,6 +65,11 @@ def _hf_to_native(name: str, renames: tuple[tuple[str, str], ...]) -> str:
     raise KeyError(name)
 
 
+def native_to_hf_name(family: Family, name: str) -> str:
+    """The Hugging Face name of a native parameter (KeyError when the family has no place for it)."""
+    return _native_to_hf(name, family.renames)
+
+
 def module_path_to_hf(family: Family, path: str) -> str:
     """The Hugging Face module path of a native linear layer (for adapter files)."""
     hf = _native_to_hf(f"{path}.weight", family.renames).removesuffix(".weight")

@@ -10,17 +10,22 @@ ever needed: LLaDA and Dream folders are read with their own name maps.
 from __future__ import annotations
 
 import json
+import math
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+from pydantic import ValidationError
 
 from dllm import __version__
 from dllm.config.model import ModelConfig
 from dllm.config.registries import FAMILIES
 from dllm.errors import ConfigError
-from dllm.models.families import Family, StateDict, state_from_hf, state_to_hf
+from dllm.models import sizing
+from dllm.models.families import Family, StateDict, native_to_hf_name, state_from_hf, state_to_hf
+from dllm.models.sizing import count_params, format_bytes
 
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
@@ -33,13 +38,19 @@ def is_hf_folder(path: Path) -> bool:
 
 
 def read_hf_config(folder: Path) -> dict[str, Any]:
+    """config.json as a dict; a missing, unreadable or malformed file is one line naming it."""
     path = Path(folder) / "config.json"
     if not path.is_file():
         raise ConfigError(f"model.init_from: {folder} has no config.json (not a Hugging Face model folder)")
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(path.read_bytes().decode("utf-8"))
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path}:{e.lineno}: invalid JSON ({e.msg})") from None
+    except (OSError, ValueError) as e:  # unreadable, not UTF-8, an integer past Python's digit limit
+        raise ConfigError(f"{path}: unreadable ({' '.join(str(e).split())[:120]})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a JSON object of model settings, not a {type(data).__name__}")
+    return data
 
 
 def family_of(hf_config: dict[str, Any], where: str = "model.init_from") -> Family:
@@ -56,35 +67,188 @@ def model_config_from_hf(folder: Path) -> ModelConfig:
     """The native ModelConfig of a Hugging Face folder (architecture fields only)."""
     hf = read_hf_config(folder)
     family = family_of(hf)
-    fields = {k: v for k, v in family.config_from_hf(hf).items() if v is not None}
-    return ModelConfig(family=family.name, **fields)
+    path = Path(folder) / "config.json"
+    try:
+        fields = {k: v for k, v in family.config_from_hf(hf).items() if v is not None}
+    except KeyError as e:
+        key = e.args[0]
+        problem = f"missing key {key!r}" if key not in hf.values() else f"unsupported value {key!r}"
+        raise ConfigError(f"{path}: {problem} for a {family.name} model") from None
+    except (TypeError, ValueError, AttributeError) as e:
+        raise ConfigError(f"{path}: a value of the wrong type ({e})") from None
+    try:
+        return ModelConfig(family=family.name, **fields)
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        field = ".".join(str(p) for p in err["loc"]) or "model"
+        got = f" (got {err['input']!r})" if not isinstance(err.get("input"), dict) else ""
+        raise ConfigError(f"{path}: {field}: {str(err['msg']).removeprefix('Value error, ')}{got}") from None
+
+
+def _safetensors_files(folder: Path) -> list[Path] | None:
+    """model.safetensors, or the shards a model.safetensors.index.json names (inside the folder); None: neither."""
+    if (folder / "model.safetensors").is_file():
+        return [folder / "model.safetensors"]
+    index = folder / "model.safetensors.index.json"
+    if not index.is_file():
+        return None
+    try:
+        weight_map = json.loads(index.read_bytes().decode("utf-8")).get("weight_map")
+    except (OSError, ValueError, AttributeError):
+        weight_map = None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ConfigError(f"{index}: expected a JSON object with a weight_map of tensor name -> shard file")
+    shards = sorted(set(weight_map.values()))
+    for shard in shards:
+        if Path(shard).name != shard or shard in ("", ".", "..") or not (folder / shard).is_file():
+            raise ConfigError(f"{index}: shard {shard!r} is not a file in {folder}")
+    return [folder / shard for shard in shards]
+
+
+def safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Tensor shapes from a safetensors header, without reading (or allocating) any tensor."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118 (not a dict)
+    except (SafetensorError, OSError) as e:
+        raise ConfigError(f"{path}: not a valid safetensors file ({' '.join(str(e).split())})") from None
+
+
+def _load_bin(path: Path) -> StateDict:
+    """pytorch_model.bin with weights_only (memory-mapped when the format allows); anything else refused."""
+    import pickle
+
+    try:
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as e:
+            if "mmap" not in str(e):
+                raise
+            state = torch.load(path, map_location="cpu", weights_only=True)  # the legacy (non-zip) format
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError) as e:
+        raise ConfigError(
+            f"{path}: refused: not a plain tensor file ({_pickle_reason(e)}); its code was not run; "
+            "convert it to safetensors with a tool you trust"
+        ) from None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ConfigError(f"{path}: expected a mapping of tensor names to tensors")
+    return state
+
+
+def _pickle_reason(e: BaseException) -> str:
+    """The line of a torch.load error that says what was refused (torch wraps it in a page of advice)."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    named = [line for line in lines if "GLOBAL" in line or "Unsupported" in line]
+    return ((named or lines or [type(e).__name__])[0])[:160]
+
+
+def hf_weight_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape by its Hugging Face name, read from the headers before any weight is loaded."""
+    folder = Path(folder)
+    files = _safetensors_files(folder)
+    if files is None:
+        if (folder / "pytorch_model.bin").is_file():
+            return {k: tuple(v.shape) for k, v in _load_bin(folder / "pytorch_model.bin").items()}
+        raise ConfigError(f"model.init_from: {folder} holds no model.safetensors, shard index or pytorch_model.bin")
+    shapes: dict[str, tuple[int, ...]] = {}
+    for path in files:
+        shapes.update(safetensors_shapes(path))
+    return shapes
 
 
 def load_hf_state_dict(folder: Path) -> StateDict:
     """All tensors of a checkpoint folder, by their Hugging Face names."""
-    folder = Path(folder)
     from safetensors.torch import load_file
 
-    if (folder / "model.safetensors").is_file():
-        return load_file(str(folder / "model.safetensors"))
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        out: StateDict = {}
-        for shard in shards:
-            out.update(load_file(str(folder / shard)))
-        return out
-    if (folder / "pytorch_model.bin").is_file():
-        return torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
-    raise ConfigError(f"model.init_from: {folder} holds no model.safetensors, shard index or pytorch_model.bin")
+    folder = Path(folder)
+    files = _safetensors_files(folder)
+    if files is None:
+        return _load_bin(folder / "pytorch_model.bin")
+    out: StateDict = {}
+    for path in files:
+        out.update(load_file(str(path)))
+    return out
+
+
+def check_hf_weights(folder: Path, family: Family, src_cfg: ModelConfig, cfg: ModelConfig) -> None:
+    """Refuse weights that do not belong to config.json, or a model that cannot fit in memory, before
+    loading anything: the sizes from the headers, then the family's name map run on meta tensors."""
+    shapes = hf_weight_shapes(folder)
+
+    def to_native() -> dict[str, tuple[int, ...]]:
+        try:
+            with torch.device("meta"):
+                native = state_from_hf(family, {k: torch.empty(s) for k, s in shapes.items()}, src_cfg)
+        except (KeyError, IndexError, RuntimeError, ValueError) as e:
+            raise ConfigError(f"{folder}: the weights do not fit a {family.name} model ({e})") from None
+        return {k: tuple(v.shape) for k, v in native.items()}
+
+    check_weight_shapes(Path(folder) / "config.json", src_cfg, cfg, shapes, to_native, lambda k: _hf_name(family, k))
+
+
+def check_weight_shapes(
+    config_file: Path,
+    src_cfg: ModelConfig,
+    cfg: ModelConfig,
+    stored: dict[str, tuple[int, ...]],
+    to_native: Callable[[], dict[str, tuple[int, ...]]],
+    file_name: Callable[[str], str] = str,
+) -> None:
+    """The stored tensors (`stored`: shapes by file name) must be exactly the model `src_cfg` describes, and the
+    model `cfg` (its vocabulary possibly grown) must fit in memory; the count is checked first, so a config
+    describing an absurd model is refused before a meta model of it is built."""
+    described, num_stored = count_params(src_cfg), sum(math.prod(s) for s in stored.values())
+    if described > num_stored:
+        raise ConfigError(
+            f"{config_file} describes {described:,} parameters but the weight files hold {num_stored:,} values; "
+            "the config and the weights do not belong together"
+        )
+    need, have = 4 * count_params(cfg), sizing.host_memory_bytes()  # the loaded weights are float32
+    if have and need > have:
+        raise ConfigError(
+            f"{config_file.parent}: {count_params(cfg):,} parameters need {format_bytes(need)} in float32, more "
+            f"than this machine's {format_bytes(have)} of memory"
+        )
+    native = to_native()
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in _meta_model(src_cfg).state_dict().items()}
+    where = config_file.parent
+    missing, unexpected = sorted(expected.keys() - native.keys()), sorted(native.keys() - expected.keys())
+    if missing:
+        raise ConfigError(f"{where}: no weight {file_name(missing[0])} ({len(missing)} missing in all)")
+    if unexpected:
+        raise ConfigError(
+            f"{where}: weight {file_name(unexpected[0])} has no place in the model {config_file.name} describes"
+        )
+    for key, shape in expected.items():
+        if native[key] != shape:
+            raise ConfigError(
+                f"{where}: {file_name(key)} has shape {list(native[key])} but {config_file.name} implies "
+                f"{list(shape)}; the config and the weights do not belong together"
+            )
+
+
+def _meta_model(cfg: ModelConfig) -> torch.nn.Module:
+    from dllm.models.transformer import Transformer  # the heavy module, only when a folder is checked
+
+    return Transformer(cfg)
+
+
+def _hf_name(family: Family, native_key: str) -> str:
+    try:
+        return native_to_hf_name(family, native_key)
+    except KeyError:
+        return native_key
 
 
 def import_hf(folder: Path, cfg: ModelConfig) -> StateDict:
     """Native, float32 weights of a Hugging Face folder for a model built from `cfg`; embeddings are
     grown to cfg.vocab_size when a tokenizer needed more ids (an added mask token)."""
-    hf = read_hf_config(folder)
-    family = family_of(hf)
+    family = family_of(read_hf_config(folder))
     src_cfg = model_config_from_hf(folder)
+    check_hf_weights(folder, family, src_cfg, cfg)
     native = state_from_hf(family, load_hf_state_dict(folder), src_cfg)
     native = {k: v.float() for k, v in native.items()}
     assert cfg.vocab_size is not None

@@ -11,16 +11,19 @@ from pathlib import Path
 import yaml
 
 from dllm.config.data import TokenizerConfig
+from dllm.config.loading import read_yaml, validate_config
 from dllm.config.model import ModelConfig
 from dllm.errors import ConfigError
 from dllm.models.families import StateDict
 from dllm.models.hf_io import (
     TOKENIZER_FILES,
+    check_weight_shapes,
     copy_tokenizer_files,
     import_hf,
     is_hf_folder,
     model_config_from_hf,
     resize_vocab,
+    safetensors_shapes,
 )
 
 MODEL_YAML = "model.yaml"
@@ -35,11 +38,20 @@ def is_model_folder(path: Path) -> bool:
     return (Path(path) / MODEL_YAML).is_file()
 
 
+def _model_yaml(path: Path) -> dict[str, dict]:
+    """model.yaml of a dllm model folder, its `model` and `tokenizer` sections checked to be mappings."""
+    data, _ = read_yaml(path / MODEL_YAML)
+    for key in ("model", "tokenizer"):
+        if not isinstance(data.get(key, {}), dict):
+            raise ConfigError(f"{path / MODEL_YAML}: {key} must be a mapping of fields")
+    return data
+
+
 def pretrained_config(path: Path) -> ModelConfig:
     path = Path(path)
     if is_model_folder(path):
-        data = yaml.safe_load((path / MODEL_YAML).read_text(encoding="utf-8")) or {}
-        return ModelConfig.model_validate({**data.get("model", {}), "init_from": None})
+        section = {**_model_yaml(path).get("model", {}), "init_from": None}
+        return validate_config(ModelConfig, section, source=f"{path / MODEL_YAML}: model", base_dir=None)
     if is_hf_folder(path):
         return model_config_from_hf(path)
     raise ConfigError(f"model.init_from: {path} is neither a Hugging Face folder (config.json) nor a dllm model folder")
@@ -49,11 +61,11 @@ def pretrained_tokenizer(path: Path) -> TokenizerConfig | None:
     """The tokenizer a pretrained folder ships: its own files (HF), or the section in model.yaml."""
     path = Path(path)
     if is_model_folder(path):
-        data = yaml.safe_load((path / MODEL_YAML).read_text(encoding="utf-8")) or {}
-        tok = data.get("tokenizer", {})
+        tok = _model_yaml(path).get("tokenizer", {})
         if tok.get("kind") == "hf":
             return TokenizerConfig(kind="hf", path=path, mask_token=tok.get("mask_token", "<|mask|>"))
-        return TokenizerConfig.model_validate(tok) if tok else None
+        source = f"{path / MODEL_YAML}: tokenizer"
+        return validate_config(TokenizerConfig, tok, source=source, base_dir=None) if tok else None
     if any((path / name).is_file() for name in TOKENIZER_FILES):
         return TokenizerConfig(kind="hf", path=path)
     return None
@@ -84,6 +96,8 @@ def pretrained_state(cfg: ModelConfig) -> StateDict:
     if is_model_folder(path):
         from safetensors.torch import load_file
 
+        shapes = safetensors_shapes(path / WEIGHTS)  # checked against model.yaml before loading
+        check_weight_shapes(path / MODEL_YAML, pretrained_config(path), cfg, shapes, lambda: shapes)
         state = {k: v.float() for k, v in load_file(str(path / WEIGHTS)).items()}
         return resize_vocab(state, cfg.vocab_size)
     return import_hf(path, cfg)

@@ -11,6 +11,7 @@ that assembles a run, because it needs tokenization, models and data, which conf
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import torch
 
@@ -20,8 +21,10 @@ from dllm.config.rules import check_objective, check_topology, round_up
 from dllm.config.spec import RunSpec
 from dllm.data.artifact import check_layout, check_values, open_artifact
 from dllm.errors import ConfigError, DataError
+from dllm.models import sizing
 from dllm.models.factory import build_model
 from dllm.models.pretrained import merge_pretrained, pretrained_tokenizer
+from dllm.models.sizing import TRAIN_BYTES_PER_PARAM, count_params, format_bytes
 from dllm.tokenization import build_tokenizer
 
 
@@ -44,7 +47,10 @@ def resolve_run_spec(
         )
     spec = spec.model_copy(update={"model": model.model_copy(update={"vocab_size": max(vocab, tok.vocab_size)})})
     check_topology(spec, world_size if world_size is not None else spec.topology.world_size)
-    spec = _resolve_attention(spec, _check_device(spec))
+    device_type = _check_device(spec)
+    spec = _resolve_attention(spec, device_type)
+    _check_memory(spec, device_type)
+    warnings += _machine_warnings(spec, device_type)
     backend = spec.model.attention_backend
     if not spec.model.flex_compile and backend in ("sdpa", "blockwise"):
         warnings.append(f"model.flex_compile: false has no effect with attention_backend {backend}")
@@ -63,6 +69,12 @@ def resolve_run_spec(
     if every is not None and every > spec.training.steps:
         warnings.append(
             f"checkpointing.every_steps {every} > training.steps {spec.training.steps}: only the final save happens"
+        )
+    warmup = spec.scheduler.warmup_steps
+    if warmup > spec.training.steps:
+        warnings.append(
+            f"scheduler.warmup_steps {warmup} > training.steps {spec.training.steps}: the learning rate never "
+            f"reaches optimizer.lr {spec.optimizer.lr:g}"
         )
     if spec.logging.tensorboard == "on" and not _has_tensorboard():
         raise ConfigError("logging.tensorboard: 'on' needs tensorboard installed (pip install tensorboard) or use auto")
@@ -170,3 +182,43 @@ def _check_artifact(spec: RunSpec, tok_identity: dict) -> None:
 
 def _has_tensorboard() -> bool:
     return importlib.util.find_spec("tensorboard") is not None
+
+
+def _check_memory(spec: RunSpec, device_type: str) -> None:
+    """Refuse a model whose weights, gradients and optimizer state alone exceed the machine's memory
+    (a lower bound: activations come on top), before anything is allocated."""
+    num_params = count_params(spec.model)
+    per_param = 4 if spec.lora is not None else TRAIN_BYTES_PER_PARAM  # LoRA: frozen float32 base weights
+    topo = spec.topology
+    shards = topo.world_size if topo.data_parallel == "fsdp" else 1
+    per_rank = num_params * per_param / shards
+    if device_type == "cuda":
+        need, have, where = per_rank, _gpu_memory_bytes(topo.nproc_per_node), "GPU"
+    else:
+        need, have, where = per_rank * topo.nproc_per_node, sizing.host_memory_bytes(), "machine"
+    if have and need > have:
+        raise ConfigError(
+            f"model: {num_params:,} parameters need at least {format_bytes(need)} per {where} for weights, "
+            f"gradients and AdamW state ({per_param} bytes each), more than its {format_bytes(have)} of memory; "
+            "choose a smaller model (hidden_size, num_layers, vocab_size)"
+        )
+
+
+def _gpu_memory_bytes(num_gpus: int) -> int:
+    """Memory of the smallest of the first `num_gpus` GPUs (0 when it cannot be read)."""
+    try:
+        return min(torch.cuda.get_device_properties(i).total_memory for i in range(num_gpus))
+    except (RuntimeError, AssertionError):  # torch without CUDA raises AssertionError here
+        return 0
+
+
+def _machine_warnings(spec: RunSpec, device_type: str) -> list[str]:
+    """Settings that run, but slower than the user expects on this machine."""
+    nproc = spec.topology.nproc_per_node
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if device_type == "cpu" and nproc > cores:
+        return [
+            f"topology.nproc_per_node {nproc} > the {cores} CPU core(s) here: the processes share cores "
+            "and train slower than fewer would"
+        ]
+    return []

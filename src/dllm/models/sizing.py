@@ -1,0 +1,67 @@
+"""How big a model is before it is built: parameter counts from the config alone.
+
+The preflight refuses a run whose weights and optimizer state cannot fit in memory, and `dllm convert`
+refuses a config.json that describes an absurd model, before either allocates anything. Counting from
+the config (Python integers, never overflowing) is exact for the native Transformer; a test checks
+it against `Transformer.num_params()` for every family.
+"""
+
+from __future__ import annotations
+
+import os
+
+from dllm.config.model import ModelConfig
+
+TRAIN_BYTES_PER_PARAM = 16
+"""float32 weight + gradient + AdamW's two moments."""
+
+
+def _norm_params(cfg: ModelConfig, dim: int) -> int:
+    return dim * (2 if cfg.norm == "layernorm" and cfg.norm_bias else 1)
+
+
+def _linear(n_in: int, n_out: int, bias: bool) -> int:
+    return n_in * n_out + (n_out if bias else 0)
+
+
+def block_params(cfg: ModelConfig) -> int:
+    """Parameters of one transformer block: attention, two norms, the MLP or the experts."""
+    E, H, K, D = cfg.hidden_size, cfg.num_heads, cfg.kv_heads, cfg.dim_per_head
+    attn = _linear(E, H * D, cfg.qkv_bias) + 2 * _linear(E, K * D, cfg.qkv_bias)
+    attn += _linear(H * D, E, cfg.attn_out_bias) + (2 * D if cfg.qk_norm else 0)
+    if cfg.num_experts:
+        mlp = E * cfg.num_experts + cfg.num_experts * 3 * cfg.expert_size * E
+    else:
+        matrices = 3 if cfg.mlp == "gated" else 2
+        mlp = (matrices - 1) * _linear(E, cfg.mlp_size, cfg.mlp_bias) + _linear(cfg.mlp_size, E, cfg.mlp_bias)
+    return attn + 2 * _norm_params(cfg, E) + mlp
+
+
+def count_params(cfg: ModelConfig) -> int:
+    """Parameters of the model `cfg` describes (cfg.vocab_size must be resolved)."""
+    assert cfg.vocab_size is not None, "resolve model.vocab_size first"
+    E, V = cfg.hidden_size, cfg.vocab_size
+    n = V * E + cfg.num_layers * block_params(cfg)
+    n += cfg.max_seq_len * E if cfg.position == "learned" else 0
+    n += _norm_params(cfg, E) if cfg.embedding_norm else 0
+    n += E * E if cfg.self_condition else 0
+    n += _norm_params(cfg, E) if cfg.final_norm else 0
+    n += _linear(E, E, True) + _norm_params(cfg, E) + V if cfg.head == "mlm" else 0
+    n += 0 if cfg.tie_embeddings else V * E
+    return n
+
+
+def format_bytes(n: float) -> str:
+    """1.5 GB, 300 MB, ... (decimal units, as free and df print with -H)."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6)):
+        if n >= scale:
+            return f"{n / scale:,.1f} {unit}"
+    return f"{n / 1e3:,.1f} kB"
+
+
+def host_memory_bytes() -> int:
+    """Physical memory of this machine (0 where the platform does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0

@@ -1,0 +1,174 @@
+"""Issue 23 item 8: `dllm convert --from-hf` with a config.json or weights that do not belong together.
+
+Every case ends in one line `dllm: error: ...`, exit code 2, and no output folder; before the checks they
+gave tracebacks, tried to allocate terabytes, or wrote a broken model folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from dllm.cli.main import main as dllm
+from dllm.config.model import ModelConfig
+from dllm.models.hf_io import export_hf
+from dllm.models.transformer import Transformer
+
+WEIGHTS = "model.safetensors"
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama folder as transformers writes it (config.json + model.safetensors); byte tokenizer."""
+    cfg = ModelConfig(family="llama", preset="tiny", vocab_size=320)
+    model = Transformer(cfg)
+    model.init_weights(torch.Generator().manual_seed(0))
+    return export_hf(model.state_dict(), cfg, tmp_path_factory.mktemp("hf") / "llama")
+
+
+def _config(edit: Callable[[dict], object], replace: bool = False) -> Callable[[Path], None]:
+    """Edit config.json in place (or, with replace, write what `edit` returns instead)."""
+
+    def mutate(folder: Path) -> None:
+        cfg = json.loads((folder / "config.json").read_text())
+        new = edit(cfg)
+        (folder / "config.json").write_text(json.dumps(new if replace else cfg))
+
+    return mutate
+
+
+def _weights(edit: Callable[[dict], None]) -> Callable[[Path], None]:
+    def mutate(folder: Path) -> None:
+        state = load_file(str(folder / WEIGHTS))
+        edit(state)
+        save_file(state, str(folder / WEIGHTS))
+
+    return mutate
+
+
+def _write(name: str, data: bytes) -> Callable[[Path], None]:
+    return lambda folder: (folder / name).write_bytes(data)
+
+
+def _truncate(folder: Path) -> None:
+    data = (folder / WEIGHTS).read_bytes()
+    (folder / WEIGHTS).write_bytes(data[: len(data) // 2])
+
+
+def _drop_down_proj(state: dict) -> None:
+    state.pop("model.layers.1.mlp.down_proj.weight")
+    state["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.zeros(64 * 192)  # as many values, ignored
+
+
+def _index(shard: str) -> Callable[[Path], None]:
+    def mutate(folder: Path) -> None:
+        (folder / WEIGHTS).rename(folder / "model-00001.safetensors")
+        (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": shard}}))
+
+    return mutate
+
+
+class _Payload:
+    """A pickle whose loading would create a file (it must never run)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _pickle(folder: Path) -> None:
+    (folder / WEIGHTS).unlink()
+    torch.save({"w": _Payload(folder / "PWNED")}, folder / "pytorch_model.bin")
+
+
+HOSTILE = [
+    ("list", _config(lambda c: [c], replace=True), "config.json: expected a JSON object of model settings, not a list"),
+    ("missing key", _config(lambda c: c.pop("hidden_size")), "config.json: missing key 'hidden_size'"),
+    ("negative", _config(lambda c: c.update(num_hidden_layers=-2)), "config.json: num_layers: Input should be greater"),
+    ("string size", _config(lambda c: c.update(hidden_size="big")), "config.json: hidden_size: Input should be"),
+    ("activation", _config(lambda c: c.update(hidden_act="relu")), "config.json: unsupported value 'relu'"),
+    ("rope list", _config(lambda c: c.update(rope_parameters=[1])), "config.json: a value of the wrong type"),
+    ("not utf-8", _write("config.json", b'{"model_type": "llama\xe9"}'), "config.json: unreadable"),
+    ("huge int", _write("config.json", b'{"vocab_size": ' + b"9" * 5000 + b"}"), "config.json: unreadable"),
+    ("absurd vocab", _config(lambda c: c.update(vocab_size=2**36)), "describes 4,398,046,"),
+    ("absurd layers", _config(lambda c: c.update(num_hidden_layers=10**9)), "the config and the weights do not"),
+    ("wider mlp", _config(lambda c: c.update(intermediate_size=256)), "the config and the weights do not"),
+    ("transposed", _weights(lambda s: s.update({"model.layers.1.mlp.up_proj.weight": s[
+        "model.layers.1.mlp.up_proj.weight"].t().contiguous()})),
+     "model.layers.1.mlp.up_proj.weight has shape [64, 192] but config.json implies [192, 64]"),
+    ("missing tensor", _weights(_drop_down_proj), "no weight model.layers.1.mlp.down_proj.weight"),
+    ("bad header", _write(WEIGHTS, b"\xff" * 8 + b"{}"), "model.safetensors: not a valid safetensors file"),
+    ("truncated", _truncate, "model.safetensors: not a valid safetensors file"),
+    ("index escapes", _index("../../etc/passwd"), "shard '../../etc/passwd' is not a file in"),
+    ("index junk", _write("model.safetensors.index.json", b"[1]"), None),
+    ("pickle", _pickle, "pytorch_model.bin: refused: not a plain tensor file (Trying to load unsupported GLOBAL"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("mutate", "expected"), [h[1:] for h in HOSTILE], ids=[h[0] for h in HOSTILE])
+def test_hostile_folder_is_one_line_and_writes_nothing(good: Path, tmp_path: Path, mutate, expected: str | None,
+                                                       capsys: pytest.CaptureFixture[str]):  # fmt: skip
+    src = shutil.copytree(good, tmp_path / "src")
+    if expected is None:  # an index next to no model.safetensors
+        (src / WEIGHTS).unlink()
+        expected = "model.safetensors.index.json: expected a JSON object with a weight_map"
+    mutate(src)
+    t0 = time.perf_counter()
+    code = dllm(["convert", "--from-hf", str(src), "--to", str(tmp_path / "out")])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert time.perf_counter() - t0 < 10
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("dllm: error: ") and expected in lines[0], lines[0]
+    assert not (tmp_path / "out").exists()
+    assert not (src / "PWNED").exists()
+
+
+def test_a_model_beyond_memory_is_refused_before_loading(good: Path, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch):  # fmt: skip
+    monkeypatch.setattr("dllm.models.sizing.host_memory_bytes", lambda: 100_000)
+    assert dllm(["convert", "--from-hf", str(good), "--to", str(tmp_path / "out")]) == 2
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+def test_good_folders_still_convert(good: Path, tmp_path: Path, legacy: bool):
+    assert dllm(["convert", "--from-hf", str(good), "--to", str(tmp_path / "out")]) == 0
+    src = shutil.copytree(good, tmp_path / "bin")  # a plain pytorch_model.bin (zip or legacy format) loads
+    torch.save(load_file(str(src / WEIGHTS)), src / "pytorch_model.bin", _use_new_zipfile_serialization=not legacy)
+    (src / WEIGHTS).unlink()
+    assert dllm(["convert", "--from-hf", str(src), "--to", str(tmp_path / "out2")]) == 0
+    a, b = load_file(str(tmp_path / "out" / WEIGHTS)), load_file(str(tmp_path / "out2" / WEIGHTS))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+MODEL_YAML_EDITS = [
+    ("negative", lambda t: t.replace("hidden_size: 64", "hidden_size: -1"), "model.yaml: model: hidden_size:"),
+    ("list", lambda t: "model: [1]\n", "model.yaml: model must be a mapping"),
+    ("tokenizer list", lambda t: t + "tokenizer: [1]\n", "duplicate key 'tokenizer'"),
+    ("bigger", lambda t: t.replace("hidden_size: 64", "hidden_size: 256"), "describes 476,416 parameters"),
+    ("fewer layers", lambda t: t.replace("num_layers: 2", "num_layers: 1"), "input_layernorm.weight has no place"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("edit", "expected"), [e[1:] for e in MODEL_YAML_EDITS], ids=[e[0] for e in MODEL_YAML_EDITS])
+def test_a_model_folder_whose_model_yaml_lies_is_one_line(good: Path, tmp_path: Path, edit, expected: str,
+                                                           capsys: pytest.CaptureFixture[str]):  # fmt: skip
+    """A `dllm convert` folder (model.yaml + native safetensors) edited by hand, then sampled from."""
+    assert dllm(["convert", "--from-hf", str(good), "--to", str(tmp_path / "m")]) == 0
+    yaml_file = tmp_path / "m" / "model.yaml"
+    yaml_file.write_text(edit(yaml_file.read_text()))
+    capsys.readouterr()
+    code = dllm(["generate", "--model", str(tmp_path / "m"), "-p", "x", "--gen-length", "4"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("dllm: error: ") and expected in lines[0], lines[0]
