@@ -62,7 +62,7 @@ def test_one_process_run_stops_with_a_last_word(workdir: Path, sig: signal.Signa
         _, err = proc.communicate(timeout=30)
     finally:
         proc.kill()
-    assert proc.returncode == 128 + sig
+    assert proc.returncode == 128 + sig, err[-3000:]
     last = err.strip().splitlines()[-1]
     assert last.startswith(f"dllm: stopped by {sig.name}: ") and "resumes from" in last, err[-2000:]
     assert "Traceback" not in err
@@ -82,3 +82,19 @@ def test_a_worker_ends_when_its_launcher_is_gone():
         proc.kill()
     assert proc.returncode == 0
     assert "the launcher has stopped" in err
+
+
+def test_a_stop_during_a_checkpoint_save_stays_a_stop():
+    """DCP wraps whatever a save step raises, KeyboardInterrupt included, into a CheckpointException: a
+    SIGTERM that lands inside the save must still end the run as a stop (exit 128 + signal), not as a
+    failed save with a traceback."""
+    from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
+
+    from dllm.checkpoint.manager import _interruption
+    from dllm.parallel.launch import Stopped
+
+    stop = Stopped(signal.SIGTERM)
+    wrapped = CheckpointException("save failed", {0: _wrap_exception(stop)})
+    assert _interruption(wrapped) is stop and _interruption(stop) is stop
+    assert _interruption(CheckpointException("x", {0: _wrap_exception(OSError(28, "full"))})) is None
+    assert _interruption(ValueError("bad")) is None

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from dllm.checkpoint.files import MANIFEST, write_manifest
 from dllm.checkpoint.inference import load_for_inference
 from dllm.config.loading import validate_config
 from dllm.config.model import ModelConfig
@@ -108,6 +109,9 @@ def test_every_checkpoint_carries_the_profile_and_loading_reads_it(bd3lm_run: Pa
     step = sorted((copy / "checkpoints").glob("step_*"))[-1]
     data = json.loads((step / PROFILE_FILE).read_text())
     (step / PROFILE_FILE).write_text(json.dumps({**data, "sub_block_size": 4}))
+    with pytest.raises(CheckpointError, match=f"{PROFILE_FILE}: .* bytes where manifest.json records"):
+        load_for_inference(checkpoint=step)  # an edit the manifest does not know is damage
+    write_manifest(step, int(step.name.split("_")[1]))  # sealed as written: the file, not a re-derivation
     assert load_for_inference(checkpoint=step).profile.sub_block_size == 4
 
 
@@ -116,6 +120,7 @@ def test_an_older_checkpoint_without_a_profile_loads_with_a_warning(bd3lm_run: P
     shutil.copytree(bd3lm_run, copy)
     step = sorted((copy / "checkpoints").glob("step_*"))[-1]
     (step / PROFILE_FILE).unlink()
+    (step / MANIFEST).unlink()  # older checkpoints predate both files
     with pytest.warns(UserWarning, match="an older checkpoint"):
         loaded = load_for_inference(checkpoint=step)
     assert loaded.profile == load_for_inference(run=bd3lm_run).profile

@@ -160,6 +160,9 @@ class CheckpointManager:
             shutil.rmtree(tmp, ignore_errors=True)
         if err is None:
             raise CheckpointError(f"{tmp}: the main rank could not write this checkpoint (see its error)")
+        stop = _interruption(err)
+        if stop is not None:  # Ctrl-C / SIGTERM during the save: the stop goes on, not a save failure
+            raise stop from None
         full = None if isinstance(err, UserError) else disk_full_error(err, self.folder, needed_bytes)
         if full is not None:
             raise full from None
@@ -290,3 +293,16 @@ def load_model_weights(path: Path, model: nn.Module, verify: bool = True) -> Non
     sd = {"model": get_model_state_dict(model, options=options)}
     _read(path, sd, "the model built from the run's config.yaml", None)
     set_model_state_dict(model, sd["model"], options=options)
+
+
+def _interruption(err: BaseException) -> BaseException | None:
+    """The stop request (KeyboardInterrupt or the launcher's Stopped: a BaseException that is not an
+    Exception) behind a failed save, also when DCP wrapped it into a CheckpointException."""
+    if not isinstance(err, Exception) and not isinstance(err, CheckpointException):
+        return err
+    if isinstance(err, CheckpointException):
+        for inner, _trace in err.failures.values():
+            found = _interruption(inner)
+            if found is not None:
+                return found
+    return None
