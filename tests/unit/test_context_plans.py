@@ -228,12 +228,12 @@ def test_moe_models_and_missing_groups_are_refused():
 # the attention at global indices, one process (the keys a rank would gather, taken from the whole)
 
 
-def _global_mask(kind: str, L: int) -> AttentionMask:
+def _global_mask(kind: str, L: int, window: int | None = None) -> AttentionMask:
     docs = torch.tensor([[0] * 11 + [1] * 21, [0] * 19 + [1] * 13])
     valid = torch.ones(2, L, dtype=torch.bool)
     valid[1, 27:] = False
     block = 4 if kind == "block_diffusion" else None
-    return AttentionMask(kind, key_valid_BL=valid, doc_ids_BL=docs, block_size=block)
+    return AttentionMask(kind, key_valid_BL=valid, doc_ids_BL=docs, block_size=block, window=window)
 
 
 @pytest.mark.parametrize("kind", ["bidirectional", "block_diffusion"])
@@ -247,15 +247,16 @@ def test_index_mapped_mask_is_the_global_submatrix(kind: str):
     assert torch.equal(mapped, full[:, :, q_rows][:, :, :, kv_rows])
 
 
+@pytest.mark.parametrize("window", [None, 9])
 @pytest.mark.parametrize("kernel", ["dense", "flex"])
 @pytest.mark.parametrize(
     "layout", [x for x in LAYOUTS if x[6] == "block_diffusion"], ids=lambda x: "-".join(map(str, x))
 )
-def test_each_rank_computes_the_global_attention_at_its_rows(kernel: str, layout):
+def test_each_rank_computes_the_global_attention_at_its_rows(kernel: str, window: int | None, layout):
     """The FlexAttention path (CUDA's) is checked forward only: FlexAttention has no CPU backward."""
     plans = _plans(*layout)
     N = plans[0].num_rows
-    mask = _global_mask("block_diffusion", 32)
+    mask = _global_mask("block_diffusion", 32, window)
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, h, N, 8, generator=g) for h in (4, 2, 2))
     full = F.scaled_dot_product_attention(

@@ -36,14 +36,18 @@ sums of the ranks of one CP/BP group add up to the one-process `loss_sum`, and s
 gradients: the K/V gradient a rank computes for another rank's rows travels back through
 `gather_rows`' reduce-scatter, and replicated clean rows (bp) each carry only their own rank's part.
 
-Gradient averaging for the integration step (trainer + FSDP/DDP): the one-process gradient of the
-group's batch is the SUM over the group's ranks of their parameter gradients. FSDP2/DDP AVERAGE
-gradients over the ranks they reduce over. If the data-parallel reduction spans the CP/BP ranks too
-(the usual choice: one flattened dp x cp/bp mesh for FSDP), each rank's loss must be scaled by the
-group size (cp for `cp`, bp for `bp`/`csbp`) on top of the usual 1 / (global target count)
-normalisation, which the trainer already computes over the global batch (each target is counted once,
-by the rank that owns it). Every rank of a group must run backward on a loss connected to every
-layer's gather (the reduce-scatter is a collective): `shard` keeps at least one output row per rank.
+Gradient averaging for the integration step (trainer + FSDP/DDP; tested here: the sum over a group's
+ranks of their parameter gradients equals the one-process gradient of the group's batch):
+- every rank of a CP/BP group prepares the SAME micro-batch (same sample ids, so the same noise),
+  then `shard`s it; `objective.normalizer` counts a batch's targets, so the global target count must
+  be summed over the data-parallel ranks only (or the world sum divided by the group size);
+- FSDP2/DDP AVERAGE gradients over the ranks they reduce over. The trainer today scales each rank's
+  loss by dp / global_targets. If the gradient reduction spans the CP/BP ranks too (one flattened
+  dp x cp|bp mesh dimension for FSDP, the usual choice), the scale becomes (dp * group_size) /
+  global_targets, group_size = cp for `cp`, bp for `bp`/`csbp`; the loss metric (sum of the ranks'
+  loss sums over the world / global_targets) needs no change, since each target is owned once;
+- every rank of a group must run backward on a loss connected to every layer's gather (the
+  reduce-scatter is a collective): `shard` keeps at least one output row per rank.
 
 Not supported yet (refused): MoE models (the router's load-balancing loss is a product of two means
 over all tokens, not a sum over rows); self-conditioning (a second model pass); masks with
