@@ -249,6 +249,17 @@ def offset_queries(inner: MaskMod, offset: int) -> MaskMod:
     return mod
 
 
+def index_mapped(inner: MaskMod, q_rows: torch.Tensor, kv_rows: torch.Tensor) -> MaskMod:
+    """A mask function over a subset of rows: local query q is global row q_rows[q], local key kv is
+    global row kv_rows[kv] (context parallelism evaluates the global mask on a rank's rows and the keys
+    it gathered; the global description, documents and padding included, stays untouched)."""
+
+    def mod(b, h, q, kv):
+        return inner(b, h, q_rows[q], kv_rows[kv])
+
+    return mod
+
+
 def base_mod(mask: AttentionMask, seq_len: int | None) -> MaskMod:
     if mask.kind == "bidirectional":
         return bidirectional()

@@ -1,0 +1,71 @@
+"""Attention of a rank's rows against the keys it holds, under the GLOBAL mask (context parallelism).
+
+Context and block parallelism (dllm.parallel.context) give each rank some rows of the model input
+and, per layer, a key set: keys gathered from the other ranks plus its own. This module computes that
+attention without knowing how the keys got there (no torch.distributed here): query q is global row
+`q_rows[q]`, key kv is global row `kv_rows[kv]`, and the description's mask function is evaluated
+at those global indices (`masks.index_mapped`), so documents, key padding, windows and the
+block-diffusion pattern work across shard boundaries unchanged.
+
+- CPU (and the reference): SDPA with a dense bool mask [B, 1, Lq, Lk] of the index-mapped function.
+- CUDA: FlexAttention with a BlockMask built from the same function (keys are grouped by owner, so a
+  rank's key order is a few sorted runs and the tiles stay sparse). UNTESTED on a GPU so far: on CPU
+  only its forward can be checked against the dense path (FlexAttention has no CPU backward).
+- Both are built once per description, mapping and shape through the description's `cache`, so all
+  layers of one forward share them.
+
+Shapes: B batch, H query heads, K key/value heads, Q local query rows, S keys held, D head width.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+
+from dllm.attention.backends.flex import FlexBackend
+from dllm.attention.masks import AttentionMask, dense_mask, depends_on_batch, index_mapped, mask_mod
+
+Kernel = Literal["dense", "flex"]
+
+
+def sharded_attention(
+    q_BHQD: torch.Tensor,
+    k_BKSD: torch.Tensor,
+    v_BKSD: torch.Tensor,
+    mask: AttentionMask,
+    q_rows: torch.Tensor,
+    kv_rows: torch.Tensor,
+    num_rows: int,
+    map_key: Hashable,
+    kernel: Kernel = "dense",
+    flex: FlexBackend | None = None,
+) -> torch.Tensor:
+    """out [B, H, Q, D] of local queries (global rows `q_rows` [Q]) over held keys (global rows
+    `kv_rows` [S]); `num_rows` is the global key length the description is laid out on (L, or 2L
+    for block diffusion). `map_key` names the mapping in the mask cache (e.g. the shard plan)."""
+    if mask.query_offset:
+        raise ValueError("sharded attention evaluates global row indices: a mask with query_offset is not supported")
+    assert q_rows.numel() == q_BHQD.shape[2] and kv_rows.numel() == k_BKSD.shape[2], "rows and tensors disagree"
+    gqa = k_BKSD.shape[1] != q_BHQD.shape[1]
+    if mask.kind == "bidirectional" and mask.is_plain:  # every pair allowed, whatever the row order
+        return F.scaled_dot_product_attention(q_BHQD, k_BKSD, v_BKSD, enable_gqa=gqa)
+    B, Q, S, device = q_BHQD.shape[0], q_BHQD.shape[2], k_BKSD.shape[2], q_BHQD.device
+
+    def mod():
+        return index_mapped(mask_mod(mask, num_rows), q_rows.to(device), kv_rows.to(device))
+
+    if kernel == "flex":
+        mask_batch = B if depends_on_batch(mask) else None
+        key = ("sharded-flex", map_key, mask_batch, Q, S, device)
+
+        def build() -> BlockMask:
+            return create_block_mask(mod(), mask_batch, None, Q, S, device=device)
+
+        block_mask = mask.cache.memo(key, build)
+        return (flex or FlexBackend()).run(q_BHQD, k_BKSD, v_BKSD, block_mask)
+    dense = mask.cache.memo(("sharded-sdpa", map_key, B, Q, S, device), lambda: dense_mask(mod(), B, Q, S, device))
+    return F.scaled_dot_product_attention(q_BHQD, k_BKSD, v_BKSD, attn_mask=dense, enable_gqa=gqa)
