@@ -6,7 +6,7 @@ compared at the SAME CP size, 4, and the same number of ranks):
 
 - `sent_bytes`: the bytes each rank SENDS per step per layer (forward all-gather of the shared K/V,
   backward reduce-scatter of their gradients), MEASURED in a real gloo run: `--world` CPU processes
-  train one step of a 1-layer Transformer (hidden 32, 2 query heads, 1 K/V head, head width 16,
+  train one step of a 2-layer Transformer (hidden 32, 2 query heads, 1 K/V head, head width 16,
   fp32) through `ContextParallelAttention`, with `dllm.parallel.context`'s two collectives wrapped
   by counters. A collective's sent bytes are what any bandwidth-optimal algorithm (ring, direct,
   recursive doubling) puts on the wire per rank: all-gather (n-1) x its input, reduce-scatter
@@ -39,6 +39,7 @@ S keys held by one rank.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import socket
@@ -350,8 +351,6 @@ def balance(seq_len: int, size: int) -> dict[str, object]:
 
 
 def _noisy_only(plan):
-    import dataclasses
-
     keep = plan.rows < plan.seq_len
     return dataclasses.replace(plan, rows=plan.rows[keep], shared=plan.shared[keep])
 
