@@ -583,11 +583,16 @@ def test_commented_yaml_round_trips_every_field():
         assert cls.model_validate(yaml.safe_load(text)) == spec
 
 
+def _num_keys(values: dict[str, Any]) -> int:
+    """Keys at every depth (sections nest: topology.context)."""
+    return sum(1 + (_num_keys(v) if isinstance(v, dict) else 0) for v in values.values())
+
+
 def test_commented_yaml_puts_description_above_each_key():
     values = _full_values(RunSpec.model_validate(tiny_train_values()))
     lines = commented_yaml(RunSpec, values).splitlines()
     keys = [i for i, ln in enumerate(lines) if not ln.lstrip().startswith("#")]
-    assert len(keys) == sum(1 + (len(v) if v else 0) for v in values.values())
+    assert len(keys) == _num_keys(values)
     for i in keys:
         assert i > 0 and lines[i - 1].lstrip().startswith("# "), lines[i]
     assert lines[0] == f"# {RunSpec.model_fields['run'].description}"
