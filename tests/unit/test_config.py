@@ -892,3 +892,13 @@ def test_context_settings_without_effect_warn(artifact_root: Path, no_gpu: None)
     assert warnings == ["topology.context: cp_size 2 has no effect with mode none"]
     _, warnings = resolve_run_spec(_spec(artifact_root, topology={"context": {"mode": "cp"}}), check_data=False)
     assert warnings == ["topology.context.mode: cp with cp_size 1 has no effect (whole sequences on every rank)"]
+    spanning = _spec(
+        artifact_root,
+        training={"global_batch_size": 6, "micro_batch_size": 2},
+        topology={"nnodes": 2, "nproc_per_node": 3, "context": {"mode": "cp", "cp_size": 2}},
+    )
+    _, warnings = resolve_run_spec(spanning, check_data=False)
+    assert [w for w in warnings if "context" in w] == [
+        "topology.context.cp_size 2 does not divide nproc_per_node 3: some CP groups span two nodes and exchange "
+        "K/V over the network every layer"
+    ]

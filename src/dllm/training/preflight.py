@@ -112,6 +112,12 @@ def _check_context(spec: RunSpec) -> list[str]:
         size = "cp_size" if ctx.mode == "cp" else "bp_size"
         return [f"topology.context.mode: {ctx.mode} with {size} 1 has no effect (whole sequences on every rank)"]
     context_plan(spec)
+    topo = spec.topology
+    if ctx.mode in ("cp", "csbp") and topo.nnodes > 1 and topo.nproc_per_node % ctx.cp_size:
+        return [
+            f"topology.context.cp_size {ctx.cp_size} does not divide nproc_per_node {topo.nproc_per_node}: some CP "
+            "groups span two nodes and exchange K/V over the network every layer"
+        ]
     return []
 
 
