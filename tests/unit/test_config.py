@@ -583,11 +583,16 @@ def test_commented_yaml_round_trips_every_field():
         assert cls.model_validate(yaml.safe_load(text)) == spec
 
 
+def _num_keys(values: dict[str, Any]) -> int:
+    """Keys at every depth (sections nest: topology.context)."""
+    return sum(1 + (_num_keys(v) if isinstance(v, dict) else 0) for v in values.values())
+
+
 def test_commented_yaml_puts_description_above_each_key():
     values = _full_values(RunSpec.model_validate(tiny_train_values()))
     lines = commented_yaml(RunSpec, values).splitlines()
     keys = [i for i, ln in enumerate(lines) if not ln.lstrip().startswith("#")]
-    assert len(keys) == sum(1 + (len(v) if v else 0) for v in values.values())
+    assert len(keys) == _num_keys(values)
     for i in keys:
         assert i > 0 and lines[i - 1].lstrip().startswith("# "), lines[i]
     assert lines[0] == f"# {RunSpec.model_fields['run'].description}"
@@ -790,3 +795,110 @@ def test_flex_compile_without_flex_is_a_warning(artifact_root: Path, no_gpu: Non
     spec = _spec(artifact_root, model={"flex_compile": False})
     _, warnings = resolve_run_spec(spec, check_data=False)
     assert warnings == ["model.flex_compile: false has no effect with attention_backend blockwise"]
+
+
+# --------------------------------------------------------------------------------------------------
+# rules: context / block parallelism (topology.context), one line each from `dllm config validate`
+
+_CP2 = ["topology.context.mode=cp", "topology.context.cp_size=2"]
+_BD3LM = ["objective.name=bd3lm", "objective.block_size=4"]  # 8 blocks of data.seq_len 32
+_FAST_DLLM_V2 = ["objective.name=fast_dllm_v2", "objective.block_size=4", "objective.sub_block_size=2"]
+_CSBP22 = ["topology.context.mode=csbp", "topology.context.cp_size=2", "topology.context.bp_size=2", *_BD3LM]
+
+CONTEXT_REFUSALS = {
+    "cp-with-bp": (2, [*_CP2, "topology.context.bp_size=2"], "topology.context.bp_size: mode cp shards positions only"),
+    "bp-with-cp": (
+        2,
+        ["topology.context.mode=bp", "topology.context.cp_size=2", "topology.context.bp_size=2", *_BD3LM],
+        "topology.context.cp_size: mode bp keeps the clean half on every rank",
+    ),
+    "csbp-cp1": (2, [*_CSBP22, "topology.context.cp_size=1"], "topology.context.cp_size: csbp with cp_size 1 is bp"),
+    "csbp-bp-not-multiple": (
+        3,
+        [*_CSBP22, "topology.context.bp_size=3"],
+        "topology.context.bp_size: csbp needs bp_size a multiple of cp_size",
+    ),
+    "bp-needs-blocks": (
+        2,
+        ["topology.context.mode=bp", "topology.context.bp_size=2"],
+        "topology.context.mode: bp deals out the noisy blocks of block diffusion, and objective mdlm has none",
+    ),
+    "blocks-not-split": (
+        2,
+        [*_CSBP22, "objective.block_size=16"],
+        "topology.context: dual_end block schedule needs the 2 noisy blocks divisible by 4",
+    ),
+    "sequence-not-split": (
+        3,
+        ["topology.context.mode=cp", "topology.context.cp_size=3"],
+        "topology.context: dual_end needs the sequence (32 rows) divisible by 6",
+    ),
+    "moe": (2, [*_CP2, "model.num_experts=4"], "topology.context.mode: cp does not support MoE models"),
+    "self-conditioning": (
+        2,
+        [*_CP2, "objective.name=uniform", "objective.self_condition_prob=0.5", "model.self_condition=true"],
+        "objective.self_condition_prob: self-conditioning runs a second model pass",
+    ),
+    "world-not-groups": (3, _CP2, "topology.context: 3 processes do not split into cp groups of 2"),
+    "dp-size": (
+        4,
+        [*_CP2, "topology.dp_size=1"],
+        "topology.dp_size: 1 does not use all 4 ranks (context groups of 2: dp_size must be 2)",
+    ),
+    "batch-by-dp": (
+        4,
+        [*_CP2, "training.micro_batch_size=8"],
+        "training.global_batch_size: 8 is not divisible by micro_batch_size 8 x 2 data-parallel rank(s)",
+    ),
+}
+
+
+def _validate_cli(root: Path, nproc: int, sets: list[str], capsys: pytest.CaptureFixture[str]):
+    from dllm.cli.main import main
+
+    config = write_yaml(root / "train.yaml", tiny_train_values())
+    args = ["config", "validate", "--config", str(config), "--no-data", "--nproc-per-node", str(nproc)]
+    code = main([*args, *(a for s in sets for a in ("--set", s))])
+    captured = capsys.readouterr()
+    return code, captured.err.strip().splitlines(), captured.out
+
+
+@pytest.mark.parametrize("case", list(CONTEXT_REFUSALS))
+def test_context_parallel_refusals(tmp_path: Path, no_gpu: None, case: str, capsys: pytest.CaptureFixture[str]):
+    nproc, sets, expected = CONTEXT_REFUSALS[case]
+    code, err, _ = _validate_cli(tmp_path, nproc, sets, capsys)
+    assert code == 2 and len(err) == 1 and err[0].startswith(f"dllm: error: {expected}"), err
+
+
+@pytest.mark.parametrize(
+    ("nproc", "sets"),
+    [
+        (2, _CSBP22),  # dp 1
+        (4, _CSBP22),  # dp 2 x csbp(cp 2, bp 2)
+        (4, [*_CSBP22, "topology.context.bp_size=4"]),  # csbp(cp 2, bp 4)
+        (2, [*_CP2, "training.micro_batch_size=8"]),  # the batch rule counts data-parallel ranks, not the world
+        (2, ["topology.context.mode=bp", "topology.context.bp_size=2", *_FAST_DLLM_V2]),
+        (4, [*_CP2, *_BD3LM, "topology.context.schedule=contiguous"]),  # the position-sharded 2L baseline
+    ],
+)
+def test_context_parallel_accepted(tmp_path: Path, no_gpu: None, nproc: int, sets: list[str], capsys):
+    code, err, out = _validate_cli(tmp_path, nproc, sets, capsys)
+    assert code == 0 and not [line for line in err if "error" in line or "context" in line], err  # core-count warning
+    assert yaml.safe_load(out)["topology"]["context"]["mode"] in ("cp", "bp", "csbp")  # recorded in the resolved config
+
+
+def test_context_settings_without_effect_warn(artifact_root: Path, no_gpu: None):
+    _, warnings = resolve_run_spec(_spec(artifact_root, topology={"context": {"cp_size": 2}}), check_data=False)
+    assert warnings == ["topology.context: cp_size 2 has no effect with mode none"]
+    _, warnings = resolve_run_spec(_spec(artifact_root, topology={"context": {"mode": "cp"}}), check_data=False)
+    assert warnings == ["topology.context.mode: cp with cp_size 1 has no effect (whole sequences on every rank)"]
+    spanning = _spec(
+        artifact_root,
+        training={"global_batch_size": 6, "micro_batch_size": 2},
+        topology={"nnodes": 2, "nproc_per_node": 3, "context": {"mode": "cp", "cp_size": 2}},
+    )
+    _, warnings = resolve_run_spec(spanning, check_data=False)
+    assert [w for w in warnings if "context" in w] == [
+        "topology.context.cp_size 2 does not divide nproc_per_node 3: some CP groups span two nodes and exchange "
+        "K/V over the network every layer"
+    ]

@@ -270,3 +270,30 @@ def test_each_rank_computes_the_global_attention_at_its_rows(kernel: str, window
                 FlexBackend(compiled=False),
             )  # fmt: skip
         torch.testing.assert_close(out, full[:, :, p.rows], atol=1e-5, rtol=1e-5)
+
+
+def test_parallel_dims_place_context_groups_on_consecutive_ranks():
+    """World rank w: data-parallel index w // G, group rank w % G; the CP groups of every dp index are
+    the plan's cp_group_ranks shifted to that index's ranks (built in one order on every rank)."""
+    from dllm.config.training import ContextParallelConfig, TopologyConfig
+    from dllm.parallel.dims import ParallelDims
+
+    csbp = ContextParallelConfig(mode="csbp", cp_size=2, bp_size=4)
+    dims = ParallelDims.from_topology(TopologyConfig(nproc_per_node=8, context=csbp), 8)
+    assert (dims.dp, dims.group) == (2, 4)
+    assert [(dims.dp_index(w), dims.group_rank(w)) for w in (0, 3, 4, 7)] == [(0, 0), (0, 3), (1, 0), (1, 3)]
+    plan = build_plan("csbp", 32, 4, cp=2, bp=4, rank=0)
+    local = cp_group_ranks(plan)
+    assert (
+        dims.cp_groups()
+        == [[d * 4 + r for r in g] for d in range(2) for g in local]
+        == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    )
+    bp = ParallelDims.from_topology(TopologyConfig(nproc_per_node=4, context={"mode": "bp", "bp_size": 2}), 4)
+    assert (bp.dp, bp.group, bp.cp_groups()) == (2, 2, [])  # nothing gathered: no CP groups
+    cp = ParallelDims.from_topology(
+        TopologyConfig(nproc_per_node=4, dp_size=2, context={"mode": "cp", "cp_size": 2}), 4
+    )
+    assert cp.cp_groups() == [[0, 1], [2, 3]]
+    none = ParallelDims.from_topology(TopologyConfig(nproc_per_node=2, context={"mode": "cp"}), 2)  # cp_size 1
+    assert (none.mode, none.dp, none.group) == ("none", 2, 1)

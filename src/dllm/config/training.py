@@ -97,6 +97,26 @@ class LoggingConfig(Section):
         return "on" if info.field_name == "tensorboard" else "auto"
 
 
+class ContextParallelConfig(Section):
+    """Context / block parallelism: G ranks share each sequence (G = cp_size for cp, bp_size for bp and csbp)."""
+
+    mode: Literal["none", "cp", "bp", "csbp"] = "none"
+    """none; cp (positions sharded); bp (noisy blocks dealt out, clean half copied); csbp (bp, clean half sharded)."""
+    cp_size: int = Field(default=1, gt=0)
+    """Context-parallel degree: ranks that shard positions (cp) or the clean half x_0 (csbp); 1 otherwise."""
+    bp_size: int = Field(default=1, gt=0)
+    """Block-parallel degree: ranks that split the noisy blocks (bp, csbp; a multiple of cp_size for csbp); 1 for cp."""
+    schedule: Literal["dual_end", "contiguous"] = "dual_end"
+    """Which rank gets which chunk/block: dual_end pairs first and last (balanced work) or contiguous runs."""
+    transport: Literal["collective"] = "collective"
+    """How shared K/V move: collective (all-gather forward, reduce-scatter backward); no ring transport yet."""
+
+    @property
+    def group_size(self) -> int:
+        """Ranks that together hold one sequence: cp_size (cp), bp_size (bp, csbp), 1 (none)."""
+        return {"none": 1, "cp": self.cp_size}.get(self.mode, self.bp_size)
+
+
 class TopologyConfig(Section):
     """How many processes train and how they split the work."""
 
@@ -107,9 +127,11 @@ class TopologyConfig(Section):
     data_parallel: Literal["fsdp", "ddp"] = "fsdp"
     """Data parallelism: fsdp (FSDP2 fully_shard, sharded parameters) or ddp (replicated)."""
     dp_size: int = -1
-    """Data-parallel degree; -1 uses every rank."""
+    """Data-parallel degree; -1 uses every rank (world size / the context group size)."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """Collective backend: auto picks nccl on GPU and gloo on CPU."""
+    context: ContextParallelConfig = ContextParallelConfig()
+    """Context / block parallelism of long sequences (world size = dp_size x its group size)."""
 
     @property
     def world_size(self) -> int:

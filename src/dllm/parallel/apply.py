@@ -1,24 +1,37 @@
-"""Apply parallelism to a single-device model, in a fixed order: compile -> FSDP2 (on the meta
-device, before weights exist) ... materialize ... DDP (which needs real weights).
+"""Apply parallelism to a single-device model, in a fixed order: context/block parallelism (each
+layer's attention backend) -> compile -> FSDP2 (on the meta device, before weights exist) ...
+materialize ... DDP (which needs real weights).
 
-(Tensor, context and block parallelism and activation checkpointing slot in before compile.)
+(Tensor parallelism and activation checkpointing slot in before compile: TP before CP/BP.)
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from dllm.config.training import TopologyConfig
+from dllm.parallel.context import ShardPlan, apply_context_parallel
 from dllm.parallel.dims import ParallelDims
 
 
 def apply_parallelism(
-    model: nn.Module, dims: ParallelDims, mesh: DeviceMesh | None, cfg: TopologyConfig, compile: bool
+    model: nn.Module,
+    dims: ParallelDims,
+    mesh: DeviceMesh | None,
+    cfg: TopologyConfig,
+    compile: bool,
+    plan: ShardPlan | None = None,
+    cp_group: dist.ProcessGroup | None = None,
 ) -> nn.Module:
+    """`plan`: this rank's context/block shard plan (None: every rank sees whole sequences); its
+    attention exchanges K/V over `cp_group`. Before compile, so the compiled blocks trace it."""
+    if plan is not None:
+        apply_context_parallel(model, plan, cp_group)
     if compile:
         for block in model.layers:
             block.compile()  # in place: parameter names (and checkpoints) stay the same

@@ -1,7 +1,8 @@
 """Assemble a Trainer from a RunSpec: the only code that sees the whole spec.
 
-process group -> ParallelDims -> mesh -> model on meta -> parallel.apply -> materialize weights ->
-objective -> optimizer / LR -> loader -> CheckpointManager (resume when a checkpoint exists).
+process group -> ParallelDims -> mesh (+ CP groups) -> model on meta -> parallel.apply (context/block
+shard plan first) -> materialize weights -> objective -> optimizer / LR -> loader (sharded by
+data-parallel index) -> CheckpointManager (resume when a checkpoint exists).
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ from dllm.config.spec import RunSpec
 from dllm.data.artifact import check_layout, open_artifact
 from dllm.data.loader import StepLoader
 from dllm.diffusion.objectives import TokenIds
+from dllm.errors import ConfigError
 from dllm.models import factory
 from dllm.parallel.apply import apply_parallelism, unwrap, wrap_replicated
+from dllm.parallel.context import ShardPlan, build_plan
 from dllm.parallel.dims import DistEnv, ParallelDims, init_process_group, pick_device
 from dllm.tokenization import Tokenizer, build_tokenizer
 from dllm.training.host_memory import retain_freed_memory
@@ -45,14 +48,35 @@ def materialize(model: nn.Module, full: dict[str, torch.Tensor], device: torch.d
     set_model_state_dict(model, full, options=options)
 
 
-def build_model(spec: RunSpec, device: torch.device, env: DistEnv) -> nn.Module:
+def context_plan(spec: RunSpec, group_rank: int = 0) -> ShardPlan | None:
+    """The context/block shard plan of one rank of a context group (None without one): the model
+    input's rows it holds, for data.seq_len and the objective's block size and layout. The preflight
+    asks it too, so sizes that do not split the sequence or its blocks fail before any worker starts."""
+    ctx, obj = spec.topology.context, spec.objective
+    if ctx.group_size == 1:
+        return None
+    block = OBJECTIVES.has(obj.name, "block")
+    try:
+        return build_plan(
+            ctx.mode, spec.data.seq_len, getattr(obj, "block_size", None), ctx.cp_size, ctx.bp_size, group_rank,
+            ctx.schedule, "block_diffusion" if block else "sequence",
+        )  # fmt: skip
+    except ValueError as e:
+        raise ConfigError(
+            f"topology.context: {e}; change cp_size/bp_size, schedule, data.seq_len or objective.block_size"
+        ) from None
+
+
+def build_model(
+    spec: RunSpec, device: torch.device, env: DistEnv, dims: ParallelDims, plan: ShardPlan | None
+) -> nn.Module:
     """Model on meta -> adapters -> parallel.apply -> materialize -> DDP wrap (when replicated)."""
     cfg, lora, seed = spec.model, spec.lora, spec.training.seed
-    dims = ParallelDims.from_topology(spec.topology, env.world_size)
     mesh = dims.build_mesh(device)
+    cp_group = dims.build_cp_group(env.rank)  # every rank builds every CP group, after the mesh
     with torch.device("meta"):
         model = factory.build_model(cfg, lora, seed)
-    model = apply_parallelism(model, dims, mesh, spec.topology, compile=spec.training.compile)
+    model = apply_parallelism(model, dims, mesh, spec.topology, spec.training.compile, plan, cp_group)
     full = factory.initial_state(cfg, lora, seed) if env.is_main or not env.distributed else {}
     materialize(model, full, device, env)
     return wrap_replicated(model, mesh, spec.topology)
@@ -70,13 +94,14 @@ def build_trainer(spec: RunSpec, run_dir: Path, env: DistEnv | None = None) -> T
     artifact = open_artifact(spec.data.path)
     check_layout(artifact)  # a worker started without the preflight; the loader checks the values it reads
     dims = ParallelDims.from_topology(spec.topology, env.world_size)
-    model = build_model(spec, device, env)
+    plan = context_plan(spec, dims.group_rank(env.rank))
+    model = build_model(spec, device, env, dims, plan)
     tr = spec.training
     loader = StepLoader(
         artifact,
         global_batch_size=tr.global_batch_size,
         micro_batch_size=tr.micro_batch_size,
-        dp_rank=env.rank,
+        dp_rank=dims.dp_index(env.rank),  # every rank of a context group reads the same micro-batches
         dp_size=dims.dp,
         seed=tr.seed,
         shuffle=spec.data.shuffle,
@@ -101,6 +126,7 @@ def build_trainer(spec: RunSpec, run_dir: Path, env: DistEnv | None = None) -> T
         device=device,
         identity=identity,
         aux_loss_coef=spec.model.router_aux_loss_coef,
+        plan=plan,
     )
     latest = trainer.checkpoints.latest() if spec.checkpointing.resume == "auto" else None
     if latest is not None:

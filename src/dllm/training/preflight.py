@@ -26,6 +26,7 @@ from dllm.models.factory import build_model
 from dllm.models.pretrained import merge_pretrained, pretrained_tokenizer
 from dllm.models.sizing import TRAIN_BYTES_PER_PARAM, count_params, format_bytes
 from dllm.tokenization import build_tokenizer
+from dllm.training.build import context_plan
 
 
 def resolve_run_spec(
@@ -47,6 +48,7 @@ def resolve_run_spec(
         )
     spec = spec.model_copy(update={"model": model.model_copy(update={"vocab_size": max(vocab, tok.vocab_size)})})
     check_topology(spec, world_size if world_size is not None else spec.topology.world_size)
+    warnings += _check_context(spec)
     device_type = _check_device(spec)
     spec = _resolve_attention(spec, device_type)
     _check_memory(spec, device_type)
@@ -97,6 +99,26 @@ def _resolve_pretrained(spec: RunSpec, tok_vocab: int) -> tuple[ModelConfig, lis
             "(new rows start at the mean embedding)"
         )
     return model, warnings
+
+
+def _check_context(spec: RunSpec) -> list[str]:
+    """The shard plan of context/block parallelism splits data.seq_len and its blocks (build_plan's
+    checks, as ConfigError); warnings for context settings that have no effect."""
+    ctx = spec.topology.context
+    if ctx.mode == "none":
+        unused = [f"{k} {v}" for k, v in (("cp_size", ctx.cp_size), ("bp_size", ctx.bp_size)) if v != 1]
+        return [f"topology.context: {', '.join(unused)} has no effect with mode none"] if unused else []
+    if ctx.group_size == 1:
+        size = "cp_size" if ctx.mode == "cp" else "bp_size"
+        return [f"topology.context.mode: {ctx.mode} with {size} 1 has no effect (whole sequences on every rank)"]
+    context_plan(spec)
+    topo = spec.topology
+    if ctx.mode in ("cp", "csbp") and topo.nnodes > 1 and topo.nproc_per_node % ctx.cp_size:
+        return [
+            f"topology.context.cp_size {ctx.cp_size} does not divide nproc_per_node {topo.nproc_per_node}: some CP "
+            "groups span two nodes and exchange K/V over the network every layer"
+        ]
+    return []
 
 
 def _check_lora(spec: RunSpec) -> None:

@@ -2,8 +2,12 @@
 
 The loss of a step is sum(weighted token losses) / (global number of supervised tokens), so it is
 the same number whatever the number of ranks and micro-batches. Gradients are averaged over ranks
-by FSDP/DDP, so each rank's loss is scaled by the data-parallel size to turn that average into the
-sum the normalisation needs.
+by FSDP/DDP, so each rank's loss is scaled by the world size to turn that average into the sum the
+normalisation needs (see `train_step`).
+
+Context/block parallelism (`plan`, parallel/context.py): the ranks of a context group read the same
+micro-batches, prepare them identically (noise is keyed by sample id) and each keeps its rows
+(`plan.shard`); every target is owned by exactly one rank of its group.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from dllm.diffusion.objectives.base import ModelInputs, Objective
 from dllm.errors import CheckpointError, TrainingError
 from dllm.models.output import ModelOutput, SelfConditioned
 from dllm.parallel.apply import set_grad_sync
+from dllm.parallel.context import ShardPlan
 from dllm.parallel.dims import DistEnv, ParallelDims, all_reduce_sum
 from dllm.training.lr import LRSchedule
 from dllm.training.metrics import MetricsLogger
@@ -62,6 +67,7 @@ class Trainer:
         device: torch.device,
         identity: dict[str, Any],
         aux_loss_coef: float = 0.0,
+        plan: ShardPlan | None = None,
     ) -> None:
         self.model, self.objective, self.optimizer = model, objective, optimizer
         self.lr_schedule, self.loader = lr_schedule, loader
@@ -70,6 +76,7 @@ class Trainer:
         self.env, self.dims, self.device = env, dims, device
         self.identity = identity  # tokenizer identity + artifact fingerprint, checked on resume
         self.aux_loss_coef = aux_loss_coef
+        self.plan = plan  # this rank's context/block shard plan (None: whole sequences)
         self.noise = NoiseKeys(cfg.seed, group_size=cfg.global_batch_size)
         self.step = 0
         self.autocast_dtype = _DTYPES[cfg.autocast_dtype]
@@ -120,9 +127,16 @@ class Trainer:
     def train_step(self, micro_batches: list[Batch]) -> StepStats:
         times = {"forward": 0.0, "backward": 0.0}
         local_targets = sum(self.objective.normalizer(b) for b in micro_batches)
-        counts = all_reduce_sum(torch.tensor([float(local_targets)], device=self.device), self.env)
-        global_targets = max(float(counts.item()), 1.0)
-        scale = self.dims.dp / global_targets
+        counts = torch.tensor([float(local_targets)], dtype=torch.float64, device=self.device)
+        counts = all_reduce_sum(counts, self.env)
+        # the `group` ranks of a context group count the same micro-batches: the world sum counts each
+        # target `group` times (integers in float64: the division is exact)
+        global_targets = max(float(counts.item()) / self.dims.group, 1.0)
+        # FSDP/DDP average gradients over all W = dp x group ranks: grad = (1/W) sum_w scale * d(loss_sum_w).
+        # The loss sums of a group's ranks add up to its micro-batches' loss sum (each target owned once),
+        # so sum_w d(loss_sum_w) = d(sum over the global batch); scale = W / global_targets makes grad
+        # the gradient of that sum / global_targets (W = dp without context parallelism)
+        scale = self.dims.world_size / global_targets
         sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # loss, masked CE, masked count
         aux_sum = 0.0
         lr = self.lr_schedule.apply(self.optimizer, self.step)
@@ -131,6 +145,8 @@ class Trainer:
             with self._no_sync(last):
                 t0 = time.perf_counter()
                 inputs = self.objective.prepare(batch.to(self.device), self.noise)
+                if self.plan is not None:
+                    inputs = self.plan.shard(inputs)  # this rank's rows; positions and the mask stay global
                 with self._autocast():
                     model_out = run_model(self.model, inputs)
                     out = self.objective.loss(model_out, inputs)
