@@ -28,7 +28,9 @@ from dllm.tokenization import Tokenizer, build_tokenizer
 from dllm.training.host_memory import retain_freed_memory
 from dllm.training.lr import LRSchedule
 from dllm.training.metrics import MetricsLogger
+from dllm.training.mfu import FlopsMeter, peak_flops
 from dllm.training.optim import build_optimizer
+from dllm.training.profiler import StepProfiler
 from dllm.training.trainer import Trainer
 
 
@@ -56,6 +58,11 @@ def build_model(spec: RunSpec, device: torch.device, env: DistEnv) -> nn.Module:
     full = factory.initial_state(cfg, lora, seed) if env.is_main or not env.distributed else {}
     materialize(model, full, device, env)
     return wrap_replicated(model, mesh, spec.topology)
+
+
+def _profiler(spec: RunSpec, run_dir: Path, device: torch.device, env: DistEnv) -> StepProfiler:
+    assert spec.profiling is not None
+    return StepProfiler(spec.profiling, run_dir / "profile", device, env.rank, announce=env.is_main)
 
 
 def build_trainer(spec: RunSpec, run_dir: Path, env: DistEnv | None = None) -> Trainer:
@@ -101,6 +108,8 @@ def build_trainer(spec: RunSpec, run_dir: Path, env: DistEnv | None = None) -> T
         device=device,
         identity=identity,
         aux_loss_coef=spec.model.router_aux_loss_coef,
+        flops=FlopsMeter(spec.model, peak_flops(device), env.world_size),
+        profiler=None if spec.profiling is None else _profiler(spec, run_dir, device, env),
     )
     latest = trainer.checkpoints.latest() if spec.checkpointing.resume == "auto" else None
     if latest is not None:
