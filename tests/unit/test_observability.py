@@ -211,3 +211,17 @@ def test_wandb_configured_but_missing_is_refused_before_training(train_yaml: Pat
     resolve_run_spec(load_spec(train_yaml, "logging.wandb.mode=disabled"))  # disabled needs nothing
     spec, _ = resolve_run_spec(load_spec(train_yaml, "logging.wandb.mode=disabled"))
     build_trainer(spec, prepare_run_dir(spec)).metrics.close()  # and builds without it
+
+
+def test_measuring_flops_does_not_change_the_losses(train_yaml: Path):
+    """The meter reads the layout from an extra prepare of the first micro-batch: the noise is keyed by
+    sample, so the run's losses stay bit-identical with and without it."""
+    losses = []
+    for name, meter in (("with", True), ("without", False)):
+        spec, _ = resolve_run_spec(load_spec(train_yaml, f"run.name={name}", "objective.name=bd3lm"))
+        trainer = build_trainer(spec, prepare_run_dir(spec))
+        if not meter:
+            trainer.flops = None
+        losses.append(trainer.fit())
+        trainer.metrics.close()
+    assert losses[0] == losses[1]
