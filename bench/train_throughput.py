@@ -23,7 +23,7 @@ from dllm.config.prepare import PrepareSpec
 from dllm.config.spec import RunSpec
 from dllm.data.prepare import prepare
 from dllm.data.synthetic import demo_corpus
-from dllm.models.transformer import train_flops_per_token
+from dllm.models.flops import Layout, train_flops_per_token
 from dllm.parallel.apply import unwrap
 from dllm.training.build import build_trainer
 from dllm.training.preflight import resolve_run_spec
@@ -94,7 +94,7 @@ def main() -> int:
             med = {k: statistics.median(s[k] for s in samples[L]) for k in samples[L][0]}
             parts = ("data", "forward", "backward", "optimizer")
             tps = TOKENS_PER_STEP / med["total"]
-            flops = train_flops_per_token(spec.model, model.num_params(exclude_embeddings=True), L)
+            flops = train_flops_per_token(spec.model, Layout(seq_len=L, row_len=L))
             result["params"] = model.num_params()
             result[f"seq{L}"] = {
                 "tokens_per_s": round(tps, 1),

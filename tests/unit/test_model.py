@@ -12,7 +12,8 @@ import torch
 
 from dllm.attention.masks import AttentionMask
 from dllm.config.model import ModelConfig
-from dllm.models.transformer import Transformer, apply_rope, rope_cos_sin, train_flops_per_token
+from dllm.models.flops import Layout, train_flops_per_token
+from dllm.models.transformer import Transformer, apply_rope, rope_cos_sin
 
 V = 64
 
@@ -349,7 +350,7 @@ def test_meta_construction_then_init_weights_matches_normal_init():
 def test_train_flops_per_token_positive_and_grows_with_seq_len():
     cfg = tiny_cfg()
     n = Transformer(cfg).num_params(exclude_embeddings=True)
-    f = [train_flops_per_token(cfg, n, L) for L in (1, 32, 128, 1024)]
+    f = [train_flops_per_token(cfg, Layout(seq_len=L, row_len=L)) for L in (1, 32, 128, 1024)]
     assert all(x > 0 for x in f)
     assert f == sorted(f) and len(set(f)) == len(f)
     # at least 6 FLOPs per non-embedding parameter
@@ -358,12 +359,11 @@ def test_train_flops_per_token_positive_and_grows_with_seq_len():
     assert f[3] - f[2] == pytest.approx((f[2] - f[1]) * (1024 - 128) / (128 - 32))
     # a bigger model costs more
     big = ModelConfig(preset="demo", vocab_size=V)
-    assert train_flops_per_token(big, Transformer(big).num_params(True), 32) > f[1]
+    assert train_flops_per_token(big, Layout(seq_len=32, row_len=32)) > f[1]
 
 
 def test_train_flops_per_token_does_not_depend_on_weight_tying():
     tied, untied = tiny_cfg(tie_embeddings=True), tiny_cfg(tie_embeddings=False)
-    f_tied = train_flops_per_token(tied, Transformer(tied).num_params(exclude_embeddings=True), 128)
-    f_untied = train_flops_per_token(untied, Transformer(untied).num_params(exclude_embeddings=True), 128)
+    layout = Layout(seq_len=128, row_len=128)
     # the same matmuls run whether or not the head shares the embedding's storage
-    assert f_untied == f_tied
+    assert train_flops_per_token(untied, layout) == train_flops_per_token(tied, layout)

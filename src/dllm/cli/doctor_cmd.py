@@ -1,14 +1,19 @@
-"""`dllm doctor`: what this machine offers dllm (versions, devices, backends, optional packages)."""
+"""`dllm doctor`: what this machine offers dllm (versions, devices, backends, optional packages);
+with `--config`, what that run needs and whether this machine has it (exit 1 when something is missing)."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import platform
 import shutil
 import sys
+from pathlib import Path
 
-from dllm.cli.common import out
+import typer
+
+from dllm.cli.common import SetOption, out
 
 
 def _version(pkg: str) -> str:
@@ -20,8 +25,54 @@ def _version(pkg: str) -> str:
         return "not installed"
 
 
-def doctor() -> None:
-    """Print versions, devices, distributed backends and optional features."""
+def doctor(
+    config: Path | None = typer.Option(None, "--config", "-c", help="Check what this training config needs."),
+    overrides: list[str] | None = SetOption,
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
+) -> None:
+    """Print versions, devices, distributed backends and optional features; with --config, check that
+    this machine has what the run needs (exit 1 naming what is missing)."""
+    rows = _machine_rows()
+    if config is None:
+        if as_json:
+            out(json.dumps(dict(rows), indent=2))
+            return
+        _print_rows(rows)
+        return
+    _doctor_config(config, overrides or [], rows, as_json)
+
+
+def _doctor_config(config: Path, overrides: list[str], rows: list[tuple[str, str]], as_json: bool) -> None:
+    from dllm.config.loading import load_config
+    from dllm.config.spec import RunSpec
+    from dllm.training.needs import check_needs
+
+    needs = check_needs(load_config(RunSpec, config, overrides))
+    missing = [n.name for n in needs if not n.ok]
+    if as_json:
+        report = {
+            "config": str(config),
+            "ok": not missing,
+            "missing": missing,
+            "needs": [{"name": n.name, "ok": n.ok, "detail": n.detail} for n in needs],
+            "machine": dict(rows),
+        }
+        out(json.dumps(report, indent=2))
+    else:
+        _print_rows([(n.name, f"{'ok     ' if n.ok else 'MISSING'}  {n.detail}") for n in needs])
+    if missing:
+        details = "; ".join(f"{n.name} ({n.detail})" for n in needs if not n.ok)
+        print(f"dllm doctor: {config} needs what this machine lacks: {details}", file=sys.stderr)
+        raise typer.Exit(1)
+
+
+def _print_rows(rows: list[tuple[str, str]]) -> None:
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        out(f"{k:<{width}}  {v}")
+
+
+def _machine_rows() -> list[tuple[str, str]]:
     import torch
     import torch.distributed as dist
 
@@ -65,6 +116,4 @@ def doctor() -> None:
         "lm_eval",
     ):
         rows.append((pkg, _version(pkg.replace("_", "-"))))
-    width = max(len(k) for k, _ in rows)
-    for k, v in rows:
-        out(f"{k:<{width}}  {v}")
+    return rows

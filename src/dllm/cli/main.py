@@ -13,6 +13,8 @@ from dllm.cli.doctor_cmd import doctor
 from dllm.cli.generate_cmd import generate
 from dllm.cli.init_cmd import init
 from dllm.cli.launch_cmd import launch
+from dllm.cli.plot_cmd import plot
+from dllm.cli.runs_cmd import runs
 from dllm.errors import UserError
 
 app = typer.Typer(
@@ -32,6 +34,8 @@ app.command()(generate)
 app.command()(chat)
 app.command()(convert)
 app.command()(doctor)
+app.command()(plot)
+app.command()(runs)
 
 
 def _one_line(text: str) -> str:

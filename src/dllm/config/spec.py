@@ -16,6 +16,7 @@ from dllm.config.base import RelPath, Section
 from dllm.config.data import DataConfig, TokenizerConfig
 from dllm.config.model import LoraConfig, ModelConfig
 from dllm.config.objectives import MDLMConfig, ObjectiveConfig
+from dllm.config.observability import ProfilingConfig
 from dllm.config.training import (
     CheckpointingConfig,
     LoggingConfig,
@@ -70,3 +71,5 @@ class RunSpec(Section):
     """Processes and parallelism."""
     lora: LoraConfig | None = None
     """LoRA adapters; null trains every parameter."""
+    profiling: ProfilingConfig | None = None
+    """A torch.profiler trace of a few steps in the run folder; null: no profiling."""

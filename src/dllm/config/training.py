@@ -7,6 +7,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, ValidationInfo, field_validator
 
 from dllm.config.base import Section
+from dllm.config.observability import WandbConfig
 from dllm.config.registries import LR_SCHEDULES
 
 
@@ -85,6 +86,8 @@ class LoggingConfig(Section):
     """TensorBoard event files in the run folder: auto writes them when tensorboard is installed."""
     progress: Literal["auto", "bar", "lines", "off"] = "auto"
     """Progress display: a rich bar on a terminal, plain lines otherwise."""
+    wandb: WandbConfig | None = None
+    """Weights & Biases logging (pip install 'dllm[wandb]'); null: off."""
 
     @field_validator("tensorboard", "progress", mode="before")
     @classmethod

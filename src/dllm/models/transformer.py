@@ -302,13 +302,3 @@ class Transformer(nn.Module):
             n -= self.embed_positions.weight.numel() if self.embed_positions is not None else 0
             n -= self.lm_head.weight.numel() if self.lm_head is not None else 0
         return n
-
-
-def train_flops_per_token(cfg: ModelConfig, num_params_no_embed: int, seq_len: int) -> float:
-    """Model FLOPs per trained token: 6 N (dense matmuls, forward + backward; N without embedding
-    and head) + attention scores and values 12 * layers * heads * head_dim * seq_len (PaLM
-    appendix B) + the LM head 6 * hidden * vocab. For MoE, N counts every expert (an upper bound)."""
-    assert cfg.vocab_size is not None
-    head = 6 * cfg.hidden_size * cfg.vocab_size
-    attn = 12 * cfg.num_layers * cfg.num_heads * cfg.dim_per_head * seq_len
-    return 6 * num_params_no_embed + attn + head

@@ -31,7 +31,9 @@ from dllm.tokenization import Tokenizer, build_tokenizer
 from dllm.training.host_memory import retain_freed_memory
 from dllm.training.lr import LRSchedule
 from dllm.training.metrics import MetricsLogger
+from dllm.training.mfu import FlopsMeter, peak_flops
 from dllm.training.optim import build_optimizer
+from dllm.training.profiler import StepProfiler
 from dllm.training.trainer import Trainer
 
 
@@ -82,6 +84,11 @@ def build_model(
     return wrap_replicated(model, mesh, spec.topology)
 
 
+def _profiler(spec: RunSpec, run_dir: Path, device: torch.device, env: DistEnv) -> StepProfiler:
+    assert spec.profiling is not None
+    return StepProfiler(spec.profiling, run_dir / "profile", device, env.rank, announce=env.is_main)
+
+
 def build_trainer(spec: RunSpec, run_dir: Path, env: DistEnv | None = None) -> Trainer:
     """Everything a run needs, resumed from the newest checkpoint when `checkpointing.resume: auto`."""
     env = env or DistEnv.from_environ()
@@ -127,6 +134,8 @@ def build_trainer(spec: RunSpec, run_dir: Path, env: DistEnv | None = None) -> T
         identity=identity,
         aux_loss_coef=spec.model.router_aux_loss_coef,
         plan=plan,
+        flops=FlopsMeter(spec.model, peak_flops(device), env.world_size),
+        profiler=None if spec.profiling is None else _profiler(spec, run_dir, device, env),
     )
     latest = trainer.checkpoints.latest() if spec.checkpointing.resume == "auto" else None
     if latest is not None:

@@ -1,4 +1,4 @@
-"""Metrics sinks on the main rank: JSONL in the run folder, TensorBoard when available."""
+"""Metrics sinks on the main rank: JSONL in the run folder, TensorBoard when available, W&B when configured."""
 
 from __future__ import annotations
 
@@ -29,6 +29,11 @@ class MetricsLogger:
             except ImportError:
                 if cfg.tensorboard == "on":
                     raise
+        self._wandb = None
+        if enabled and cfg.wandb is not None and cfg.wandb.mode != "disabled":
+            from dllm.training.wandb_sink import WandbSink
+
+            self._wandb = WandbSink(cfg.wandb, run_dir)
         self._fh: TextIO | None = None
 
     def start(self, step: int) -> None:
@@ -57,6 +62,8 @@ class MetricsLogger:
             for k, v in values.items():
                 if isinstance(v, (int, float)):
                     self._tb.add_scalar(k, v, step)
+        if self._wandb is not None:
+            self._wandb.log(step, values)
 
     def _close_file(self) -> None:
         if self._fh is not None:
@@ -68,6 +75,9 @@ class MetricsLogger:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        if self._wandb is not None:
+            self._wandb.close()
+            self._wandb = None
 
 
 def _records(text: str) -> list[dict[str, Any]]:

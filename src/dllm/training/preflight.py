@@ -27,6 +27,7 @@ from dllm.models.pretrained import merge_pretrained, pretrained_tokenizer
 from dllm.models.sizing import TRAIN_BYTES_PER_PARAM, count_params, format_bytes
 from dllm.tokenization import build_tokenizer
 from dllm.training.build import context_plan
+from dllm.training.wandb_sink import missing_wandb_error
 
 
 def resolve_run_spec(
@@ -80,6 +81,14 @@ def resolve_run_spec(
         )
     if spec.logging.tensorboard == "on" and not _has_tensorboard():
         raise ConfigError("logging.tensorboard: 'on' needs tensorboard installed (pip install tensorboard) or use auto")
+    wandb = spec.logging.wandb
+    if wandb is not None and wandb.mode != "disabled" and importlib.util.find_spec("wandb") is None:
+        raise missing_wandb_error()
+    prof = spec.profiling
+    if prof is not None and prof.start_step > spec.training.steps:
+        warnings.append(
+            f"profiling.start_step {prof.start_step} > training.steps {spec.training.steps}: nothing is profiled"
+        )
     return spec, warnings
 
 

@@ -14,6 +14,14 @@ def _fmt_eta(seconds: float) -> str:
     return f"{seconds // 3600:d}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
 
 
+def format_flops(n: float) -> str:
+    """1.2 TFLOP, 340 GFLOP, ... (decimal units)."""
+    for unit, scale in (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n:.3g} FLOP"
+
+
 class Progress:
     def __init__(self, cfg: LoggingConfig, total_steps: int, start_step: int, enabled: bool) -> None:
         mode = cfg.progress
@@ -40,8 +48,13 @@ class Progress:
             self._bar.start()
             self._task = self._bar.add_task("train", total=total_steps, completed=start_step, info="")
 
-    def update(self, step: int, loss: float, tokens_per_s: float) -> None:
+    def update(self, step: int, loss: float, tokens_per_s: float, perf: dict[str, Any] | None = None) -> None:
+        """`perf`: the step's flops_per_s and mfu (training.mfu), shown when present."""
         info = f"loss {loss:.4f}  {tokens_per_s:,.0f} tok/s"
+        if perf and "flops_per_s" in perf:
+            info += f"  {format_flops(perf['flops_per_s'])}/s"
+        if perf and "mfu" in perf:
+            info += f"  MFU {100 * perf['mfu']:.1f}%"
         if self.mode == "bar":
             self._bar.update(self._task, completed=step, info=info)
         elif self.mode == "lines" and (step % self.every == 0 or step == self.total):

@@ -33,6 +33,8 @@ from dllm.parallel.context import ShardPlan
 from dllm.parallel.dims import DistEnv, ParallelDims, all_reduce_sum
 from dllm.training.lr import LRSchedule
 from dllm.training.metrics import MetricsLogger
+from dllm.training.mfu import FlopsMeter
+from dllm.training.profiler import StepProfiler
 from dllm.training.progress import Progress
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -47,6 +49,8 @@ class StepStats:
     aux_loss: float
     num_targets: int
     times_s: dict[str, float]
+    num_head_rows: int = 0
+    """Hidden rows the loss sent through the LM head, all ranks (the head's share of the FLOPs)."""
 
 
 class Trainer:
@@ -68,6 +72,8 @@ class Trainer:
         identity: dict[str, Any],
         aux_loss_coef: float = 0.0,
         plan: ShardPlan | None = None,
+        flops: FlopsMeter | None = None,
+        profiler: StepProfiler | None = None,
     ) -> None:
         self.model, self.objective, self.optimizer = model, objective, optimizer
         self.lr_schedule, self.loader = lr_schedule, loader
@@ -77,6 +83,7 @@ class Trainer:
         self.identity = identity  # tokenizer identity + artifact fingerprint, checked on resume
         self.aux_loss_coef = aux_loss_coef
         self.plan = plan  # this rank's context/block shard plan (None: whole sequences)
+        self.flops, self.profiler = flops, profiler  # FLOP/s and MFU in the metrics; torch.profiler traces
         self.noise = NoiseKeys(cfg.seed, group_size=cfg.global_batch_size)
         self.step = 0
         self.autocast_dtype = _DTYPES[cfg.autocast_dtype]
@@ -180,6 +187,7 @@ class Trainer:
             aux_loss=aux_sum / len(micro_batches),
             num_targets=int(global_targets),
             times_s=times,
+            num_head_rows=int(sums[2]),
         )
 
     # -- the loop ---------------------------------------------------------------------------------
@@ -189,8 +197,11 @@ class Trainer:
         losses: list[float] = []
         every = self.log_cfg.every_steps
         self.metrics.start(self.step)  # the log now ends at this step: no duplicate after a resume
+        start_step = self.step
         try:
             while self.step < self.cfg.steps:
+                if self.profiler is not None:
+                    self.profiler.before_step(self.step + 1)
                 t0 = time.perf_counter()
                 batches = self.loader.next_step()
                 t_data = time.perf_counter() - t0
@@ -199,14 +210,26 @@ class Trainer:
                 step_s = time.perf_counter() - t0
                 losses.append(stats.loss)
                 tps = self.tokens_per_step / step_s
-                progress.update(self.step, stats.loss, tps)
+                perf = self._perf(batches, stats, step_s)
+                progress.update(self.step, stats.loss, tps, perf)
                 if self.step % every == 0 or self.step == self.cfg.steps:
-                    self.metrics.log(self.step, self._record(stats, t_data, step_s, tps))
+                    self.metrics.log(self.step, {**self._record(stats, t_data, step_s, tps), **perf})
+                if self.profiler is not None:
+                    self.profiler.after_step(self.step)
                 if self.checkpoints.should_save(self.step, self.cfg.steps):
                     self.checkpoints.save(self.step, self.model, self.optimizer, self.state_dict())
         finally:
             progress.close()
+            if self.profiler is not None:
+                self.profiler.close(self.step, start_step)
         return losses
+
+    def _perf(self, batches: list[Batch], stats: StepStats, step_s: float) -> dict[str, Any]:
+        """Model FLOPs per token, FLOP/s and MFU of this step (empty without a FlopsMeter)."""
+        if self.flops is None:
+            return {}
+        self.flops.observe(self.objective, batches[0], self.noise)
+        return self.flops.measure(self.cfg.global_batch_size, stats.num_head_rows, step_s)
 
     def _record(self, stats: StepStats, t_data: float, step_s: float, tps: float) -> dict[str, Any]:
         return {
@@ -217,6 +240,7 @@ class Trainer:
             "lr": stats.lr,
             "num_targets": stats.num_targets,
             "epoch": round(self.loader.epoch, 4),
+            "tokens": self.step * self.tokens_per_step,
             "tokens_per_s": round(tps, 1),
             "step_s": round(step_s, 4),
             "data_s": round(t_data, 4),
