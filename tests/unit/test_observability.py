@@ -188,6 +188,8 @@ def test_wandb_offline_run_holds_the_config_and_every_metric(train_yaml: Path):
     files = glob.glob(str(run_dir / "wandb" / "offline-run-*" / "run-*.wandb"))
     assert len(files) == 1, files
     records = _wandb_records(Path(files[0]))
+    kinds = [r.WhichOneof("record_type") for r in records]
+    assert "run" in kinds, (kinds, Path(files[0]).stat().st_size)
     run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
     assert run.project == "obs-test" and run.display_name == "t" and list(run.tags) == ["a", "b"]
     config = {u.key: json.loads(u.value_json) for u in run.config.update}

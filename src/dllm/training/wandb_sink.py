@@ -51,7 +51,13 @@ class WandbSink:
         self.run.log({k: v for k, v in values.items() if isinstance(v, (int, float))}, step=step)
 
     def close(self) -> None:
+        """Finish the run and wait for W&B's service process to write everything: `finish` alone can return
+        before the service has flushed the run's files (seen on a loaded machine: an offline run file holding
+        only its header)."""
+        import wandb
+
         self.run.finish()
+        wandb.teardown()
 
 
 def _run_id(folder: Path) -> str:
