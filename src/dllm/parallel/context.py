@@ -438,35 +438,35 @@ class ContextParallelAttention:
     def ring(self, q_BHQD: torch.Tensor, k_BKRD: torch.Tensor, v_BKRD: torch.Tensor, mask) -> torch.Tensor:
         """The ring transport (see the class doc): partials over the private rows and each ring step's
         shard, merged by log-sum-exp. Every rank issues the same cp - 1 shifts per layer, in order."""
-        B, Q, device = q_BHQD.shape[0], q_BHQD.shape[2], q_BHQD.device
+        Q, device, N = q_BHQD.shape[2], q_BHQD.device, self.plan.num_rows
         q_rows = self.plan.rows[:Q].to(device)
         kv_2BKRD = torch.stack([k_BKRD, v_BKRD])
         held = kv_2BKRD if self.all_shared else kv_2BKRD.index_select(3, self.shared_idx.to(device))
         parts: list[tuple[torch.Tensor, torch.Tensor]] = []
         if not self.all_shared:
             private = kv_2BKRD.index_select(3, self.private_idx.to(device))
-            key = (*self.map_key, Q, "private")
-            tile = shard_mask(mask, q_rows, self.plan.private_rows, self.plan.num_rows, B, key)
-            parts.append(_checkpointed_partial(q_BHQD, private, tile))
+            parts.append(_checkpointed_partial(q_BHQD, private, (mask, q_rows, self.plan.private_rows, N)))
         for step in range(self.plan.cp):
             if step:
                 held = ring_shift(held, self.group)
-            key = (*self.map_key, Q, "ring", step)
-            tile = shard_mask(mask, q_rows, self.ring_rows[step], self.plan.num_rows, B, key)
-            parts.append(_checkpointed_partial(q_BHQD, held, tile))
+            parts.append(_checkpointed_partial(q_BHQD, held, (mask, q_rows, self.ring_rows[step], N)))
         outs, lses = zip(*parts, strict=True)
         return merge_partials(list(outs), list(lses)).to(q_BHQD.dtype)
 
 
-def _partial(q_BHQD: torch.Tensor, kv_2BKSD: torch.Tensor, tile: torch.Tensor | None):
+def _partial(q_BHQD: torch.Tensor, kv_2BKSD: torch.Tensor, where: tuple):
+    """(out, lse) of the queries over one shard; the step's mask tile is built here (see shard_mask)."""
+    mask, q_rows, kv_rows, num_rows = where
+    tile = shard_mask(mask, q_rows, kv_rows, num_rows, q_BHQD.shape[0])
     return partial_attention(q_BHQD, kv_2BKSD[0], kv_2BKSD[1], tile)
 
 
-def _checkpointed_partial(q_BHQD: torch.Tensor, kv_2BKSD: torch.Tensor, tile: torch.Tensor | None):
-    """One step's (out, lse); with gradients on, its probabilities are recomputed in the backward."""
+def _checkpointed_partial(q_BHQD: torch.Tensor, kv_2BKSD: torch.Tensor, where: tuple):
+    """One step's (out, lse); with gradients on, its mask tile and probabilities are recomputed in the
+    backward (non-reentrant checkpoint: no communication inside, so the recompute issues no P2P op)."""
     if not torch.is_grad_enabled():
-        return _partial(q_BHQD, kv_2BKSD, tile)
-    return checkpoint(_partial, q_BHQD, kv_2BKSD, tile, use_reentrant=False)
+        return _partial(q_BHQD, kv_2BKSD, where)
+    return checkpoint(_partial, q_BHQD, kv_2BKSD, where, use_reentrant=False)
 
 
 def _check_group(plan: ShardPlan, group: dist.ProcessGroup | None) -> None:

@@ -76,22 +76,19 @@ def sharded_attention(
 
 
 def shard_mask(
-    mask: AttentionMask, q_rows: torch.Tensor, kv_rows: torch.Tensor, num_rows: int, batch: int, map_key: Hashable
+    mask: AttentionMask, q_rows: torch.Tensor, kv_rows: torch.Tensor, num_rows: int, batch: int
 ) -> torch.Tensor | None:
-    """The dense bool tile [B, 1, Q, S] of the global mask at (query rows `q_rows`, key rows `kv_rows`),
-    memoised in the description's cache under `map_key` (all layers of a forward share it); None when
-    every pair is allowed (plain bidirectional)."""
+    """The dense bool tile [B, 1, Q, S] of the global mask at (query rows `q_rows`, key rows `kv_rows`);
+    None when every pair is allowed (plain bidirectional). Not memoised: the ring builds each step's
+    tile inside the step's checkpoint (again in the backward), so no more than one step's tile lives
+    at a time, instead of a Q x all-keys mask in the cache."""
     if mask.query_offset:
         raise ValueError("sharded attention evaluates global row indices: a mask with query_offset is not supported")
     if mask.kind == "bidirectional" and mask.is_plain:
         return None
-    device, Q, S = q_rows.device, q_rows.numel(), kv_rows.numel()
-
-    def build() -> torch.Tensor:
-        mod = index_mapped(mask_mod(mask, num_rows), q_rows, kv_rows.to(device))
-        return dense_mask(mod, batch, Q, S, device)
-
-    return mask.cache.memo(("sharded-tile", map_key, batch, Q, S, device), build)
+    device = q_rows.device
+    mod = index_mapped(mask_mod(mask, num_rows), q_rows, kv_rows.to(device))
+    return dense_mask(mod, batch, q_rows.numel(), kv_rows.numel(), device)
 
 
 def partial_attention(
