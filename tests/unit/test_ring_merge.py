@@ -73,3 +73,15 @@ def test_lse_is_the_log_sum_exp_of_the_allowed_scores():
     scores = torch.einsum("bkgqd,bksd->bkgqs", q.view(B, K, H // K, Q, D), k) / D**0.5
     scores = scores.masked_fill(~mask.unsqueeze(2), float("-inf")).reshape(B, H, Q, S)
     torch.testing.assert_close(lse, torch.logsumexp(scores, -1))
+
+
+def test_transport_is_configurable_and_checked():
+    from dllm.config.training import ContextParallelConfig
+    from dllm.parallel.context import ContextParallelAttention, build_plan
+
+    assert ContextParallelConfig(mode="csbp", cp_size=2, bp_size=2, transport="ring").transport == "ring"
+    assert ContextParallelConfig().transport == "collective"  # the default stays the all-gather
+    plan = build_plan("bp", 32, 4, bp=2)  # exchanges nothing: no process group needed
+    assert ContextParallelAttention(None, plan, None, transport="ring").transport == "ring"
+    with pytest.raises(ValueError, match="transport"):
+        ContextParallelAttention(None, plan, None, transport="allgather")
