@@ -27,6 +27,9 @@ The model keeps its single-device contract; parallelism is applied from outside 
 3. `ContextParallelAttention` replaces each layer's `self_attn.attend` (`apply_context_parallel`):
    keys = gathered shared K/V of the CP group (global rows known statically from the peers' plans)
    + local private K/V; attention at global indices via `attention.backends.sharded`.
+   With `transport="ring"` the shared K/V shards travel around the CP group instead (`ring_shift`,
+   point-to-point batch_isend_irecv), one checkpointed partial attention per shard, merged by
+   log-sum-exp: the same bytes, a score tile of one shard (see the class doc).
 
 `plan.shard(inputs)` selects the rank's rows of the model inputs; positions stay global (RoPE is
 global) and the mask stays the global description (only `num_outputs` becomes local: the first rows
