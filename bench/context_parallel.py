@@ -11,6 +11,12 @@ compared at the SAME CP size, 4, and the same number of ranks):
   by counters. A collective's sent bytes are what any bandwidth-optimal algorithm (ring, direct,
   recursive doubling) puts on the wire per rank: all-gather (n-1) x its input, reduce-scatter
   (n-1)/n x its input; the counters record every call's tensors and group size.
+- `transport: ring` rows (`*_ring`: CP over 2L, CSBP at cp = bp, MDLM CP): the same step with the
+  shared K/V passed around the CP group (`ring_shift`: one batch_isend_irecv per hop, wrapped by a
+  counter that adds up the isend tensors) instead of all-gathered; forward (cp-1) hops of the rank's
+  K/V shard, backward (cp-1) hops of a K/V-gradient accumulator of the same size, so the formula
+  below is the ring's too. Its working set: all K/V shards are still held (for the backward), but
+  the score tile is Q x ONE shard (measured: the widest `partial_attention` call).
 - `formula_bytes`: the documented formula (docs/parallelism.md) from (B, L, K, D, dtype bytes, cp):
   2 passes x (cp-1) x 2 (K and V) x B x K x D x bytes x R, R = the rows a rank shares:
   2L/cp (CP over block diffusion's 2L rows), L/cp (CP over masked diffusion's L rows; CSBP's clean
@@ -81,6 +87,7 @@ class Job:
     cp: int
     bp: int
     layout: str = "block_diffusion"
+    transport: str = "collective"
 
     @property
     def group_size(self) -> int:
@@ -104,6 +111,11 @@ def jobs_for(lengths: list[int], block_size: int, size: int) -> list[Job]:
                 Job(f"csbp_cp{half}_bp{size}", L, block_size, "csbp", half, size),
             ]
         jobs.append(Job(f"mdlm_cp{size}", L, block_size, "cp", size, 1, "sequence"))
+        jobs += [
+            Job(f"cp{size}_ring", L, block_size, "cp", size, 1, transport="ring"),
+            Job(f"csbp_cp{size}_bp{size}_ring", L, block_size, "csbp", size, size, transport="ring"),
+            Job(f"mdlm_cp{size}_ring", L, block_size, "cp", size, 1, "sequence", "ring"),
+        ]
     return jobs
 
 
@@ -124,7 +136,8 @@ def formula_sent_bytes(
     mode: str, layout: str, batch: int, seq_len: int, kv_heads: int, head_dim: int, dtype_bytes: int, cp: int
 ) -> dict[str, int]:
     """Bytes one rank sends per layer per step: forward all-gather of its shared K and V, backward
-    reduce-scatter of their gradients; each passes (cp-1) x (the rank's K and V) over the wire."""
+    reduce-scatter of their gradients; each passes (cp-1) x (the rank's K and V) over the wire. The
+    ring sends the same: (cp-1) hops of one K/V shard forward, of one K/V-gradient shard backward."""
     rows = shared_rows_per_rank(mode, layout, seq_len, cp)
     per_pass = (cp - 1) * 2 * batch * kv_heads * rows * head_dim * dtype_bytes
     return {"forward": per_pass, "backward": per_pass, "total": 2 * per_pass}
@@ -168,7 +181,8 @@ def projection() -> dict[str, object]:
 
 
 class Counters:
-    """Wraps the two collectives context.py calls; records (phase, kind, group size, sent bytes)."""
+    """Wraps the two collectives and the ring's batch_isend_irecv that context.py calls; records
+    (phase, kind, group size, sent bytes), and the attention calls' shapes."""
 
     def __init__(self) -> None:
         self.phase = "forward"
@@ -177,6 +191,17 @@ class Counters:
 
     def install(self) -> None:
         gather, scatter, attend = context._ALL_GATHER, context._REDUCE_SCATTER, context.sharded_attention
+        p2p, partial = context._BATCH_ISEND_IRECV, context.partial_attention
+
+        def batch_isend_irecv(ops):
+            sent = sum(op.tensor.numel() * op.tensor.element_size() for op in ops if op.op is dist.isend)
+            self.records.append((self.phase, "p2p", len(ops), sent))
+            return p2p(ops)
+
+        def partial_attention(q_BHQD, k_BKSD, *args, **kw):  # one ring step (forward, and its recompute)
+            B, H, Q, D = q_BHQD.shape
+            self.attention.append({"B": B, "H": H, "K": k_BKSD.shape[1], "Q": Q, "S": k_BKSD.shape[2], "D": D})
+            return partial(q_BHQD, k_BKSD, *args, **kw)
 
         def all_gather(out, inp, *args, group=None, **kw):
             n = dist.get_world_size(group)
@@ -195,6 +220,7 @@ class Counters:
 
         context._ALL_GATHER, context._REDUCE_SCATTER = all_gather, reduce_scatter
         context.sharded_attention = sharded_attention
+        context._BATCH_ISEND_IRECV, context.partial_attention = batch_isend_irecv, partial_attention
 
     def reset(self) -> None:
         self.phase, self.records, self.attention = "forward", [], []
@@ -236,7 +262,7 @@ def _run_job(rank: int, job: Job, counters: Counters) -> dict[str, object] | Non
     model = Transformer(ModelConfig(vocab_size=VOCAB, **MODEL))
     model.init_weights(torch.Generator().manual_seed(0))
     obj, inputs = _inputs(job)
-    apply_context_parallel(model, plan, groups[rank // job.cp] if groups else None)
+    apply_context_parallel(model, plan, groups[rank // job.cp] if groups else None, job.transport)
     counters.reset()
     start = time.perf_counter()
     local = plan.shard(inputs)
@@ -253,8 +279,10 @@ def _run_job(rank: int, job: Job, counters: Counters) -> dict[str, object] | Non
         "sent_backward": bwd // layers,
         "calls_forward": fwd_calls,
         "calls_backward": bwd_calls,
-        # the widest call: inner layers attend every held row, the last only its loss rows (num_outputs)
+        # the widest call: inner layers attend every held row, the last only its loss rows (num_outputs);
+        # for the ring, the widest step (one shard, or the private rows)
         "attention": max(counters.attention, key=lambda a: a["Q"] * a["S"]),
+        "keys_held": plan.key_rows().numel(),
         "step_s": step_s,
     }
 
@@ -301,12 +329,14 @@ def summarize(job: Job, records: list[dict]) -> dict[str, object]:
     fwd = max(r["sent_forward"] for r in records)
     bwd = max(r["sent_backward"] for r in records)
     ratio = (fwd + bwd) / formula["total"] if formula["total"] else (1.0 if fwd + bwd == 0 else float("inf"))
-    Q, S = max(r["attention"]["Q"] for r in records), max(r["attention"]["S"] for r in records)
+    Q, S = max(r["attention"]["Q"] for r in records), max(r["keys_held"] for r in records)
+    tile = max(r["attention"]["S"] for r in records)  # keys of one score tile: S (collective), a shard (ring)
     kv = 2 * a["B"] * a["K"] * S * a["D"] * DTYPE_BYTES
-    scores, mask = a["B"] * a["H"] * Q * S * DTYPE_BYTES, a["B"] * Q * S
+    scores, mask = a["B"] * a["H"] * Q * tile * DTYPE_BYTES, a["B"] * Q * tile
     return {
         "mode": job.mode,
         "layout": job.layout,
+        "transport": job.transport,
         "cp": job.cp,
         "bp": job.bp,
         "ranks": len(records),
@@ -318,12 +348,25 @@ def summarize(job: Job, records: list[dict]) -> dict[str, object]:
         "working_set": {
             "query_rows": Q,
             "keys_held": S,
+            "score_tile_keys": tile,
             "kv_bytes": kv,
             "score_tile_bytes": scores,
             "mask_bytes": mask,
             "dense_total_bytes": kv + scores + mask,
         },
         "step_s_max": round(max(r["step_s"] for r in records), 3),
+    }
+
+
+def ring_vs_collective(ring: dict, collective: dict) -> dict[str, object]:
+    """The ring's bytes and peak score tile against the collective's on the same job."""
+    ws, base = ring["working_set"], collective["working_set"]
+    return {
+        "bytes_ratio": round(ring["sent_bytes_per_layer"]["total"] / collective["sent_bytes_per_layer"]["total"], 6),
+        "p2p_calls_per_rank": ring["collective_calls_per_rank"],
+        "score_tile_keys": {"ring": ws["score_tile_keys"], "collective": base["score_tile_keys"]},
+        "score_tile_ratio": round(ws["score_tile_bytes"] / base["score_tile_bytes"], 4),
+        "step_s": {"ring": ring["step_s_max"], "collective": collective["step_s_max"]},
     }
 
 
@@ -376,20 +419,24 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         "torch": torch.__version__,
         "model": {**MODEL, "vocab_size": VOCAB, "batch": BATCH, "dtype": "float32"},
         "sent_bytes_definition": "all_gather: (n-1) x input; reduce_scatter: (n-1)/n x input (per rank, any "
-        "bandwidth-optimal algorithm); per step per layer; per-rank max",
+        "bandwidth-optimal algorithm); ring: the isend tensors; per step per layer; per-rank max",
     }
-    checks: dict[str, list[bool]] = {"formula": [], "halving": []}
+    checks: dict[str, list[bool]] = {"formula": [], "halving": [], "ring_bytes": []}
     for L in lengths:
         rows = {job.name: summarize(job, measured[(job.name, L)]) for job in jobs if job.seq_len == L}
         for row in rows.values():
             checks["formula"].append(abs(row["measured_over_formula"] - 1) <= TOLERANCE)
         ratios = {}
         for name, row in rows.items():
-            if row["mode"] == "csbp":
+            if row["mode"] == "csbp" and row["transport"] == "collective":
                 baseline = rows[f"cp{row['cp']}"]["sent_bytes_per_layer"]["total"]
                 ratios[f"{name}_over_cp{row['cp']}"] = round(row["sent_bytes_per_layer"]["total"] / baseline, 4)
         checks["halving"] += [r <= 0.5 for r in ratios.values()]
+        ring = {name: ring_vs_collective(row, rows[name.removesuffix("_ring")]) for name, row in rows.items()
+                if row["transport"] == "ring"}  # fmt: skip
+        checks["ring_bytes"] += [r["bytes_ratio"] == 1.0 for r in ring.values()]
         result[f"L{L}"] = {"rows_2L": 2 * L, "block_size": block, "modes": rows, "csbp_bytes_over_cp": ratios}
+        result[f"L{L}"]["ring_vs_collective"] = ring
     result["measure_wall_s"] = round(time.perf_counter() - start, 1)
     bal = balance(min(lengths), args.world)
     result["balance"] = bal
@@ -399,6 +446,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         "csbp_kv_bytes_le_half_of_cp_same_cp_size": all(checks["halving"]),
         "dual_end_max_over_mean_le_1.05": max(dual) <= 1.05,
         "measured_equals_formula_within_2pct": all(checks["formula"]),
+        "ring_bytes_equal_collective": all(checks["ring_bytes"]),
     }
     result["targets"]["all_pass"] = all(result["targets"].values())
     print(json.dumps(result))

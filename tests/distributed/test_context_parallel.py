@@ -64,9 +64,13 @@ def _objective(name: str):
     return BD3LMObjective(BD3LMConfig(block_size=BLOCK, shift=name.endswith("shift")), IDS)
 
 
-def _inputs(obj):
+def _inputs(obj, dead_rows: bool = False):
+    """`dead_rows`: every key of row 0's last document is padding, so its query rows have no key at all
+    (SDPA gives them 0; the ring must too, without NaN in the forward or the backward)."""
     inputs = obj.prepare(_batch(), NoiseKeys(0, B))
     valid = inputs.targets_BL != IDS.pad_id  # padding keys of the L positions (both halves for bd3lm)
+    if dead_rows:
+        valid[0, 24:] = False
     return dataclasses.replace(inputs, mask=dataclasses.replace(inputs.mask, key_valid_BL=valid))
 
 
@@ -86,7 +90,7 @@ def _run_case(rank: int, world: int, case: dict) -> dict:
     model.init_weights(torch.Generator().manual_seed(0))
     reference = copy.deepcopy(model)
     obj = _objective(case["objective"])
-    inputs = _inputs(obj)
+    inputs = _inputs(obj, case.get("dead_rows", False))
     layout = "block_diffusion" if case["objective"].startswith("bd3lm") else "sequence"
     plan = build_plan(case["mode"], L, BLOCK, case["cp"], case["bp"], rank, case["schedule"], layout)
     assert plan.group_size == world
@@ -94,20 +98,41 @@ def _run_case(rank: int, world: int, case: dict) -> dict:
     group = groups[rank // plan.cp]
     if case.get("drop_gather"):  # the broken plan: shared rows treated as private, nothing gathered
         plan = dataclasses.replace(plan, shared=torch.zeros_like(plan.shared))
-    apply_context_parallel(model, plan, group if plan.mode != "bp" else None)
-    loss = _step(model, obj, plan.shard(inputs))
+    transport = case.get("transport", "collective")
+    # ring cases also run the collective transport on the same inputs (a second copy of the model)
+    collective = copy.deepcopy(model) if transport == "ring" else None
+    apply_context_parallel(model, plan, group if plan.mode != "bp" else None, transport)
+    loss = _sharded_step(model, obj, plan.shard(inputs))
+    if collective is not None:
+        apply_context_parallel(collective, plan, group, "collective")
+        collective_loss = _sharded_step(collective, obj, plan.shard(inputs))
+    if rank != 0:
+        return {}
+    ref_loss = _step(reference, obj, inputs)
+    loss_diff, (worst, grad_diff) = _rel(loss, ref_loss), _worst(model, reference)
+    result = {"loss": loss_diff, "grad": grad_diff, "worst": worst, "ref_loss": float(ref_loss)}
+    if collective is not None:
+        worst, grad_diff = _worst(model, collective)
+        result["vs_collective"] = {"loss": _rel(loss, collective_loss), "grad": grad_diff, "worst": worst}
+    return result
+
+
+def _sharded_step(model, obj, local) -> torch.Tensor:
+    """One rank's step, then the loss sum and every parameter gradient summed over the group."""
+    loss = _step(model, obj, local)
     dist.all_reduce(loss)
     for p in model.parameters():
         assert p.grad is not None
         dist.all_reduce(p.grad)
-    if rank != 0:
-        return {}
-    ref_loss = _step(reference, obj, inputs)
+    return loss
+
+
+def _worst(model, reference) -> tuple[str, float]:
     grads = {
         n: _rel(p.grad, r.grad) for (n, p), r in zip(model.named_parameters(), reference.parameters(), strict=True)
     }
     worst = max(grads, key=grads.__getitem__)
-    return {"loss": _rel(loss, ref_loss), "grad": grads[worst], "worst": worst, "ref_loss": float(ref_loss)}
+    return worst, grads[worst]
 
 
 def _worker(rank: int, world: int, case: dict, port: int, out: str) -> None:
@@ -159,6 +184,31 @@ def test_sharded_step_equals_one_process(tmp_path: Path, name: str):
     result = run_case(tmp_path, **CASES[name])
     assert result["loss"] <= 1e-5, result
     assert result["grad"] <= 1e-5, result
+
+
+# the ring transport: shared K/V shards passed around the CP group, partial softmaxes merged by log-sum-exp
+RING_CASES = {
+    "mdlm-cp2": CASES["mdlm-cp2"],
+    "mdlm-cp4": CASES["mdlm-cp4"],
+    "bd3lm-cp2-position-sharded": CASES["bd3lm-cp2-position-sharded"],
+    "bd3lm-csbp-cp2-bp2": CASES["bd3lm-csbp-cp2-bp2"],
+    "bd3lm-csbp-cp2-bp4": CASES["bd3lm-csbp-cp2-bp4"],
+    "bd3lm-csbp-cp4-bp4-contiguous": dict(world=4, objective="bd3lm", mode="csbp", cp=4, bp=4, schedule="contiguous"),
+    # query rows with no key in any shard (a fully padded document): finite, equal to SDPA's 0
+    "mdlm-cp2-dead-rows": dict(CASES["mdlm-cp2"], dead_rows=True),
+    "bd3lm-csbp-cp2-bp2-dead-rows": dict(CASES["bd3lm-csbp-cp2-bp2"], dead_rows=True),
+}
+
+
+@pytest.mark.parametrize("name", list(RING_CASES))
+def test_ring_step_equals_one_process_and_collective(tmp_path: Path, name: str):
+    """Loss and every parameter gradient equal the one-process step, and the collective transport's on
+    the same inputs (same plan, same group)."""
+    result = run_case(tmp_path, **RING_CASES[name], transport="ring")
+    assert result["loss"] <= 1e-5, result
+    assert result["grad"] <= 1e-5, result
+    assert result["vs_collective"]["loss"] <= 1e-5, result
+    assert result["vs_collective"]["grad"] <= 1e-5, result
 
 
 @pytest.mark.parametrize("name", ["mdlm-cp2", "bd3lm-csbp-cp2-bp2"])

@@ -35,8 +35,9 @@ pytestmark = pytest.mark.distributed
 OBJECTIVES = {"bd3lm": {"name": "bd3lm", "block_size": 4}, "mdlm": {"name": "mdlm"}}  # bd3lm: 8 blocks of 32
 
 
-def _context(mode: str, cp: int = 1, bp: int = 1) -> list[str]:
+def _context(mode: str, cp: int = 1, bp: int = 1, transport: str = "collective") -> list[str]:
     sets = [f"topology.context.mode={mode}", f"topology.context.cp_size={cp}", f"topology.context.bp_size={bp}"]
+    sets.append(f"topology.context.transport={transport}")
     return [a for s in sets for a in ("--set", s)]
 
 
@@ -114,6 +115,7 @@ def _records(run: Path, key: str) -> list[float]:
 CASES = {
     # name: (objective, processes, topology.context --set arguments)
     "csbp-cp2-bp2": ("bd3lm", 2, _context("csbp", 2, 2)),
+    "csbp-cp2-bp2-ring": ("bd3lm", 2, _context("csbp", 2, 2, "ring")),  # clean K/V shards passed around a ring
     "cp2-mdlm": ("mdlm", 2, _context("cp", 2)),
     "bp2": ("bd3lm", 2, _context("bp", 1, 2)),
     # DP2 x CSBP(CP2, BP2): a CSBP group has bp ranks, so 4 processes (the 8 counted cp x bp)

@@ -1,5 +1,6 @@
 """bench/context_parallel.py: the documented traffic formula, the 14B projection, the balance numbers,
-and (one gloo spawn, ~15 s) the quick run's JSON: every mode's measured bytes equal the formula."""
+and (one gloo spawn, ~20 s) the quick run's JSON: every mode's measured bytes equal the formula, the
+ring transport's too (the collective's bytes, a score tile of one shard)."""
 
 from __future__ import annotations
 
@@ -44,14 +45,23 @@ def test_quick_run_measures_the_formula(capsys):
     assert json.loads(line)["targets"] == result["targets"]  # one JSON line, the one returned
     assert result["targets"]["all_pass"], result["targets"]
     modes = result["L256"]["modes"]
-    assert set(modes) == {"cp4", "bp4", "csbp_cp4_bp4", "cp2", "csbp_cp2_bp4", "mdlm_cp4"}
+    ring = {"cp4_ring", "csbp_cp4_bp4_ring", "mdlm_cp4_ring"}
+    assert set(modes) == {"cp4", "bp4", "csbp_cp4_bp4", "cp2", "csbp_cp2_bp4", "mdlm_cp4"} | ring
     for name, row in modes.items():
         assert row["measured_over_formula"] == 1.0, (name, row)
         assert row["sent_bytes_equal_over_ranks"], name
-        calls = 0 if row["mode"] == "bp" else 2  # one all-gather per layer forward, one reduce-scatter backward
+        # 2 layers: one all-gather per layer forward, one reduce-scatter backward; the ring: cp - 1 hops each
+        calls = 0 if row["mode"] == "bp" else 2 * (row["cp"] - 1 if row["transport"] == "ring" else 1)
         assert row["collective_calls_per_rank"] == {"forward": calls, "backward": calls}, name
         ws = row["working_set"]
         assert ws["kv_bytes"] == 2 * 1 * 1 * ws["keys_held"] * 16 * 4  # B=1, K=1, D=16, fp32
+    # the ring: the collective's bytes, a score tile of one shard (CP over 2L: 512 / 4 keys; CSBP: the
+    # clean shard 256 / 4 and the noisy private rows 64; MDLM: 256 / 4) against every key
+    assert {n: r["bytes_ratio"] for n, r in result["L256"]["ring_vs_collective"].items()} == dict.fromkeys(ring, 1.0)
+    assert modes["cp4_ring"]["working_set"]["score_tile_keys"] == 128
+    assert modes["csbp_cp4_bp4_ring"]["working_set"]["score_tile_keys"] == 64
+    assert modes["mdlm_cp4_ring"]["working_set"]["score_tile_keys"] == 64
+    assert modes["cp4"]["working_set"]["score_tile_keys"] == modes["cp4"]["working_set"]["keys_held"]
     assert modes["cp4"]["working_set"]["keys_held"] == 512  # CP gathers all 2L rows
     assert modes["csbp_cp4_bp4"]["working_set"]["keys_held"] == 256 + 64  # clean x_0 + its own noisy blocks
     assert result["L256"]["csbp_bytes_over_cp"] == {"csbp_cp4_bp4_over_cp4": 0.5, "csbp_cp2_bp4_over_cp2": 0.5}

@@ -111,8 +111,11 @@ class ContextParallelConfig(Section):
     """Block-parallel degree: ranks that split the noisy blocks (bp, csbp; a multiple of cp_size for csbp); 1 for cp."""
     schedule: Literal["dual_end", "contiguous"] = "dual_end"
     """Which rank gets which chunk/block: dual_end pairs first and last (balanced work) or contiguous runs."""
-    transport: Literal["collective"] = "collective"
-    """How shared K/V move: collective (all-gather forward, reduce-scatter backward); no ring transport yet."""
+    transport: Literal["collective", "ring"] = "collective"
+    """How shared K/V move: collective (one all-gather forward, one reduce-scatter backward; attention over
+    every key at once) or ring (cp - 1 point-to-point shifts each way, partial softmaxes merged by
+    log-sum-exp: the same bytes, a score tile of one shard instead of all keys, for a recomputed
+    partial attention in the backward and cp - 1 smaller messages per layer instead of one)."""
 
     @property
     def group_size(self) -> int:

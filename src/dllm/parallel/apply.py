@@ -31,7 +31,7 @@ def apply_parallelism(
     """`plan`: this rank's context/block shard plan (None: every rank sees whole sequences); its
     attention exchanges K/V over `cp_group`. Before compile, so the compiled blocks trace it."""
     if plan is not None:
-        apply_context_parallel(model, plan, cp_group)
+        apply_context_parallel(model, plan, cp_group, cfg.context.transport)
     if compile:
         for block in model.layers:
             block.compile()  # in place: parameter names (and checkpoints) stay the same
