@@ -1,8 +1,8 @@
 """Context, block and context-sharded block parallelism on gloo processes reproduce the one-process
 loss and every parameter gradient of one step (fp32, max relative difference <= 1e-5).
 
-Each case spawns `world` gloo processes. Every rank prepares the same global batch with the real
-objective (packed documents, key padding), shards it with its ShardPlan, runs the real Transformer
+The cases of each world size (2 and 4) run in one spawn of gloo processes. Every rank prepares the
+same global batch with the real objective (packed documents, key padding), shards it with its ShardPlan, runs the real Transformer
 with ContextParallelAttention through `training.trainer.run_model`, and backpropagates its loss sum;
 loss sums and parameter gradients are then summed over the ranks (they share one data shard) and
 rank 0 compares them with the one-process step of the same batch. A plan that drops the gather must
@@ -135,14 +135,19 @@ def _worst(model, reference) -> tuple[str, float]:
     return worst, grads[worst]
 
 
-def _worker(rank: int, world: int, case: dict, port: int, out: str) -> None:
+def _worker(rank: int, world: int, cases: dict[str, dict], port: int, out: str) -> None:
+    """Every case of one world size in one process group (one spawn: process start-up and gloo
+    rendezvous dominate a tiny case)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        result = _run_case(rank, world, case)
+        results = {}
+        for key, case in cases.items():
+            start = time.perf_counter()
+            results[key] = {**_run_case(rank, world, case), "wall_s": time.perf_counter() - start}
         if rank == 0:
-            Path(out).write_text(json.dumps(result))
+            Path(out).write_text(json.dumps(results))
     finally:
         dist.destroy_process_group()
 
@@ -153,14 +158,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_case(tmp_path: Path, world: int, **case) -> dict:
-    out = tmp_path / "result.json"
-    start = time.perf_counter()
-    mp.spawn(_worker, args=(world, case, _free_port(), str(out)), nprocs=world, join=True)
-    result = json.loads(out.read_text())
-    result["wall_s"] = time.perf_counter() - start
-    print(case, result)
-    return result
+def run_cases(folder: Path, world: int, cases: dict[str, dict]) -> dict[str, dict]:
+    out = folder / f"results-{world}.json"
+    mp.spawn(_worker, args=(world, cases, _free_port(), str(out)), nprocs=world, join=True)
+    return json.loads(out.read_text())
 
 
 CASES = {
@@ -180,8 +181,8 @@ CASES = {
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_sharded_step_equals_one_process(tmp_path: Path, name: str):
-    result = run_case(tmp_path, **CASES[name])
+def test_sharded_step_equals_one_process(results: dict[str, dict], name: str):
+    result = results[f"collective/{name}"]
     assert result["loss"] <= 1e-5, result
     assert result["grad"] <= 1e-5, result
 
@@ -200,19 +201,39 @@ RING_CASES = {
 }
 
 
+DROPPED = ["mdlm-cp2", "bd3lm-csbp-cp2-bp2"]
+ALL_CASES = {
+    **{f"collective/{n}": c for n, c in CASES.items()},
+    **{f"ring/{n}": dict(c, transport="ring") for n, c in RING_CASES.items()},
+    **{f"dropped/{n}": dict(CASES[n], drop_gather=True) for n in DROPPED},
+}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """Every case's comparison, run once per world size (2 and 4 processes)."""
+    folder = tmp_path_factory.mktemp("context_parallel")
+    out: dict[str, dict] = {}
+    for world in sorted({c["world"] for c in ALL_CASES.values()}):
+        cases = {k: {f: v for f, v in c.items() if f != "world"} for k, c in ALL_CASES.items() if c["world"] == world}
+        out.update(run_cases(folder, world, cases))
+    print(json.dumps(out, indent=1))
+    return out
+
+
 @pytest.mark.parametrize("name", list(RING_CASES))
-def test_ring_step_equals_one_process_and_collective(tmp_path: Path, name: str):
+def test_ring_step_equals_one_process_and_collective(results: dict[str, dict], name: str):
     """Loss and every parameter gradient equal the one-process step, and the collective transport's on
     the same inputs (same plan, same group)."""
-    result = run_case(tmp_path, **RING_CASES[name], transport="ring")
+    result = results[f"ring/{name}"]
     assert result["loss"] <= 1e-5, result
     assert result["grad"] <= 1e-5, result
     assert result["vs_collective"]["loss"] <= 1e-5, result
     assert result["vs_collective"]["grad"] <= 1e-5, result
 
 
-@pytest.mark.parametrize("name", ["mdlm-cp2", "bd3lm-csbp-cp2-bp2"])
-def test_dropping_the_gather_fails_the_comparison(tmp_path: Path, name: str):
+@pytest.mark.parametrize("name", DROPPED)
+def test_dropping_the_gather_fails_the_comparison(results: dict[str, dict], name: str):
     """The check has teeth: a rank that attends only its own rows misses keys and changes the step."""
-    result = run_case(tmp_path, **CASES[name], drop_gather=True)
+    result = results[f"dropped/{name}"]
     assert result["loss"] > 1e-3 or result["grad"] > 1e-3, result

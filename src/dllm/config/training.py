@@ -112,10 +112,7 @@ class ContextParallelConfig(Section):
     schedule: Literal["dual_end", "contiguous"] = "dual_end"
     """Which rank gets which chunk/block: dual_end pairs first and last (balanced work) or contiguous runs."""
     transport: Literal["collective", "ring"] = "collective"
-    """How shared K/V move: collective (one all-gather forward, one reduce-scatter backward; attention over
-    every key at once) or ring (cp - 1 point-to-point shifts each way, partial softmaxes merged by
-    log-sum-exp: the same bytes, a score tile of one shard instead of all keys, for a recomputed
-    partial attention in the backward and cp - 1 smaller messages per layer instead of one)."""
+    """collective (all-gather K/V, all keys at once) or ring (cp - 1 shifts, one shard's score tile; slower)."""
 
     @property
     def group_size(self) -> int:
