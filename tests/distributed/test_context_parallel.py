@@ -2,11 +2,11 @@
 loss and every parameter gradient of one step (fp32, max relative difference <= 1e-5).
 
 The cases of each world size (2 and 4) run in one spawn of gloo processes. Every rank prepares the
-same global batch with the real objective (packed documents, key padding), shards it with its ShardPlan, runs the real Transformer
-with ContextParallelAttention through `training.trainer.run_model`, and backpropagates its loss sum;
-loss sums and parameter gradients are then summed over the ranks (they share one data shard) and
-rank 0 compares them with the one-process step of the same batch. A plan that drops the gather must
-fail that comparison.
+same global batch with the real objective (packed documents, key padding), shards it with its
+ShardPlan, runs the real Transformer with ContextParallelAttention through
+`training.trainer.run_model`, and backpropagates its loss sum; loss sums and parameter gradients are
+then summed over the ranks (they share one data shard) and rank 0 compares them with the one-process
+step of the same batch. A plan that drops the gather must fail that comparison.
 
 Relative difference of a tensor: max |a - b| / max |b| (per tensor, so tiny gradient entries do not
 turn summation-order noise into large ratios).
