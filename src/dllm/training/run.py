@@ -100,7 +100,21 @@ def train_from_run_dir(run_dir: Path) -> list[float]:
     finally:
         trainer.metrics.close()
         if env.distributed:
-            import torch.distributed as dist
+            _keep_until_exit(trainer)
 
-            if dist.is_initialized():
-                dist.destroy_process_group()
+
+_KEPT: list[object] = []
+
+
+def _keep_until_exit(trainer: object) -> None:
+    """A distributed worker keeps its trainer (the model, DDP's reducer, the process groups they hold)
+    until the process ends, and the worker ends with `os._exit` (training/worker.py), so no gloo
+    process group is ever torn down from Python: ~ProcessGroupGloo joins its worker threads while the
+    caller holds the GIL, and a worker thread that is still releasing a finished collective's tensors
+    needs the GIL, so `destroy_process_group` or the reducer's dealloc after a collective could hang
+    forever (seen on 2-process DDP runs: the last checkpoint's all-reduce, then a hang at exit)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()  # every rank is done with its collectives before any of them leaves
+    _KEPT.append(trainer)

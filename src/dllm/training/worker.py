@@ -33,5 +33,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _exit(code: int) -> None:
+    """End the process without running destructors: the files are closed and flushed, and tearing down
+    gloo process groups at interpreter exit can deadlock (see training/run.py `_keep_until_exit`)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    _exit(main())
