@@ -34,6 +34,8 @@ class TrainingConfig(Section):
     """LM head + cross-entropy in chunks, never materialising [tokens x vocab] logits (false: the plain reference)."""
     cpu_allocator: Literal["retain", "system"] = "retain"
     """CPU training: retain keeps freed heap memory for reuse (no page faults each step); system leaves malloc alone."""
+    activation_checkpointing: Literal["none", "selective", "full"] = "none"
+    """Recompute activations in backward: none; selective (keep matmul outputs, recompute the rest); full (whole blocks)."""
 
 
 class OptimizerConfig(Section):
@@ -130,11 +132,19 @@ class TopologyConfig(Section):
     data_parallel: Literal["fsdp", "ddp"] = "fsdp"
     """Data parallelism: fsdp (FSDP2 fully_shard, sharded parameters) or ddp (replicated)."""
     dp_size: int = -1
-    """Data-parallel degree; -1 uses every rank (world size / the context group size)."""
+    """Data-parallel degree; -1 uses every rank (world size / (context group size x tp_size))."""
+    dp_replicate: int = Field(default=1, gt=0)
+    """Of dp_size, replicas that keep whole parameter shards (HSDP: fsdp shards over dp_size / dp_replicate)."""
+    tp_size: int = Field(default=1, gt=0)
+    """Tensor-parallel degree: ranks that split each layer's heads, MLP width and the vocabulary."""
+    sequence_parallel: bool = False
+    """With tp_size > 1: norms and the residual stream between blocks sharded over positions too."""
+    ep_size: int = Field(default=1, gt=0)
+    """Expert-parallel degree (MoE models): data-parallel ranks that split the experts (divides dp_size)."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """Collective backend: auto picks nccl on GPU and gloo on CPU."""
     context: ContextParallelConfig = ContextParallelConfig()
-    """Context / block parallelism of long sequences (world size = dp_size x its group size)."""
+    """Context / block parallelism of long sequences (world size = dp_size x its group size x tp_size)."""
 
     @property
     def world_size(self) -> int:
