@@ -40,8 +40,8 @@ def check_objective(spec: RunSpec) -> None:
 
 
 def check_topology(spec: RunSpec, world_size: int) -> None:
-    """World size vs topology (dp_size x the context group size), context/block parallelism vs the
-    objective and model, and batch divisibility by the data-parallel degree."""
+    """World size vs topology (dp_size x the context group size x tp_size), each parallel axis vs the
+    model and objective, and batch divisibility by the data-parallel degree."""
     topo, tr = spec.topology, spec.training
     if world_size != topo.world_size:
         raise ConfigError(
@@ -49,24 +49,107 @@ def check_topology(spec: RunSpec, world_size: int) -> None:
             "launch with `dllm launch` or fix topology"
         )
     check_context(spec)
-    group = topo.context.group_size
-    if world_size % group:
-        raise ConfigError(
-            f"topology.context: {world_size} processes do not split into {topo.context.mode} groups of {group}; "
-            f"launch a multiple of {group} processes (world size = dp_size x {group})"
+    group, tp = topo.context.group_size, topo.tp_size
+    per_dp = group * tp
+    if world_size % per_dp:
+        what = " x ".join(
+            p for p, on in ((f"{topo.context.mode} groups of {group}", group > 1), (f"tp_size {tp}", tp > 1)) if on
         )
-    dp = world_size // group if topo.dp_size == -1 else topo.dp_size
-    if dp * group != world_size:
-        other = "no other parallel dimension is set" if group == 1 else f"context groups of {group}"
+        field = "topology.context" if tp == 1 else "topology.tp_size" if group == 1 else "topology"
+        raise ConfigError(
+            f"{field}: {world_size} processes do not split into {what}; launch a multiple of {per_dp} processes "
+            f"(world size = dp_size x {per_dp})"
+        )
+    dp = world_size // per_dp if topo.dp_size == -1 else topo.dp_size
+    if dp * per_dp != world_size:
+        other = (
+            "no other parallel dimension is set" if per_dp == 1
+            else f"context groups of {group}" if tp == 1
+            else f"tp_size {tp}" if group == 1
+            else f"context groups of {group} x tp_size {tp}"
+        )  # fmt: skip
         raise ConfigError(
             f"topology.dp_size: {dp} does not use all {world_size} ranks ({other}: dp_size must be "
-            f"{world_size // group}); use -1"
+            f"{world_size // per_dp}); use -1"
         )
+    if dp % topo.dp_replicate:
+        raise ConfigError(f"topology.dp_replicate: {topo.dp_replicate} does not divide dp_size {dp}")
+    if topo.dp_replicate > 1 and topo.data_parallel != "fsdp":
+        raise ConfigError("topology.dp_replicate: replicas of FSDP shards (HSDP) need data_parallel: fsdp")
+    check_tensor_parallel(spec)
+    check_expert_parallel(spec, dp)
     if tr.global_batch_size % (tr.micro_batch_size * dp):
         raise ConfigError(
             f"training.global_batch_size: {tr.global_batch_size} is not divisible by micro_batch_size "
             f"{tr.micro_batch_size} x {dp} data-parallel rank(s) = {tr.micro_batch_size * dp}"
         )
+
+
+def check_tensor_parallel(spec: RunSpec) -> None:
+    """Tensor (and sequence) parallelism vs the model: tp_size divides every sharded dimension."""
+    topo, model = spec.topology, spec.model
+    tp = topo.tp_size
+    if tp == 1:
+        if topo.sequence_parallel:
+            raise ConfigError("topology.sequence_parallel: needs tp_size > 1 (it shards over the tensor-parallel ranks)")
+        return
+    dims = {
+        "model.num_heads": model.num_heads,
+        "model.num_kv_heads": model.kv_heads,
+        "model.vocab_size": model.vocab_size,
+    }
+    if not model.num_experts:
+        dims["model.mlp_size"] = model.mlp_size
+    for field, size in dims.items():
+        if size is not None and size % tp:
+            raise ConfigError(
+                f"{field}: {size} is not divisible by topology.tp_size {tp}; each tensor-parallel rank holds "
+                f"an equal share (choose a tp_size that divides it)"
+            )
+    refusals = [
+        (model.num_experts > 0, f"model.num_experts: tensor parallelism of MoE layers is not supported; "
+         f"use topology.ep_size (expert parallelism) with tp_size 1"),
+        (topo.data_parallel == "ddp", "topology.data_parallel: ddp does not take tensor-parallel shards; use fsdp"),
+        (spec.lora is not None, "lora: LoRA adapters are not sharded by tensor parallelism; set tp_size: 1"),
+        (model.head == "mlm", "model.head: the MLM head is not tensor-parallel; set tp_size: 1"),
+        (model.norm_position == "post", "model.norm_position: post-norm blocks are not tensor-parallel; set tp_size: 1"),
+        (not spec.training.chunked_loss, "training.chunked_loss: tensor parallelism needs the vocabulary-parallel "
+         "chunked loss; set it to true"),
+        (model.self_condition, "model.self_condition: not supported with tensor parallelism; set tp_size: 1"),
+    ]  # fmt: skip
+    for refused, message in refusals:
+        if refused:
+            raise ConfigError(message)
+    if topo.sequence_parallel:
+        if not model.final_norm:
+            raise ConfigError("topology.sequence_parallel: needs a model with a final norm (model.final_norm: true)")
+        rows = spec.data.seq_len * (2 if OBJECTIVES.has(spec.objective.name, "block") else 1)
+        if topo.context.mode == "none" and rows % tp:
+            raise ConfigError(
+                f"topology.sequence_parallel: the model input's {rows} rows are not divisible by tp_size {tp}; "
+                "change data.seq_len or turn sequence_parallel off"
+            )
+
+
+def check_expert_parallel(spec: RunSpec, dp: int) -> None:
+    """Expert parallelism vs the model and the data-parallel degree it borrows its ranks from."""
+    topo, model = spec.topology, spec.model
+    ep = topo.ep_size
+    if ep == 1:
+        return
+    if not model.num_experts:
+        raise ConfigError(f"topology.ep_size: {ep} needs an MoE model (model.num_experts > 0); set ep_size: 1")
+    if model.num_experts % ep:
+        raise ConfigError(f"topology.ep_size: {ep} does not divide model.num_experts {model.num_experts}")
+    if dp % (ep * topo.dp_replicate):
+        raise ConfigError(
+            f"topology.ep_size: {ep} does not divide the {dp // topo.dp_replicate} data-parallel shard ranks it "
+            "splits the experts over; choose ep_size dividing dp_size / dp_replicate"
+        )
+    if topo.data_parallel != "fsdp":
+        raise ConfigError("topology.data_parallel: expert parallelism needs fsdp (ddp would replicate the experts)")
+    if spec.lora is not None:
+        raise ConfigError("lora: LoRA adapters are not supported with expert parallelism; set ep_size: 1")
 
 
 def check_context(spec: RunSpec) -> None:

@@ -18,6 +18,14 @@ Semantics (`plain_cross_entropy` is the reference that spells them out):
 - returns `(weighted_sum, ce_N)`: the weighted sum is differentiable w.r.t. hidden, weight, bias and
   weights; `ce_N` is the per-row CE, detached, for metrics.
 
+Vocabulary parallelism: when the weight is a DTensor sharded by rows (Shard(0)) over a 1-D
+tensor-parallel mesh (parallel/tensor.py), each rank holds V/T rows of the head and the same hidden
+rows. Per chunk it computes its V/T logits; the row maxima are all-reduced (max), then the sums of
+exp(logit - max) and the target logits (the one rank whose shard holds the target contributes it)
+in one all-reduce (sum), so every rank gets the same CE. The logits gradient of a shard is its own
+slice of softmax - onehot; the hidden rows' gradient is a sum over the shards, all-reduced once after
+the loop; the weight gradient stays sharded. The full [N, V] logits exist nowhere.
+
 Shapes: N rows (supervised positions), E hidden width, V vocabulary, C rows in a chunk, X excluded ids.
 """
 
@@ -25,9 +33,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import nullcontext
+from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Shard
 
 CHUNK_ELEMENTS = 2**23
 """Default chunk budget: rows per chunk = CHUNK_ELEMENTS // V, i.e. about 32 MiB of float32 logits."""
@@ -72,24 +83,53 @@ def linear_cross_entropy(
     C = max(1, chunk_size if chunk_size is not None else CHUNK_ELEMENTS // V)
     weights_N = torch.ones(targets_N.shape, device=hidden_NE.device) if weights_N is None else weights_N
     exclude_X = torch.tensor(list(exclude_ids), dtype=torch.long, device=hidden_NE.device)
+    shard = None
+    if isinstance(weight_VE, DTensor):  # vocabulary-parallel head: this rank's rows of it
+        shard = VocabShard.of(weight_VE)
+        weight_VE = weight_VE.to_local()  # autograd: the local gradient becomes the sharded one
+        bias_V = None if bias_V is None else bias_V.to_local()
+        exclude_X = exclude_X[(exclude_X >= shard.start) & (exclude_X < shard.stop)] - shard.start
     inputs = (hidden_NE, weight_VE, bias_V, weights_N)
     needs = tuple(torch.is_grad_enabled() and t is not None and t.requires_grad for t in inputs)
     # the logits are computed in float32 whatever autocast says (cf. the fp32 loss of mixed precision)
     device_type = hidden_NE.device.type
     with torch.autocast(device_type, enabled=False) if torch.amp.is_autocast_available(device_type) else nullcontext():
         if not any(needs):
-            weighted_sum, ce_N, _ = _chunked_loss(hidden_NE, weight_VE, bias_V, targets_N, weights_N, exclude_X, C)
+            weighted_sum, ce_N, _ = _chunked_loss(
+                hidden_NE, weight_VE, bias_V, targets_N, weights_N, exclude_X, C, shard=shard
+            )
             return weighted_sum, ce_N
-        return _LinearCrossEntropy.apply(hidden_NE, weight_VE, bias_V, targets_N, weights_N, exclude_X, C, needs)
+        return _LinearCrossEntropy.apply(
+            hidden_NE, weight_VE, bias_V, targets_N, weights_N, exclude_X, C, needs, shard
+        )
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """Rows [start, stop) of a head weight sharded by vocabulary over `group`."""
+
+    start: int
+    stop: int
+    group: dist.ProcessGroup
+
+    @classmethod
+    def of(cls, weight_VE: DTensor) -> VocabShard:
+        mesh, placements = weight_VE.device_mesh, weight_VE.placements
+        if mesh.ndim != 1 or placements != (Shard(0),):
+            raise ValueError(f"a vocabulary-parallel head is Shard(0) on a 1-D mesh, got {placements} on {mesh}")
+        V, T, rank = weight_VE.shape[0], mesh.size(), mesh.get_local_rank()
+        rows = -(-V // T)  # DTensor's Shard: torch.chunk sizes
+        start = min(rank * rows, V)
+        return cls(start, min(start + rows, V), mesh.get_group())
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
     """Forward computes the loss and all input gradients; backward scales them by d(out)/d(loss)."""
 
     @staticmethod
-    def forward(ctx, hidden_NE, weight_VE, bias_V, targets_N, weights_N, exclude_X, C, needs):
+    def forward(ctx, hidden_NE, weight_VE, bias_V, targets_N, weights_N, exclude_X, C, needs, shard=None):
         weighted_sum, ce_N, grads = _chunked_loss(
-            hidden_NE, weight_VE, bias_V, targets_N, weights_N, exclude_X, C, needs
+            hidden_NE, weight_VE, bias_V, targets_N, weights_N, exclude_X, C, needs, shard
         )
         grad_weights_N = ce_N.to(weights_N.dtype) if needs[3] else None
         ctx.save_for_backward(*grads, grad_weights_N)
@@ -102,7 +142,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_h, grad_w, grad_b, grad_weights = (
             None if g is None else (g * grad_sum).to(g.dtype) for g in ctx.saved_tensors
         )
-        return grad_h, grad_w, grad_b, None, grad_weights, None, None, None
+        return grad_h, grad_w, grad_b, None, grad_weights, None, None, None, None
 
 
 def _chunked_loss(
@@ -114,9 +154,11 @@ def _chunked_loss(
     exclude_X: torch.Tensor,
     C: int,
     needs: tuple[bool, ...] = (False, False, False, False),
+    shard: VocabShard | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor | None, ...]]:
     """The one loop: per chunk, CE and (if any input needs it) the logits gradient, folded into
-    grad_hidden rows, the float32 grad_weight / grad_bias accumulators. Returns input-dtype grads."""
+    grad_hidden rows, the float32 grad_weight / grad_bias accumulators. Returns input-dtype grads.
+    `shard`: the weight holds only these vocabulary rows (see the module docstring)."""
     N = hidden_NE.shape[0]
     dtype = _compute_dtype(hidden_NE, weight_VE)
     W_VE = weight_VE.detach().to(dtype)
@@ -128,13 +170,17 @@ def _chunked_loss(
     for start in range(0, N, C):
         rows = slice(start, start + C)
         h_CE = hidden_NE[rows].detach().to(dtype)
-        ce_N[rows], g_CV = _chunk(h_CE, W_VE, b_V, targets_N[rows], weights_N[rows], exclude_X, any(needs[:3]))
+        ce_N[rows], g_CV = _chunk(
+            h_CE, W_VE, b_V, targets_N[rows], weights_N[rows], exclude_X, any(needs[:3]), shard
+        )
         if grad_h_NE is not None:
             grad_h_NE[rows] = g_CV @ W_VE
         if grad_w_VE is not None:
             grad_w_VE.addmm_(g_CV.T, h_CE)
         if grad_b_V is not None:
             grad_b_V += g_CV.sum(0)
+    if shard is not None and grad_h_NE is not None:
+        dist.all_reduce(grad_h_NE, group=shard.group)  # every shard's share of d loss / d hidden
     weighted_sum = (ce_N * weights_N.detach().to(dtype)).sum()
     grads = (grad_h_NE, _cast(grad_w_VE, weight_VE), _cast(grad_b_V, bias_V))
     return weighted_sum, ce_N, grads
@@ -148,18 +194,48 @@ def _chunk(
     weights_C: torch.Tensor,
     exclude_X: torch.Tensor,
     need_grad: bool,
+    shard: VocabShard | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """CE of C rows and d(sum w * CE)/d logits = w * (softmax - onehot), built in the logits buffer."""
     logits_CV = h_CE @ W_VE.T if b_V is None else torch.addmm(b_V, h_CE, W_VE.T)
     if exclude_X.numel():
         logits_CV.index_fill_(1, exclude_X, float("-inf"))
-    lse_C = torch.logsumexp(logits_CV, dim=1)
-    ce_C = lse_C - logits_CV.gather(1, targets_C[:, None]).squeeze(1)
+    if shard is None:
+        lse_C = torch.logsumexp(logits_CV, dim=1)
+        target_logit_C = logits_CV.gather(1, targets_C[:, None]).squeeze(1)
+        local_targets_C = targets_C
+    else:
+        lse_C, target_logit_C, local_targets_C = _sharded_lse(logits_CV, targets_C, shard)
+    ce_C = lse_C - target_logit_C
     if not need_grad:
         return ce_C, None
     grad_CV = logits_CV.sub_(lse_C[:, None]).exp_()  # softmax, in place
-    grad_CV.scatter_add_(1, targets_C[:, None], torch.full_like(lse_C[:, None], -1.0))
+    if shard is None:
+        grad_CV.scatter_add_(1, targets_C[:, None], torch.full_like(lse_C[:, None], -1.0))
+    else:  # the one-hot lies in this shard for the rows whose target it holds
+        rows = (local_targets_C >= 0).nonzero().squeeze(1)
+        grad_CV.index_put_((rows, local_targets_C[rows]), torch.full_like(lse_C[rows], -1.0), accumulate=True)
     return ce_C, grad_CV.mul_(weights_C.to(grad_CV.dtype)[:, None])
+
+
+def _sharded_lse(
+    logits_CV: torch.Tensor, targets_C: torch.Tensor, shard: VocabShard
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Log-sum-exp over the whole vocabulary and the target logits, from this rank's V/T columns:
+    (lse, target logit, the target's local column or -1 where another shard holds it)."""
+    max_C = logits_CV.amax(dim=1)
+    dist.all_reduce(max_C, op=dist.ReduceOp.MAX, group=shard.group)
+    max_C = torch.where(torch.isfinite(max_C), max_C, torch.zeros_like(max_C))  # a shard of excluded ids only
+    owned_C = (targets_C >= shard.start) & (targets_C < shard.stop)
+    local_C = torch.where(owned_C, targets_C - shard.start, -1)
+    sums_2C = torch.stack(
+        [
+            (logits_CV - max_C[:, None]).exp().sum(1),
+            torch.where(owned_C, logits_CV.gather(1, local_C.clamp_min(0)[:, None]).squeeze(1), 0.0),
+        ]
+    )
+    dist.all_reduce(sums_2C, group=shard.group)
+    return max_C + sums_2C[0].log(), sums_2C[1], local_C
 
 
 def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:

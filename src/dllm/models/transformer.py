@@ -76,9 +76,10 @@ class Attention(nn.Module):
         attention reads the cached keys/values of the whole attended range."""
         B, L, _ = x_BLE.shape
         Q = L if num_queries is None else num_queries
-        q = self.q_proj(x_BLE[:, :Q]).view(B, Q, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x_BLE).view(B, L, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x_BLE).view(B, L, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        # heads from the projections' widths: under tensor parallelism a rank holds H/T and K/T of them
+        q = self.q_proj(x_BLE[:, :Q]).view(B, Q, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x_BLE).view(B, L, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x_BLE).view(B, L, -1, self.head_dim).transpose(1, 2)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
@@ -212,6 +213,9 @@ class Transformer(nn.Module):
         self.head_bias = nn.Parameter(torch.zeros(V)) if cfg.head == "mlm" else None
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(E, V, bias=False)
         self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
+        # the last block computes only `mask.num_outputs` rows; off when a rank's rows are not the
+        # sequence's first positions (sequence parallelism shards the residual stream)
+        self.trim_last_block = True
 
     def _inv_freq(self) -> torch.Tensor:
         D = self.cfg.dim_per_head
@@ -238,7 +242,7 @@ class Transformer(nn.Module):
         rope = rope_cos_sin(positions_BL, self.inv_freq) if self.cfg.position == "rope" else None
         last, aux = len(self.layers) - 1, []
         for i, layer in enumerate(self.layers):
-            num_queries = mask.num_outputs if i == last else None
+            num_queries = mask.num_outputs if i == last and self.trim_last_block else None
             x, layer_aux = layer(x, rope, mask, num_queries, None if cache is None else cache.layer(i))
             if layer_aux is not None:
                 aux.append(layer_aux)

@@ -1,8 +1,7 @@
-"""Apply parallelism to a single-device model, in a fixed order: context/block parallelism (each
-layer's attention backend) -> compile -> FSDP2 (on the meta device, before weights exist) ...
-materialize ... DDP (which needs real weights).
-
-(Tensor parallelism and activation checkpointing slot in before compile: TP before CP/BP.)
+"""Apply parallelism to a single-device model, in one fixed order: tensor/sequence parallelism
+(DTensor shards of each layer) -> context/block parallelism (each layer's attention backend) ->
+activation checkpointing -> compile (per block) -> FSDP2 (on the meta device, before weights exist)
+... materialize ... DDP (which needs real weights).
 """
 
 from __future__ import annotations
@@ -17,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 from dllm.config.training import TopologyConfig
 from dllm.parallel.context import ShardPlan, apply_context_parallel
 from dllm.parallel.dims import ParallelDims
+from dllm.parallel.tensor import apply_tensor_parallel
 
 
 def apply_parallelism(
@@ -30,17 +30,26 @@ def apply_parallelism(
 ) -> nn.Module:
     """`plan`: this rank's context/block shard plan (None: every rank sees whole sequences); its
     attention exchanges K/V over `cp_group`. Before compile, so the compiled blocks trace it."""
+    if dims.tp > 1:
+        assert mesh is not None
+        apply_tensor_parallel(model, mesh["tp"], dims.sequence_parallel)
     if plan is not None:
         apply_context_parallel(model, plan, cp_group, cfg.context.transport)
     if compile:
         for block in model.layers:
             block.compile()  # in place: parameter names (and checkpoints) stay the same
-    if mesh is not None and cfg.data_parallel == "fsdp":
+    if mesh is not None and cfg.data_parallel == "fsdp" and dims.grad_ranks > 1:
         # per block, then the root (embeddings, final norm, head): FSDP2's recommended granularity
+        dp_mesh = data_parallel_mesh(mesh, dims)
         for block in model.layers:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(block, mesh=dp_mesh)
+        fully_shard(model, mesh=dp_mesh)
     return model
+
+
+def data_parallel_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
+    """FSDP2's mesh: shard over dp_shard x cp, and (HSDP) replicate over dp_replicate."""
+    return mesh["dp_replicate", "dp_shard_cp"] if dims.dp_replicate > 1 else mesh["dp_shard_cp"]
 
 
 def wrap_replicated(model: nn.Module, mesh: DeviceMesh | None, cfg: TopologyConfig) -> nn.Module:
@@ -48,7 +57,7 @@ def wrap_replicated(model: nn.Module, mesh: DeviceMesh | None, cfg: TopologyConf
     if mesh is None or cfg.data_parallel != "ddp":
         return model
     device_ids = None if mesh.device_type == "cpu" else [torch.cuda.current_device()]
-    return DistributedDataParallel(model, device_ids=device_ids, process_group=mesh.get_group("dp"))
+    return DistributedDataParallel(model, device_ids=device_ids, process_group=mesh["dp_cp"].get_group())
 
 
 def unwrap(model: nn.Module) -> nn.Module:

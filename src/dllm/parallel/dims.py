@@ -56,13 +56,16 @@ def init_process_group(env: DistEnv, cfg: TopologyConfig, device: torch.device) 
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Sizes of each parallel dimension: world = dp x group, where a context group of `group` ranks
-    shares each sequence (`topology.context`; group 1 without context/block parallelism).
+    """Sizes of each parallel dimension: world = dp_replicate x dp_shard x group x tp, where a context
+    group of `group` ranks shares each sequence (`topology.context`; group 1 without context/block
+    parallelism), `tp` ranks split each layer (tensor parallelism), and ep of the dp ranks split the
+    experts of an MoE model (expert parallelism borrows data-parallel ranks: they read different data).
 
-    World rank w is data-parallel index w // group and rank w % group inside its context group, so a
-    group is `group` consecutive ranks (one node, when group divides nproc_per_node). Gradients are
-    reduced over all dp x group ranks (one FSDP/DDP mesh dimension over the world); the CP process
-    groups (cp, csbp) are separate communicators: a CP axis never shares one with data parallelism.
+    World rank w = ((d * group) + g) * tp + t, with d = r * dp_shard + s the data-parallel index: the
+    tp ranks of a layer are consecutive (one node's fast links), then the context group, then data
+    parallelism outermost. Gradients are reduced over the dp x group ranks of one tensor-parallel
+    index (FSDP2 over the flattened "dp_shard_cp" mesh dimension, HSDP: replicated over
+    "dp_replicate"); the CP process groups (cp, csbp) are separate communicators.
     """
 
     dp: int
@@ -70,46 +73,80 @@ class ParallelDims:
     mode: Literal["none", "cp", "bp", "csbp"] = "none"
     cp: int = 1
     bp: int = 1
+    tp: int = 1
+    ep: int = 1
+    dp_replicate: int = 1
+    sequence_parallel: bool = False
 
     @classmethod
     def from_topology(cls, cfg: TopologyConfig, world_size: int) -> ParallelDims:
         ctx = cfg.context
         group = ctx.group_size
-        dp = world_size // group if cfg.dp_size == -1 else cfg.dp_size
-        assert dp * group == world_size, "checked by config rules"
+        dp = world_size // (group * cfg.tp_size) if cfg.dp_size == -1 else cfg.dp_size
+        assert dp * group * cfg.tp_size == world_size, "checked by config rules"
+        sizes = dict(
+            tp=cfg.tp_size, ep=cfg.ep_size, dp_replicate=cfg.dp_replicate,
+            sequence_parallel=cfg.sequence_parallel and cfg.tp_size > 1,
+        )  # fmt: skip
         if group == 1:  # cp_size 1 or bp_size 1: nothing to split (preflight warns)
-            return cls(dp=dp, world_size=world_size)
-        return cls(dp=dp, world_size=world_size, mode=ctx.mode, cp=ctx.cp_size, bp=ctx.bp_size)
+            return cls(dp=dp, world_size=world_size, **sizes)
+        return cls(dp=dp, world_size=world_size, mode=ctx.mode, cp=ctx.cp_size, bp=ctx.bp_size, **sizes)
 
     @property
     def group(self) -> int:
         """Ranks that share one sequence: cp (cp), bp (bp, csbp), 1 (none)."""
         return {"none": 1, "cp": self.cp}.get(self.mode, self.bp)
 
+    @property
+    def dp_shard(self) -> int:
+        return self.dp // self.dp_replicate
+
+    @property
+    def grad_ranks(self) -> int:
+        """Ranks over which FSDP/DDP average a gradient: dp x group (the tp ranks hold other shards)."""
+        return self.dp * self.group
+
     def dp_index(self, rank: int) -> int:
         """The data-parallel index of a world rank: which share of the global batch it reads."""
-        return rank // self.group
+        return rank // (self.group * self.tp)
 
     def group_rank(self, rank: int) -> int:
         """A world rank's index inside its context group (the rank of its ShardPlan)."""
-        return rank % self.group
+        return (rank // self.tp) % self.group
 
     def cp_groups(self) -> list[list[int]]:
-        """World ranks of every CP process group (cp, csbp): per data-parallel index, its context group
-        cut into runs of cp consecutive ranks (parallel.context.cp_group_ranks), in one fixed order."""
+        """World ranks of every CP process group (cp, csbp): per data-parallel and tensor-parallel
+        index, its context group cut into runs of cp consecutive group ranks
+        (parallel.context.cp_group_ranks), in one fixed order."""
         if self.mode not in ("cp", "csbp"):
             return []
         return [
-            [d * self.group + base + i for i in range(self.cp)]
+            [((d * self.group) + base + i) * self.tp + t for i in range(self.cp)]
             for d in range(self.dp)
+            for t in range(self.tp)
             for base in range(0, self.group, self.cp)
         ]
 
     def build_mesh(self, device: torch.device) -> DeviceMesh | None:
-        """The data-parallel mesh of FSDP/DDP: one dimension over every rank (dp x group)."""
+        """The named mesh ("dp_replicate", "dp_shard", "cp", "tp") over every rank, with "dp_shard_cp"
+        (FSDP's shard dimension: context ranks shard parameters too) flattened from two of them."""
         if self.world_size == 1:
             return None
-        return init_device_mesh(device.type, (self.world_size,), mesh_dim_names=("dp",))
+        mesh = init_device_mesh(
+            device.type,
+            (self.dp_replicate, self.dp_shard, self.group, self.tp),
+            mesh_dim_names=("dp_replicate", "dp_shard", "cp", "tp"),
+        )
+        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+        mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+        return mesh
+
+    def build_ep_mesh(self, device: torch.device) -> DeviceMesh | None:
+        """Expert parallelism's mesh ("edp", "ep") over the data-parallel ranks (tp = group = 1): the
+        ep ranks of an expert group are consecutive; "edp" joins the ranks holding the same experts."""
+        if self.ep == 1:
+            return None
+        return init_device_mesh(device.type, (self.dp // self.ep, self.ep), mesh_dim_names=("edp", "ep"))
 
     def build_cp_group(self, rank: int) -> dist.ProcessGroup | None:
         """This rank's CP process group, None when nothing is gathered (none, bp). Every rank creates

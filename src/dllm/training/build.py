@@ -59,7 +59,7 @@ def context_plan(spec: RunSpec, group_rank: int = 0) -> ShardPlan | None:
         return None
     block = OBJECTIVES.has(obj.name, "block")
     try:
-        return build_plan(
+        plan = build_plan(
             ctx.mode, spec.data.seq_len, getattr(obj, "block_size", None), ctx.cp_size, ctx.bp_size, group_rank,
             ctx.schedule, "block_diffusion" if block else "sequence",
         )  # fmt: skip
@@ -67,6 +67,13 @@ def context_plan(spec: RunSpec, group_rank: int = 0) -> ShardPlan | None:
         raise ConfigError(
             f"topology.context: {e}; change cp_size/bp_size, schedule, data.seq_len or objective.block_size"
         ) from None
+    tp = spec.topology.tp_size
+    if spec.topology.sequence_parallel and len(plan.rows) % tp:
+        raise ConfigError(
+            f"topology.sequence_parallel: context rank {group_rank} holds {len(plan.rows)} rows, not divisible by "
+            f"tp_size {tp}; change data.seq_len, the context sizes, or turn sequence_parallel off"
+        )
+    return plan
 
 
 def build_model(

@@ -120,7 +120,8 @@ def _check_context(spec: RunSpec) -> list[str]:
     if ctx.group_size == 1:
         size = "cp_size" if ctx.mode == "cp" else "bp_size"
         return [f"topology.context.mode: {ctx.mode} with {size} 1 has no effect (whole sequences on every rank)"]
-    context_plan(spec)
+    for group_rank in range(ctx.group_size):  # every rank's rows (sequence parallelism splits them too)
+        context_plan(spec, group_rank)
     topo = spec.topology
     if ctx.mode in ("cp", "csbp") and topo.nnodes > 1 and topo.nproc_per_node % ctx.cp_size:
         return [

@@ -31,6 +31,7 @@ from dllm.models.output import ModelOutput, SelfConditioned
 from dllm.parallel.apply import set_grad_sync
 from dllm.parallel.context import ShardPlan
 from dllm.parallel.dims import DistEnv, ParallelDims, all_reduce_sum
+from dllm.parallel.grad_norm import clip_grad_norm
 from dllm.training.lr import LRSchedule
 from dllm.training.metrics import MetricsLogger
 from dllm.training.mfu import FlopsMeter
@@ -136,14 +137,15 @@ class Trainer:
         local_targets = sum(self.objective.normalizer(b) for b in micro_batches)
         counts = torch.tensor([float(local_targets)], dtype=torch.float64, device=self.device)
         counts = all_reduce_sum(counts, self.env)
-        # the `group` ranks of a context group count the same micro-batches: the world sum counts each
-        # target `group` times (integers in float64: the division is exact)
-        global_targets = max(float(counts.item()) / self.dims.group, 1.0)
-        # FSDP/DDP average gradients over all W = dp x group ranks: grad = (1/W) sum_w scale * d(loss_sum_w).
-        # The loss sums of a group's ranks add up to its micro-batches' loss sum (each target owned once),
-        # so sum_w d(loss_sum_w) = d(sum over the global batch); scale = W / global_targets makes grad
-        # the gradient of that sum / global_targets (W = dp without context parallelism)
-        scale = self.dims.world_size / global_targets
+        # the `group` x `tp` ranks of a context group and its tensor-parallel peers count the same
+        # micro-batches: the world sum counts each target group x tp times (integers in float64: exact)
+        global_targets = max(float(counts.item()) / (self.dims.group * self.dims.tp), 1.0)
+        # FSDP/DDP average gradients over the W = dp x group ranks of one tensor-parallel index:
+        # grad = (1/W) sum_w scale * d(loss_sum_w). The loss sums of a group's ranks add up to its
+        # micro-batches' loss sum (each target owned once), so sum_w d(loss_sum_w) = d(sum over the
+        # global batch); scale = W / global_targets makes grad the gradient of that sum / global_targets
+        # (W = dp without context parallelism; tensor-parallel ranks hold shards of one gradient)
+        scale = self.dims.grad_ranks / global_targets
         sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # loss, masked CE, masked count
         aux_sum = 0.0
         lr = self.lr_schedule.apply(self.optimizer, self.step)
@@ -171,13 +173,11 @@ class Trainer:
             sums[2] += out.metrics.get("num_masked", torch.zeros(())).double()
         t0 = time.perf_counter()
         max_norm = self.cfg.grad_clip if self.cfg.grad_clip is not None else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        if hasattr(grad_norm, "full_tensor"):
-            grad_norm = grad_norm.full_tensor()
+        grad_norm = clip_grad_norm(self.model.parameters(), max_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         times["optimizer"] = time.perf_counter() - t0
-        sums = all_reduce_sum(sums, self.env)
+        sums = all_reduce_sum(sums, self.env) / self.dims.tp  # tensor-parallel ranks hold the same sums
         self.step += 1
         return StepStats(
             loss=float(sums[0] / global_targets),
