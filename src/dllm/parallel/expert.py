@@ -10,9 +10,10 @@ module from outside, in place (parameter and module names unchanged):
    each rank's experts from the full tensors (training/build.py `materialize`), and
    `get_model_state_dict(full_state_dict=True)` gives the full tensors back under the same names.
 2. Dispatch (`expert_parallel_forward`, installed as the instance's `forward`): this rank's N x K
-   (token, slot) assignments are sorted by expert, counted per destination ep rank, the counts
-   exchanged (all_to_all_single), then the token rows and their local expert ids sent
-   (all_to_all_single; the rows through `all_to_all`, whose backward is the reverse exchange); the
+   (token, slot) assignments are sorted by expert and counted per expert; the counts go to each
+   expert's owner (all_to_all_single, X/ep per rank), which tells every rank how many rows each peer
+   sends it and, since rows travel sorted by expert, which local expert each row is for. The token
+   rows then go out (`all_to_all`: all_to_all_single whose backward is the reverse exchange), the
    owner runs its local experts on what arrived, sends the results back the same way, and the
    source rank combines them weighted by its routing weights (index_add, as the dense loop does).
    Every rank runs every collective in the forward and the backward, whatever its counts: a local
@@ -120,25 +121,27 @@ def expert_parallel_forward(
     K = experts_NK.shape[1]
     expert_A, order_A = experts_NK.flatten().sort(stable=True)  # assignment a = n K + k
     token_A = order_A // K
-    dest_A = expert_A // ep.num_local
-    send_G = torch.bincount(dest_A, minlength=ep.size)
-    recv_G = torch.empty_like(send_G)
-    dist.all_to_all_single(recv_G, send_G, group=ep.group)
-    send, recv = send_G.tolist(), recv_G.tolist()  # split sizes are host integers
+    # rows per expert, exchanged per owner: rank g receives [X/ep] counts from each rank, so it knows
+    # both how many rows arrive from each rank and, since they arrive sorted, each row's local expert
+    send_X = torch.bincount(expert_A, minlength=ep.size * ep.num_local)
+    recv_GX = torch.empty_like(send_X)
+    dist.all_to_all_single(recv_GX, send_X, group=ep.group)
+    recv_GX = recv_GX.view(ep.size, ep.num_local)
+    send = send_X.view(ep.size, ep.num_local).sum(1).tolist()  # split sizes are host integers
+    recv = recv_GX.sum(1).tolist()
     x_RE = all_to_all(x_NE[token_A], recv, send, ep.group)
-    local_R = torch.empty(sum(recv), dtype=expert_A.dtype, device=expert_A.device)
-    dist.all_to_all_single(local_R, expert_A - dest_A * ep.num_local, recv, send, group=ep.group)
-    y_AE = all_to_all(_run_local_experts(experts, x_RE, local_R, ep.num_local), send, recv, ep.group)
-    y_AE = y_AE * weights_NK.flatten()[order_A, None]
+    local_R = torch.arange(ep.num_local, device=x_NE.device).repeat(ep.size).repeat_interleave(recv_GX.flatten())
+    y_RE = _run_local_experts(experts, x_RE, local_R, recv_GX.sum(0).tolist())
+    y_AE = all_to_all(y_RE, send, recv, ep.group) * weights_NK.flatten()[order_A, None]
     return torch.zeros_like(x_NE).index_add_(0, token_A, y_AE.to(x_NE.dtype))
 
 
-def _run_local_experts(experts: Experts, x_RE: torch.Tensor, local_R: torch.Tensor, num_local: int) -> torch.Tensor:
-    """Each received row through its local expert, in the order received. Every local expert runs,
-    with no rows too: its weights then get a zero gradient and the rows stay in the graph."""
+def _run_local_experts(experts: Experts, x_RE: torch.Tensor, local_R: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """Each received row through its local expert (`counts` rows each), in the order received. Every
+    local expert runs, with no rows too: its weights then get a zero gradient and the rows stay in the
+    graph."""
     gate_up, down = experts.gate_up_proj.to_local(), experts.down_proj.to_local()
     order_R = local_R.argsort(stable=True)
-    counts = torch.bincount(local_R, minlength=num_local).tolist()
     outs = []
     for j, rows in enumerate(order_R.split(counts)):
         gate, up = F.linear(x_RE[rows], gate_up[j]).chunk(2, dim=-1)
