@@ -48,7 +48,7 @@ from dllm.diffusion.objectives import MDLMObjective, TokenIds
 from dllm.errors import ConfigError
 from dllm.models import Transformer
 from dllm.models.transformer import MoE
-from dllm.parallel.expert import EPGroup, apply_expert_parallel, shard_experts
+from dllm.parallel.expert import EPGroup, apply_expert_parallel, clip_grad_norm_, shard_experts
 from dllm.training.trainer import run_model
 
 pytestmark = pytest.mark.distributed
@@ -58,6 +58,7 @@ IDS = TokenIds(mask_id=V - 1, eos_id=V - 2, pad_id=V - 3, num_tokens=V)
 B, L = 4, 16  # the global batch: 2 rows per rank at world 2, 1 at world 4
 EP = 2
 COEF = 0.1  # router aux-loss coefficient, large enough that its gradient counts
+CLIP = 0.05  # gradient-norm clip of the FSDP cases, below the step's norm (so the gradients are scaled)
 CFG = ModelConfig(
     family="qwen3_moe", preset="tiny", vocab_size=V, num_experts=4, num_experts_per_tok=2,
     moe_intermediate_size=32, attention_backend="sdpa",
@@ -141,6 +142,7 @@ def _run_case(rank: int, world: int, mesh, case: dict) -> dict:
     start = time.perf_counter()
     loss = _loss(model, obj, _rows(batch, rank, world), num_targets, world)
     (loss * world if fsdp else loss).backward()  # FSDP averages over the W ranks (the trainer's scale)
+    norm = clip_grad_norm_(model.parameters(), CLIP) if fsdp else None  # FSDP's gradients are whole
     step_s = time.perf_counter() - start
     loss, grads = _summed(model, loss.detach(), mesh)
     if rank != 0:
@@ -148,12 +150,14 @@ def _run_case(rank: int, world: int, mesh, case: dict) -> dict:
     start = time.perf_counter()
     ref_loss = sum(_loss(reference, obj, _rows(batch, r, world), num_targets, world) for r in range(world))
     ref_loss.backward()
+    ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), CLIP) if fsdp else None
     ref_s = time.perf_counter() - start
     diffs = {n: _rel(grads[n], p.grad) for n, p in reference.named_parameters()}
     worst = max(diffs, key=diffs.__getitem__)
     return {
         "loss": _rel(loss, ref_loss.detach()), "grad": diffs[worst], "worst": worst, "state_ok": state_ok,
         "step_s": step_s, "reference_step_s": ref_s, "routed": _routed(reference, obj, batch),
+        **({"norm": _rel(norm, ref_norm), "ref_norm": float(ref_norm)} if fsdp else {}),
     }  # fmt: skip
 
 
@@ -292,6 +296,8 @@ def test_expert_parallel_step_equals_one_process(results: dict[str, dict], name:
     assert result["state_ok"], result
     assert result["loss"] <= 1e-5, result
     assert result["grad"] <= 1e-5, result
+    if "norm" in result:  # FSDP cases: the gradients were clipped to CLIP (below their norm) first
+        assert result["norm"] <= 1e-5 and result["ref_norm"] > CLIP, result
 
 
 def test_unbalanced_routing_leaves_experts_idle(results: dict[str, dict]):
