@@ -48,7 +48,8 @@ from dllm.diffusion.objectives import MDLMObjective, TokenIds
 from dllm.errors import ConfigError
 from dllm.models import Transformer
 from dllm.models.transformer import MoE
-from dllm.parallel.expert import EPGroup, apply_expert_parallel, clip_grad_norm_, shard_experts
+from dllm.parallel.expert import EPGroup, apply_expert_parallel, shard_experts
+from dllm.parallel.grad_norm import clip_grad_norm
 from dllm.training.trainer import run_model
 
 pytestmark = pytest.mark.distributed
@@ -142,7 +143,7 @@ def _run_case(rank: int, world: int, mesh, case: dict) -> dict:
     start = time.perf_counter()
     loss = _loss(model, obj, _rows(batch, rank, world), num_targets, world)
     (loss * world if fsdp else loss).backward()  # FSDP averages over the W ranks (the trainer's scale)
-    norm = clip_grad_norm_(model.parameters(), CLIP) if fsdp else None  # FSDP's gradients are whole
+    norm = clip_grad_norm(model.parameters(), CLIP) if fsdp else None  # FSDP's gradients are whole
     step_s = time.perf_counter() - start
     loss, grads = _summed(model, loss.detach(), mesh)
     if rank != 0:

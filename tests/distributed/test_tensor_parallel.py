@@ -1,4 +1,5 @@
-"""Tensor (and sequence) parallelism composed with FSDP2 and context parallelism on one named mesh
+"""Tensor (and sequence) parallelism composed with FSDP2 and context parallelism on one named mesh,
+and expert parallelism of an MoE model with FSDP2,
 reproduces the one-process loss and every parameter gradient of one step (fp32, max relative
 difference per tensor <= 1e-5), through the same assembly as training: ParallelDims -> mesh -> model
 on the meta device -> parallel.apply (TP -> CP -> FSDP2) -> materialize (rank 0's weights broadcast).
@@ -63,8 +64,23 @@ def _objective(name: str):
     return BD3LMObjective(BD3LMConfig(block_size=BLOCK), IDS)
 
 
+AUX = 0.1  # the router's load-balancing loss coefficient (MoE cases)
+
+
 def _model_cfg(case: dict) -> ModelConfig:
+    if case.get("moe"):
+        return ModelConfig(
+            family="qwen3_moe", preset="tiny", vocab_size=V, num_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=32,
+        )  # fmt: skip
     return ModelConfig(preset="tiny", vocab_size=V, tie_embeddings=case.get("tie", True))
+
+
+def _objective_loss(model, obj, inputs, coef: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss sum, the router's aux loss x coef or 0): what the trainer backpropagates per micro-batch."""
+    out = run_model(model, inputs)
+    aux = out.aux.get("router_loss")
+    return obj.loss(out, inputs).loss_sum, coef * aux if aux is not None else torch.zeros(())
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -90,7 +106,7 @@ def _run_case(rank: int, world: int, case: dict) -> dict:
         plan = build_plan(ctx.mode, L, BLOCK, ctx.cp_size, ctx.bp_size, dims.group_rank(rank), ctx.schedule, layout)
     with torch.device("meta"):
         model = Transformer(cfg)
-    model = apply_parallelism(model, dims, mesh, topo, False, plan, cp_group)
+    model = apply_parallelism(model, dims, mesh, topo, False, plan, cp_group, dims.build_ep_mesh(torch.device("cpu")))
     materialize(model, reference.state_dict() if rank == 0 else {}, torch.device("cpu"), DistEnv(rank, rank, world))
 
     obj = _objective(case["objective"])
@@ -101,21 +117,26 @@ def _run_case(rank: int, world: int, case: dict) -> dict:
     inputs = obj.prepare(_rows(batch, slice(d * per, (d + 1) * per)), NoiseKeys(0, B))
     if plan is not None:
         inputs = plan.shard(inputs)
-    out = obj.loss(run_model(model, inputs), inputs)
-    (out.loss_sum * (dims.grad_ranks / global_targets)).backward()
-    loss = out.loss_sum.detach().clone()
+    loss_sum, aux = _objective_loss(model, obj, inputs, AUX)
+    (loss_sum * (dims.grad_ranks / global_targets) + aux).backward()  # FSDP averages over grad_ranks
+    loss = loss_sum.detach().clone()
     dist.all_reduce(loss)
     loss = loss / dims.tp / global_targets
     grads = {n: _full(p.grad) for n, p in model.named_parameters()}  # collective: every rank, one order
     if rank != 0:
         return {}
-    ref_inputs = obj.prepare(batch, NoiseKeys(0, B))
-    ref_loss = obj.loss(run_model(reference, ref_inputs), ref_inputs).loss_sum / global_targets
-    ref_loss.backward()
+    # the reference: one process, the global batch as dp micro-batches (the router's loss is a mean over
+    # the micro-batches' tokens, as the trainer's accumulation computes it; the CE does not care)
+    ref_loss = torch.zeros(())
+    for d in range(dims.dp):
+        ref_inputs = obj.prepare(_rows(batch, slice(d * per, (d + 1) * per)), NoiseKeys(0, B))
+        part, ref_aux = _objective_loss(reference, obj, ref_inputs, AUX)
+        (part / global_targets + ref_aux / dims.dp).backward()
+        ref_loss += part.detach() / global_targets
     diffs = {n: _rel(grads[n], p.grad) for n, p in reference.named_parameters()}
     worst = max(diffs, key=diffs.__getitem__)
     sharded = sorted(n for n, p in model.named_parameters() if isinstance(p, DTensor))
-    return {"loss": _rel(loss, ref_loss.detach()), "grad": diffs[worst], "worst": worst, "sharded": sharded}
+    return {"loss": _rel(loss, ref_loss), "grad": diffs[worst], "worst": worst, "sharded": sharded}
 
 
 def _worker(rank: int, world: int, cases: dict[str, dict], port: int, out: str) -> None:
@@ -144,12 +165,19 @@ CASES = {
     "tp2-mdlm": dict(world=2, objective="mdlm", topology=dict(tp_size=2)),
     "tp2-bd3lm-untied": dict(world=2, objective="bd3lm", tie=False, topology=dict(tp_size=2)),
     "tp2-sp-mdlm": dict(world=2, objective="mdlm", topology=dict(tp_size=2, sequence_parallel=True)),
-    "tp2-sp-bd3lm-untied": dict(world=2, objective="bd3lm", tie=False, topology=dict(tp_size=2, sequence_parallel=True)),
+    "tp2-sp-bd3lm-untied": dict(
+        world=2, objective="bd3lm", tie=False, topology=dict(tp_size=2, sequence_parallel=True)
+    ),
     "dp2xtp2-mdlm": dict(world=4, objective="mdlm", topology=dict(tp_size=2)),
     "dp2xtp2-sp-bd3lm": dict(world=4, objective="bd3lm", topology=dict(tp_size=2, sequence_parallel=True)),
     "hsdp2xtp2-mdlm": dict(world=4, objective="mdlm", topology=dict(tp_size=2, dp_replicate=2)),
     "tp2xcp2-mdlm": dict(world=4, objective="mdlm", topology=dict(tp_size=2, context=_CP2)),
-    "tp2xcp2-sp-bd3lm": dict(world=4, objective="bd3lm", topology=dict(tp_size=2, sequence_parallel=True, context=_CP2)),
+    "tp2xcp2-sp-bd3lm": dict(
+        world=4, objective="bd3lm", topology=dict(tp_size=2, sequence_parallel=True, context=_CP2)
+    ),
+    "ep2-moe-mdlm": dict(world=2, objective="mdlm", moe=True, topology=dict(ep_size=2)),
+    "dp2xep2-moe-bd3lm": dict(world=4, objective="bd3lm", moe=True, topology=dict(ep_size=2)),
+    "dp2xep2-moe-mdlm": dict(world=4, objective="mdlm", moe=True, topology=dict(ep_size=2)),
     "dp2xtp2xcp2-mdlm": dict(world=8, objective="mdlm", topology=dict(tp_size=2, context=_CP2)),
     "dp2xtp2xcp2-sp-bd3lm": dict(
         world=8, objective="bd3lm", topology=dict(tp_size=2, sequence_parallel=True, context=_CP2)

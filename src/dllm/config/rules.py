@@ -91,7 +91,9 @@ def check_tensor_parallel(spec: RunSpec) -> None:
     tp = topo.tp_size
     if tp == 1:
         if topo.sequence_parallel:
-            raise ConfigError("topology.sequence_parallel: needs tp_size > 1 (it shards over the tensor-parallel ranks)")
+            raise ConfigError(
+                "topology.sequence_parallel: needs tp_size > 1 (it shards over the tensor-parallel ranks)"
+            )
         return
     dims = {
         "model.num_heads": model.num_heads,
@@ -107,12 +109,12 @@ def check_tensor_parallel(spec: RunSpec) -> None:
                 f"an equal share (choose a tp_size that divides it)"
             )
     refusals = [
-        (model.num_experts > 0, f"model.num_experts: tensor parallelism of MoE layers is not supported; "
-         f"use topology.ep_size (expert parallelism) with tp_size 1"),
+        (model.num_experts > 0, "model.num_experts: tensor parallelism of MoE layers is not supported; "
+         "use topology.ep_size (expert parallelism) with tp_size 1"),
         (topo.data_parallel == "ddp", "topology.data_parallel: ddp does not take tensor-parallel shards; use fsdp"),
         (spec.lora is not None, "lora: LoRA adapters are not sharded by tensor parallelism; set tp_size: 1"),
         (model.head == "mlm", "model.head: the MLM head is not tensor-parallel; set tp_size: 1"),
-        (model.norm_position == "post", "model.norm_position: post-norm blocks are not tensor-parallel; set tp_size: 1"),
+        (model.norm_position == "post", "model.norm_position: post-norm is not tensor-parallel; set tp_size: 1"),
         (not spec.training.chunked_loss, "training.chunked_loss: tensor parallelism needs the vocabulary-parallel "
          "chunked loss; set it to true"),
         (model.self_condition, "model.self_condition: not supported with tensor parallelism; set tp_size: 1"),

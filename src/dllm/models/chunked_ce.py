@@ -99,9 +99,7 @@ def linear_cross_entropy(
                 hidden_NE, weight_VE, bias_V, targets_N, weights_N, exclude_X, C, shard=shard
             )
             return weighted_sum, ce_N
-        return _LinearCrossEntropy.apply(
-            hidden_NE, weight_VE, bias_V, targets_N, weights_N, exclude_X, C, needs, shard
-        )
+        return _LinearCrossEntropy.apply(hidden_NE, weight_VE, bias_V, targets_N, weights_N, exclude_X, C, needs, shard)
 
 
 @dataclass(frozen=True)
@@ -170,9 +168,7 @@ def _chunked_loss(
     for start in range(0, N, C):
         rows = slice(start, start + C)
         h_CE = hidden_NE[rows].detach().to(dtype)
-        ce_N[rows], g_CV = _chunk(
-            h_CE, W_VE, b_V, targets_N[rows], weights_N[rows], exclude_X, any(needs[:3]), shard
-        )
+        ce_N[rows], g_CV = _chunk(h_CE, W_VE, b_V, targets_N[rows], weights_N[rows], exclude_X, any(needs[:3]), shard)
         if grad_h_NE is not None:
             grad_h_NE[rows] = g_CV @ W_VE
         if grad_w_VE is not None:

@@ -1,5 +1,6 @@
 """Apply parallelism to a single-device model, in one fixed order: tensor/sequence parallelism
-(DTensor shards of each layer) -> context/block parallelism (each layer's attention backend) ->
+(DTensor shards of each layer) and expert parallelism (experts sharded, tokens dispatched) ->
+context/block parallelism (each layer's attention backend) ->
 activation checkpointing -> compile (per block) -> FSDP2 (on the meta device, before weights exist)
 ... materialize ... DDP (which needs real weights).
 """
@@ -16,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 from dllm.config.training import TopologyConfig
 from dllm.parallel.context import ShardPlan, apply_context_parallel
 from dllm.parallel.dims import ParallelDims
+from dllm.parallel.expert import apply_expert_parallel, shard_experts
 from dllm.parallel.tensor import apply_tensor_parallel
 
 
@@ -27,12 +29,15 @@ def apply_parallelism(
     compile: bool,
     plan: ShardPlan | None = None,
     cp_group: dist.ProcessGroup | None = None,
+    ep_mesh: DeviceMesh | None = None,
 ) -> nn.Module:
     """`plan`: this rank's context/block shard plan (None: every rank sees whole sequences); its
     attention exchanges K/V over `cp_group`. Before compile, so the compiled blocks trace it."""
     if dims.tp > 1:
         assert mesh is not None
         apply_tensor_parallel(model, mesh["tp"], dims.sequence_parallel)
+    if ep_mesh is not None:  # ParallelDims.build_ep_mesh: ("edp", "ep")
+        apply_expert_parallel(model, ep_mesh["ep"])
     if plan is not None:
         apply_context_parallel(model, plan, cp_group, cfg.context.transport)
     if compile:
@@ -41,6 +46,8 @@ def apply_parallelism(
     if mesh is not None and cfg.data_parallel == "fsdp" and dims.grad_ranks > 1:
         # per block, then the root (embeddings, final norm, head): FSDP2's recommended granularity
         dp_mesh = data_parallel_mesh(mesh, dims)
+        if ep_mesh is not None:  # experts first, over their replicas; an owner's gradient sums its ep group
+            shard_experts(model, ep_mesh["edp"], dims.grad_ranks)
         for block in model.layers:
             fully_shard(block, mesh=dp_mesh)
         fully_shard(model, mesh=dp_mesh)

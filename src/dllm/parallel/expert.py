@@ -38,8 +38,8 @@ replicas. With FSDP2 and the trainer's loss scale W / global_targets (its `scale
 over W), the dense parameters are sharded over the whole dp mesh as today, and the experts over the
 edp mesh with a gradient divide factor W instead of edp (their gradient already sums ep ranks):
 `shard_experts(model, edp_mesh, W)` below, called before the blocks' `fully_shard`. The gradients
-then live on two meshes, which `torch.nn.utils.clip_grad_norm_` refuses: `clip_grad_norm_` below
-takes a norm per mesh and combines them.
+then live on two meshes, which `torch.nn.utils.clip_grad_norm_` refuses: parallel/grad_norm.py
+groups them by mesh and placements.
 
 Shapes: N tokens of this rank, K experts per token (top-k), A = N K assignments, R rows received,
 E hidden, X experts, G ep ranks.
@@ -105,26 +105,6 @@ def shard_experts(model: nn.Module, edp_mesh: DeviceMesh, divide_factor: float, 
             # gloo has no PREMUL_SUM: sum, then divide. Not on one replica: there torch 2.13 divides
             # twice with forced sums (by the factor, then again after its skipped reduce-scatter)
             experts.set_force_sum_reduction_for_comms(edp_mesh.device_type == "cpu" and edp_mesh.size() > 1)
-
-
-@torch.no_grad()
-def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-    """`torch.nn.utils.clip_grad_norm_` for gradients on several device meshes (FSDP2's expert
-    DTensors on (edp, ep) next to the dense ones on dp), which torch's refuses (one stack of norms
-    must share a mesh): a norm per mesh, made whole, then the norm of those norms. Returns the total
-    norm as a plain tensor."""
-    groups: dict[DeviceMesh | None, list[nn.Parameter]] = {}
-    for p in parameters:
-        if p.grad is not None:
-            groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
-    norms = []
-    for params in groups.values():
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type)
-        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    total = torch.nn.utils.get_total_norm(norms, norm_type)
-    for params in groups.values():
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
-    return total
 
 
 def _shard_rows(param: nn.Parameter, mesh: DeviceMesh, ep: EPGroup) -> nn.Parameter:

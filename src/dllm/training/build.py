@@ -1,6 +1,6 @@
 """Assemble a Trainer from a RunSpec: the only code that sees the whole spec.
 
-process group -> ParallelDims -> mesh (+ CP groups) -> model on meta -> parallel.apply (context/block
+process group -> ParallelDims -> mesh (+ CP groups, expert mesh) -> model on meta -> parallel.apply (context/block
 shard plan first) -> materialize weights -> objective -> optimizer / LR -> loader (sharded by
 data-parallel index) -> CheckpointManager (resume when a checkpoint exists).
 """
@@ -83,9 +83,10 @@ def build_model(
     cfg, lora, seed = spec.model, spec.lora, spec.training.seed
     mesh = dims.build_mesh(device)
     cp_group = dims.build_cp_group(env.rank)  # every rank builds every CP group, after the mesh
+    ep_mesh = dims.build_ep_mesh(device)
     with torch.device("meta"):
         model = factory.build_model(cfg, lora, seed)
-    model = apply_parallelism(model, dims, mesh, spec.topology, spec.training.compile, plan, cp_group)
+    model = apply_parallelism(model, dims, mesh, spec.topology, spec.training.compile, plan, cp_group, ep_mesh)
     full = factory.initial_state(cfg, lora, seed) if env.is_main or not env.distributed else {}
     materialize(model, full, device, env)
     return wrap_replicated(model, mesh, spec.topology)
