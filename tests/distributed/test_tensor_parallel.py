@@ -97,7 +97,7 @@ def _run_case(rank: int, world: int, case: dict) -> dict:
     reference.init_weights(torch.Generator().manual_seed(0))
     topo = TopologyConfig(nproc_per_node=world, **case["topology"])
     dims = ParallelDims.from_topology(topo, world)
-    mesh = dims.build_mesh(torch.device("cpu"))
+    meshes = dims.build_meshes(torch.device("cpu"))
     cp_group = dims.build_cp_group(rank)
     plan = None
     if dims.group > 1:
@@ -106,7 +106,7 @@ def _run_case(rank: int, world: int, case: dict) -> dict:
         plan = build_plan(ctx.mode, L, BLOCK, ctx.cp_size, ctx.bp_size, dims.group_rank(rank), ctx.schedule, layout)
     with torch.device("meta"):
         model = Transformer(cfg)
-    model = apply_parallelism(model, dims, mesh, topo, False, plan, cp_group, dims.build_ep_mesh(torch.device("cpu")))
+    model = apply_parallelism(model, dims, meshes, topo, False, plan, cp_group)
     materialize(model, reference.state_dict() if rank == 0 else {}, torch.device("cpu"), DistEnv(rank, rank, world))
 
     obj = _objective(case["objective"])

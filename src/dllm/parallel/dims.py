@@ -127,26 +127,24 @@ class ParallelDims:
             for base in range(0, self.group, self.cp)
         ]
 
-    def build_mesh(self, device: torch.device) -> DeviceMesh | None:
-        """The named mesh ("dp_replicate", "dp_shard", "cp", "tp") over every rank, with "dp_shard_cp"
-        (FSDP's shard dimension: context ranks shard parameters too) flattened from two of them."""
+    def build_meshes(self, device: torch.device) -> Meshes | None:
+        """Every view of the world this run uses, unflattened from one 1-D world mesh (so they share
+        a root, as FSDP2 over tensor- or expert-parallel DTensors requires); None for one process."""
         if self.world_size == 1:
             return None
-        mesh = init_device_mesh(
-            device.type,
-            (self.dp_replicate, self.dp_shard, self.group, self.tp),
-            mesh_dim_names=("dp_replicate", "dp_shard", "cp", "tp"),
+        world = init_device_mesh(device.type, (self.world_size,), mesh_dim_names=("world",))
+        named = world._unflatten(
+            0, (self.dp_replicate, self.dp_shard, self.group, self.tp), ("dp_replicate", "dp_shard", "cp", "tp")
         )
-        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
-        mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
-        return mesh
-
-    def build_ep_mesh(self, device: torch.device) -> DeviceMesh | None:
-        """Expert parallelism's mesh ("edp", "ep") over the data-parallel ranks (tp = group = 1): the
-        ep ranks of an expert group are consecutive; "edp" joins the ranks holding the same experts."""
-        if self.ep == 1:
-            return None
-        return init_device_mesh(device.type, (self.dp // self.ep, self.ep), mesh_dim_names=("edp", "ep"))
+        dense = world._unflatten(
+            0, (self.dp_replicate, self.dp_shard * self.group, self.tp), ("dp_replicate", "dp_shard_cp", "tp")
+        )
+        fsdp = dense["dp_replicate", "dp_shard_cp"] if self.dp_replicate > 1 else dense["dp_shard_cp"]
+        dp_cp = world._unflatten(0, (self.dp * self.group, self.tp), ("dp_cp", "tp"))["dp_cp"]
+        ep = None
+        if self.ep > 1:  # tp = group = 1 (config rules): the data-parallel ranks, ep consecutive ones
+            ep = world._unflatten(0, (self.dp // self.ep, self.ep), ("edp", "ep"))
+        return Meshes(named=named, fsdp=fsdp, tp=dense["tp"], dp_cp=dp_cp, ep=ep)
 
     def build_cp_group(self, rank: int) -> dist.ProcessGroup | None:
         """This rank's CP process group, None when nothing is gathered (none, bp). Every rank creates
@@ -157,6 +155,24 @@ class ParallelDims:
             if rank in ranks:
                 mine = group
         return mine
+
+
+@dataclass(frozen=True)
+class Meshes:
+    """The device meshes of one run (ParallelDims.build_meshes)."""
+
+    named: DeviceMesh
+    """("dp_replicate", "dp_shard", "cp", "tp"): every axis by name."""
+    fsdp: DeviceMesh
+    """FSDP2's mesh: "dp_shard_cp" (data-parallel and context ranks shard parameters), with
+    "dp_replicate" in front for HSDP."""
+    tp: DeviceMesh
+    """This rank's tensor-parallel ranks."""
+    dp_cp: DeviceMesh
+    """Every rank of this tensor-parallel index: DDP's process group."""
+    ep: DeviceMesh | None
+    """("edp", "ep") for expert parallelism: the ep ranks that split the experts, and the replicas of
+    each expert shard."""
 
 
 def all_reduce_sum(t: torch.Tensor, env: DistEnv) -> torch.Tensor:

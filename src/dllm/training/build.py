@@ -81,15 +81,14 @@ def build_model(
 ) -> nn.Module:
     """Model on meta -> adapters -> parallel.apply -> materialize -> DDP wrap (when replicated)."""
     cfg, lora, seed = spec.model, spec.lora, spec.training.seed
-    mesh = dims.build_mesh(device)
-    cp_group = dims.build_cp_group(env.rank)  # every rank builds every CP group, after the mesh
-    ep_mesh = dims.build_ep_mesh(device)
+    meshes = dims.build_meshes(device)
+    cp_group = dims.build_cp_group(env.rank)  # every rank builds every CP group, after the meshes
     with torch.device("meta"):
         model = factory.build_model(cfg, lora, seed)
-    model = apply_parallelism(model, dims, mesh, spec.topology, spec.training.compile, plan, cp_group, ep_mesh)
+    model = apply_parallelism(model, dims, meshes, spec.topology, spec.training.compile, plan, cp_group)
     full = factory.initial_state(cfg, lora, seed) if env.is_main or not env.distributed else {}
     materialize(model, full, device, env)
-    return wrap_replicated(model, mesh, spec.topology)
+    return wrap_replicated(model, meshes, spec.topology)
 
 
 def _profiler(spec: RunSpec, run_dir: Path, device: torch.device, env: DistEnv) -> StepProfiler:
