@@ -31,7 +31,7 @@ from dllm.data.loader import Batch
 from dllm.diffusion.corruption import NoiseKeys
 from dllm.diffusion.objectives import BD3LMObjective, MDLMObjective, TokenIds
 from dllm.models import Transformer
-from dllm.parallel.apply import apply_parallelism
+from dllm.parallel.apply import after_materialize, apply_parallelism
 from dllm.parallel.context import build_plan
 from dllm.parallel.dims import DistEnv, ParallelDims
 from dllm.training.build import materialize
@@ -73,7 +73,8 @@ def _model_cfg(case: dict) -> ModelConfig:
             family="qwen3_moe", preset="tiny", vocab_size=V, num_experts=4, num_experts_per_tok=2,
             moe_intermediate_size=32,
         )  # fmt: skip
-    return ModelConfig(preset="tiny", vocab_size=V, tie_embeddings=case.get("tie", True))
+    kv = {"num_kv_heads": case["kv_heads"]} if "kv_heads" in case else {}
+    return ModelConfig(preset="tiny", vocab_size=V, tie_embeddings=case.get("tie", True), **kv)
 
 
 def _objective_loss(model, obj, inputs, coef: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,6 +109,7 @@ def _run_case(rank: int, world: int, case: dict) -> dict:
         model = Transformer(cfg)
     model = apply_parallelism(model, dims, meshes, topo, False, plan, cp_group)
     materialize(model, reference.state_dict() if rank == 0 else {}, torch.device("cpu"), DistEnv(rank, rank, world))
+    model = after_materialize(model, meshes, topo)
 
     obj = _objective(case["objective"])
     batch = _batch()
@@ -136,7 +138,19 @@ def _run_case(rank: int, world: int, case: dict) -> dict:
     diffs = {n: _rel(grads[n], p.grad) for n, p in reference.named_parameters()}
     worst = max(diffs, key=diffs.__getitem__)
     sharded = sorted(n for n, p in model.named_parameters() if isinstance(p, DTensor))
-    return {"loss": _rel(loss, ref_loss), "grad": diffs[worst], "worst": worst, "sharded": sharded}
+    k_grad = dict(model.named_parameters())["layers.0.self_attn.k_proj.weight"].grad
+    # what the optimizer sees: each gradient laid out as its parameter (no Partial sum left pending)
+    mismatched = [
+        n for n, p in model.named_parameters() if getattr(p.grad, "placements", None) != getattr(p, "placements", None)
+    ]
+    return {
+        "loss": _rel(loss, ref_loss),
+        "grad": diffs[worst],
+        "worst": worst,
+        "sharded": sharded,
+        "k_grad": str(getattr(k_grad, "placements", "plain")),
+        "mismatched": mismatched,
+    }
 
 
 def _worker(rank: int, world: int, cases: dict[str, dict], port: int, out: str) -> None:
@@ -168,6 +182,10 @@ CASES = {
     "tp2-sp-bd3lm-untied": dict(
         world=2, objective="bd3lm", tie=False, topology=dict(tp_size=2, sequence_parallel=True)
     ),
+    # fewer key/value heads than tensor-parallel ranks: replicated, each rank keeps its query heads' one
+    "tp2-mqa-mdlm": dict(world=2, objective="mdlm", kv_heads=1, topology=dict(tp_size=2)),
+    "tp2-sp-mqa-bd3lm": dict(world=2, objective="bd3lm", kv_heads=1, topology=dict(tp_size=2, sequence_parallel=True)),
+    "tp4-gqa-mdlm": dict(world=4, objective="mdlm", topology=dict(tp_size=4)),
     "dp2xtp2-mdlm": dict(world=4, objective="mdlm", topology=dict(tp_size=2)),
     "dp2xtp2-sp-bd3lm": dict(world=4, objective="bd3lm", topology=dict(tp_size=2, sequence_parallel=True)),
     "hsdp2xtp2-mdlm": dict(world=4, objective="mdlm", topology=dict(tp_size=2, dp_replicate=2)),
@@ -201,6 +219,7 @@ def test_parallel_step_equals_one_process(results: dict[str, dict], name: str):
     result = results[name]
     assert result["loss"] <= 1e-5, result
     assert result["grad"] <= 1e-5, result
+    assert result["mismatched"] == [], result
 
 
 def test_tensor_parallel_shards_the_projections_and_the_vocabulary(results: dict[str, dict]):
@@ -210,3 +229,9 @@ def test_tensor_parallel_shards_the_projections_and_the_vocabulary(results: dict
         assert any(name in n for n in sharded), name
     assert {"embed_tokens.weight", "lm_head.weight"} <= sharded
     assert not any("norm" in n for n in sharded)  # replicated without sequence parallelism
+
+
+@pytest.mark.parametrize("name", ["tp2-mqa-mdlm", "tp2-sp-mqa-bd3lm", "tp4-gqa-mdlm"])
+def test_replicated_key_value_heads_get_whole_gradients(results: dict[str, dict], name: str):
+    """The replicated key/value weight's gradient is summed over the ranks (Replicate, not Partial)."""
+    assert results[name]["k_grad"] == "(Replicate(),)", results[name]

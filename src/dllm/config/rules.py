@@ -95,11 +95,12 @@ def check_tensor_parallel(spec: RunSpec) -> None:
                 "topology.sequence_parallel: needs tp_size > 1 (it shards over the tensor-parallel ranks)"
             )
         return
-    dims = {
-        "model.num_heads": model.num_heads,
-        "model.num_kv_heads": model.kv_heads,
-        "model.vocab_size": model.vocab_size,
-    }
+    dims = {"model.num_heads": model.num_heads, "model.vocab_size": model.vocab_size}
+    if model.kv_heads % tp and tp % model.kv_heads:
+        raise ConfigError(
+            f"model.num_kv_heads: {model.kv_heads} key/value heads neither split over topology.tp_size {tp} nor "
+            f"replicate evenly onto its ranks; use a tp_size that divides it or is a multiple of it"
+        )
     if not model.num_experts:
         dims["model.mlp_size"] = model.mlp_size
     for field, size in dims.items():

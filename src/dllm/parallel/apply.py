@@ -2,7 +2,7 @@
 (DTensor shards of each layer) and expert parallelism (experts sharded, tokens dispatched) ->
 context/block parallelism (each layer's attention backend) ->
 activation checkpointing -> compile (per block) -> FSDP2 (on the meta device, before weights exist)
-... materialize ... DDP (which needs real weights).
+... materialize ... `after_materialize` (gradient-layout hooks, DDP: they need real weights).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dllm.config.training import TopologyConfig
 from dllm.parallel.context import ShardPlan, apply_context_parallel
 from dllm.parallel.dims import Meshes, ParallelDims
 from dllm.parallel.expert import apply_expert_parallel, shard_experts
-from dllm.parallel.tensor import apply_tensor_parallel
+from dllm.parallel.tensor import align_grad_layouts, apply_tensor_parallel
 
 
 def apply_parallelism(
@@ -50,8 +50,11 @@ def apply_parallelism(
     return model
 
 
-def wrap_replicated(model: nn.Module, meshes: Meshes | None, cfg: TopologyConfig) -> nn.Module:
-    """DDP wraps a materialized model (it broadcasts rank 0's parameters), so it comes last."""
+def after_materialize(model: nn.Module, meshes: Meshes | None, cfg: TopologyConfig) -> nn.Module:
+    """What needs real weights: gradient-layout hooks of tensor-parallel parameters (FSDP2 lays out
+    its own), and DDP, which broadcasts rank 0's parameters, so it comes last."""
+    if cfg.tp_size > 1 and not isinstance(model, FSDPModule):
+        align_grad_layouts(model)
     if meshes is None or cfg.data_parallel != "ddp":
         return model
     device_ids = None if meshes.dp_cp.device_type == "cpu" else [torch.cuda.current_device()]

@@ -24,7 +24,7 @@ from dllm.data.loader import StepLoader
 from dllm.diffusion.objectives import TokenIds
 from dllm.errors import ConfigError
 from dllm.models import factory
-from dllm.parallel.apply import apply_parallelism, unwrap, wrap_replicated
+from dllm.parallel.apply import after_materialize, apply_parallelism, unwrap
 from dllm.parallel.context import ShardPlan, build_plan
 from dllm.parallel.dims import DistEnv, ParallelDims, init_process_group, pick_device
 from dllm.tokenization import Tokenizer, build_tokenizer
@@ -79,7 +79,7 @@ def context_plan(spec: RunSpec, group_rank: int = 0) -> ShardPlan | None:
 def build_model(
     spec: RunSpec, device: torch.device, env: DistEnv, dims: ParallelDims, plan: ShardPlan | None
 ) -> nn.Module:
-    """Model on meta -> adapters -> parallel.apply -> materialize -> DDP wrap (when replicated)."""
+    """Model on meta -> adapters -> parallel.apply -> materialize -> after_materialize (DDP wrap, TP grad hooks)."""
     cfg, lora, seed = spec.model, spec.lora, spec.training.seed
     meshes = dims.build_meshes(device)
     cp_group = dims.build_cp_group(env.rank)  # every rank builds every CP group, after the meshes
@@ -88,7 +88,7 @@ def build_model(
     model = apply_parallelism(model, dims, meshes, spec.topology, spec.training.compile, plan, cp_group)
     full = factory.initial_state(cfg, lora, seed) if env.is_main or not env.distributed else {}
     materialize(model, full, device, env)
-    return wrap_replicated(model, meshes, spec.topology)
+    return after_materialize(model, meshes, spec.topology)
 
 
 def _profiler(spec: RunSpec, run_dir: Path, device: torch.device, env: DistEnv) -> StepProfiler:
