@@ -37,7 +37,7 @@ from __future__ import annotations
 import functools
 import types
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
@@ -45,7 +45,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-Mode = Literal["none", "selective", "full"]
 MODES: tuple[str, ...] = ("none", "selective", "full")
 
 _ATTR = "_dllm_activation_checkpointing"  # the mode, on each checkpointed block (not a parameter or buffer)
