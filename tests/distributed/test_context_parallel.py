@@ -33,6 +33,7 @@ from dllm.data.loader import Batch
 from dllm.diffusion.corruption import NoiseKeys
 from dllm.diffusion.objectives import BD3LMObjective, MDLMObjective, TokenIds
 from dllm.models import Transformer
+from dllm.parallel.checkpointing import apply_activation_checkpointing
 from dllm.parallel.context import apply_context_parallel, build_plan, cp_group_ranks
 from dllm.training.trainer import run_model
 
@@ -102,6 +103,7 @@ def _run_case(rank: int, world: int, case: dict) -> dict:
     # ring cases also run the collective transport on the same inputs (a second copy of the model)
     collective = copy.deepcopy(model) if transport == "ring" else None
     apply_context_parallel(model, plan, group if plan.mode != "bp" else None, transport)
+    apply_activation_checkpointing(model, case.get("ac", "none"))  # after CP, as parallel/apply.py does
     loss = _sharded_step(model, obj, plan.shard(inputs))
     if collective is not None:
         apply_context_parallel(collective, plan, group, "collective")
@@ -202,10 +204,21 @@ RING_CASES = {
 
 
 DROPPED = ["mdlm-cp2", "bd3lm-csbp-cp2-bp2"]
+# activation checkpointing over CP attention: the recompute issues the K/V exchange again in the
+# backward (the selective policy recomputes torch.distributed's in-place collectives; the ring's own
+# checkpointed partials nest inside the block's checkpoint)
+CHECKPOINTED = {
+    "full/collective/mdlm-cp2": dict(CASES["mdlm-cp2"], ac="full"),
+    "selective/collective/bd3lm-csbp-cp2-bp2": dict(CASES["bd3lm-csbp-cp2-bp2"], ac="selective"),
+    "selective/collective/mdlm-cp4": dict(CASES["mdlm-cp4"], ac="selective"),
+    "full/ring/bd3lm-csbp-cp2-bp2": dict(CASES["bd3lm-csbp-cp2-bp2"], ac="full", transport="ring"),
+    "selective/ring/mdlm-cp2": dict(CASES["mdlm-cp2"], ac="selective", transport="ring"),
+}
 ALL_CASES = {
     **{f"collective/{n}": c for n, c in CASES.items()},
     **{f"ring/{n}": dict(c, transport="ring") for n, c in RING_CASES.items()},
     **{f"dropped/{n}": dict(CASES[n], drop_gather=True) for n in DROPPED},
+    **{f"checkpointed/{n}": c for n, c in CHECKPOINTED.items()},
 }
 
 
@@ -237,3 +250,12 @@ def test_dropping_the_gather_fails_the_comparison(results: dict[str, dict], name
     """The check has teeth: a rank that attends only its own rows misses keys and changes the step."""
     result = results[f"dropped/{name}"]
     assert result["loss"] > 1e-3 or result["grad"] > 1e-3, result
+
+
+@pytest.mark.parametrize("name", list(CHECKPOINTED))
+def test_checkpointed_sharded_step_equals_one_process(results: dict[str, dict], name: str):
+    """Activation checkpointing (full, selective) applied after context parallelism: the sharded step
+    still equals the one-process step without checkpointing."""
+    result = results[f"checkpointed/{name}"]
+    assert result["loss"] <= 1e-5, result
+    assert result["grad"] <= 1e-5, result

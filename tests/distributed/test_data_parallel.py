@@ -81,3 +81,22 @@ def test_two_process_checkpoint_resumes_in_one(dp_yaml: Path):
     rest = _dllm(["launch", "--config", "train.yaml", "--set", "run.name=mix", *const], cwd)
     assert rest.returncode == 0, rest.stderr[-2000:]
     assert _losses(cwd / "runs" / "mix")[2:] == pytest.approx(_losses(cwd / "runs" / "ref")[2:], rel=1e-5)
+
+
+def test_fsdp_with_full_activation_checkpointing_matches_one(dp_yaml: Path):
+    """FSDP2 shards blocks whose forward is checkpointed (apply.py: checkpointing, then fully_shard):
+    the recompute in the backward runs on the re-gathered parameters, and the losses are the
+    one-process run's without checkpointing."""
+    from dllm.training.preflight import resolve_run_spec
+    from dllm.training.run import prepare_run_dir, train_from_run_dir
+    from tests.helpers import load_spec
+
+    spec, _ = resolve_run_spec(load_spec(dp_yaml, "run.name=one", "training.steps=3"))
+    one = train_from_run_dir(prepare_run_dir(spec))
+    args = ["launch", "--config", "train.yaml", "--nproc-per-node", "2", "--set", "topology.data_parallel=fsdp"]
+    args += ["--set", "run.name=two", "--set", "training.steps=3", "--set", "training.activation_checkpointing=full"]
+    res = _dllm(args, dp_yaml.parent)
+    assert res.returncode == 0, res.stderr[-2000:]
+    two = _losses(dp_yaml.parent / "runs" / "two")
+    assert len(two) == len(one) == 3
+    assert two == pytest.approx(one, rel=1e-5, abs=1e-6)

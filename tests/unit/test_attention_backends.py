@@ -153,7 +153,7 @@ def test_backends_are_built_from_options():
         flex, auto = make_attention("flex", flex_compile), make_attention("auto", flex_compile)
         assert isinstance(flex, FlexBackend) and flex.compiled is flex_compile and flex.compile_error is None
         assert isinstance(auto, AutoBackend) and auto.flex_compile is flex_compile
-        cuda = auto.for_device("cuda")  # built lazily, once per device type
+        cuda = auto.for_device("cuda")  # built once per device type (cpu and cuda with the backend)
         assert isinstance(cuda, FlexBackend) if flex_compile else cuda is sdpa_attention
         assert auto.for_device("cuda") is cuda and auto.for_device("cpu") is blockwise_attention
     assert make_attention("flex", True) is not make_attention("flex", True)  # each its own state

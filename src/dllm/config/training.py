@@ -35,7 +35,7 @@ class TrainingConfig(Section):
     cpu_allocator: Literal["retain", "system"] = "retain"
     """CPU training: retain keeps freed heap memory for reuse (no page faults each step); system leaves malloc alone."""
     activation_checkpointing: Literal["none", "selective", "full"] = "none"
-    """Recompute activations in backward: none, selective (keep matmul outputs, recompute the rest), full (blocks)."""
+    """Recompute in backward: none; selective (keep matmul/attention outputs, redo the rest); full (whole blocks)."""
 
 
 class OptimizerConfig(Section):

@@ -14,6 +14,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from dllm.config.training import TopologyConfig
+from dllm.parallel.checkpointing import apply_activation_checkpointing
 from dllm.parallel.context import ShardPlan, apply_context_parallel
 from dllm.parallel.dims import Meshes, ParallelDims
 from dllm.parallel.expert import apply_expert_parallel, shard_experts
@@ -28,15 +29,18 @@ def apply_parallelism(
     compile: bool,
     plan: ShardPlan | None = None,
     cp_group: dist.ProcessGroup | None = None,
+    activation_checkpointing: str = "none",
 ) -> nn.Module:
     """`plan`: this rank's context/block shard plan (None: every rank sees whole sequences); its
-    attention exchanges K/V over `cp_group`. Before compile, so the compiled blocks trace it."""
+    attention exchanges K/V over `cp_group`. Before compile, so the compiled blocks trace it.
+    `activation_checkpointing`: none, selective or full (parallel/checkpointing.py), after CP."""
     if meshes is not None and dims.tp > 1:
         apply_tensor_parallel(model, meshes.tp, dims.sequence_parallel)
     if meshes is not None and meshes.ep is not None:
         apply_expert_parallel(model, meshes.ep["ep"])
     if plan is not None:
         apply_context_parallel(model, plan, cp_group, cfg.context.transport)
+    apply_activation_checkpointing(model, activation_checkpointing)
     if compile:
         for block in model.layers:
             block.compile()  # in place: parameter names (and checkpoints) stay the same

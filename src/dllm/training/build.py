@@ -85,7 +85,10 @@ def build_model(
     cp_group = dims.build_cp_group(env.rank)  # every rank builds every CP group, after the meshes
     with torch.device("meta"):
         model = factory.build_model(cfg, lora, seed)
-    model = apply_parallelism(model, dims, meshes, spec.topology, spec.training.compile, plan, cp_group)
+    model = apply_parallelism(
+        model, dims, meshes, spec.topology, spec.training.compile, plan, cp_group,
+        activation_checkpointing=spec.training.activation_checkpointing,
+    )  # fmt: skip
     full = factory.initial_state(cfg, lora, seed) if env.is_main or not env.distributed else {}
     materialize(model, full, device, env)
     return after_materialize(model, meshes, spec.topology)

@@ -61,9 +61,15 @@ class AutoBackend:
     def __init__(self, flex_compile: bool = True) -> None:
         self.flex_compile = flex_compile
         self._structured: dict[str, Callable[..., torch.Tensor]] = {}
+        # cpu and cuda up front: built lazily inside a compiled region, the build (an import and a dict
+        # write) breaks the graph, and inside an activation-checkpointed block it sends dynamo back to
+        # eager for the whole block (parallel/checkpointing.py)
+        for device_type in ("cpu", "cuda"):
+            self.for_device(device_type)
 
     def for_device(self, device_type: str) -> Callable[..., torch.Tensor]:
-        """The backend this one runs structured masks with on `device_type`."""
+        """The backend this one runs structured masks with on `device_type` (other device types than
+        cpu and cuda: built on first use)."""
         if device_type not in self._structured:
             name = resolve_backend("auto", device_type, self.flex_compile)
             self._structured[device_type] = ATTENTION_BACKENDS.resolve(name)(self.flex_compile)

@@ -243,7 +243,9 @@ class _SplitAttention(torch.autograd.Function):
             q_calls.append(plan.query_rows(q_BHQD, s, e))
             o_c, lse_c = _flash(q_calls[-1], k0[:, :, lo:hi], v0[:, :, lo:hi], attn_mask=m, scale=scale)
             if no_key is not None:
-                lse_c.masked_fill_(no_key, float("-inf"))  # the kernel reports 0 for rows without keys
+                # the kernel reports 0 for rows without keys; out of place: a selective activation
+                # checkpoint may keep the kernel's outputs for the recompute (parallel/checkpointing.py)
+                lse_c = lse_c.masked_fill(no_key, float("-inf"))
             plan.put_rows(out, o_c, s, e)
             plan.put_rows(lse[..., None], lse_c[..., None], s, e)
         # part B: noisy queries against their own block of x_t, then the exact merge on x_t's rows
@@ -252,7 +254,7 @@ class _SplitAttention(torch.autograd.Function):
         n, bs = L // plan.block_size, plan.block_size
         lse_b = plan.unblocks(lse_b[..., None], B).reshape(B, H, L)
         if plan.b_no_key is not None:
-            lse_b.masked_fill_(plan.b_no_key, float("-inf"))
+            lse_b = lse_b.masked_fill(plan.b_no_key, float("-inf"))
         lse_a = lse[:, :, :L]
         merged = _neginf_to_zero(torch.logaddexp(lse_a, lse_b))  # no key at all: out 0, lse 0
         w_a, w_b = torch.exp(lse_a - merged), torch.exp(lse_b - merged)
