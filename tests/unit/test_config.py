@@ -902,3 +902,67 @@ def test_context_settings_without_effect_warn(artifact_root: Path, no_gpu: None)
         "topology.context.cp_size 2 does not divide nproc_per_node 3: some CP groups span two nodes and exchange "
         "K/V over the network every layer"
     ]
+
+
+# --------------------------------------------------------------------------------------------------
+# rules: tensor, sequence, expert and hybrid-sharded data parallelism, one line each before any worker
+
+_MOE = [
+    "model.family=qwen3_moe",
+    "model.num_experts=4",
+    "model.num_experts_per_tok=2",
+    "model.moe_intermediate_size=32",
+]
+
+LAYOUT_REFUSALS = {
+    "world-not-tp": (3, ["topology.tp_size=2"], "topology.tp_size: 3 processes do not split into tp_size 2"),
+    "heads": (3, ["topology.tp_size=3"], "model.num_heads: 4 is not divisible by topology.tp_size 3"),
+    "kv-heads": (
+        2,
+        ["topology.tp_size=2", "model.hidden_size=96", "model.num_heads=6", "model.num_kv_heads=3"],
+        "model.num_kv_heads: 3 key/value heads neither split over topology.tp_size 2 nor replicate evenly",
+    ),
+    "vocab": (4, ["topology.tp_size=4", "model.vocab_size=322"], "model.vocab_size: 322 is not divisible by"),
+    "mlp": (2, ["topology.tp_size=2", "model.intermediate_size=101"], "model.mlp_size: 101 is not divisible by"),
+    "tp-moe": (2, ["topology.tp_size=2", *_MOE], "model.num_experts: tensor parallelism of MoE layers"),
+    "tp-ddp": (2, ["topology.tp_size=2", "topology.data_parallel=ddp"], "topology.data_parallel: ddp does not take"),
+    "tp-plain-loss": (2, ["topology.tp_size=2", "training.chunked_loss=false"], "training.chunked_loss: tensor"),
+    "sp-without-tp": (2, ["topology.sequence_parallel=true"], "topology.sequence_parallel: needs tp_size > 1"),
+    "sp-rows": (
+        4,
+        ["topology.tp_size=4", "topology.sequence_parallel=true", "data.seq_len=30"],
+        "topology.sequence_parallel: the model input's 30 rows are not divisible by tp_size 4",
+    ),
+    "ep-dense": (2, ["topology.ep_size=2"], "topology.ep_size: 2 needs an MoE model"),
+    "ep-experts": (
+        4,
+        ["topology.ep_size=4", *_MOE, "model.num_experts=6"],
+        "topology.ep_size: 4 does not divide model.num_experts 6",
+    ),
+    "ep-dp": (2, ["topology.ep_size=4", *_MOE], "topology.ep_size: 4 does not divide the 2 data-parallel shard ranks"),
+    "ep-ddp": (2, ["topology.ep_size=2", *_MOE, "topology.data_parallel=ddp"], "topology.data_parallel: expert"),
+    "hsdp": (4, ["topology.dp_replicate=3"], "topology.dp_replicate: 3 does not divide dp_size 4"),
+    "hsdp-ddp": (4, ["topology.dp_replicate=2", "topology.data_parallel=ddp"], "topology.dp_replicate: replicas"),
+}
+
+
+@pytest.mark.parametrize("case", list(LAYOUT_REFUSALS))
+def test_parallel_layout_refusals(tmp_path: Path, no_gpu: None, case: str, capsys: pytest.CaptureFixture[str]):
+    nproc, sets, expected = LAYOUT_REFUSALS[case]
+    code, err, _ = _validate_cli(tmp_path, nproc, sets, capsys)
+    assert code == 2 and len(err) == 1 and err[0].startswith(f"dllm: error: {expected}"), err
+
+
+@pytest.mark.parametrize(
+    ("nproc", "sets"),
+    [
+        (4, ["topology.tp_size=2", "topology.sequence_parallel=true"]),  # DP2 x TP2 (SP)
+        (8, ["topology.tp_size=2", *_CP2]),  # DP2 x TP2 x CP2
+        (4, ["topology.tp_size=4"]),  # 2 key/value heads replicated onto 4 ranks
+        (4, ["topology.ep_size=2", *_MOE, "training.micro_batch_size=2"]),  # DP2 x EP2 (dp 4, experts over pairs)
+        (4, ["topology.dp_replicate=2", "topology.tp_size=2"]),  # HSDP x TP2
+    ],
+)
+def test_parallel_layouts_accepted(tmp_path: Path, no_gpu: None, nproc: int, sets: list[str], capsys):
+    code, err, _ = _validate_cli(tmp_path, nproc, sets, capsys)
+    assert code == 0 and not [line for line in err if "error" in line], err

@@ -96,11 +96,6 @@ def check_tensor_parallel(spec: RunSpec) -> None:
             )
         return
     dims = {"model.num_heads": model.num_heads, "model.vocab_size": model.vocab_size}
-    if model.kv_heads % tp and tp % model.kv_heads:
-        raise ConfigError(
-            f"model.num_kv_heads: {model.kv_heads} key/value heads neither split over topology.tp_size {tp} nor "
-            f"replicate evenly onto its ranks; use a tp_size that divides it or is a multiple of it"
-        )
     if not model.num_experts:
         dims["model.mlp_size"] = model.mlp_size
     for field, size in dims.items():
@@ -109,6 +104,11 @@ def check_tensor_parallel(spec: RunSpec) -> None:
                 f"{field}: {size} is not divisible by topology.tp_size {tp}; each tensor-parallel rank holds "
                 f"an equal share (choose a tp_size that divides it)"
             )
+    if model.kv_heads % tp and tp % model.kv_heads:
+        raise ConfigError(
+            f"model.num_kv_heads: {model.kv_heads} key/value heads neither split over topology.tp_size {tp} nor "
+            f"replicate evenly onto its ranks; use a tp_size that divides it or is a multiple of it"
+        )
     refusals = [
         (model.num_experts > 0, "model.num_experts: tensor parallelism of MoE layers is not supported; "
          "use topology.ep_size (expert parallelism) with tp_size 1"),
