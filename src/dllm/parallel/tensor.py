@@ -10,7 +10,7 @@ parallelism: Korthikanti et al. 2022):
 - the token embedding vocabulary-parallel (rows of the table sharded; the partial lookups summed);
   the output head's weight sharded by vocabulary too (the tied embedding is that same table), and
   the cross-entropy of models/chunked_ce.py computes the softmax over the sharded vocabulary with
-  three small all-reduces per chunk, so full logits never exist on any rank;
+  two small all-reduces per chunk, so full logits never exist on any rank;
 - with sequence parallelism, the norms and the residual stream between blocks hold L/T positions
   per rank; the embedding output is split after the learned positions and the embedding norm are
   added, and the final norm's output is gathered back, so the objective sees whole sequences.
