@@ -107,7 +107,8 @@ def _run_case(rank: int, world: int, case: dict) -> dict:
         plan = build_plan(ctx.mode, L, BLOCK, ctx.cp_size, ctx.bp_size, dims.group_rank(rank), ctx.schedule, layout)
     with torch.device("meta"):
         model = Transformer(cfg)
-    model = apply_parallelism(model, dims, meshes, topo, False, plan, cp_group)
+    ac = case.get("activation_checkpointing", "none")
+    model = apply_parallelism(model, dims, meshes, topo, False, plan, cp_group, activation_checkpointing=ac)
     materialize(model, reference.state_dict() if rank == 0 else {}, torch.device("cpu"), DistEnv(rank, rank, world))
     model = after_materialize(model, meshes, topo)
 
@@ -196,6 +197,16 @@ CASES = {
     "ep2-moe-mdlm": dict(world=2, objective="mdlm", moe=True, topology=dict(ep_size=2)),
     "dp2xep2-moe-bd3lm": dict(world=4, objective="bd3lm", moe=True, topology=dict(ep_size=2)),
     "dp2xep2-moe-mdlm": dict(world=4, objective="mdlm", moe=True, topology=dict(ep_size=2)),
+    # activation checkpointing recomputes blocks whose layers communicate (TP, SP, CP, EP)
+    "dp2xtp2-sp-full-ac-bd3lm": dict(
+        world=4, objective="bd3lm", activation_checkpointing="full", topology=dict(tp_size=2, sequence_parallel=True)
+    ),
+    "tp2xcp2-selective-ac-mdlm": dict(
+        world=4, objective="mdlm", activation_checkpointing="selective", topology=dict(tp_size=2, context=_CP2)
+    ),
+    "dp2xep2-moe-full-ac-mdlm": dict(
+        world=4, objective="mdlm", moe=True, activation_checkpointing="full", topology=dict(ep_size=2)
+    ),
     "dp2xtp2xcp2-mdlm": dict(world=8, objective="mdlm", topology=dict(tp_size=2, context=_CP2)),
     "dp2xtp2xcp2-sp-bd3lm": dict(
         world=8, objective="bd3lm", topology=dict(tp_size=2, sequence_parallel=True, context=_CP2)
