@@ -168,6 +168,7 @@ class Layout:
     cfg: ModelConfig
     dims: ParallelDims
     ac: str
+    """training.activation_checkpointing: none, selective or full."""
     batch: int
     """B: rows of this rank's micro-batch."""
     seq: int
@@ -185,7 +186,7 @@ class Layout:
 
     @property
     def fsdp(self) -> int:
-        """Ranks FSDP2 shards the dense parameters over (1: no FSDP)."""
+        """Ranks FSDP2 (topology.data_parallel fsdp, the default) shards the dense parameters over."""
         return self.dims.grad_ranks
 
     @property
@@ -196,6 +197,8 @@ class Layout:
 
 @dataclass(frozen=True)
 class ParamSpec:
+    """One parameter tensor: its name and full shape, and how the layouts cut it."""
+
     name: str
     shape: tuple[int, ...]
     tp_dim: int | None = None
