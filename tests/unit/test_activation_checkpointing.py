@@ -294,3 +294,22 @@ def test_recompute_replays_the_rng(mode: str):
     assert lora and all(grads[n] is not None and bool(grads[n].any()) for n in lora)
     assert _rel(loss, ref_loss) <= 1e-6
     assert max(_rel(grads[n], ref_grads[n]) for n in lora) <= 1e-6
+
+
+def test_saved_activation_bytes_counts_what_reuses_a_storage_freed_in_place():
+    """FSDP2 frees its gathered parameters' memory in place (storage.resize_(0)) during the forward; the
+    allocator may hand that address to a later activation, which must still be counted (the meter keys
+    storages by identity, not by data pointer)."""
+    x0 = torch.randn(64, 64, requires_grad=True)
+    emptied: list[torch.Tensor] = []  # the storages live on, empty, as FSDP2's parameters' do
+
+    def forward() -> torch.Tensor:
+        x = x0
+        for _ in range(8):
+            buffer = torch.empty(64, 64)
+            buffer.untyped_storage().resize_(0)
+            emptied.append(buffer)
+            x = x.exp()  # same size as the freed buffer; exp keeps its result for the backward
+        return x.sum()
+
+    assert saved_activation_bytes(forward) == 8 * 64 * 64 * 4 + 4  # + the returned sum

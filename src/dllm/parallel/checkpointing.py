@@ -41,7 +41,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    is_traceable_wrapper_subclass,
+    is_traceable_wrapper_subclass_type,
+)
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
@@ -134,32 +138,40 @@ def selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Checkpoint
 
 
 class _StorageRecorder(TorchDispatchMode):
-    """Holds (a reference to) every storage an op allocates during the forward, by data pointer. An
-    output that shares a storage with one of the op's inputs (a view, an in-place or out= op) is not
-    new: its storage was recorded when it was made, or it predates the forward (inputs, parameters)."""
+    """Holds (a reference to) every storage an op allocates during the forward, keyed by the storage
+    itself (`_storage_id`), not its data pointer: FSDP2 frees a storage's memory in place
+    (`resize_(0)`) and the allocator may hand that address to a later activation. An output that
+    shares a storage with one of the op's inputs (a view, an in-place or out= op) is not new: its
+    storage was recorded when it was made, or it predates the forward (inputs, parameters)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.storages: dict[int, torch.UntypedStorage] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(is_traceable_wrapper_subclass_type(t) for t in types):
+            return NotImplemented  # a DTensor (or async collective) runs it as ops on its inner tensors: seen here
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        inputs = {_ptr(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        inputs = {_storage_id(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and (ptr := _ptr(t)) and ptr not in inputs:
-                self.storages.setdefault(ptr, t.untyped_storage())
+            if isinstance(t, torch.Tensor) and (key := _storage_id(t)) and key not in inputs:
+                self.storages.setdefault(key, t.untyped_storage())
         return out
 
 
-def _ptr(t: torch.Tensor) -> int:
-    """The data pointer of the tensor's storage (0 for meta tensors and empty storages)."""
-    return 0 if t.device.type == "meta" else t.untyped_storage().data_ptr()
+def _storage_id(t: torch.Tensor) -> int:
+    """The identity of the tensor's storage, shared by its views (0 for meta tensors); a wrapper
+    subclass's (DTensor, an async collective's result) is its inner tensor's: the wrapper has none."""
+    if is_traceable_wrapper_subclass(t):
+        inner, _ = t.__tensor_flatten__()
+        return _storage_id(getattr(t, inner[0]))
+    return 0 if t.device.type == "meta" else t.untyped_storage()._cdata
 
 
 def saved_activation_bytes(fn: Callable[[], Any], exclude: nn.Module | None = None) -> int:
     """Bytes of activation memory that `fn()` (a forward and its loss) leaves alive for the backward:
-    the distinct storages (deduplicated by data pointer) that the forward's ops produced and that are
+    the distinct storages (views deduplicated) that the forward's ops produced and that are
     still referenced once `fn` has returned (its result is held meanwhile, so its autograd graph lives).
 
     That is every tensor autograd saved (`saved_tensors_hooks` see these only outside checkpointed
@@ -172,10 +184,10 @@ def saved_activation_bytes(fn: Callable[[], Any], exclude: nn.Module | None = No
     recorder = _StorageRecorder()
     with recorder:
         result = fn()  # noqa: F841 -- held until the count is done: it owns the autograd graph
-    owned = set() if exclude is None else {_ptr(t) for t in [*exclude.parameters(), *exclude.buffers()]}
+    owned = set() if exclude is None else {_storage_id(t) for t in [*exclude.parameters(), *exclude.buffers()]}
     total = 0
-    for ptr, storage in recorder.storages.items():
+    for key, storage in recorder.storages.items():
         # one reference is the recorder's own: more means an autograd node, a checkpoint or `result`
-        if ptr not in owned and torch._C._storage_Use_Count(storage._cdata) > 1:
+        if key not in owned and torch._C._storage_Use_Count(storage._cdata) > 1:
             total += storage.nbytes()
     return total
