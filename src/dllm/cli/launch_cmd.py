@@ -21,10 +21,10 @@ def launch(
     dry_run: bool = typer.Option(False, "--dry-run", help="Validate and print the command, start nothing."),
 ) -> None:
     """Train: checks the config and world size before any worker starts."""
-    from dllm.errors import ConfigError
-    from dllm.parallel.launch import format_command, worker_command
+    from dllm.config.loading import dump_config
+    from dllm.parallel.launch import check_nodes, format_command, worker_command
     from dllm.training.preflight import resolve_run_spec
-    from dllm.training.run import CONFIG_NAME, prepare_run_dir, run_dir_of
+    from dllm.training.run import CONFIG_NAME, config_digest, prepare_run_dir, run_dir_of
     from dllm.training.run_lock import lock_run_dir
 
     overrides = list(set_ or [])
@@ -33,26 +33,28 @@ def launch(
     if nnodes is not None:
         overrides.append(f"topology.nnodes={nnodes}")
     spec = load_config(RunSpec, config, overrides)
-    spec, warnings = resolve_run_spec(spec)
-    for w in warnings:
+    warnings = check_nodes(spec.topology.nnodes, node_rank, rdzv_endpoint)
+    spec, more = resolve_run_spec(spec)
+    for w in warnings + more:
         warn(w)
     topo = spec.topology
-    if topo.nnodes > 1 and not rdzv_endpoint:
-        raise ConfigError("--rdzv-endpoint HOST:PORT is needed when topology.nnodes > 1")
+    node_rank = node_rank if node_rank is not None and topo.nnodes > 1 else 0
     spec_path = run_dir_of(spec) / CONFIG_NAME
     in_process = topo.world_size == 1
     cmd = (
         ["python", "-m", "dllm.training.worker", str(spec_path)]
         if in_process
-        else worker_command(spec_path, topo, rdzv_endpoint, node_rank)
+        else worker_command(spec_path, topo, rdzv_endpoint, node_rank, config_digest(dump_config(spec)))
     )
     if dry_run:
         out(format_command(cmd))
-        info(f"dry run: config ok for {topo.world_size} process(es); {spec_path} is written at launch")
+        writer = "at launch" if node_rank == 0 else "by node rank 0 at its launch"
+        info(f"dry run: config ok for {topo.world_size} process(es); {spec_path} is written {writer}")
         return
-    lock = lock_run_dir(run_dir_of(spec), per_host=topo.nnodes > 1)
+    lock = lock_run_dir(run_dir_of(spec), node_rank)
     try:  # the lock is held until every worker has ended
-        run_dir = prepare_run_dir(spec)
+        # node rank 0 writes the shared run folder; the workers of every node read its config.yaml
+        run_dir = prepare_run_dir(spec) if node_rank == 0 else run_dir_of(spec)
         info(f"run folder: {run_dir}")
         _train(run_dir, None if in_process else cmd, lock.fd)
     finally:

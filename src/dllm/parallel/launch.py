@@ -8,11 +8,17 @@ thread in each worker (`watch_launcher`, started by `--watch-stdin`) reads end o
 worker. SIGINT and SIGTERM of the launcher close the pipe on purpose and wait for torchrun to go.
 torchrun runs in a session of its own, so a Ctrl-C in the terminal reaches the launcher alone and
 the stop goes through this one path.
+
+Several nodes: one launcher per node, each with its own pipe and workers. The workers of a node
+that stops alone exit 0, and its torchrun then waits in its exit barrier for agents that will not
+come (SIGTERM does not reach it there), so `_end` ends it with SIGKILL after two grace periods; the
+other nodes' workers fail at their next collective and their launchers exit non-zero.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -24,9 +30,12 @@ from pathlib import Path
 from types import FrameType
 
 from dllm.config.training import TopologyConfig
+from dllm.errors import ConfigError
 
 WATCH_STDIN = "--watch-stdin"
+CONFIG_SHA256 = "--config-sha256="
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_HOST = re.compile(r"[A-Za-z0-9_.:-]+")  # a host name, an IPv4 address, or an IPv6 one (its brackets removed)
 
 
 class Stopped(BaseException):
@@ -39,18 +48,65 @@ class Stopped(BaseException):
         super().__init__(self.signal_name)
 
 
+def check_nodes(nnodes: int, node_rank: int | None, rdzv_endpoint: str | None) -> list[str]:
+    """One-line ConfigErrors for a multi-node launch without its node rank or rendezvous endpoint, or
+    with one out of range or malformed; warnings for those flags on a single node, where they do nothing."""
+    if nnodes == 1:
+        given = [f for f, v in (("--node-rank", node_rank), ("--rdzv-endpoint", rdzv_endpoint)) if v is not None]
+        return [f"{f} has no effect with topology.nnodes 1" for f in given]
+    if node_rank is None:
+        raise ConfigError(
+            f"--node-rank is needed when topology.nnodes is {nnodes}: give each machine its own, 0 to {nnodes - 1} "
+            "(0 on the machine named by --rdzv-endpoint)"
+        )
+    if node_rank >= nnodes:
+        raise ConfigError(
+            f"--node-rank {node_rank} is out of range for topology.nnodes {nnodes}: use 0 to {nnodes - 1}"
+        )
+    if not rdzv_endpoint:
+        raise ConfigError(
+            "--rdzv-endpoint HOST:PORT is needed when topology.nnodes > 1 (the host of node rank 0 and a free port)"
+        )
+    parse_endpoint(rdzv_endpoint)
+    return []
+
+
+def parse_endpoint(endpoint: str) -> tuple[str, int]:
+    """HOST:PORT (an IPv6 host in brackets) -> (host, port), or a one-line ConfigError."""
+    host, sep, port = endpoint.rpartition(":")
+    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not _HOST.fullmatch(bare) or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(
+            f"--rdzv-endpoint {endpoint!r} is not HOST:PORT (the host name or IP address of node rank 0, "
+            "and a free port 1-65535, e.g. node0:29500)"
+        )
+    return bare, int(port)
+
+
 def worker_command(
-    spec_path: Path, topo: TopologyConfig, rdzv_endpoint: str | None, node_rank: int | None
+    spec_path: Path,
+    topo: TopologyConfig,
+    rdzv_endpoint: str | None = None,
+    node_rank: int | None = None,
+    config_sha256: str | None = None,
 ) -> list[str]:
-    """The exact torchrun command for a resolved spec file."""
+    """The exact torchrun command for a resolved spec file. Several nodes meet at a static rendezvous:
+    node rank 0 hosts the TCP store at `rdzv_endpoint` (so that must be its address) and node rank R
+    holds world ranks R x nproc_per_node onwards, in the order --node-rank gives. (torchrun's c10d
+    rendezvous ignores --node-rank, orders the nodes by host name and guesses which one hosts the
+    store from the endpoint's name, which two nodes on one host both match.) Their workers check the
+    shared config against `config_sha256`, the digest of what this node's launch resolved."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={topo.nproc_per_node}"]
+    worker = [WATCH_STDIN]
     if topo.nnodes > 1:
-        cmd += [f"--nnodes={topo.nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}"]
-        if node_rank is not None:
-            cmd += [f"--node-rank={node_rank}"]
+        assert rdzv_endpoint is not None and node_rank is not None, "check_nodes comes first"
+        cmd += [f"--nnodes={topo.nnodes}", "--rdzv-backend=static", f"--rdzv-endpoint={rdzv_endpoint}"]
+        cmd += [f"--node-rank={node_rank}"]
+        if config_sha256 is not None:
+            worker += [f"{CONFIG_SHA256}{config_sha256}"]
     else:
         cmd += ["--standalone"]
-    return [*cmd, "-m", "dllm.training.worker", WATCH_STDIN, str(spec_path)]
+    return [*cmd, "-m", "dllm.training.worker", *worker, str(spec_path)]
 
 
 def format_command(cmd: list[str]) -> str:

@@ -3,21 +3,27 @@
 `prepare_run_dir` (in the launching process) creates output_dir/name, writes the resolved config
 there, points output_dir/latest at it and refuses to mix a different model into a folder that
 already holds checkpoints. Workers (`python -m dllm.training.worker RUN_DIR/config.yaml`) read that
-resolved config.
+resolved config. In a multi-node run only node rank 0 prepares the folder; the workers of every
+node read its config.yaml and check it against the digest of what their own launch resolved.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 
 from dllm.checkpoint.files import disk_full_error, write_text_durably
 from dllm.config.loading import dump_config, load_config
 from dllm.config.spec import RunSpec
-from dllm.errors import CheckpointError
+from dllm.errors import CheckpointError, ConfigError
+
+if TYPE_CHECKING:
+    from dllm.training.trainer import Trainer
 
 CONFIG_NAME = "config.yaml"
 
@@ -87,20 +93,48 @@ def _point_latest(run_dir: Path) -> None:
     os.replace(tmp, link)
 
 
-def train_from_run_dir(run_dir: Path) -> list[float]:
-    """Build and run the trainer described by RUN_DIR/config.yaml (one worker process)."""
+def config_digest(text: str) -> str:
+    """SHA-256 of a resolved config's text (what `prepare_run_dir` writes is `dump_config(spec)`)."""
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def train_from_run_dir(run_dir: Path, config_sha256: str | None = None) -> list[float]:
+    """Build and run the trainer described by RUN_DIR/config.yaml (one worker process). With
+    `config_sha256` (multi-node), every rank first agrees that the file is what its launch resolved."""
     from dllm.parallel.dims import DistEnv
     from dllm.training.build import build_trainer
 
-    spec = load_config(RunSpec, run_dir / CONFIG_NAME)
+    cfg_path = run_dir / CONFIG_NAME
+    text = cfg_path.read_text(encoding="utf-8")
+    spec = load_config(RunSpec, cfg_path)
     env = DistEnv.from_environ()
     trainer = build_trainer(spec, run_dir, env)
     try:
+        if config_sha256 is not None:
+            _check_same_config(cfg_path, config_digest(text) != config_sha256, trainer)
         return trainer.fit()
     finally:
         trainer.metrics.close()
         if env.distributed:
             _keep_until_exit(trainer)
+
+
+def _check_same_config(cfg_path: Path, differs: bool, trainer: Trainer) -> None:
+    """Every rank stops with a ConfigError when any node's launch resolved another config than the
+    one node rank 0 wrote (other flags or overrides on that node, or a stale copy of the file on a
+    shared filesystem), instead of training node rank 0's config silently."""
+    import torch
+
+    from dllm.parallel.dims import all_reduce_sum
+
+    flag = torch.tensor([float(differs)], device=trainer.device)
+    if all_reduce_sum(flag, trainer.env).item() == 0:
+        return
+    what = "what this node's launch resolved" if differs else "what another node's launch resolved"
+    raise ConfigError(
+        f"{cfg_path} (written by node rank 0) differs from {what}; start every node with the same config "
+        "file and --set overrides"
+    )
 
 
 _KEPT: list[object] = []

@@ -7,8 +7,11 @@ held until torchrun has reaped its workers even when the launcher is SIGKILLed. 
 a flock when the last process holding it exits, so a lock left by a dead launch is simply taken
 over; the file itself is never deleted (deleting a lock file races with the next taker).
 
-Multi-node runs lock one file per host (run.HOST.lock): the nodes of one run share the folder on a
-shared filesystem, where one file would lock out every node but the first.
+Multi-node runs lock one file per node rank: the nodes of one run share the folder (a shared
+filesystem), where one file would lock out every node but the first. Node rank 0 writes the run
+folder's shared files, as a single-node launch does, so it takes run.lock and refuses a concurrent
+single-node launch; node rank R > 0 takes run.nodeR.lock, so a second launch of the same node rank
+is refused wherever it starts (two "nodes" on one host included) while the other ranks can join.
 """
 
 from __future__ import annotations
@@ -37,13 +40,14 @@ class RunLock:
             self.fd = -1
 
 
-def lock_name(per_host: bool) -> str:
-    return f"run.{socket.gethostname()}.lock" if per_host else LOCK_NAME
+def lock_name(node_rank: int = 0) -> str:
+    return LOCK_NAME if node_rank == 0 else f"run.node{node_rank}.lock"
 
 
-def lock_run_dir(run_dir: Path, per_host: bool = False) -> RunLock:
-    """Take the run folder's lock or raise a one-line CheckpointError naming the holder."""
-    path = run_dir / lock_name(per_host)
+def lock_run_dir(run_dir: Path, node_rank: int = 0) -> RunLock:
+    """Take the run folder's lock (of one node of a multi-node run) or raise a one-line
+    CheckpointError naming the holder."""
+    path = run_dir / lock_name(node_rank)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -56,16 +60,21 @@ def lock_run_dir(run_dir: Path, per_host: bool = False) -> RunLock:
         os.close(fd)
         if isinstance(e, BlockingIOError):
             raise CheckpointError(
-                f"{run_dir} is in use by another dllm launch ({holder}); wait for it to end or stop it, "
-                "or choose another run.name"
+                f"{run_dir} is in use by another dllm launch{_of_node(node_rank)} ({holder}); wait for it to end "
+                "or stop it, or choose another run.name"
             ) from None
         raise CheckpointError(
-            f"{path}: cannot lock the run folder ({e.strerror}); put run.output_dir on a local disk"
+            f"{path}: cannot lock the run folder ({e.strerror}); put run.output_dir on a filesystem with "
+            "file locks (a local disk, or for several nodes a shared one that supports flock)"
         ) from None
     os.ftruncate(fd, 0)
     stamp = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
     os.pwrite(fd, (json.dumps(stamp) + "\n").encode(), 0)
     return RunLock(path, fd)
+
+
+def _of_node(node_rank: int) -> str:
+    return f" of node rank {node_rank}" if node_rank else ""
 
 
 def _holder(fd: int) -> str:

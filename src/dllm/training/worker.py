@@ -1,5 +1,7 @@
-"""Worker process entry: `python -m dllm.training.worker [--watch-stdin] RUN_DIR/config.yaml` (what
-torchrun starts). `--watch-stdin`: end when stdin closes, i.e. with the launcher (dllm.parallel.launch)."""
+"""Worker process entry: `python -m dllm.training.worker [--watch-stdin] [--config-sha256=HEX]
+RUN_DIR/config.yaml` (what torchrun starts). `--watch-stdin`: end when stdin closes, i.e. with the
+launcher (dllm.parallel.launch). `--config-sha256`: the digest of the config the launch on this node
+resolved (multi-node: node rank 0 writes the file every node reads)."""
 
 from __future__ import annotations
 
@@ -9,16 +11,17 @@ from pathlib import Path
 
 from dllm.errors import UserError
 
-USAGE = "usage: python -m dllm.training.worker [--watch-stdin] RUN_DIR/config.yaml"
+USAGE = "usage: python -m dllm.training.worker [--watch-stdin] [--config-sha256=HEX] RUN_DIR/config.yaml"
 
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    from dllm.parallel.launch import WATCH_STDIN, watch_launcher
+    from dllm.parallel.launch import CONFIG_SHA256, WATCH_STDIN, watch_launcher
 
     watch = WATCH_STDIN in args
-    args = [a for a in args if a != WATCH_STDIN]
-    if len(args) != 1:
+    digests = [a.removeprefix(CONFIG_SHA256) for a in args if a.startswith(CONFIG_SHA256)]
+    args = [a for a in args if a != WATCH_STDIN and not a.startswith(CONFIG_SHA256)]
+    if len(args) != 1 or len(digests) > 1:
         print(USAGE, file=sys.stderr)
         return 2
     if watch:  # first, so that a worker started after the launcher died ends at once
@@ -26,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     from dllm.training.run import train_from_run_dir
 
     try:
-        train_from_run_dir(Path(args[0]).parent)
+        train_from_run_dir(Path(args[0]).parent, digests[0] if digests else None)
     except UserError as e:
         print(f"dllm: error: {e}", file=sys.stderr)
         return 2
