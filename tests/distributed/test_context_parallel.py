@@ -18,7 +18,6 @@ import copy
 import dataclasses
 import json
 import os
-import socket
 import time
 from pathlib import Path
 
@@ -36,6 +35,7 @@ from dllm.models import Transformer
 from dllm.parallel.checkpointing import apply_activation_checkpointing
 from dllm.parallel.context import apply_context_parallel, build_plan, cp_group_ranks
 from dllm.training.trainer import run_model
+from tests.distributed.ports import free_port
 
 pytestmark = pytest.mark.distributed
 
@@ -154,15 +154,9 @@ def _worker(rank: int, world: int, cases: dict[str, dict], port: int, out: str) 
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_cases(folder: Path, world: int, cases: dict[str, dict]) -> dict[str, dict]:
     out = folder / f"results-{world}.json"
-    mp.spawn(_worker, args=(world, cases, _free_port(), str(out)), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, cases, free_port(), str(out)), nprocs=world, join=True)
     return json.loads(out.read_text())
 
 

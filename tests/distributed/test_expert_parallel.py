@@ -25,7 +25,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import socket
 import time
 from pathlib import Path
 
@@ -51,6 +50,7 @@ from dllm.models.transformer import MoE
 from dllm.parallel.expert import EPGroup, apply_expert_parallel, shard_experts
 from dllm.parallel.grad_norm import clip_grad_norm
 from dllm.training.trainer import run_model
+from tests.distributed.ports import free_port
 
 pytestmark = pytest.mark.distributed
 
@@ -251,12 +251,6 @@ def _worker(rank: int, world: int, cases: dict[str, dict], port: int, out: str) 
     os._exit(0)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 CASES = {
     "ep2": dict(world=2),
     "ep2-unbalanced": dict(world=2, unbalanced=True),
@@ -283,7 +277,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     for world in sorted({c["world"] for c in ALL_CASES.values()}):
         cases = {k: c for k, c in ALL_CASES.items() if c["world"] == world}
         path = folder / f"results-{world}.json"
-        mp.spawn(_worker, args=(world, cases, _free_port(), str(path)), nprocs=world, join=True)
+        mp.spawn(_worker, args=(world, cases, free_port(), str(path)), nprocs=world, join=True)
         out.update(json.loads(path.read_text()))
     print(json.dumps(out, indent=1))
     return out

@@ -7,7 +7,6 @@ are checked with one-line errors before anything starts."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ from dllm.checkpoint.manager import latest_checkpoint, read_trainer_state
 from dllm.cli.main import main
 from dllm.training.metrics import read_metrics
 from dllm.training.run_lock import lock_run_dir
+from tests.distributed.ports import free_port
 from tests.helpers import tiny_train_values, write_yaml
 from tests.reliability.launch_helpers import kill_leftovers
 
@@ -29,12 +29,6 @@ STEPS = 10
 TRAIN = tiny_train_values(
     training={"steps": STEPS, "global_batch_size": 8, "micro_batch_size": 2}, checkpointing={"every_steps": 5}
 )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _start(cwd: Path, log: Path, *args: str) -> subprocess.Popen:
@@ -48,7 +42,7 @@ def _start(cwd: Path, log: Path, *args: str) -> subprocess.Popen:
 
 def _two_nodes(cwd: Path, name: str, nproc: int, node_args: tuple[list[str], list[str]] = ([], [])) -> list[int]:
     """Start node ranks 0 and 1 of a 2 x NPROC run at once; their exit codes (logs in cwd/NAME.nodeR.log)."""
-    port = _free_port()
+    port = free_port()
     common = ["--nnodes", "2", "--nproc-per-node", str(nproc), "--rdzv-endpoint", f"127.0.0.1:{port}"]
     common += ["--set", f"run.name={name}"]
     procs = [
