@@ -121,8 +121,8 @@ def check_tensor_parallel(spec: RunSpec) -> None:
         (model.self_condition, "model.self_condition: not supported with tensor parallelism; set tp_size: 1"),
         # measured: compiled blocks hand plain-tensor gradients to DTensor's backward (an error without
         # sequence parallelism, wrong gradients with it); regional compile with TP is issue 24's
-        (spec.training.compile, "training.compile: compiled blocks are not supported with tensor parallelism yet; "
-         "set compile: false or tp_size: 1"),
+        (spec.training.compile is True, "training.compile: compiled blocks are not supported with tensor "
+         "parallelism yet; set compile: auto or false (both off with TP), or tp_size: 1"),
     ]  # fmt: skip
     for refused, message in refusals:
         if refused:

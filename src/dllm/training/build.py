@@ -32,6 +32,7 @@ from dllm.training.host_memory import retain_freed_memory
 from dllm.training.lr import LRSchedule
 from dllm.training.metrics import MetricsLogger
 from dllm.training.mfu import FlopsMeter, peak_flops
+from dllm.training.needs import resolve_compile
 from dllm.training.optim import build_optimizer
 from dllm.training.profiler import StepProfiler
 from dllm.training.trainer import Trainer
@@ -86,7 +87,7 @@ def build_model(
     with torch.device("meta"):
         model = factory.build_model(cfg, lora, seed)
     model = apply_parallelism(
-        model, dims, meshes, spec.topology, spec.training.compile, plan, cp_group,
+        model, dims, meshes, spec.topology, spec.training.compile is True, plan, cp_group,
         activation_checkpointing=spec.training.activation_checkpointing,
     )  # fmt: skip
     full = factory.initial_state(cfg, lora, seed) if env.is_main or not env.distributed else {}
@@ -104,6 +105,9 @@ def build_trainer(spec: RunSpec, run_dir: Path, env: DistEnv | None = None) -> T
     env = env or DistEnv.from_environ()
     check_topology(spec, env.world_size)  # a worker started by hand with another world size
     device = pick_device(spec.training.device, env)
+    # the preflight resolved training.compile: auto already; a spec built without it resolves here
+    compile = resolve_compile(spec.training.compile, device.type, spec.topology.tp_size)
+    spec = spec.model_copy(update={"training": spec.training.model_copy(update={"compile": compile})})
     if device.type == "cpu" and spec.training.cpu_allocator == "retain":
         retain_freed_memory()  # before the first step's activations: they would fault in every step
     init_process_group(env, spec.topology, device)

@@ -8,6 +8,7 @@ uses them, the optional packages the config asks for, and the free disk for the 
 from __future__ import annotations
 
 import importlib.util
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +19,7 @@ import torch.distributed as dist
 from dllm.attention.backends.auto import resolve_backend
 from dllm.config.rules import round_up
 from dllm.config.spec import RunSpec
-from dllm.errors import UserError
+from dllm.errors import ConfigError, UserError
 from dllm.models.sizing import count_params, format_bytes
 
 CHECKPOINT_BYTES_PER_PARAM = 12
@@ -38,8 +39,8 @@ def check_needs(spec: RunSpec) -> list[Need]:
     device = spec.training.device
     on_gpu = device == "cuda" or (device == "auto" and gpu)
     needs = [_device(spec, gpu, on_gpu), _backend(spec, on_gpu), _attention(spec, on_gpu)]
-    if spec.training.compile:
-        needs.append(Need("torch.compile", *_compiler(on_gpu)))
+    if spec.training.compile is True:
+        needs.append(Need("torch.compile", *compiler_available(on_gpu)))
     needs += _packages(spec)
     needs.append(_disk(spec))
     return needs
@@ -78,17 +79,32 @@ def _attention(spec: RunSpec, on_gpu: bool) -> Need:
         return Need("attention", False, "this torch has no FlexAttention")
     if not m.flex_compile:
         return Need("attention", True, "flex (eager)")
-    ok, detail = _compiler(on_gpu)
+    ok, detail = compiler_available(on_gpu)
     return Need("attention", ok, f"compiled flex: {detail}")
 
 
-def _compiler(on_gpu: bool) -> tuple[bool, str]:
-    """torch.compile needs triton on a GPU and a C compiler on a CPU."""
+def resolve_compile(setting: bool | str, device_type: str, tp_size: int = 1) -> bool:
+    """Whether `training.compile` compiles on this device: true needs the toolchain (ConfigError,
+    one line, without it); auto is on for CUDA when the toolchain is there and tensor parallelism is
+    off (compiled blocks do not compose with DTensor's backward yet), off otherwise."""
+    if setting is False:
+        return False
+    ok, detail = compiler_available(device_type == "cuda")
+    if setting is True:
+        if not ok:
+            raise ConfigError(f"training.compile: true needs torch.compile's toolchain: {detail}; or set compile: auto")
+        return True
+    return ok and device_type == "cuda" and tp_size == 1
+
+
+def compiler_available(on_gpu: bool) -> tuple[bool, str]:
+    """torch.compile needs triton on a GPU and a C++ compiler on a CPU (inductor builds C++ kernels; $CXX first)."""
     if on_gpu:
         ok = importlib.util.find_spec("triton") is not None
         return ok, "triton " + ("installed" if ok else "missing (pip install triton)")
-    cc = shutil.which("gcc") or shutil.which("cc") or shutil.which("clang")
-    return cc is not None, cc or "no C compiler found (install gcc)"
+    names = [os.environ.get("CXX", ""), "g++", "c++", "clang++"]
+    cc = next((path for name in names if name and (path := shutil.which(name))), None)
+    return cc is not None, cc or "no C++ compiler found (install g++)"
 
 
 def _packages(spec: RunSpec) -> list[Need]:

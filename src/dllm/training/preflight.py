@@ -27,6 +27,7 @@ from dllm.models.pretrained import merge_pretrained, pretrained_tokenizer
 from dllm.models.sizing import TRAIN_BYTES_PER_PARAM, count_params, format_bytes
 from dllm.tokenization import build_tokenizer
 from dllm.training.build import context_plan
+from dllm.training.needs import resolve_compile
 from dllm.training.wandb_sink import missing_wandb_error
 
 
@@ -52,6 +53,7 @@ def resolve_run_spec(
     warnings += _check_context(spec)
     device_type = _check_device(spec)
     spec = _resolve_attention(spec, device_type)
+    spec = _resolve_compile(spec, device_type)
     _check_memory(spec, device_type)
     warnings += _machine_warnings(spec, device_type)
     backend = spec.model.attention_backend
@@ -146,6 +148,14 @@ def _resolve_attention(spec: RunSpec, device_type: str) -> RunSpec:
     m = spec.model
     backend = resolve_backend(m.attention_backend, device_type, m.flex_compile)
     return spec.model_copy(update={"model": m.model_copy(update={"attention_backend": backend})})
+
+
+def _resolve_compile(spec: RunSpec, device_type: str) -> RunSpec:
+    """`training.compile: auto` becomes true or false for the training device (the resolved config
+    records whether blocks were compiled); true without the toolchain is a ConfigError."""
+    tr = spec.training
+    on = resolve_compile(tr.compile, device_type, spec.topology.tp_size)
+    return spec.model_copy(update={"training": tr.model_copy(update={"compile": on})})
 
 
 def _check_device(spec: RunSpec) -> str:

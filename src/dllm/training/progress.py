@@ -49,15 +49,20 @@ class Progress:
             self._task = self._bar.add_task("train", total=total_steps, completed=start_step, info="")
 
     def update(self, step: int, loss: float, tokens_per_s: float, perf: dict[str, Any] | None = None) -> None:
-        """`perf`: the step's flops_per_s and mfu (training.mfu), shown when present."""
+        """`perf`: the step's flops_per_s and mfu (training.mfu), shown when present; with compile_s
+        (the compiled warm-up step), this step's line is shown whatever logging.every_steps says."""
         info = f"loss {loss:.4f}  {tokens_per_s:,.0f} tok/s"
+        compile_s = (perf or {}).get("compile_s")
+        warm_up = compile_s is not None
+        if warm_up:
+            info += f"  compile {compile_s:.1f} s"
         if perf and "flops_per_s" in perf:
             info += f"  {format_flops(perf['flops_per_s'])}/s"
         if perf and "mfu" in perf:
             info += f"  MFU {100 * perf['mfu']:.1f}%"
         if self.mode == "bar":
             self._bar.update(self._task, completed=step, info=info)
-        elif self.mode == "lines" and (step % self.every == 0 or step == self.total):
+        elif self.mode == "lines" and (warm_up or step % self.every == 0 or step == self.total):
             done = step - self.start_step
             elapsed = time.perf_counter() - self._t0
             eta = elapsed / max(done, 1) * (self.total - step)

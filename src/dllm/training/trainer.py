@@ -198,6 +198,7 @@ class Trainer:
         every = self.log_cfg.every_steps
         self.metrics.start(self.step)  # the log now ends at this step: no duplicate after a resume
         start_step = self.step
+        pending: dict[str, Any] = {}  # the warm-up's compile_s, for the first metrics record
         try:
             while self.step < self.cfg.steps:
                 if self.profiler is not None:
@@ -211,9 +212,15 @@ class Trainer:
                 losses.append(stats.loss)
                 tps = self.tokens_per_step / step_s
                 perf = self._perf(batches, stats, step_s)
+                if self.step == start_step + 1 and self.cfg.compile is True:
+                    # the first call of each compiled block compiles it: this step's forward + backward
+                    # is the warm-up (compile time plus one step's compute, an upper bound)
+                    pending["compile_s"] = round(stats.times_s["forward"] + stats.times_s["backward"], 3)
+                    perf = {**perf, **pending}
                 progress.update(self.step, stats.loss, tps, perf)
                 if self.step % every == 0 or self.step == self.cfg.steps:
-                    self.metrics.log(self.step, {**self._record(stats, t_data, step_s, tps), **perf})
+                    self.metrics.log(self.step, {**self._record(stats, t_data, step_s, tps), **perf, **pending})
+                    pending = {}
                 if self.profiler is not None:
                     self.profiler.after_step(self.step)
                 if self.checkpoints.should_save(self.step, self.cfg.steps):

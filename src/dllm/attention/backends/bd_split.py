@@ -61,6 +61,7 @@ def supports(q_BHQD: torch.Tensor, k_BKSD: torch.Tensor, mask: AttentionMask) ->
     return kv_len % 2 == 0 and q_len in (kv_len, kv_len // 2)
 
 
+@torch.compiler.disable  # data-dependent plans (key spans, rows without keys): eager inside compiled blocks
 def split_attention(
     q_BHQD: torch.Tensor, k_BKSD: torch.Tensor, v_BKSD: torch.Tensor, mask: AttentionMask, num_chunks: int
 ) -> torch.Tensor:
