@@ -1,7 +1,10 @@
-"""Training throughput of the demo model at seq_len 128 and 512, and where a step's time goes.
+"""Training throughput of the demo model at seq_len 128 and 512, eager and compiled (`training.compile`,
+one torch.compile per block), and where a step's time goes.
 
-Both variants are built in this one process and measured interleaved (A B A B ...) so that machine
-jitter hits both alike; the JSON line reports medians, the time shares, and the 512/128 ratio.
+All four variants are built in this one process and measured interleaved (A B C D A B ...) so that
+machine jitter hits them alike; the JSON line reports medians, the time shares, the 512/128 ratio,
+each compiled variant's compile time (its first step's forward + backward) and compiled/eager tokens/s.
+TARGET_SPEEDUP is the issue's target at seq 512; the line says whether this machine reached it.
 
     python bench/train_throughput.py [--rounds 8] [--preset demo]
 """
@@ -15,6 +18,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -29,9 +33,11 @@ from dllm.training.build import build_trainer
 from dllm.training.preflight import resolve_run_spec
 
 TOKENS_PER_STEP = 4096
+TARGET_SPEEDUP = 1.3
+"""Compiled / eager tokens/s wanted at seq 512."""
 
 
-def make_trainer(root: Path, seq_len: int, preset: str):
+def make_trainer(root: Path, seq_len: int, preset: str, compile: bool = False):
     corpus = root / "corpus.jsonl"
     if not corpus.exists():
         corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in demo_corpus(20000, seed=0)))
@@ -41,18 +47,26 @@ def make_trainer(root: Path, seq_len: int, preset: str):
         source="bench",
         base_dir=root,
     )
-    prepare(prep, root, overwrite=True)
+    if not (root / f"prepared-{seq_len}").exists():
+        prepare(prep, root, overwrite=True)
     batch = TOKENS_PER_STEP // seq_len
+    name = f"bench-{seq_len}" + ("-compiled" if compile else "")
     values = {
-        "run": {"name": f"bench-{seq_len}", "output_dir": str(root / "runs")},
+        "run": {"name": name, "output_dir": str(root / "runs")},
         "model": {"preset": preset},
         "data": {"path": str(root / f"prepared-{seq_len}"), "seq_len": seq_len},
-        "training": {"steps": 10_000, "global_batch_size": batch, "micro_batch_size": batch, "device": "cpu"},
+        "training": {
+            "steps": 10_000,
+            "global_batch_size": batch,
+            "micro_batch_size": batch,
+            "device": "cpu",
+            "compile": compile,
+        },  # fmt: skip
         "checkpointing": {"save_final": False},
         "logging": {"progress": "off", "tensorboard": "off"},
     }
     spec, _ = resolve_run_spec(validate_config(RunSpec, values, source="bench", base_dir=root))
-    trainer = build_trainer(spec, root / "runs" / f"bench-{seq_len}")
+    trainer = build_trainer(spec, root / "runs" / name)
     return trainer, spec
 
 
@@ -65,6 +79,26 @@ def one_step(trainer) -> dict[str, float]:
     return {"data": data_s, **stats.times_s, "total": total}
 
 
+HEAVY_OPS = ("mm", "bmm", "addmm", "baddbmm", "_scaled_dot_product_flash_attention_for_cpu",
+             "_scaled_dot_product_flash_attention_for_cpu_backward")  # fmt: skip
+"""ATen ops compile cannot speed up on CPU (matmuls and the flash-attention kernel: already library calls)."""
+
+
+def heavy_seconds(trainer, steps: int = 2) -> float:
+    """Seconds of one eager step spent in HEAVY_OPS (profiled; the least of `steps` steps). The
+    unprofiled step time over it bounds compile's speedup: compile removing all other work
+    (elementwise ops, copies, the optimizer, Python overhead) for free."""
+    from torch.profiler import ProfilerActivity, profile
+
+    best = float("inf")
+    for _ in range(steps):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            one_step(trainer)
+        ops = prof.key_averages()
+        best = min(best, sum(e.self_cpu_time_total for e in ops if e.key.removeprefix("aten::") in HEAVY_OPS) / 1e6)
+    return best
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--rounds", type=int, default=8)
@@ -72,41 +106,60 @@ def main() -> int:
     ap.add_argument("--preset", default="demo")
     args = ap.parse_args()
     torch.manual_seed(0)
+    # each seq_len its own static graph, as in two separate runs (not one dynamic-shape graph for both)
+    torch._dynamo.config.automatic_dynamic_shapes = False
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        variants = {L: make_trainer(root, L, args.preset) for L in (128, 512)}
-        for trainer, _ in variants.values():
-            for _ in range(args.warmup):
-                one_step(trainer)
-        samples: dict[int, list[dict[str, float]]] = {L: [] for L in variants}
+        keys = [(L, c) for L in (128, 512) for c in (False, True)]
+        variants = {k: make_trainer(root, k[0], args.preset, compile=k[1]) for k in keys}
+        compile_s: dict[int, float] = {}
+        for (L, compiled), (trainer, _) in variants.items():
+            for i in range(args.warmup):
+                first = one_step(trainer)
+                if compiled and i == 0:
+                    compile_s[L] = first["forward"] + first["backward"]
+        heavy_s = heavy_seconds(variants[512, False][0])
+        samples: dict[tuple[int, bool], list[dict[str, float]]] = {k: [] for k in variants}
         for _ in range(args.rounds):
-            for L, (trainer, _) in variants.items():
-                samples[L].append(one_step(trainer))
-        result: dict[str, object] = {
+            for k, (trainer, _) in variants.items():
+                samples[k].append(one_step(trainer))
+        result: dict[str, Any] = {
             "bench": "train_throughput",
             "preset": args.preset,
             "device": "cpu",
             "threads": torch.get_num_threads(),
             "tokens_per_step": TOKENS_PER_STEP,
         }
-        for L, (trainer, spec) in variants.items():
+        for (L, compiled), (trainer, spec) in variants.items():
             model = unwrap(trainer.model)
-            med = {k: statistics.median(s[k] for s in samples[L]) for k in samples[L][0]}
+            med = {k: statistics.median(s[k] for s in samples[L, compiled]) for k in samples[L, compiled][0]}
             parts = ("data", "forward", "backward", "optimizer")
             tps = TOKENS_PER_STEP / med["total"]
             flops = train_flops_per_token(spec.model, Layout(seq_len=L, row_len=L))
             result["params"] = model.num_params()
-            result[f"seq{L}"] = {
+            entry = {
                 "tokens_per_s": round(tps, 1),
                 "step_s": round(med["total"], 4),
                 "gflops_per_s": round(tps * flops / 1e9, 2),
                 "share": {k: round(med[k] / med["total"], 3) for k in parts},
             }
+            if compiled:
+                entry["compile_s"] = round(compile_s[L], 2)
+            result[f"seq{L}" + ("_compiled" if compiled else "")] = entry
             trainer.metrics.close()
         result["ratio_tokens_per_s_512_vs_128"] = round(
-            result["seq512"]["tokens_per_s"] / result["seq128"]["tokens_per_s"],
-            3,  # type: ignore[index]
+            result["seq512"]["tokens_per_s"] / result["seq128"]["tokens_per_s"], 3
         )
+        for L in (128, 512):
+            speedup = result[f"seq{L}_compiled"]["tokens_per_s"] / result[f"seq{L}"]["tokens_per_s"]
+            result[f"speedup_compiled_vs_eager_seq{L}"] = round(speedup, 3)
+        ceiling = result["seq512"]["step_s"] / heavy_s  # eager step / its matmul + attention time
+        result["speedup_ceiling_seq512"] = round(ceiling, 3)
+        reached = result["speedup_compiled_vs_eager_seq512"] >= TARGET_SPEEDUP
+        verdict = "reached" if reached else "not reached on this machine"
+        if not reached and ceiling < TARGET_SPEEDUP:
+            verdict += f" (its ceiling: {ceiling:.2f}x if everything but matmuls and attention were free)"
+        result["target_seq512"] = f">= {TARGET_SPEEDUP}x: {verdict}"
     print(json.dumps(result))
     return 0
 

@@ -37,8 +37,11 @@ def dp_yaml(workdir: Path) -> Path:
     return write_yaml(workdir / "train.yaml", tiny_train_values(training={"steps": 4}))
 
 
-@pytest.mark.parametrize(("mode", "objective"), [("fsdp", "mdlm"), ("ddp", "mdlm"), ("fsdp", "bd3lm")])
+@pytest.mark.parametrize(
+    ("mode", "objective"), [("fsdp", "mdlm"), ("ddp", "mdlm"), ("fsdp", "bd3lm"), ("fsdp", "mdlm+compile")]
+)
 def test_two_processes_match_one(dp_yaml: Path, mode: str, objective: str):
+    """mdlm+compile: compiled blocks under FSDP2 on two ranks against the eager single process."""
     from dllm.training.preflight import resolve_run_spec
     from dllm.training.run import prepare_run_dir, train_from_run_dir
     from tests.helpers import load_spec
@@ -47,6 +50,8 @@ def test_two_processes_match_one(dp_yaml: Path, mode: str, objective: str):
     spec, _ = resolve_run_spec(load_spec(dp_yaml, "run.name=one", *extra))
     one = train_from_run_dir(prepare_run_dir(spec))
     args = ["launch", "--config", "train.yaml", "--nproc-per-node", "2", "--set", f"topology.data_parallel={mode}"]
+    if objective == "mdlm+compile":
+        args += ["--set", "training.compile=true"]
     args += ["--set", "run.name=two", *[a for o in extra for a in ("--set", o)]]
     res = _dllm(args, dp_yaml.parent)
     assert res.returncode == 0, res.stderr[-2000:]
