@@ -18,6 +18,7 @@ import torch
 from dllm.errors import ConfigError
 
 _COMPILED = "_dllm_compiled_blocks"
+_RECOMPILE_LIMIT = 64
 
 
 def compile_blocks(model: torch.nn.Module) -> torch.nn.Module:
@@ -27,6 +28,10 @@ def compile_blocks(model: torch.nn.Module) -> torch.nn.Module:
         raise ConfigError(f"sampler.compile: {type(model).__name__} has no transformer blocks (model.layers)")
     if not getattr(model, _COMPILED, False):
         _check_toolchain(next(model.parameters()).device)
+        # one code object serves every layer of every compiled model: its variants (KV buffer not yet
+        # allocated / allocated / no cache, trimmed last block, batch 1, each mask kind) outnumber
+        # dynamo's default limit of 8, past which it would silently run the block eagerly
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, _RECOMPILE_LIMIT)
         for block in layers:
             block.compile(dynamic=True)
         setattr(model, _COMPILED, True)
