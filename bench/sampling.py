@@ -13,7 +13,12 @@ policy), and batch 8 vs batch 1 tokens/s, next to the ceilings of the bare model
 sampling loop) on the same machine: batch 8 vs 1 for a whole canvas and for a cached block step, and
 cached vs uncached forwards over one block schedule. No sampler can beat those ratios here.
 
-    python bench/sampling.py [--work /tmp/dllm-bench-sampling] [--prompts 16] [--retrain]
+First, one `sampling_compiled` line: compiled (`sampler.compile`, each block compiled in place with
+dynamic shapes) vs eager in the same process, milliseconds per sampling step for the whole-canvas
+(mdlm, no cache), dual-cache (mdlm) and exact block-cache (bd3lm) steps at batch 1 and 8, the compile
+time, the graphs compiled and any recompilation after the warm-up (`--compiled-only` stops there).
+
+    python bench/sampling.py [--work /tmp/dllm-bench-sampling] [--prompts 16] [--retrain] [--compiled-only]
 """
 
 from __future__ import annotations
@@ -183,6 +188,69 @@ def forward_ceilings(mdlm: torch.nn.Module, bd3lm: torch.nn.Module, rounds: int 
     return out
 
 
+COMPILED: dict[str, tuple[str, dict[str, Any]]] = {  # name -> (model, sampler fields): the step shapes
+    "canvas": ("mdlm", {"policy": "low_confidence", "steps": GEN}),  # every step a whole-canvas forward
+    "dual_cache": ("mdlm", {"policy": "low_confidence", "steps": GEN, "cache": "dual"}),  # a block vs cached keys
+    "block_cache": ("bd3lm", {"policy": "low_confidence", "steps": GEN, "cache": "block"}),  # exact block cache
+}
+
+
+def compiled_vs_eager(models: dict[str, Any], prompts: list[str], rounds: int) -> dict[str, Any]:
+    """Compiled (`sampler.compile`: each block compiled in place, dynamic shapes) against eager, in this
+    process: seconds per sampling step for each step shape of COMPILED at batch 1 and 8 (fastest of
+    `rounds`), their ratio, whether the tokens agree, and the compile time (the first compiled pass over
+    all shapes minus a steady one)."""
+    import copy
+
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    compiled = {k: copy.copy(m) for k, m in models.items()}
+    for k, m in compiled.items():
+        m.model = copy.deepcopy(models[k].model)
+    eager_cfgs = {name: resolved(models[model], fields) for name, (model, fields) in COMPILED.items()}
+
+    def one_pass(loaded: dict[str, Any], compile_: bool) -> dict[tuple[str, int], tuple[float, int, list]]:
+        out = {}
+        for name, (model, _) in COMPILED.items():
+            cfg = eager_cfgs[name].model_copy(update={"compile": compile_})
+            special = SpecialIds.of(loaded[model].profile)
+            ids = [loaded[model].tokenizer.encode(p) for p in prompts[:8]]
+            for batch in (1, 8):
+                t0, steps, seqs = time.perf_counter(), 0, []
+                for i in range(0, 8, batch):
+                    res = generate(loaded[model].model, ids[i : i + batch], cfg, special)
+                    steps, seqs = steps + res.counters.steps, seqs + res.sequences
+                out[(name, batch)] = (time.perf_counter() - t0, steps, seqs)
+        return out
+
+    t0 = time.perf_counter()
+    first = one_pass(compiled, True)
+    first_wall = time.perf_counter() - t0
+    graphs = counters["stats"]["unique_graphs"]
+    best_e: dict[tuple[str, int], float] = {}
+    best_c: dict[tuple[str, int], float] = {}
+    steady_c = float("inf")
+    for _ in range(rounds):  # interleaved, as the configuration sweep
+        e = one_pass(models, False)
+        t1 = time.perf_counter()
+        c = one_pass(compiled, True)
+        steady_c = min(steady_c, time.perf_counter() - t1)
+        for key in e:
+            best_e[key] = min(best_e.get(key, float("inf")), e[key][0] / e[key][1])
+            best_c[key] = min(best_c.get(key, float("inf")), c[key][0] / c[key][1])
+    return {
+        "bench": "sampling_compiled",
+        "ms_per_step_eager": {f"{n}_b{b}": round(1e3 * t, 3) for (n, b), t in best_e.items()},
+        "ms_per_step_compiled": {f"{n}_b{b}": round(1e3 * t, 3) for (n, b), t in best_c.items()},
+        "compiled_speedup_per_step": {f"{n}_b{b}": round(best_e[(n, b)] / best_c[(n, b)], 2) for n, b in best_e},
+        "same_tokens": all(first[k][2] == e[k][2] for k in first),
+        "compile_s": round(first_wall - steady_c, 1),
+        "compiled_graphs": graphs,
+        "recompiles_after_warmup": counters["stats"]["unique_graphs"] - graphs,
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--work", type=Path, default=Path("/tmp/dllm-bench-sampling"))
@@ -190,6 +258,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=300, help="Training steps of each model.")
     ap.add_argument("--repeats", type=int, default=3, help="Rounds over all configurations (fastest kept).")
     ap.add_argument("--retrain", action="store_true")
+    ap.add_argument("--compiled-only", action="store_true", help="Only the compiled vs eager comparison.")
     args = ap.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     work = args.work
@@ -208,6 +277,9 @@ def main() -> int:
     rng = random.Random(12345)
     tests = [example(rng) for _ in range(args.prompts)]
     prompts, answers = [t["prompt"] for t in tests], [t["completion"] for t in tests]
+    print(json.dumps(compiled_vs_eager(models, prompts, args.repeats)), flush=True)
+    if args.compiled_only:
+        return 0
     cfgs = {name: resolved(models[model], fields) for name, (model, fields) in CONFIGS.items()}
     results: dict[tuple[str, int], dict[str, Any]] = {}
     # Interleaved: every round runs each slice of 8 prompts through every configuration and batch size

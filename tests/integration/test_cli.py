@@ -169,6 +169,11 @@ def test_generate_sampler_options_and_chat(project: Path):
     assert json.loads(res.stdout)["prompt"] == "hi"
     res = _ok(dllm(["generate", "--run", "runs/latest", "-p", "hi", "--policy", "threshold", "--json"], project))
     assert json.loads(res.stdout)["nfe"] <= 32
+    # --compile: the model's blocks compiled (dynamic shapes), the same greedy text as eager for two prompts
+    args = ["generate", "--run", "runs/latest", "-p", "1 + 2 =", "-p", "113 + 4 =", "--gen-length", "8", "--json"]
+    eager = [json.loads(x)["completion"] for x in _ok(dllm(args, project)).stdout.splitlines()]
+    compiled = [json.loads(x)["completion"] for x in _ok(dllm([*args, "--compile"], project)).stdout.splitlines()]
+    assert compiled == eager
     chat = subprocess.run(
         [sys.executable, "-m", "dllm.cli.main", "chat", "--run", "runs/latest", "--gen-length", "8", "--live"],
         cwd=project, env=_env(), input="1 + 1 =\n/reset\n2 + 2 =\n", capture_output=True, text=True, timeout=120,

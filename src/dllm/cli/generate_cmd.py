@@ -65,6 +65,9 @@ def generate(
     batch_size: int = typer.Option(8, "--batch-size", help="Prompts decoded together."),
     seed: int = typer.Option(None, "--seed", help="Sampling seed."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
+    compile_model: bool = typer.Option(
+        False, "--compile", help="Compile the model's blocks with torch.compile (pays off for many prompts, GPUs)."
+    ),
     output: Path = typer.Option(None, "--output", "-o", help="Write JSONL here instead of stdout."),
     as_json: bool = typer.Option(False, "--json", help="One JSON line per prompt on stdout."),
 ) -> None:
@@ -76,7 +79,8 @@ def generate(
     if batch_size < 1:
         raise ConfigError("--batch-size must be >= 1")
     flags = {"gen_length": gen_length, "block_length": block_length, "steps": steps, "policy": policy,
-             "cache": cache, "temperature": temperature, "seed": seed, "stop_strings": stop or None}  # fmt: skip
+             "cache": cache, "temperature": temperature, "seed": seed, "stop_strings": stop or None,
+             "compile": compile_model or None}  # fmt: skip
     texts = _read_prompts(prompt, prompts_file)
     _check_output(output)
     s = setup_sampling(run, checkpoint, model, device, sampler_config, overrides, flags)

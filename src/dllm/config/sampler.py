@@ -60,6 +60,8 @@ class SamplerConfig(Section):
     """Cut each output at the first of these strings, and stop early once every row has one."""
     seed: int = 0
     """Seed of the sampling noise (temperature, random orders and the process policies)."""
+    compile: bool = False
+    """Compile each transformer block in place with torch.compile (dynamic shapes: a new prompt length reuses it)."""
 
     @property
     def block(self) -> int:

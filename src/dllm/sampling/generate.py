@@ -23,6 +23,7 @@ import torch
 
 from dllm.config.sampler import SamplerConfig
 from dllm.sampling.canvas import Canvas, SpecialIds, left_pad
+from dllm.sampling.compiled import compile_blocks
 from dllm.sampling.policies import Commit, StepState, make_policy
 from dllm.sampling.proposals import commit_schedule, filter_logits, full_proposal, propose
 from dllm.sampling.runner import Runner
@@ -108,6 +109,7 @@ def generate(
     """Decode `gen_length` tokens after each prompt. `stop(row_ids)` says whether a row's decided
     prefix already ends the row (stop strings); `callback` sees the canvas after every step. `cfg`
     must be resolved (`config.rules.resolve_sampler`): its shift is on or off, never auto.
+    `cfg.compile` compiles the model's blocks in place (sampling.compiled), once; later calls reuse them.
 
     The loop runs under `torch.inference_mode` (less dispatch work per op than `no_grad`: ~10% of a
     small model's forward); the returned canvas is an ordinary tensor, usable in autograd later."""
@@ -131,6 +133,8 @@ class Loop:
             raise ValueError("a shifted model predicts position i from i-1: every prompt needs at least one token")
         self.cfg, self.special, self.generator, self.callback, self.stop = cfg, special, generator, callback, stop
         self.policy = make_policy(cfg, special)
+        if cfg.compile:
+            compile_blocks(model)
         device = next(model.parameters()).device
         self.canvas = Canvas.build(prompts, cfg, special, cfg.attention == "block", device, shift)
         self.counters = Counters()
