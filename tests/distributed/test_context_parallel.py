@@ -17,14 +17,10 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-import os
-import time
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from dllm.config.model import ModelConfig
 from dllm.config.objectives import BD3LMConfig, MDLMConfig
@@ -35,7 +31,7 @@ from dllm.models import Transformer
 from dllm.parallel.checkpointing import apply_activation_checkpointing
 from dllm.parallel.context import apply_context_parallel, build_plan, cp_group_ranks
 from dllm.training.trainer import run_model
-from tests.distributed.ports import free_port
+from tests.distributed.harness import run_cases
 
 pytestmark = pytest.mark.distributed
 
@@ -137,29 +133,6 @@ def _worst(model, reference) -> tuple[str, float]:
     return worst, grads[worst]
 
 
-def _worker(rank: int, world: int, cases: dict[str, dict], port: int, out: str) -> None:
-    """Every case of one world size in one process group (one spawn: process start-up and gloo
-    rendezvous dominate a tiny case)."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        results = {}
-        for key, case in cases.items():
-            start = time.perf_counter()
-            results[key] = {**_run_case(rank, world, case), "wall_s": time.perf_counter() - start}
-        if rank == 0:
-            Path(out).write_text(json.dumps(results))
-    finally:
-        dist.destroy_process_group()
-
-
-def run_cases(folder: Path, world: int, cases: dict[str, dict]) -> dict[str, dict]:
-    out = folder / f"results-{world}.json"
-    mp.spawn(_worker, args=(world, cases, free_port(), str(out)), nprocs=world, join=True)
-    return json.loads(out.read_text())
-
-
 CASES = {
     "mdlm-cp2": dict(world=2, objective="mdlm", mode="cp", cp=2, bp=1, schedule="dual_end"),
     "mdlm-cp4": dict(world=4, objective="mdlm", mode="cp", cp=4, bp=1, schedule="dual_end"),
@@ -223,7 +196,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     out: dict[str, dict] = {}
     for world in sorted({c["world"] for c in ALL_CASES.values()}):
         cases = {k: {f: v for f, v in c.items() if f != "world"} for k, c in ALL_CASES.items() if c["world"] == world}
-        out.update(run_cases(folder, world, cases))
+        out.update(run_cases(folder, world, cases, _run_case))
     print(json.dumps(out, indent=1))
     return out
 

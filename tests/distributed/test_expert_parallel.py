@@ -50,7 +50,7 @@ from dllm.models.transformer import MoE
 from dllm.parallel.expert import EPGroup, apply_expert_parallel, shard_experts
 from dllm.parallel.grad_norm import clip_grad_norm
 from dllm.training.trainer import run_model
-from tests.distributed.ports import free_port
+from tests.distributed.harness import free_port
 
 pytestmark = pytest.mark.distributed
 

@@ -20,7 +20,7 @@ from dllm.checkpoint.manager import latest_checkpoint, read_trainer_state
 from dllm.cli.main import main
 from dllm.training.metrics import read_metrics
 from dllm.training.run_lock import lock_run_dir
-from tests.distributed.ports import free_port
+from tests.distributed.harness import free_port
 from tests.helpers import tiny_train_values, write_yaml
 from tests.reliability.launch_helpers import kill_leftovers
 

@@ -14,14 +14,10 @@ one world size run in one spawn of gloo processes (2, 4 and 8).
 from __future__ import annotations
 
 import json
-import os
-import time
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 
 from dllm.config.model import ModelConfig
@@ -36,7 +32,7 @@ from dllm.parallel.context import build_plan
 from dllm.parallel.dims import DistEnv, ParallelDims
 from dllm.training.build import materialize
 from dllm.training.trainer import run_model
-from tests.distributed.ports import free_port
+from tests.distributed.harness import run_cases
 
 pytestmark = pytest.mark.distributed
 
@@ -154,27 +150,6 @@ def _run_case(rank: int, world: int, case: dict) -> dict:
     }
 
 
-def _worker(rank: int, world: int, cases: dict[str, dict], port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        results = {}
-        for key, case in cases.items():
-            start = time.perf_counter()
-            results[key] = {**_run_case(rank, world, case), "wall_s": time.perf_counter() - start}
-        if rank == 0:
-            Path(out).write_text(json.dumps(results))
-    finally:
-        dist.destroy_process_group()
-
-
-def run_cases(folder: Path, world: int, cases: dict[str, dict]) -> dict[str, dict]:
-    out = folder / f"results-{world}.json"
-    mp.spawn(_worker, args=(world, cases, free_port(), str(out)), nprocs=world, join=True)
-    return json.loads(out.read_text())
-
-
 _CP2 = {"mode": "cp", "cp_size": 2}
 CASES = {
     "tp2-mdlm": dict(world=2, objective="mdlm", topology=dict(tp_size=2)),
@@ -220,7 +195,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     out: dict[str, dict] = {}
     for world in sorted({c["world"] for c in CASES.values()}):
         cases = {k: {f: v for f, v in c.items() if f != "world"} for k, c in CASES.items() if c["world"] == world}
-        out.update(run_cases(folder, world, cases))
+        out.update(run_cases(folder, world, cases, _run_case))
     print(json.dumps({k: {f: v for f, v in r.items() if f != "sharded"} for k, r in out.items()}, indent=1))
     return out
 
