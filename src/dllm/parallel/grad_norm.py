@@ -33,7 +33,7 @@ def global_grad_norm(parameters: Iterable[torch.nn.Parameter]) -> torch.Tensor:
             groups.setdefault((), []).append(g)
     total = None
     for key, grads in groups.items():
-        sq = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) ** 2 for g in grads]).sum()
+        sq = torch.nn.utils.get_total_norm(grads).float() ** 2  # foreach kernels, not one norm per tensor
         if key:
             spec = meshes[key]
             for dim, placement in enumerate(spec.placements):
@@ -49,7 +49,10 @@ def clip_grad_norm(parameters: Iterable[torch.nn.Parameter], max_norm: float) ->
     params = [p for p in parameters if p.grad is not None]
     norm = global_grad_norm(params)
     coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-    for p in params:
-        g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-        g.mul_(coef.to(g.device, g.dtype))
+    locals_ = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
+    by_kind: dict[tuple, list[torch.Tensor]] = {}
+    for g in locals_:
+        by_kind.setdefault((g.device, g.dtype), []).append(g)
+    for (device, dtype), grads in by_kind.items():
+        torch._foreach_mul_(grads, coef.to(device, dtype))  # what torch's clip_grad_norm_ does
     return norm
