@@ -20,7 +20,7 @@ $(BIN)/dllm: pyproject.toml
 venv: $(BIN)/dllm
 
 demo: venv
-	$(BIN)/python -m dllm.demo --dir $(DEMO_DIR)
+	GLIBC_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=2147483647 $(BIN)/python -m dllm.demo --dir $(DEMO_DIR)
 
 test: venv
 	$(BIN)/python -m pytest -q tests

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import sys
@@ -41,6 +42,7 @@ from dllm.config.spec import RunSpec
 from dllm.data.prepare import prepare
 from dllm.data.synthetic import demo_corpus
 from dllm.training.build import build_trainer
+from dllm.training.host_memory import memory_retained, retaining_env
 from dllm.training.preflight import resolve_run_spec
 
 TOKENS_PER_STEP = 4096
@@ -126,6 +128,8 @@ def main() -> int:
     ap.add_argument("--backend", default="auto", help="attention backend of the throughput comparison")
     ap.add_argument("--cpu-allocator", default="retain", choices=["retain", "system"], help="training.cpu_allocator")
     args = ap.parse_args()
+    if args.cpu_allocator == "retain" and not memory_retained():  # glibc reads its tunables at start
+        os.execve(sys.executable, [sys.executable, *sys.argv], retaining_env(os.environ))
     torch.manual_seed(0)
     out: dict[str, Any] = {"bench": "objectives", "preset": args.preset, "device": "cpu",
                            "threads": torch.get_num_threads(), "tokens_per_step": TOKENS_PER_STEP,

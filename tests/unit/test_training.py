@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import platform
 import subprocess
 import sys
@@ -276,19 +277,24 @@ def test_lora_run_trains_only_adapters_and_resumes(train_yaml: Path, monkeypatch
         torch.testing.assert_close(loaded.model(x, pos).logits(), trainer.model(x, pos).logits(), atol=1e-5, rtol=0)
 
 
-def test_cpu_training_asks_for_retained_memory_unless_told_not_to(train_yaml: Path, monkeypatch: pytest.MonkeyPatch):
-    calls: list[int] = []
-    monkeypatch.setattr(build_mod, "retain_freed_memory", lambda: calls.append(1) or True)
-    _trainer(train_yaml, "run.name=retain")
-    assert calls == [1]
-    _trainer(train_yaml, "run.name=system", "training.cpu_allocator=system")
-    assert calls == [1]
+def test_cpu_workers_start_with_the_retain_tunables_unless_told_not_to(train_yaml: Path, monkeypatch):
+    from dllm.cli.launch_cmd import _worker_env
+    from dllm.training.host_memory import memory_retained, retaining_env
+
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")  # the user's own tunables are kept
+    spec = load_spec(train_yaml, "training.device=cpu")
+    env = _worker_env(spec)
+    assert env is not None and memory_retained(env)
+    assert env["GLIBC_TUNABLES"].startswith("glibc.malloc.arena_max=2:glibc.malloc.mmap_max=0:")
+    assert env["PATH"] == os.environ["PATH"]
+    assert retaining_env(env) == env  # idempotent
+    system = spec.model_copy(update={"training": spec.training.model_copy(update={"cpu_allocator": "system"})})
+    assert _worker_env(system) is None
+    assert not memory_retained({"GLIBC_TUNABLES": "glibc.malloc.mmap_max=0"})
 
 
 _FAULTS_OF_A_64MB_LOOP = """
-import resource, sys, torch
-from dllm.training.host_memory import retain_freed_memory
-applied = retain_freed_memory() if sys.argv[1] == "retain" else False
+import resource, torch
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 for _ in range(30):  # 64 MiB: above glibc's largest adaptive mmap threshold (32 MiB)
@@ -297,25 +303,24 @@ f0 = faults()
 for _ in range(10):
     x = torch.empty(16 << 20).fill_(1.0)
     del x
-print(applied, faults() - f0)
+print(faults() - f0)
 """
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc", reason="glibc")
 def test_retained_memory_is_reused_without_page_faults():
     """A freed 64 MiB tensor: glibc's default unmaps it, so each new one faults its 16384 pages in again;
-    retained, once the heap has grown to the loop's working set, new ones reuse it without faults."""
+    started with the retain tunables, once the heap has grown to the loop's working set, new ones reuse it."""
+    from dllm.training.host_memory import retaining_env
 
-    def run(mode: str) -> tuple[str, int]:
-        out = subprocess.run([sys.executable, "-c", _FAULTS_OF_A_64MB_LOOP, mode], capture_output=True, text=True)
+    def faults(env: dict[str, str]) -> int:
+        out = subprocess.run([sys.executable, "-c", _FAULTS_OF_A_64MB_LOOP], capture_output=True, text=True, env=env)
         assert out.returncode == 0, out.stderr
-        applied, faults = out.stdout.split()
-        return applied, int(faults)
+        return int(out.stdout)
 
-    applied, retained = run("retain")
-    assert applied == "True"
-    assert retained < 1000  # 10 x 16384 pages without it
-    assert run("system")[1] > 10 * 16384 * 0.9
+    plain = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    assert faults(retaining_env(plain)) < 1000  # 10 x 16384 pages without it
+    assert faults(plain) > 10 * 16384 * 0.9
 
 
 def test_resume_may_change_the_attention_kernel_but_not_the_model(train_yaml: Path):

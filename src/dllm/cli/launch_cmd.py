@@ -9,6 +9,7 @@ import typer
 from dllm.cli.common import SetOption, info, out, warn
 from dllm.config.loading import load_config
 from dllm.config.spec import RunSpec
+from dllm.training.host_memory import memory_retained
 
 
 def launch(
@@ -41,6 +42,13 @@ def launch(
     node_rank = node_rank if node_rank is not None and topo.nnodes > 1 else 0
     spec_path = run_dir_of(spec) / CONFIG_NAME
     in_process = topo.world_size == 1
+    worker_env = _worker_env(spec)
+    if in_process and worker_env is not None and not memory_retained():
+        warn(
+            "training.cpu_allocator: retain needs GLIBC_TUNABLES set when the process starts; this in-process "
+            f"run keeps glibc's default (export GLIBC_TUNABLES={worker_env['GLIBC_TUNABLES']} first, "
+            "or set training.cpu_allocator: system to silence this)"
+        )
     cmd = (
         ["python", "-m", "dllm.training.worker", str(spec_path)]
         if in_process
@@ -56,13 +64,26 @@ def launch(
         # node rank 0 writes the shared run folder; the workers of every node read its config.yaml
         run_dir = prepare_run_dir(spec) if node_rank == 0 else run_dir_of(spec)
         info(f"run folder: {run_dir}")
-        _train(run_dir, None if in_process else cmd, lock.fd)
+        _train(run_dir, None if in_process else cmd, lock.fd, worker_env)
     finally:
         lock.release()
     info(f"done: {run_dir} (next: dllm generate --run {run_dir})")
 
 
-def _train(run_dir: Path, torchrun_cmd: list[str] | None, lock_fd: int) -> None:
+def _worker_env(spec) -> dict[str, str] | None:
+    """The workers' environment: glibc's retain tunables for CPU training (training/host_memory.py)."""
+    import os
+
+    import torch
+
+    from dllm.training.host_memory import retaining_env
+
+    device = spec.training.device
+    cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+    return retaining_env(os.environ) if cpu and spec.training.cpu_allocator == "retain" else None
+
+
+def _train(run_dir: Path, torchrun_cmd: list[str] | None, lock_fd: int, env: dict[str, str] | None) -> None:
     """Train in this process, or under torchrun; SIGINT/SIGTERM end every worker, with a last word."""
     from dllm.parallel.launch import Stopped, format_command, run_command, stop_on_signals
     from dllm.training.run import train_from_run_dir
@@ -73,7 +94,7 @@ def _train(run_dir: Path, torchrun_cmd: list[str] | None, lock_fd: int) -> None:
                 train_from_run_dir(run_dir)
                 return
             info(format_command(torchrun_cmd))
-            code = run_command(torchrun_cmd, keep_fds=(lock_fd,))
+            code = run_command(torchrun_cmd, keep_fds=(lock_fd,), env=env)
     except Stopped as stop:
         info(f"dllm: stopped by {stop.signal_name}: all training processes have ended; {_resume_hint(run_dir)}")
         raise typer.Exit(stop.exit_code) from None

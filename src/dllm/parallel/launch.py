@@ -129,15 +129,17 @@ def stop_on_signals() -> Iterator[None]:
             signal.signal(s, h)
 
 
-def run_command(cmd: list[str], keep_fds: tuple[int, ...] = (), grace_s: float = 20.0) -> int:
+def run_command(
+    cmd: list[str], keep_fds: tuple[int, ...] = (), grace_s: float = 20.0, env: dict[str, str] | None = None
+) -> int:
     """Run torchrun and pass its exit code through; its workers end with this process (see the module
     docstring). `keep_fds` are inherited by torchrun (the run-folder lock: it stays held until
     torchrun has reaped its workers, even when this process is killed). On `Stopped` the tree is
     ended (closing the pipe, then SIGTERM and SIGKILL to torchrun after `grace_s` each) and the
-    exception goes on."""
+    exception goes on. `env`: the workers' environment (None: this process's)."""
     read_end, write_end = os.pipe()  # both ends close-on-exec; Popen hands read_end over as stdin
     try:
-        proc = subprocess.Popen(cmd, stdin=read_end, pass_fds=keep_fds, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdin=read_end, pass_fds=keep_fds, start_new_session=True, env=env)
     except BaseException:
         os.close(write_end)
         raise

@@ -28,7 +28,6 @@ from dllm.parallel.apply import after_materialize, apply_parallelism, unwrap
 from dllm.parallel.context import ShardPlan, build_plan
 from dllm.parallel.dims import DistEnv, ParallelDims, init_process_group, pick_device
 from dllm.tokenization import Tokenizer, build_tokenizer
-from dllm.training.host_memory import retain_freed_memory
 from dllm.training.lr import LRSchedule
 from dllm.training.metrics import MetricsLogger
 from dllm.training.mfu import FlopsMeter, peak_flops
@@ -108,8 +107,6 @@ def build_trainer(spec: RunSpec, run_dir: Path, env: DistEnv | None = None) -> T
     # the preflight resolved training.compile: auto already; a spec built without it resolves here
     compile = resolve_compile(spec.training.compile, device.type, spec.topology.tp_size)
     spec = spec.model_copy(update={"training": spec.training.model_copy(update={"compile": compile})})
-    if device.type == "cpu" and spec.training.cpu_allocator == "retain":
-        retain_freed_memory()  # before the first step's activations: they would fault in every step
     init_process_group(env, spec.topology, device)
     tok = build_tokenizer(spec.tokenizer)
     artifact = open_artifact(spec.data.path)

@@ -8,39 +8,37 @@ page on first touch. Measured here (demo model, 4096 tokens per step): BD3LM's 2
 MLP activations) took 21-51 thousand page faults per step, ~3.6 us each, 90-180 ms of a 0.5-0.7 s
 step; MDLM's half-size tensors stayed under glibc's adaptive threshold and took almost none.
 
-`retain_freed_memory` tells glibc to serve every size from its heap (M_MMAP_MAX = 0) and to keep up to
-2 GiB of free heap top (M_TRIM_THRESHOLD), as a caching allocator (jemalloc or tcmalloc with decay
-off, PyTorch's CUDA allocator) would. The process then keeps its peak heap for its lifetime, which a
-training process reaches in its first step anyway. It applies to the whole process and only where
-the C library is glibc; elsewhere it is a no-op that returns False.
+`training.cpu_allocator: retain` asks glibc to serve every size from its heap (mmap_max = 0) and to
+keep up to 2 GiB of free heap top (trim_threshold), as a caching allocator (jemalloc or tcmalloc with
+decay off, PyTorch's CUDA allocator) would. glibc reads these settings from the GLIBC_TUNABLES
+environment variable when a process starts, so they are set in the environment of the worker
+processes `dllm launch` starts (there is no supported way to change them from Python afterwards); an
+in-process run gets them when its own process was started with them (`make demo` does). Other C
+libraries ignore the variable.
 """
 
 from __future__ import annotations
 
-import ctypes
-import sys
+import os
+from collections.abc import Mapping
 
-M_TRIM_THRESHOLD = -1  # glibc's mallopt parameter numbers (malloc.h)
-M_MMAP_MAX = -4
-TRIM_THRESHOLD_BYTES = 2**31 - 1  # mallopt takes an int: keep up to 2 GiB of free heap top
-
-_applied = False
+RETAIN_TUNABLES = {"glibc.malloc.mmap_max": "0", "glibc.malloc.trim_threshold": str(2**31 - 1)}
+"""The glibc malloc tunables of `cpu_allocator: retain` (trim_threshold is an int: at most 2 GiB)."""
 
 
-def retain_freed_memory() -> bool:
-    """Make glibc malloc keep freed memory for reuse (process-wide, idempotent); True when applied."""
-    global _applied
-    if _applied:
-        return True
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(None)  # the C library this process already uses
-    except OSError:
-        return False
-    if not hasattr(libc, "gnu_get_libc_version") or not hasattr(libc, "mallopt"):  # not glibc (e.g. musl)
-        return False
-    mallopt = libc.mallopt
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    _applied = mallopt(M_MMAP_MAX, 0) == 1 and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES) == 1
-    return _applied
+def _parse(value: str) -> dict[str, str]:
+    pairs = (item.split("=", 1) for item in value.split(":") if "=" in item)
+    return {k: v for k, v in pairs}
+
+
+def retaining_env(env: Mapping[str, str]) -> dict[str, str]:
+    """`env` with the retain tunables merged into GLIBC_TUNABLES (the user's own tunables kept)."""
+    tunables = _parse(env.get("GLIBC_TUNABLES", ""))
+    tunables.update(RETAIN_TUNABLES)
+    return {**env, "GLIBC_TUNABLES": ":".join(f"{k}={v}" for k, v in tunables.items())}
+
+
+def memory_retained(env: Mapping[str, str] | None = None) -> bool:
+    """Whether this process (or one started with `env`) runs with the retain tunables."""
+    tunables = _parse((os.environ if env is None else env).get("GLIBC_TUNABLES", ""))
+    return all(tunables.get(k) == v for k, v in RETAIN_TUNABLES.items())
