@@ -104,7 +104,8 @@ def _run_case(rank: int, world: int, case: dict) -> dict:
     with torch.device("meta"):
         model = Transformer(cfg)
     ac = case.get("activation_checkpointing", "none")
-    model = apply_parallelism(model, dims, meshes, topo, False, plan, cp_group, activation_checkpointing=ac)
+    compile_ = case.get("compile", False)
+    model = apply_parallelism(model, dims, meshes, topo, compile_, plan, cp_group, activation_checkpointing=ac)
     materialize(model, reference.state_dict() if rank == 0 else {}, torch.device("cpu"), DistEnv(rank, rank, world))
     model = after_materialize(model, meshes, topo)
 
@@ -181,6 +182,14 @@ CASES = {
     ),
     "dp2xep2-moe-full-ac-mdlm": dict(
         world=4, objective="mdlm", moe=True, activation_checkpointing="full", topology=dict(ep_size=2)
+    ),
+    # compiled blocks (inductor) over DTensor shards, with FSDP2 on top
+    "tp2-compile-mdlm": dict(world=2, objective="mdlm", compile=True, topology=dict(tp_size=2)),
+    "tp2-sp-compile-mdlm": dict(
+        world=2, objective="mdlm", compile=True, topology=dict(tp_size=2, sequence_parallel=True)
+    ),
+    "dp2xtp2-sp-compile-bd3lm": dict(
+        world=4, objective="bd3lm", compile=True, topology=dict(tp_size=2, sequence_parallel=True)
     ),
     "dp2xtp2xcp2-mdlm": dict(world=8, objective="mdlm", topology=dict(tp_size=2, context=_CP2)),
     "dp2xtp2xcp2-sp-bd3lm": dict(

@@ -45,11 +45,10 @@ def test_compile_setting_resolves_in_the_preflight(train_yaml: Path, no_gpu: Non
     assert spec.training.compile is expected
 
 
-def test_auto_compiles_on_cuda_unless_tensor_parallel_or_no_toolchain(monkeypatch: pytest.MonkeyPatch):
+def test_auto_compiles_on_cuda_unless_no_toolchain(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(needs, "compiler_available", lambda on_gpu: (True, "triton installed"))
     assert resolve_compile("auto", "cuda") is True
     assert resolve_compile("auto", "cpu") is False
-    assert resolve_compile("auto", "cuda", tp_size=2) is False  # compiled blocks + DTensor: not yet
     assert resolve_compile(True, "cpu") is True and resolve_compile(False, "cuda") is False
     monkeypatch.setattr(needs, "compiler_available", lambda on_gpu: (False, "triton missing (pip install triton)"))
     assert resolve_compile("auto", "cuda") is False

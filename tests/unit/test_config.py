@@ -927,7 +927,6 @@ LAYOUT_REFUSALS = {
     "tp-moe": (2, ["topology.tp_size=2", *_MOE], "model.num_experts: tensor parallelism of MoE layers"),
     "tp-ddp": (2, ["topology.tp_size=2", "topology.data_parallel=ddp"], "topology.data_parallel: ddp does not take"),
     "tp-plain-loss": (2, ["topology.tp_size=2", "training.chunked_loss=false"], "training.chunked_loss: tensor"),
-    "tp-compile": (2, ["topology.tp_size=2", "training.compile=true"], "training.compile: compiled blocks are not"),
     "sp-without-tp": (2, ["topology.sequence_parallel=true"], "topology.sequence_parallel: needs tp_size > 1"),
     "sp-rows": (
         4,

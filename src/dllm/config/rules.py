@@ -119,10 +119,6 @@ def check_tensor_parallel(spec: RunSpec) -> None:
         (not spec.training.chunked_loss, "training.chunked_loss: tensor parallelism needs the vocabulary-parallel "
          "chunked loss; set it to true"),
         (model.self_condition, "model.self_condition: not supported with tensor parallelism; set tp_size: 1"),
-        # measured: compiled blocks hand plain-tensor gradients to DTensor's backward (an error without
-        # sequence parallelism, wrong gradients with it); regional compile with TP is issue 24's
-        (spec.training.compile is True, "training.compile: compiled blocks are not supported with tensor "
-         "parallelism yet; set compile: auto or false (both off with TP), or tp_size: 1"),
     ]  # fmt: skip
     for refused, message in refusals:
         if refused:

@@ -29,7 +29,7 @@ class TrainingConfig(Section):
     grad_clip: float | None = Field(default=1.0, gt=0)
     """Clip the global gradient norm to this value; null disables clipping."""
     compile: Literal["auto"] | bool = "auto"
-    """torch.compile each transformer block: auto (on for CUDA, off for CPU and tensor parallelism), true, false."""
+    """torch.compile each transformer block: auto (on for CUDA, off for CPU), true, false."""
     chunked_loss: bool = True
     """LM head + cross-entropy in chunks, never materialising [tokens x vocab] logits (false: the plain reference)."""
     cpu_allocator: Literal["retain", "system"] = "retain"

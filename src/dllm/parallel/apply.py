@@ -42,6 +42,8 @@ def apply_parallelism(
         apply_context_parallel(model, plan, cp_group, cfg.context.transport)
     apply_activation_checkpointing(model, activation_checkpointing)
     if compile:
+        if dims.tp > 1:
+            model.embed_tokens.register_forward_hook(_fresh_output)
         for block in model.layers:
             block.compile()  # in place: parameter names (and checkpoints) stay the same
     if meshes is not None and cfg.data_parallel == "fsdp" and dims.grad_ranks > 1:
@@ -52,6 +54,14 @@ def apply_parallelism(
             fully_shard(block, mesh=meshes.fsdp)
         fully_shard(model, mesh=meshes.fsdp)
     return model
+
+
+def _fresh_output(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+    """The vocabulary-parallel embedding's output as a tensor of its own. It is a view of a DTensor's
+    local tensor (`to_local`), and a compiled block that takes such a view as its input replays the view
+    from its base, which cuts the gradient's path back to the embedding (measured, torch 2.13: the
+    embedding's gradient came out zero with sequence parallelism, and the backward failed without it)."""
+    return output.clone()
 
 
 def after_materialize(model: nn.Module, meshes: Meshes | None, cfg: TopologyConfig) -> nn.Module:

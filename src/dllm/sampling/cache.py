@@ -41,9 +41,11 @@ class LayerKV:
         s, Q = c.query_start, k_BKQD.shape[2]
         if s + Q > c.length or c.key_end < s + Q:
             raise ValueError(f"cache: queries [{s}, {s + Q}) do not fit keys [0, {c.key_end}) of a {c.length} canvas")
-        self.k_BKTD[:, :, s : s + Q] = k_BKQD
-        self.v_BKTD[:, :, s : s + Q] = v_BKQD
-        return self.k_BKTD[:, :, : c.key_end], self.v_BKTD[:, :, : c.key_end]
+        # narrow, not slicing: a slice's end is clamped to the length, so a compiled block would guard on
+        # (and recompile for) whether a forward reaches the canvas end; narrow only asserts it fits
+        self.k_BKTD.narrow(2, s, Q).copy_(k_BKQD)
+        self.v_BKTD.narrow(2, s, Q).copy_(v_BKQD)
+        return self.k_BKTD.narrow(2, 0, c.key_end), self.v_BKTD.narrow(2, 0, c.key_end)
 
 
 @dataclass
@@ -61,6 +63,17 @@ class KVCache:
         if i not in self.layers:
             self.layers[i] = LayerKV(self)
         return self.layers[i]
+
+    def allocate(self, num_layers: int, shape_BKD: tuple[int, int, int], like: torch.Tensor) -> KVCache:
+        """Allocate every layer's buffers [B, K, length, D] now (dtype and device of `like`), instead
+        of on each layer's first write: a compiled block then sees the same cache state on every
+        call (allocated), not one variant per state (sampling/compiled.py)."""
+        B, K, D = shape_BKD
+        for i in range(num_layers):
+            kv = self.layer(i)
+            kv.k_BKTD = like.new_zeros(B, K, self.length, D)
+            kv.v_BKTD = like.new_zeros(B, K, self.length, D)
+        return self
 
     def at(self, query_start: int, key_end: int) -> KVCache:
         """Position the next forward: queries from `query_start`, keys [0, key_end)."""

@@ -39,8 +39,20 @@ class Runner:
         T = canvas.x_BT.shape[1]
         self.mode: CacheMode = CACHES.resolve(cfg.cache)()
         self.cache = KVCache(T) if self.mode.buffers else None
+        if self.cache is not None:
+            self._allocate(canvas.x_BT.shape[0] * (2 if cfg.cfg_scale > 0 else 1))
         self._masks: dict[tuple[int, int], AttentionMask] = {}
         self.mask_col = torch.tensor([special.mask_id], device=canvas.x_BT.device)
+
+    def _allocate(self, rows: int) -> None:
+        """The KV buffers of a native Transformer, before its compiled blocks run (others: on first write)."""
+        layers, mcfg = getattr(self.model, "layers", None), getattr(self.model, "cfg", None)
+        attn = getattr(layers[0], "self_attn", None) if layers else None
+        if attn is None or mcfg is None:
+            return
+        assert self.cache is not None
+        like = attn.k_proj.weight  # the keys' dtype and device
+        self.cache.allocate(len(layers), (rows, mcfg.kv_heads, mcfg.dim_per_head), like)
 
     def mask(self, qs: int, ke: int) -> AttentionMask:
         """Queries from canvas index qs, keys [0, ke)."""

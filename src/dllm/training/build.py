@@ -105,7 +105,7 @@ def build_trainer(spec: RunSpec, run_dir: Path, env: DistEnv | None = None) -> T
     check_topology(spec, env.world_size)  # a worker started by hand with another world size
     device = pick_device(spec.training.device, env)
     # the preflight resolved training.compile: auto already; a spec built without it resolves here
-    compile = resolve_compile(spec.training.compile, device.type, spec.topology.tp_size)
+    compile = resolve_compile(spec.training.compile, device.type)
     spec = spec.model_copy(update={"training": spec.training.model_copy(update={"compile": compile})})
     init_process_group(env, spec.topology, device)
     tok = build_tokenizer(spec.tokenizer)

@@ -83,10 +83,9 @@ def _attention(spec: RunSpec, on_gpu: bool) -> Need:
     return Need("attention", ok, f"compiled flex: {detail}")
 
 
-def resolve_compile(setting: bool | str, device_type: str, tp_size: int = 1) -> bool:
+def resolve_compile(setting: bool | str, device_type: str) -> bool:
     """Whether `training.compile` compiles on this device: true needs the toolchain (ConfigError,
-    one line, without it); auto is on for CUDA when the toolchain is there and tensor parallelism is
-    off (compiled blocks do not compose with DTensor's backward yet), off otherwise."""
+    one line, without it); auto is on for CUDA when the toolchain is there, off otherwise."""
     if setting is False:
         return False
     ok, detail = compiler_available(device_type == "cuda")
@@ -94,7 +93,7 @@ def resolve_compile(setting: bool | str, device_type: str, tp_size: int = 1) -> 
         if not ok:
             raise ConfigError(f"training.compile: true needs torch.compile's toolchain: {detail}; or set compile: auto")
         return True
-    return ok and device_type == "cuda" and tp_size == 1
+    return ok and device_type == "cuda"
 
 
 def compiler_available(on_gpu: bool) -> tuple[bool, str]:

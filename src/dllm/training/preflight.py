@@ -154,7 +154,7 @@ def _resolve_compile(spec: RunSpec, device_type: str) -> RunSpec:
     """`training.compile: auto` becomes true or false for the training device (the resolved config
     records whether blocks were compiled); true without the toolchain is a ConfigError."""
     tr = spec.training
-    on = resolve_compile(tr.compile, device_type, spec.topology.tp_size)
+    on = resolve_compile(tr.compile, device_type)
     return spec.model_copy(update={"training": tr.model_copy(update={"compile": on})})
 
 
