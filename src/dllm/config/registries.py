@@ -117,6 +117,7 @@ FAMILIES = Registry(
         "dream": "families:DREAM",
         "gpt2": "families:GPT2",
         "bert": "families:BERT",
+        "modernbert": "families:MODERNBERT",
     },
 )
 NORMS = Registry("norm", "models", {"rmsnorm": "layers:RMSNorm", "layernorm": "layers:LayerNorm"})

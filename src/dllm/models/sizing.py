@@ -46,7 +46,8 @@ def count_params(cfg: ModelConfig) -> int:
     n += _norm_params(cfg, E) if cfg.embedding_norm else 0
     n += E * E if cfg.self_condition else 0
     n += _norm_params(cfg, E) if cfg.final_norm else 0
-    n += _linear(E, E, True) + _norm_params(cfg, E) + V if cfg.head == "mlm" else 0
+    n -= 0 if cfg.first_layer_attn_norm else _norm_params(cfg, E)
+    n += _linear(E, E, cfg.head_dense_bias) + _norm_params(cfg, E) + V if cfg.head == "mlm" else 0
     n += 0 if cfg.tie_embeddings else V * E
     return n
 
