@@ -37,6 +37,14 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
         "final_norm": False, "mlp": "plain", "activation": "gelu", "position": "learned", "qkv_bias": True,
         "attn_out_bias": True, "mlp_bias": True, "head": "mlm", "norm_eps": 1e-12,
     },
+    "llada_moe": {
+        "qk_norm": True, "rope_theta": 50000.0, "norm_eps": 1e-5, "tie_embeddings": False, "num_experts": 8,
+        "num_experts_per_tok": 2, "norm_topk_prob": False,
+    },
+    "olmoe": {
+        "qk_norm": True, "qk_norm_width": "full", "norm_eps": 1e-5, "tie_embeddings": False, "num_experts": 8,
+        "num_experts_per_tok": 2, "norm_topk_prob": False,
+    },
     "modernbert": {
         "norm": "layernorm", "norm_eps": 1e-5, "embedding_norm": True, "first_layer_attn_norm": False,
         "activation": "gelu", "head": "mlm", "head_dense_bias": False, "rope_theta": 160000.0,
@@ -99,7 +107,9 @@ class ModelConfig(Section):
     activation: Literal[ACTIVATIONS.names()] = "silu"  # type: ignore[valid-type]
     """MLP activation."""
     qk_norm: bool = False
-    """RMSNorm on queries and keys per head (Qwen3-style)."""
+    """RMSNorm on queries and keys (Qwen3-style)."""
+    qk_norm_width: Literal["head", "full"] = "head"
+    """The q/k RMSNorm normalises each head (Qwen3, LLaDA-MoE) or all heads at once (OLMoE)."""
     qkv_bias: bool = False
     """Bias on the query/key/value projections (Qwen2-style)."""
     attn_out_bias: bool = False

@@ -114,6 +114,8 @@ FAMILIES = Registry(
         "qwen3": "families:QWEN3",
         "qwen3_moe": "families:QWEN3_MOE",
         "llada": "families:LLADA",
+        "llada_moe": "families:LLADA_MOE",
+        "olmoe": "families:OLMOE",
         "dream": "families:DREAM",
         "gpt2": "families:GPT2",
         "bert": "families:BERT",

@@ -39,6 +39,8 @@ class Family:
     to_hf_extra: Callable[[StateDict, ModelConfig], StateDict] = field(default=lambda sd, cfg: sd)
     ignore_hf: tuple[str, ...] = ()
     """HF keys (regex) that carry nothing the native model needs (buffers, unused poolers)."""
+    architectures_read: tuple[str, ...] = ()
+    """config.json `architectures` entries that pick this family before `model_type` is looked at."""
 
 
 # -- name maps -----------------------------------------------------------------------------------------
@@ -253,6 +255,102 @@ DREAM = _llama_like("dream", ("Dream", "dream"), "DreamModel", _qwen2_config_fro
 QWEN3_MOE = Family(
     "qwen3_moe", ("qwen3_moe",), "Qwen3MoeForCausalLM", True, _qwen3_moe_config_from_hf, _qwen3_moe_config_to_hf,
     _LLAMA_RENAMES, from_hf_extra=_fuse_experts, to_hf_extra=_split_experts,
+)  # fmt: skip
+
+
+# -- OLMoE and LLaDA-MoE (LLaMA names, a router `mlp.gate` and experts `mlp.experts.{j}.*`) --------------
+def _moe_routing(hf: dict[str, Any], where: str) -> None:
+    """Refuse the routing variants the native MoE does not compute (it is softmax -> top-k, optionally
+    renormalised; every layer routed; no shared expert, expert bias, groups or scaling)."""
+    shared = hf.get("shared_expert_intermediate_size")
+    unsupported = [
+        ("moe_router_score_function", hf.get("moe_router_score_function") not in (None, "softmax")),
+        ("moe_router_enable_expert_bias", bool(hf.get("moe_router_enable_expert_bias"))),
+        ("routed_scaling_factor", hf.get("routed_scaling_factor") not in (None, 1, 1.0)),
+        ("shared_expert_intermediate_size", isinstance(shared, int) and shared > 0),
+        ("router_num_group", isinstance(hf.get("router_num_group"), int) and hf["router_num_group"] > 1),
+        ("moe_layer_freq", any(f != 1 for f in hf.get("moe_layer_freq") or [])),
+        ("partial_rotary_factor", hf.get("partial_rotary_factor") not in (None, 1, 1.0, -1)),
+        ("clip_qkv", hf.get("clip_qkv") is not None),
+    ]
+    for key, bad in unsupported:
+        if bad:
+            raise ConfigError(f"model.init_from: {where} with {key}={hf.get(key)!r} is not supported yet")
+
+
+def _moe_common_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "vocab_size": hf["vocab_size"], "hidden_size": hf["hidden_size"], "num_layers": hf["num_hidden_layers"],
+        "num_heads": hf["num_attention_heads"], "num_kv_heads": hf.get("num_key_value_heads") or None,
+        "head_dim": hf.get("head_dim"), "max_seq_len": hf.get("max_position_embeddings", 4096),
+        "rope_theta": _rope_theta(hf), "norm_eps": hf.get("rms_norm_eps", 1e-5),
+        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+        "qkv_bias": bool(hf.get("attention_bias")), "attn_out_bias": bool(hf.get("attention_bias")),
+        "num_experts": hf["num_experts"], "num_experts_per_tok": hf["num_experts_per_tok"],
+        "norm_topk_prob": bool(hf.get("norm_topk_prob") or False),  # null in LLaDA-MoE: raw top-k probabilities
+        "router_aux_loss_coef": float(hf.get("router_aux_loss_coef", 0.01)),
+        "activation": {"silu": "silu"}[hf.get("hidden_act", "silu")],
+    }  # fmt: skip
+
+
+def _moe_common_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    if cfg.qkv_bias != cfg.attn_out_bias or cfg.mlp_bias or cfg.activation != "silu":
+        raise ConfigError(f"--to-hf: this model's layout has no {cfg.family} equivalent (biases or activation)")
+    return {
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.dim_per_head,
+        "max_position_embeddings": cfg.max_seq_len, "rope_theta": cfg.rope_theta, "rms_norm_eps": cfg.norm_eps,
+        "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": cfg.qkv_bias, "num_experts": cfg.num_experts,
+        "num_experts_per_tok": cfg.num_experts_per_tok, "norm_topk_prob": cfg.norm_topk_prob,
+        "router_aux_loss_coef": cfg.router_aux_loss_coef, "hidden_act": "silu",
+    }  # fmt: skip
+
+
+def _llada_moe_config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
+    """LLaDA-MoE (inclusionAI, remote code upstream): a bidirectional OLMoE-like stack whose q/k norms
+    are per head and whose router weights are the raw top-k softmax probabilities (norm_topk_prob null)."""
+    _moe_routing(hf, "a LLaDA-MoE model")
+    return {
+        **_moe_common_from_hf(hf),
+        "moe_intermediate_size": hf["expert_intermediate_size"],
+        "intermediate_size": hf.get("dense_intermediate_size") if (hf.get("dense_intermediate_size") or 0) > 0
+        else hf["expert_intermediate_size"],
+        "qk_norm": bool(hf.get("qk_layernorm", True)),
+    }  # fmt: skip
+
+
+def _llada_moe_config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    if cfg.qk_norm and cfg.qk_norm_width != "head":
+        raise ConfigError("--to-hf: LLaDA-MoE normalises queries and keys per head; this model does not")
+    return {
+        **_moe_common_to_hf(cfg), "expert_intermediate_size": cfg.expert_size, "dense_intermediate_size": cfg.mlp_size,
+        "qk_layernorm": cfg.qk_norm, "moe_layer_freq": [1] * cfg.num_layers, "moe_router_score_function": "softmax",
+        "moe_router_enable_expert_bias": False, "routed_scaling_factor": 1, "shared_expert_intermediate_size": None,
+        "partial_rotary_factor": 1.0, "clip_qkv": None,
+    }  # fmt: skip
+
+
+def _olmoe_config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
+    _moe_routing(hf, "an OLMoE model")
+    return {**_moe_common_from_hf(hf), "intermediate_size": hf["intermediate_size"], "qk_norm": True}
+
+
+def _olmoe_config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    if not cfg.qk_norm or cfg.qk_norm_width != "full":
+        raise ConfigError("--to-hf: OLMoE normalises queries and keys over all heads; this model does not")
+    return {**_moe_common_to_hf(cfg), "intermediate_size": cfg.expert_size, "clip_qkv": None}
+
+
+# checkpoints on disk list experts one by one, as qwen3_moe's do; `model_type` of LLaDA-MoE releases is
+# "llada" (shared with the dense LLaDA, told apart by `architectures`) or "llada_moe"/"lladamoe"
+LLADA_MOE = Family(
+    "llada_moe", ("llada_moe", "lladamoe"), "LLaDAMoEModelLM", False, _llada_moe_config_from_hf,
+    _llada_moe_config_to_hf, _LLAMA_RENAMES, from_hf_extra=_fuse_experts, to_hf_extra=_split_experts,
+    architectures_read=("LLaDAMoEModelLM", "LLaDAMoEModel"),
+)  # fmt: skip
+OLMOE = Family(
+    "olmoe", ("olmoe",), "OlmoeForCausalLM", True, _olmoe_config_from_hf, _olmoe_config_to_hf, _LLAMA_RENAMES,
+    from_hf_extra=_fuse_experts, to_hf_extra=_split_experts,
 )  # fmt: skip
 
 

@@ -28,7 +28,8 @@ def block_params(cfg: ModelConfig) -> int:
     """Parameters of one transformer block: attention, two norms, the MLP or the experts."""
     E, H, K, D = cfg.hidden_size, cfg.num_heads, cfg.kv_heads, cfg.dim_per_head
     attn = _linear(E, H * D, cfg.qkv_bias) + 2 * _linear(E, K * D, cfg.qkv_bias)
-    attn += _linear(H * D, E, cfg.attn_out_bias) + (2 * D if cfg.qk_norm else 0)
+    qk_norm = (H + K) * D if cfg.qk_norm_width == "full" else 2 * D
+    attn += _linear(H * D, E, cfg.attn_out_bias) + (qk_norm if cfg.qk_norm else 0)
     if cfg.num_experts:
         mlp = E * cfg.num_experts + cfg.num_experts * 3 * cfg.expert_size * E
     else:

@@ -1,8 +1,8 @@
 """The native transformer: one single-device block stack for every family.
 
-A family (llama, qwen2/3, qwen3_moe, llada, dream, gpt2, bert, modernbert) is a set of layout fields on
-ModelConfig (norm kind and position, positions, MLP kind, biases, head, local attention layers), not a
-copy of this file;
+A family (llama, qwen2/3, qwen3_moe, olmoe, llada, llada_moe, dream, gpt2, bert, modernbert) is a set of
+layout fields on ModelConfig (norm kind and position, positions, MLP kind, biases, head, local attention
+layers), not a copy of this file;
 `families.py` maps each family's Hugging Face weight names onto these modules. The model is used
 with whatever attention pattern the objective asks for and knows nothing about meshes, objectives or
 samplers; parallelism is applied from outside (dllm.parallel.apply).
@@ -61,8 +61,10 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(E, K * D, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(E, K * D, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(H * D, E, bias=cfg.attn_out_bias)
-        self.q_norm = RMSNorm(D, cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(D, cfg.norm_eps) if cfg.qk_norm else None
+        self.qk_norm_full = cfg.qk_norm_width == "full"  # OLMoE: one norm over all heads' features
+        width_q, width_k = (H * D, K * D) if self.qk_norm_full else (D, D)
+        self.q_norm = RMSNorm(width_q, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(width_k, cfg.norm_eps) if cfg.qk_norm else None
         self.attend = attend  # one backend object per model, shared by its layers
 
     def forward(
@@ -79,10 +81,13 @@ class Attention(nn.Module):
         B, L, _ = x_BLE.shape
         Q = L if num_queries is None else num_queries
         # heads from the projections' widths: under tensor parallelism a rank holds H/T and K/T of them
-        q = self.q_proj(x_BLE[:, :Q]).view(B, Q, -1, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x_BLE).view(B, L, -1, self.head_dim).transpose(1, 2)
+        q, k = self.q_proj(x_BLE[:, :Q]), self.k_proj(x_BLE)
+        if self.q_norm is not None and self.k_norm is not None and self.qk_norm_full:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(B, Q, -1, self.head_dim).transpose(1, 2)
+        k = k.view(B, L, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x_BLE).view(B, L, -1, self.head_dim).transpose(1, 2)
-        if self.q_norm is not None and self.k_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None and not self.qk_norm_full:
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             cos, sin = rope
