@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from dllm.config.base import RelPath, Section
+from dllm.config.base import PathOrHubId, Section
 from dllm.config.registries import ACTIVATIONS, ATTENTION_BACKENDS, FAMILIES, NORMS
 
 # Size presets for the native transformer. A preset fills the fields the user did not set.
@@ -60,8 +60,8 @@ class ModelConfig(Section):
     """Architecture family: fills the layout fields below and names the Hugging Face weight layout."""
     preset: str | None = None
     """Size preset that fills the size fields left unset here (tiny, demo, small, 350m)."""
-    init_from: RelPath | None = None
-    """Start from these weights: a Hugging Face folder (config.json + safetensors) or a `dllm convert` folder."""
+    init_from: PathOrHubId | None = None
+    """Start from these weights: a Hugging Face folder or hub id (org/name[@revision]), or a `dllm convert` folder."""
     vocab_size: int | None = Field(default=None, gt=0)
     """Vocabulary size; null means the tokenizer's size rounded up to a multiple of 64."""
     hidden_size: int = Field(default=256, gt=0)
