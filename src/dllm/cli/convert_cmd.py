@@ -11,7 +11,9 @@ from dllm.errors import ConfigError
 
 
 def convert(
-    from_hf: Path = typer.Option(None, "--from-hf", help="A Hugging Face model folder to import."),
+    from_hf: str = typer.Option(
+        None, "--from-hf", help="A Hugging Face model folder, or a hub id org/name[@revision], to import."
+    ),
     to: Path = typer.Option(None, "--to", help="Where to write the dllm model folder (with --from-hf)."),
     to_hf: Path = typer.Option(None, "--to-hf", help="Where to write a Hugging Face folder."),
     run: Path = typer.Option(None, "--run", help="Export the newest checkpoint of this run (with --to-hf)."),
@@ -31,11 +33,22 @@ def convert(
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise ConfigError(f"{out} is not empty; pass --overwrite to replace its files")
     if from_hf is not None:
-        _import(from_hf, out)
+        _import(_hf_source(from_hf), out)
     elif adapter_only:
         _export_adapter(out, run, checkpoint)
     else:
         _export(out, run, checkpoint, model)
+
+
+def _hf_source(text: str) -> Path:
+    """The folder --from-hf names: a local folder wins, else a hub id through the hub cache."""
+    from dllm.config.base import source_of
+    from dllm.hub import local_folder
+
+    try:
+        return local_folder(source_of(text, Path(text).expanduser()), "--from-hf")
+    except ValueError as e:
+        raise ConfigError(f"--from-hf: {e}") from None
 
 
 def _import(src: Path, out: Path) -> None:

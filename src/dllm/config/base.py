@@ -1,4 +1,4 @@
-"""Shared pieces of every config section: strictness, immutability, field docs, relative paths."""
+"""Shared pieces of every config section: strictness, immutability, field docs, relative paths, hub ids."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True, allow_inf_nan=False)
 
 
+_HUB_ID = re.compile(r"(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?:@(?P<revision>[\w.][\w./-]*))?")
 _ENV_VAR = re.compile(r"\$\{[^}]*\}?|\$[A-Za-z_][A-Za-z0-9_]*")
 
 
@@ -46,3 +47,35 @@ RelPath = Annotated[Path, AfterValidator(_resolve_relative)]
 
 PathPattern = Annotated[str, AfterValidator(_no_env_vars)]
 """A file or glob as written in a config (resolved later by its reader); environment variables are refused."""
+
+
+def parse_hub_id(text: str) -> tuple[str, str | None] | None:
+    """(repository, revision or None) of `org/name[@revision]`; None when `text` is not of that form."""
+    m = _HUB_ID.fullmatch(text)
+    if m is None or "--" in m["repo"] or ".." in m["repo"] or len(m["repo"]) > 96:
+        return None
+    return m["repo"], m["revision"]
+
+
+def source_of(text: str, local: Path) -> Path | str:
+    """A config value or command-line argument read as a source: the local path `local` (the text resolved
+    against its base folder) when it exists or the text cannot be a hub id, else the hub id itself. Text
+    with an `@` that is neither is refused (a ValueError: a config or CLI validation message)."""
+    if local.exists() or text.startswith((".", "/", "~")):
+        return local
+    if parse_hub_id(text) is not None:
+        return text
+    if "@" in text:
+        raise ValueError(f"{text!r} is neither a local folder nor a hub id org/name[@revision]")
+    return local
+
+
+def _path_or_hub_id(value: Path | str, info: ValidationInfo) -> Path | str:
+    """A local path (relative to the config file's folder; it wins when it exists) or a hub id kept as text."""
+    if isinstance(value, Path):
+        return _resolve_relative(value, info)
+    return source_of(_no_env_vars(value), _resolve_relative(Path(value), info))
+
+
+PathOrHubId = Annotated[Path | str, AfterValidator(_path_or_hub_id)]
+"""A folder (as RelPath) or a Hugging Face hub id `org/name[@revision]`, resolved later by dllm.hub.local_folder."""

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from dllm.config.base import RelPath, Section
+from dllm.config.base import PathOrHubId, RelPath, Section
 from dllm.config.registries import TOKENIZERS
 
 
@@ -15,8 +15,8 @@ class TokenizerConfig(Section):
 
     kind: Literal[TOKENIZERS.names()] = "byte"  # type: ignore[valid-type]
     """byte: 256 byte ids + specials, needs no files; hf: a Hugging Face tokenizer folder on disk."""
-    path: RelPath | None = None
-    """Folder with tokenizer.json / tokenizer_config.json (kind hf only)."""
+    path: PathOrHubId | None = None
+    """Folder with tokenizer.json / tokenizer_config.json, or a hub id org/name[@revision] (kind hf only)."""
     mask_token: str = "<|mask|>"
     """Mask token added to an hf tokenizer that has none."""
 

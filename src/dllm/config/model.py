@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from dllm.config.base import RelPath, Section
+from dllm.config.base import PathOrHubId, Section
 from dllm.config.registries import ACTIVATIONS, ATTENTION_BACKENDS, FAMILIES, NORMS
 
 # Size presets for the native transformer. A preset fills the fields the user did not set.
@@ -37,6 +37,19 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
         "final_norm": False, "mlp": "plain", "activation": "gelu", "position": "learned", "qkv_bias": True,
         "attn_out_bias": True, "mlp_bias": True, "head": "mlm", "norm_eps": 1e-12,
     },
+    "llada_moe": {
+        "qk_norm": True, "rope_theta": 50000.0, "norm_eps": 1e-5, "tie_embeddings": False, "num_experts": 8,
+        "num_experts_per_tok": 2, "norm_topk_prob": False,
+    },
+    "olmoe": {
+        "qk_norm": True, "qk_norm_width": "full", "norm_eps": 1e-5, "tie_embeddings": False, "num_experts": 8,
+        "num_experts_per_tok": 2, "norm_topk_prob": False,
+    },
+    "modernbert": {
+        "norm": "layernorm", "norm_eps": 1e-5, "embedding_norm": True, "first_layer_attn_norm": False,
+        "activation": "gelu", "head": "mlm", "head_dense_bias": False, "rope_theta": 160000.0,
+        "attention_pattern": ["global", "local", "local"], "local_window": 65, "local_rope_theta": 10000.0,
+    },
 }  # fmt: skip
 
 
@@ -47,8 +60,8 @@ class ModelConfig(Section):
     """Architecture family: fills the layout fields below and names the Hugging Face weight layout."""
     preset: str | None = None
     """Size preset that fills the size fields left unset here (tiny, demo, small, 350m)."""
-    init_from: RelPath | None = None
-    """Start from these weights: a Hugging Face folder (config.json + safetensors) or a `dllm convert` folder."""
+    init_from: PathOrHubId | None = None
+    """Start from these weights: a Hugging Face folder or hub id (org/name[@revision]), or a `dllm convert` folder."""
     vocab_size: int | None = Field(default=None, gt=0)
     """Vocabulary size; null means the tokenizer's size rounded up to a multiple of 64."""
     hidden_size: int = Field(default=256, gt=0)
@@ -66,7 +79,13 @@ class ModelConfig(Section):
     max_seq_len: int = Field(default=2048, gt=0)
     """Longest sequence the model is used with (RoPE positions, or the learned position table)."""
     rope_theta: float = Field(default=10000.0, gt=0)
-    """RoPE base frequency."""
+    """RoPE base frequency (of the global layers when attention_pattern has local ones)."""
+    attention_pattern: tuple[Literal["global", "local"], ...] | None = Field(default=None, min_length=1)
+    """Per-layer attention kinds, repeated over the layers (ModernBERT: [global, local, local]); null: all global."""
+    local_window: int | None = Field(default=None, gt=0)
+    """Sliding window of the `local` layers: a query attends keys fewer than this many positions away."""
+    local_rope_theta: float | None = Field(default=None, gt=0)
+    """RoPE base frequency of the `local` layers; null: rope_theta."""
     norm: Literal[NORMS.names()] = "rmsnorm"  # type: ignore[valid-type]
     """Normalisation layers: RMSNorm (llama, qwen) or LayerNorm (gpt2, bert)."""
     norm_bias: bool = False
@@ -79,6 +98,8 @@ class ModelConfig(Section):
     """Normalise the embeddings before the first block (BERT)."""
     final_norm: bool = True
     """A norm after the last block (pre-LN models)."""
+    first_layer_attn_norm: bool = True
+    """A norm before the first block's attention (ModernBERT has none: its embedding norm comes just before)."""
     position: Literal["rope", "learned"] = "rope"
     """Positions: rotary (RoPE) or a learned absolute table of max_seq_len rows (gpt2, bert)."""
     mlp: Literal["gated", "plain"] = "gated"
@@ -86,7 +107,9 @@ class ModelConfig(Section):
     activation: Literal[ACTIVATIONS.names()] = "silu"  # type: ignore[valid-type]
     """MLP activation."""
     qk_norm: bool = False
-    """RMSNorm on queries and keys per head (Qwen3-style)."""
+    """RMSNorm on queries and keys (Qwen3-style)."""
+    qk_norm_width: Literal["head", "full"] = "head"
+    """The q/k RMSNorm normalises each head (Qwen3, LLaDA-MoE) or all heads at once (OLMoE)."""
     qkv_bias: bool = False
     """Bias on the query/key/value projections (Qwen2-style)."""
     attn_out_bias: bool = False
@@ -95,6 +118,8 @@ class ModelConfig(Section):
     """Biases in the MLP."""
     head: Literal["linear", "mlm"] = "linear"
     """Output head: linear, or BERT's MLM head (dense, activation, norm, then the decoder with a bias)."""
+    head_dense_bias: bool = True
+    """Bias on the MLM head's dense layer (BERT has one; ModernBERT's classifier_bias is off)."""
     tie_embeddings: bool = True
     """Share the input embedding and the output head weights."""
     shift_logits: bool = False
@@ -147,7 +172,14 @@ class ModelConfig(Section):
             raise ValueError(f"num_experts_per_tok {self.num_experts_per_tok} exceeds num_experts {self.num_experts}")
         if self.num_experts and self.mlp != "gated":
             raise ValueError("mixture-of-experts layers use gated experts; set mlp: gated")
+        if self.attention_pattern is not None and "local" in self.attention_pattern and self.local_window is None:
+            raise ValueError("attention_pattern has local layers but local_window is not set")
         return self
+
+    def layer_is_local(self, index: int) -> bool:
+        """Layer `index` attends through the sliding window (attention_pattern, repeated over the layers)."""
+        pattern = self.attention_pattern
+        return pattern is not None and pattern[index % len(pattern)] == "local"
 
     @property
     def kv_heads(self) -> int:

@@ -114,9 +114,12 @@ FAMILIES = Registry(
         "qwen3": "families:QWEN3",
         "qwen3_moe": "families:QWEN3_MOE",
         "llada": "families:LLADA",
+        "llada_moe": "families:LLADA_MOE",
+        "olmoe": "families:OLMOE",
         "dream": "families:DREAM",
         "gpt2": "families:GPT2",
         "bert": "families:BERT",
+        "modernbert": "families:MODERNBERT",
     },
 )
 NORMS = Registry("norm", "models", {"rmsnorm": "layers:RMSNorm", "layernorm": "layers:LayerNorm"})

@@ -2,7 +2,8 @@
 
 A family is data: its config.json keys -> ModelConfig fields, and a weight-name map (with the few
 tensor transforms some layouts need: GPT-2's transposed Conv1D and fused qkv, BERT's token-type
-embedding). Import and export use the same map in both directions, so a round trip is exact.
+embedding, ModernBERT's fused qkv and gate/up). Import and export use the same map in both directions,
+so a round trip is exact.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ class Family:
     to_hf_extra: Callable[[StateDict, ModelConfig], StateDict] = field(default=lambda sd, cfg: sd)
     ignore_hf: tuple[str, ...] = ()
     """HF keys (regex) that carry nothing the native model needs (buffers, unused poolers)."""
+    architectures_read: tuple[str, ...] = ()
+    """config.json `architectures` entries that pick this family before `model_type` is looked at."""
 
 
 # -- name maps -----------------------------------------------------------------------------------------
@@ -73,8 +76,8 @@ def native_to_hf_name(family: Family, name: str) -> str:
 def module_path_to_hf(family: Family, path: str) -> str:
     """The Hugging Face module path of a native linear layer (for adapter files)."""
     hf = _native_to_hf(f"{path}.weight", family.renames).removesuffix(".weight")
-    if re.search(r"c_attn\.[qkv]$", hf):
-        raise ConfigError("--adapter-only: GPT-2 fuses q, k, v into one layer; export merged weights instead")
+    if re.search(r"(c_attn|Wqkv)\.[qkv]$|Wi\.(gate|up)$", hf):
+        raise ConfigError("--adapter-only: this family fuses q, k, v (or gate, up) in one layer; export merged weights")
     return hf
 
 
@@ -252,6 +255,102 @@ DREAM = _llama_like("dream", ("Dream", "dream"), "DreamModel", _qwen2_config_fro
 QWEN3_MOE = Family(
     "qwen3_moe", ("qwen3_moe",), "Qwen3MoeForCausalLM", True, _qwen3_moe_config_from_hf, _qwen3_moe_config_to_hf,
     _LLAMA_RENAMES, from_hf_extra=_fuse_experts, to_hf_extra=_split_experts,
+)  # fmt: skip
+
+
+# -- OLMoE and LLaDA-MoE (LLaMA names, a router `mlp.gate` and experts `mlp.experts.{j}.*`) --------------
+def _moe_routing(hf: dict[str, Any], where: str) -> None:
+    """Refuse the routing variants the native MoE does not compute (it is softmax -> top-k, optionally
+    renormalised; every layer routed; no shared expert, expert bias, groups or scaling)."""
+    shared = hf.get("shared_expert_intermediate_size")
+    unsupported = [
+        ("moe_router_score_function", hf.get("moe_router_score_function") not in (None, "softmax")),
+        ("moe_router_enable_expert_bias", bool(hf.get("moe_router_enable_expert_bias"))),
+        ("routed_scaling_factor", hf.get("routed_scaling_factor") not in (None, 1, 1.0)),
+        ("shared_expert_intermediate_size", isinstance(shared, int) and shared > 0),
+        ("router_num_group", isinstance(hf.get("router_num_group"), int) and hf["router_num_group"] > 1),
+        ("moe_layer_freq", any(f != 1 for f in hf.get("moe_layer_freq") or [])),
+        ("partial_rotary_factor", hf.get("partial_rotary_factor") not in (None, 1, 1.0, -1)),
+        ("clip_qkv", hf.get("clip_qkv") is not None),
+    ]
+    for key, bad in unsupported:
+        if bad:
+            raise ConfigError(f"model.init_from: {where} with {key}={hf.get(key)!r} is not supported yet")
+
+
+def _moe_common_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "vocab_size": hf["vocab_size"], "hidden_size": hf["hidden_size"], "num_layers": hf["num_hidden_layers"],
+        "num_heads": hf["num_attention_heads"], "num_kv_heads": hf.get("num_key_value_heads") or None,
+        "head_dim": hf.get("head_dim"), "max_seq_len": hf.get("max_position_embeddings", 4096),
+        "rope_theta": _rope_theta(hf), "norm_eps": hf.get("rms_norm_eps", 1e-5),
+        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+        "qkv_bias": bool(hf.get("attention_bias")), "attn_out_bias": bool(hf.get("attention_bias")),
+        "num_experts": hf["num_experts"], "num_experts_per_tok": hf["num_experts_per_tok"],
+        "norm_topk_prob": bool(hf.get("norm_topk_prob") or False),  # null in LLaDA-MoE: raw top-k probabilities
+        "router_aux_loss_coef": float(hf.get("router_aux_loss_coef", 0.01)),
+        "activation": {"silu": "silu"}[hf.get("hidden_act", "silu")],
+    }  # fmt: skip
+
+
+def _moe_common_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    if cfg.qkv_bias != cfg.attn_out_bias or cfg.mlp_bias or cfg.activation != "silu":
+        raise ConfigError(f"--to-hf: this model's layout has no {cfg.family} equivalent (biases or activation)")
+    return {
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.dim_per_head,
+        "max_position_embeddings": cfg.max_seq_len, "rope_theta": cfg.rope_theta, "rms_norm_eps": cfg.norm_eps,
+        "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": cfg.qkv_bias, "num_experts": cfg.num_experts,
+        "num_experts_per_tok": cfg.num_experts_per_tok, "norm_topk_prob": cfg.norm_topk_prob,
+        "router_aux_loss_coef": cfg.router_aux_loss_coef, "hidden_act": "silu",
+    }  # fmt: skip
+
+
+def _llada_moe_config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
+    """LLaDA-MoE (inclusionAI, remote code upstream): a bidirectional OLMoE-like stack whose q/k norms
+    are per head and whose router weights are the raw top-k softmax probabilities (norm_topk_prob null)."""
+    _moe_routing(hf, "a LLaDA-MoE model")
+    return {
+        **_moe_common_from_hf(hf),
+        "moe_intermediate_size": hf["expert_intermediate_size"],
+        "intermediate_size": hf.get("dense_intermediate_size") if (hf.get("dense_intermediate_size") or 0) > 0
+        else hf["expert_intermediate_size"],
+        "qk_norm": bool(hf.get("qk_layernorm", True)),
+    }  # fmt: skip
+
+
+def _llada_moe_config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    if cfg.qk_norm and cfg.qk_norm_width != "head":
+        raise ConfigError("--to-hf: LLaDA-MoE normalises queries and keys per head; this model does not")
+    return {
+        **_moe_common_to_hf(cfg), "expert_intermediate_size": cfg.expert_size, "dense_intermediate_size": cfg.mlp_size,
+        "qk_layernorm": cfg.qk_norm, "moe_layer_freq": [1] * cfg.num_layers, "moe_router_score_function": "softmax",
+        "moe_router_enable_expert_bias": False, "routed_scaling_factor": 1, "shared_expert_intermediate_size": None,
+        "partial_rotary_factor": 1.0, "clip_qkv": None,
+    }  # fmt: skip
+
+
+def _olmoe_config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
+    _moe_routing(hf, "an OLMoE model")
+    return {**_moe_common_from_hf(hf), "intermediate_size": hf["intermediate_size"], "qk_norm": True}
+
+
+def _olmoe_config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    if not cfg.qk_norm or cfg.qk_norm_width != "full":
+        raise ConfigError("--to-hf: OLMoE normalises queries and keys over all heads; this model does not")
+    return {**_moe_common_to_hf(cfg), "intermediate_size": cfg.expert_size, "clip_qkv": None}
+
+
+# checkpoints on disk list experts one by one, as qwen3_moe's do; `model_type` of LLaDA-MoE releases is
+# "llada" (shared with the dense LLaDA, told apart by `architectures`) or "llada_moe"/"lladamoe"
+LLADA_MOE = Family(
+    "llada_moe", ("llada_moe", "lladamoe"), "LLaDAMoEModelLM", False, _llada_moe_config_from_hf,
+    _llada_moe_config_to_hf, _LLAMA_RENAMES, from_hf_extra=_fuse_experts, to_hf_extra=_split_experts,
+    architectures_read=("LLaDAMoEModelLM", "LLaDAMoEModel"),
+)  # fmt: skip
+OLMOE = Family(
+    "olmoe", ("olmoe",), "OlmoeForCausalLM", True, _olmoe_config_from_hf, _olmoe_config_to_hf, _LLAMA_RENAMES,
+    from_hf_extra=_fuse_experts, to_hf_extra=_split_experts,
 )  # fmt: skip
 
 
@@ -444,4 +543,125 @@ def _bert_config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
 BERT = Family(
     "bert", ("bert",), "BertForMaskedLM", False, _bert_config_from_hf, _bert_config_to_hf, _BERT_RENAMES,
     from_hf_extra=_bert_from_hf, to_hf_extra=_bert_to_hf, ignore_hf=(r"bert\.pooler\..*",),
+)  # fmt: skip
+
+
+# -- ModernBERT (pre-LN encoder, RoPE, global/local attention layers, GeGLU, MLM head) ----------------
+# Wqkv and Wi are fused on disk; they are split into pseudo keys (`attn.Wqkv.{q,k,v}`,
+# `mlp.Wi.{gate,up}`) so that the rename table stays 1:1, as for GPT-2's c_attn.
+_MODERNBERT_RENAMES = (
+    (r"embed_tokens\.weight", "model.embeddings.tok_embeddings.weight"),
+    (r"embed_norm\.(weight|bias)", "model.embeddings.norm.{}"),
+    (r"layers\.(\d+)\.input_layernorm\.(weight|bias)", "model.layers.{}.attn_norm.{}"),
+    (r"layers\.(\d+)\.self_attn\.q_proj\.(weight|bias)", "model.layers.{}.attn.Wqkv.q.{}"),
+    (r"layers\.(\d+)\.self_attn\.k_proj\.(weight|bias)", "model.layers.{}.attn.Wqkv.k.{}"),
+    (r"layers\.(\d+)\.self_attn\.v_proj\.(weight|bias)", "model.layers.{}.attn.Wqkv.v.{}"),
+    (r"layers\.(\d+)\.self_attn\.o_proj\.(weight|bias)", "model.layers.{}.attn.Wo.{}"),
+    (r"layers\.(\d+)\.post_attention_layernorm\.(weight|bias)", "model.layers.{}.mlp_norm.{}"),
+    (r"layers\.(\d+)\.mlp\.gate_proj\.(weight|bias)", "model.layers.{}.mlp.Wi.gate.{}"),
+    (r"layers\.(\d+)\.mlp\.up_proj\.(weight|bias)", "model.layers.{}.mlp.Wi.up.{}"),
+    (r"layers\.(\d+)\.mlp\.down_proj\.(weight|bias)", "model.layers.{}.mlp.Wo.{}"),
+    (r"norm\.(weight|bias)", "model.final_norm.{}"),
+    (r"head_transform\.dense\.(weight|bias)", "head.dense.{}"),
+    (r"head_transform\.norm\.(weight|bias)", "head.norm.{}"),
+    (r"head_bias", "decoder.bias"),
+    (r"lm_head\.weight", "decoder.weight"),
+)
+# fused on disk -> the pseudo keys it is split into (first part first: Wi's first half is the activated one)
+_MODERNBERT_FUSED = {r"attn\.Wqkv": ("q", "k", "v"), r"mlp\.Wi": ("gate", "up")}
+
+
+def _modernbert_from_hf(sd: StateDict, cfg: ModelConfig) -> StateDict:
+    out: StateDict = {}
+    for k, v in sd.items():
+        for fused, parts in _MODERNBERT_FUSED.items():
+            m = re.fullmatch(rf"(model\.layers\.\d+\.{fused})\.(weight|bias)", k)
+            if m:
+                for part, chunk in zip(parts, v.chunk(len(parts), dim=0), strict=True):
+                    out[f"{m.group(1)}.{part}.{m.group(2)}"] = chunk.contiguous()
+                break
+        else:
+            out[k] = v
+    if "decoder.bias" not in out:  # decoder_bias: false is a zero bias
+        out["decoder.bias"] = torch.zeros(out["model.embeddings.tok_embeddings.weight"].shape[0])
+    return _drop_tied_decoder(out, cfg)
+
+
+def _drop_tied_decoder(sd: StateDict, cfg: ModelConfig) -> StateDict:
+    if cfg.tie_embeddings:
+        sd.pop("decoder.weight", None)
+    return sd
+
+
+def _modernbert_to_hf(sd: StateDict, cfg: ModelConfig) -> StateDict:
+    out: StateDict = {}
+    for k, v in sd.items():
+        for fused, parts in _MODERNBERT_FUSED.items():
+            m = re.fullmatch(rf"(model\.layers\.\d+\.{fused})\.(\w+)\.(weight|bias)", k)
+            if m:
+                if m.group(2) == parts[0]:
+                    out[f"{m.group(1)}.{m.group(3)}"] = torch.cat([sd[f"{m.group(1)}.{p}.{m.group(3)}"] for p in parts])
+                break
+        else:
+            out[k] = v
+    return out
+
+
+_MODERNBERT_ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "silu": "silu"}
+
+
+def _modernbert_rope(hf: dict[str, Any], kind: str, legacy_key: str, default: float) -> float:
+    params = (hf.get("rope_parameters") or {}).get(kind) or {}
+    if params.get("rope_type", "default") != "default" or hf.get("rope_scaling"):
+        raise ConfigError("model.init_from: RoPE scaling is not supported yet; only default RoPE")
+    return float(params.get("rope_theta", hf.get(legacy_key, default)))
+
+
+def _modernbert_config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
+    n = hf["num_hidden_layers"]
+    every = hf.get("global_attn_every_n_layers", 3)
+    types = hf.get("layer_types") or ["sliding_attention" if i % every else "full_attention" for i in range(n)]
+    act = hf.get("hidden_activation", "gelu")
+    if hf.get("classifier_activation", act) != act:
+        raise ConfigError("model.init_from: a ModernBERT head activation other than the MLP's is not supported")
+    return {
+        "vocab_size": hf["vocab_size"], "hidden_size": hf["hidden_size"], "num_layers": n,
+        "num_heads": hf["num_attention_heads"], "intermediate_size": hf["intermediate_size"],
+        "max_seq_len": hf.get("max_position_embeddings", 8192), "norm_eps": hf.get("norm_eps", 1e-5),
+        "norm_bias": bool(hf.get("norm_bias", False)), "activation": _MODERNBERT_ACTIVATIONS[act],
+        "qkv_bias": bool(hf.get("attention_bias")), "attn_out_bias": bool(hf.get("attention_bias")),
+        "mlp_bias": bool(hf.get("mlp_bias")), "head_dense_bias": bool(hf.get("classifier_bias", False)),
+        "tie_embeddings": bool(hf.get("tie_word_embeddings", True)),
+        "attention_pattern": [{"full_attention": "global", "sliding_attention": "local"}[t] for t in types],
+        "local_window": hf.get("local_attention", 128) // 2 + 1,  # |i - j| <= local_attention / 2
+        "rope_theta": _modernbert_rope(hf, "full_attention", "global_rope_theta", 160000.0),
+        "local_rope_theta": _modernbert_rope(hf, "sliding_attention", "local_rope_theta", 10000.0),
+    }  # fmt: skip
+
+
+def _modernbert_config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    if cfg.qkv_bias != cfg.attn_out_bias or cfg.head != "mlm" or cfg.head_dim not in (None, cfg.dim_per_head):
+        raise ConfigError("--to-hf: this model's layout has no ModernBERT equivalent (mixed attention biases)")
+    act = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "silu": "silu"}[cfg.activation]
+    window = cfg.local_window or 1
+    return {
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.mlp_size,
+        "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads, "hidden_activation": act,
+        "classifier_activation": act, "max_position_embeddings": cfg.max_seq_len, "norm_eps": cfg.norm_eps,
+        "norm_bias": cfg.norm_bias, "attention_bias": cfg.qkv_bias, "mlp_bias": cfg.mlp_bias,
+        "classifier_bias": cfg.head_dense_bias, "decoder_bias": True, "tie_word_embeddings": cfg.tie_embeddings,
+        "layer_types": ["sliding_attention" if cfg.layer_is_local(i) else "full_attention"
+                        for i in range(cfg.num_layers)],
+        "local_attention": 2 * (window - 1),
+        "rope_parameters": {
+            "full_attention": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+            "sliding_attention": {"rope_type": "default", "rope_theta": cfg.local_rope_theta or cfg.rope_theta},
+        },
+        "pad_token_id": None, "bos_token_id": None, "eos_token_id": None, "cls_token_id": None, "sep_token_id": None,
+    }  # fmt: skip
+
+
+MODERNBERT = Family(
+    "modernbert", ("modernbert",), "ModernBertForMaskedLM", False, _modernbert_config_from_hf,
+    _modernbert_config_to_hf, _MODERNBERT_RENAMES, from_hf_extra=_modernbert_from_hf, to_hf_extra=_modernbert_to_hf,
 )  # fmt: skip

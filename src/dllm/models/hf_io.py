@@ -56,6 +56,10 @@ def read_hf_config(folder: Path) -> dict[str, Any]:
 def family_of(hf_config: dict[str, Any], where: str = "model.init_from") -> Family:
     model_type = hf_config.get("model_type")
     families: list[Family] = [FAMILIES.resolve(name) for name in FAMILIES]
+    architectures = hf_config.get("architectures")
+    for family in families:  # an architecture that shares its model_type with another family (LLaDA-MoE)
+        if isinstance(architectures, list) and set(map(str, architectures)) & set(family.architectures_read):
+            return family
     for family in families:
         if model_type in family.model_types:
             return family

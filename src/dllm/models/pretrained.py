@@ -1,5 +1,8 @@
 """Pretrained weights: `model.init_from` folders (Hugging Face or `dllm convert`) and their configs.
 
+A source is a local folder or a Hugging Face hub id (`org/name[@revision]`), which dllm.hub turns into
+a snapshot folder of the hub cache.
+
 A dllm model folder holds model.yaml (the ModelConfig and the tokenizer section), model.safetensors
 with native parameter names, and the tokenizer files when the tokenizer is a Hugging Face one.
 """
@@ -14,6 +17,7 @@ from dllm.config.data import TokenizerConfig
 from dllm.config.loading import read_yaml, validate_config
 from dllm.config.model import ModelConfig
 from dllm.errors import ConfigError
+from dllm.hub import local_folder
 from dllm.models.families import StateDict
 from dllm.models.hf_io import (
     TOKENIZER_FILES,
@@ -47,8 +51,9 @@ def _model_yaml(path: Path) -> dict[str, dict]:
     return data
 
 
-def pretrained_config(path: Path) -> ModelConfig:
-    path = Path(path)
+def pretrained_config(source: Path | str) -> ModelConfig:
+    """The architecture of a folder or hub id (`model.init_from`)."""
+    path = local_folder(source, "model.init_from")
     if is_model_folder(path):
         section = {**_model_yaml(path).get("model", {}), "init_from": None}
         return validate_config(ModelConfig, section, source=f"{path / MODEL_YAML}: model", base_dir=None)
@@ -57,9 +62,9 @@ def pretrained_config(path: Path) -> ModelConfig:
     raise ConfigError(f"model.init_from: {path} is neither a Hugging Face folder (config.json) nor a dllm model folder")
 
 
-def pretrained_tokenizer(path: Path) -> TokenizerConfig | None:
-    """The tokenizer a pretrained folder ships: its own files (HF), or the section in model.yaml."""
-    path = Path(path)
+def pretrained_tokenizer(source: Path | str) -> TokenizerConfig | None:
+    """The tokenizer a pretrained folder (or hub id) ships: its own files (HF), or the section in model.yaml."""
+    path = local_folder(source, "model.init_from")
     if is_model_folder(path):
         tok = _model_yaml(path).get("tokenizer", {})
         if tok.get("kind") == "hf":
@@ -92,7 +97,7 @@ def merge_pretrained(user: ModelConfig) -> ModelConfig:
 def pretrained_state(cfg: ModelConfig) -> StateDict:
     """Native float32 weights of `cfg.init_from`, the vocabulary grown to cfg.vocab_size if needed."""
     assert cfg.init_from is not None and cfg.vocab_size is not None
-    path = Path(cfg.init_from)
+    path = local_folder(cfg.init_from, "model.init_from")
     if is_model_folder(path):
         from safetensors.torch import load_file
 
@@ -112,7 +117,7 @@ def save_model_folder(folder: Path, state: StateDict, cfg: ModelConfig, tokenize
     save_file({k: v.detach().cpu().contiguous().clone() for k, v in state.items()}, str(folder / WEIGHTS))
     tok = tokenizer.model_dump(mode="json", exclude={"path"})
     if tokenizer.kind == "hf" and tokenizer.path is not None:
-        copy_tokenizer_files(tokenizer.path, folder)
+        copy_tokenizer_files(local_folder(tokenizer.path, "tokenizer.path"), folder)
     model = cfg.model_dump(mode="json", exclude={"init_from", "preset"})
     text = yaml.safe_dump({"model": model, "tokenizer": tok}, sort_keys=False)
     (folder / MODEL_YAML).write_text(text, encoding="utf-8")

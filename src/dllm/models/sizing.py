@@ -28,7 +28,8 @@ def block_params(cfg: ModelConfig) -> int:
     """Parameters of one transformer block: attention, two norms, the MLP or the experts."""
     E, H, K, D = cfg.hidden_size, cfg.num_heads, cfg.kv_heads, cfg.dim_per_head
     attn = _linear(E, H * D, cfg.qkv_bias) + 2 * _linear(E, K * D, cfg.qkv_bias)
-    attn += _linear(H * D, E, cfg.attn_out_bias) + (2 * D if cfg.qk_norm else 0)
+    qk_norm = (H + K) * D if cfg.qk_norm_width == "full" else 2 * D
+    attn += _linear(H * D, E, cfg.attn_out_bias) + (qk_norm if cfg.qk_norm else 0)
     if cfg.num_experts:
         mlp = E * cfg.num_experts + cfg.num_experts * 3 * cfg.expert_size * E
     else:
@@ -46,7 +47,8 @@ def count_params(cfg: ModelConfig) -> int:
     n += _norm_params(cfg, E) if cfg.embedding_norm else 0
     n += E * E if cfg.self_condition else 0
     n += _norm_params(cfg, E) if cfg.final_norm else 0
-    n += _linear(E, E, True) + _norm_params(cfg, E) + V if cfg.head == "mlm" else 0
+    n -= 0 if cfg.first_layer_attn_norm else _norm_params(cfg, E)
+    n += _linear(E, E, cfg.head_dense_bias) + _norm_params(cfg, E) + V if cfg.head == "mlm" else 0
     n += 0 if cfg.tie_embeddings else V * E
     return n
 

@@ -1,7 +1,8 @@
 """The native transformer: one single-device block stack for every family.
 
-A family (llama, qwen2/3, qwen3_moe, llada, dream, gpt2, bert) is a set of layout fields on
-ModelConfig (norm kind and position, positions, MLP kind, biases, head), not a copy of this file;
+A family (llama, qwen2/3, qwen3_moe, olmoe, llada, llada_moe, dream, gpt2, bert, modernbert) is a set of
+layout fields on ModelConfig (norm kind and position, positions, MLP kind, biases, head, local attention
+layers), not a copy of this file;
 `families.py` maps each family's Hugging Face weight names onto these modules. The model is used
 with whatever attention pattern the objective asks for and knows nothing about meshes, objectives or
 samplers; parallelism is applied from outside (dllm.parallel.apply).
@@ -12,6 +13,7 @@ N tokens (flattened), X experts.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -59,8 +61,10 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(E, K * D, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(E, K * D, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(H * D, E, bias=cfg.attn_out_bias)
-        self.q_norm = RMSNorm(D, cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(D, cfg.norm_eps) if cfg.qk_norm else None
+        self.qk_norm_full = cfg.qk_norm_width == "full"  # OLMoE: one norm over all heads' features
+        width_q, width_k = (H * D, K * D) if self.qk_norm_full else (D, D)
+        self.q_norm = RMSNorm(width_q, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(width_k, cfg.norm_eps) if cfg.qk_norm else None
         self.attend = attend  # one backend object per model, shared by its layers
 
     def forward(
@@ -77,10 +81,13 @@ class Attention(nn.Module):
         B, L, _ = x_BLE.shape
         Q = L if num_queries is None else num_queries
         # heads from the projections' widths: under tensor parallelism a rank holds H/T and K/T of them
-        q = self.q_proj(x_BLE[:, :Q]).view(B, Q, -1, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x_BLE).view(B, L, -1, self.head_dim).transpose(1, 2)
+        q, k = self.q_proj(x_BLE[:, :Q]), self.k_proj(x_BLE)
+        if self.q_norm is not None and self.k_norm is not None and self.qk_norm_full:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(B, Q, -1, self.head_dim).transpose(1, 2)
+        k = k.view(B, L, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x_BLE).view(B, L, -1, self.head_dim).transpose(1, 2)
-        if self.q_norm is not None and self.k_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None and not self.qk_norm_full:
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             cos, sin = rope
@@ -150,10 +157,11 @@ class MoE(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, attend: AttentionFn) -> None:
+    def __init__(self, cfg: ModelConfig, attend: AttentionFn, index: int = 0) -> None:
         super().__init__()
         self.post_norm = cfg.norm_position == "post"
-        self.input_layernorm = make_norm(cfg)
+        self.local = cfg.layer_is_local(index)  # sliding-window attention with its own RoPE base
+        self.input_layernorm = make_norm(cfg) if index or cfg.first_layer_attn_norm else nn.Identity()
         self.self_attn = Attention(cfg, attend)
         self.post_attention_layernorm = make_norm(cfg)
         self.mlp = MoE(cfg) if cfg.num_experts else MLP(cfg)
@@ -186,7 +194,7 @@ class MLMHead(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.dense = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.dense = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=cfg.head_dense_bias)
         self.act = ACTIVATIONS.resolve(cfg.activation)
         self.norm = make_norm(cfg)
 
@@ -207,19 +215,22 @@ class Transformer(nn.Module):
         self.embed_norm = make_norm(cfg) if cfg.embedding_norm else None
         self.self_cond_proj = nn.Linear(E, E, bias=False) if cfg.self_condition else None
         attend = make_attention(cfg.attention_backend, cfg.flex_compile)  # a compile failure is met once
-        self.layers = nn.ModuleList(Block(cfg, attend) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(Block(cfg, attend, i) for i in range(cfg.num_layers))
         self.norm = make_norm(cfg) if cfg.final_norm else None
         self.head_transform = MLMHead(cfg) if cfg.head == "mlm" else None
         self.head_bias = nn.Parameter(torch.zeros(V)) if cfg.head == "mlm" else None
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(E, V, bias=False)
-        self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
+        self.register_buffer("inv_freq", self._inv_freq(cfg.rope_theta), persistent=False)
+        local_theta = cfg.local_rope_theta if any(layer.local for layer in self.layers) else None
+        local_inv_freq = None if local_theta in (None, cfg.rope_theta) else self._inv_freq(local_theta)
+        self.register_buffer("inv_freq_local", local_inv_freq, persistent=False)  # None: the global table
         # the last block computes only `mask.num_outputs` rows; off when a rank's rows are not the
         # sequence's first positions (sequence parallelism shards the residual stream)
         self.trim_last_block = True
 
-    def _inv_freq(self) -> torch.Tensor:
+    def _inv_freq(self, theta: float) -> torch.Tensor:
         D = self.cfg.dim_per_head
-        return 1.0 / (self.cfg.rope_theta ** (torch.arange(0, D - D % 2, 2, dtype=torch.float32) / D))
+        return 1.0 / (theta ** (torch.arange(0, D - D % 2, 2, dtype=torch.float32) / D))
 
     def forward(
         self,
@@ -240,15 +251,29 @@ class Transformer(nn.Module):
         mask = mask if mask is not None else AttentionMask()
         x = self.embed(tokens_BL, positions_BL)
         rope = rope_cos_sin(positions_BL, self.inv_freq) if self.cfg.position == "rope" else None
+        local_rope, local_mask = self._local_attention(positions_BL, rope, mask)
         last, aux = len(self.layers) - 1, []
         for i, layer in enumerate(self.layers):
             num_queries = mask.num_outputs if i == last and self.trim_last_block else None
-            x, layer_aux = layer(x, rope, mask, num_queries, None if cache is None else cache.layer(i))
+            layer_rope, layer_mask = (local_rope, local_mask) if layer.local else (rope, mask)
+            x, layer_aux = layer(x, layer_rope, layer_mask, num_queries, None if cache is None else cache.layer(i))
             if layer_aux is not None:
                 aux.append(layer_aux)
         if self.norm is not None:
             x = self.norm(x)
         return ModelOutput(x, self.head, {"router_loss": torch.stack(aux).mean()} if aux else {})
+
+    def _local_attention(
+        self, positions_BL: torch.Tensor, rope: tuple | None, mask: AttentionMask
+    ) -> tuple[tuple | None, AttentionMask]:
+        """RoPE tables and mask of the sliding-window layers (ModernBERT's local attention): built once
+        per forward and shared by those layers, so a backend derives the windowed mask once."""
+        window = self.cfg.local_window
+        if window is None or not any(layer.local for layer in self.layers):
+            return rope, mask
+        if self.inv_freq_local is not None and rope is not None:
+            rope = rope_cos_sin(positions_BL, self.inv_freq_local)
+        return rope, dataclasses.replace(mask, window=min(window, mask.window or window))
 
     def embed(self, tokens_BL: torch.Tensor | SelfConditioned, positions_BL: torch.Tensor) -> torch.Tensor:
         """Token (+ self-conditioning) (+ learned position) embeddings, normalised if the family does."""
@@ -296,7 +321,10 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def init_buffers(self) -> None:
         """Recompute non-persistent buffers (after `to_empty` from the meta device)."""
-        self.inv_freq.copy_(self._inv_freq().to(self.inv_freq.device))
+        self.inv_freq.copy_(self._inv_freq(self.cfg.rope_theta).to(self.inv_freq.device))
+        if self.inv_freq_local is not None:
+            assert self.cfg.local_rope_theta is not None
+            self.inv_freq_local.copy_(self._inv_freq(self.cfg.local_rope_theta).to(self.inv_freq_local.device))
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         """Parameter count; `exclude_embeddings` leaves out the embeddings and an untied LM head."""

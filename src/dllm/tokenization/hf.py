@@ -1,4 +1,4 @@
-"""Adapter for a Hugging Face tokenizer folder on local disk (never downloads).
+"""Adapter for a Hugging Face tokenizer folder on local disk (a hub id is resolved to one by dllm.hub).
 
 Needs the `hf` extra (transformers). A tokenizer without a mask token gets one added, so that
 masked diffusion works with any causal LM tokenizer.
@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dllm.errors import ConfigError
+from dllm.hub import local_folder
 from dllm.tokenization.base import ChatEncoding, sha256_json
 
 if TYPE_CHECKING:
@@ -20,7 +21,7 @@ _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
 class HFTokenizer:
-    """Wraps `transformers.AutoTokenizer` loaded from a local folder."""
+    """Wraps `transformers.AutoTokenizer` loaded from a local folder (never downloads by itself)."""
 
     kind = "hf"
 
@@ -28,7 +29,7 @@ class HFTokenizer:
     def from_config(cls, cfg: TokenizerConfig) -> HFTokenizer:
         """The registered constructor of kind `hf`: the folder `tokenizer.path`."""
         assert cfg.path is not None  # guaranteed by TokenizerConfig validation
-        return cls(cfg.path, mask_token=cfg.mask_token)
+        return cls(local_folder(cfg.path, "tokenizer.path"), mask_token=cfg.mask_token)
 
     def __init__(self, path: Path, mask_token: str = "<|mask|>") -> None:
         try:

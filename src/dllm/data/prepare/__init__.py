@@ -223,7 +223,7 @@ def _provenance(spec: PrepareSpec, base_dir: Path) -> dict[str, Any]:
 def _inputs(spec: PrepareSpec, base_dir: Path) -> list[Path]:
     """What replacing the output must never delete: the config's folder, the tokenizer and every source file."""
     paths = [base_dir, *(p for src in spec.sources for p in source_files(src, base_dir))]
-    return paths if spec.tokenizer.path is None else [*paths, Path(spec.tokenizer.path)]
+    return [*paths, spec.tokenizer.path] if isinstance(spec.tokenizer.path, Path) else paths  # a hub id: none
 
 
 def prepare(
@@ -272,7 +272,7 @@ def prepare(
             "provenance": _provenance(spec, base_dir),
             "stats": stats.to_dict(layout.num_padding, layout.num_sequences),
         }
-        if spec.tokenizer.path is not None:
+        if isinstance(spec.tokenizer.path, Path):  # not a hub id
             # relative, so that the artifact and its tokenizer can move together
             manifest["tokenizer_path"] = os.path.relpath(spec.tokenizer.path, out.absolute())
         write_manifest(stage, manifest)
