@@ -7,7 +7,6 @@ import importlib.util
 import json
 import os
 import platform
-import shutil
 import sys
 from pathlib import Path
 
@@ -77,6 +76,7 @@ def _machine_rows() -> list[tuple[str, str]]:
     import torch.distributed as dist
 
     from dllm import __version__
+    from dllm.training.needs import compiler_available
 
     rows = [
         ("dllm", __version__),
@@ -93,7 +93,8 @@ def _machine_rows() -> list[tuple[str, str]]:
         ("gloo", "yes" if dist.is_available() and dist.is_gloo_available() else "no"),
         ("nccl", "yes" if dist.is_available() and dist.is_nccl_available() else "no"),
         ("flex_attention", "yes" if importlib.util.find_spec("torch.nn.attention.flex_attention") else "no"),
-        ("compiler (torch.compile)", shutil.which("gcc") or shutil.which("cc") or "no C compiler found"),
+        ("torch.compile (cpu)", compiler_available(on_gpu=False)[1]),
+        ("torch.compile (gpu)", compiler_available(on_gpu=True)[1]),
     ]
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
