@@ -112,10 +112,7 @@ def speculative_generate(
             num_accepted_B, next_B = _verify(drafts, q, logits, decoding, generator)
             live_B = ~ended_B
             keep_B = torch.where(live_B, num_accepted_B + 1, 0)
-            new_Bb = torch.cat([drafts, drafts[:, :1]], dim=1).scatter_(1, num_accepted_B[:, None], next_B[:, None])
-            index_Bb = torch.where(live_B, num_B, 0)[:, None] + torch.arange(b, device=device)  # ended: no write
-            kept_Bb = torch.arange(b, device=device) < keep_B[:, None]
-            out_BN.scatter_(1, index_Bb, torch.where(kept_Bb, new_Bb, out_BN.gather(1, index_Bb)))
+            _append(out_BN, num_B, drafts, num_accepted_B, next_B, keep_B)
             num_B = num_B + keep_B
             runner.commit(keep_B)  # the anchor and the accepted drafts are now cached; the rest rolls back
             anchor_B = torch.where(live_B, next_B, anchor_B)
@@ -128,6 +125,16 @@ def speculative_generate(
         counters.target_forwards = runner.forwards
         result = finish(out_BN[:, :N], num_B, decoding.eos_id, counters)
     return result
+
+
+def _append(out_BN, num_B, drafts, num_accepted_B, next_B, keep_B) -> None:
+    """Write each row's kept tokens (its accepted drafts, then the target's token: keep_B of them, 0 for
+    an ended row) into `out_BN` after its num_B generated ones."""
+    b = drafts.shape[1] + 1
+    arange_b = torch.arange(b, device=drafts.device)
+    new_Bb = torch.cat([drafts, drafts[:, :1]], dim=1).scatter_(1, num_accepted_B[:, None], next_B[:, None])
+    index_Bb = torch.where(keep_B > 0, num_B, 0)[:, None] + arange_b  # an ended row writes nothing
+    out_BN.scatter_(1, index_Bb, torch.where(arange_b < keep_B[:, None], new_Bb, out_BN.gather(1, index_Bb)))
 
 
 def _draft(draft_logits: torch.Tensor, decoding: Decoding, generator: torch.Generator | None):
