@@ -83,6 +83,8 @@ class RaggedKVCache:
         self.key_end = int(self.length_B.max()) + num_queries
         if self.key_end > self.capacity:
             raise ValueError(f"ragged cache: {self.key_end} positions do not fit its capacity {self.capacity}")
+        if self.key_end == num_queries:  # every row empty (a prefill): plain causal, SDPA's is_causal kernel
+            return self.write_BQ, AttentionMask("causal")
         return self.write_BQ, AttentionMask("causal", query_offset_B=self.length_B.clone())
 
 
