@@ -167,10 +167,13 @@ class Decoding:
     """How tokens are chosen and when rows end (shared by AR and speculative decoding)."""
 
     max_new_tokens: int = 32
+    """Tokens to generate per row (fewer when the row ends at an EOS or a stop)."""
     temperature: float = 0.0
     """0: greedy (argmax); above 0: sample from softmax(filtered logits / temperature)."""
     top_k: int | None = None
+    """Sample only among the k most probable tokens; None keeps all."""
     top_p: float | None = None
+    """Nucleus sampling: the smallest set of tokens with this total probability; None keeps all."""
     eos_id: int | None = None
     """A row ends after its first EOS (cut from the output); None: every row runs max_new_tokens."""
 
