@@ -328,3 +328,24 @@ def test_bad_drafters_and_folders_are_refused(target, tmp_path):
         load_drafter(tmp_path, target)
     with pytest.raises(ValueError, match="block_size - 1 >= 1"):
         speculative_generate(target, RandomDrafter(1), [[1]], Decoding())
+
+
+def test_sampling_keeps_to_the_targets_top_k_and_stops(target):
+    """With top_k the target's distribution is zero outside its k best: a draft there is always rejected
+    and the residual never draws it, so every token is in the target's top-k at its position."""
+    prompts = random_prompts(16, seed=18)
+    dec = Decoding(max_new_tokens=10, temperature=1.0, top_k=3)
+    out = speculative_generate(target, RandomDrafter(4, seed=3), prompts, dec, mask_id=MASK_ID,
+                               generator=torch.Generator().manual_seed(0))  # fmt: skip
+    for p, s in zip(prompts, out.sequences, strict=True):
+        seq = torch.tensor([p + s])
+        with torch.no_grad():
+            logits = target(seq, torch.arange(seq.shape[1])[None], AttentionMask("causal")).logits()[0]
+        logits[:, MASK_ID] = float("-inf")
+        top3 = logits[len(p) - 1 : -1].topk(3, dim=-1).indices
+        assert bool((top3 == torch.tensor(s)[:, None]).any(-1).all())
+    ref = greedy_reference(target, prompts, 10)
+    stopped = speculative_generate(target, RandomDrafter(4), prompts, Decoding(max_new_tokens=10), mask_id=MASK_ID,
+                                   stop=lambda ids: len(ids) >= 4)  # fmt: skip
+    assert [s[:4] for s in stopped.sequences] == [s[:4] for s in ref.sequences]
+    assert all(4 <= len(s) < 4 + 4 for s in stopped.sequences)  # a round adds at most the block size
