@@ -155,3 +155,13 @@ def test_scoring_refuses_what_it_cannot_bound(trained):
     assert scoring_for(loaded, "ar").kind == "ar"
     with pytest.raises(ConfigError, match="not one of"):
         scoring_for(loaded, "elbo")
+
+
+def test_a_causal_run_is_scored_by_its_exact_likelihood():
+    from types import SimpleNamespace
+
+    from dllm.config.profile import DecodeProfile
+
+    profile = DecodeProfile(objective="ar", attention="causal", shift=True, mask_id=3, pad_id=0, eos_id=1,
+                            num_tokens=8, max_length=16)  # fmt: skip
+    assert scoring_for(SimpleNamespace(profile=profile)).kind == "ar"

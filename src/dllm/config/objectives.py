@@ -106,4 +106,17 @@ class UniformConfig(Section):
         return {"attention": "bidirectional", "schedule": self.schedule, "corruption": "uniform"}
 
 
-ObjectiveConfig = Annotated[MDLMConfig | BD3LMConfig | FastDLLMv2Config | UniformConfig, Field(discriminator="name")]
+class ARConfig(Section):
+    """Autoregressive next-token training under a causal mask (a speculative-decoding target, an AR baseline)."""
+
+    name: Literal["ar"] = "ar"
+    """Objective: ar (next-token cross-entropy; hidden i-1 predicts token i; supervised tokens only)."""
+
+    def decode_facts(self) -> dict[str, Any]:
+        """Causal decoding, one token per forward (`dllm generate --ar`, or a drafter with `--draft`)."""
+        return {"attention": "causal", "shift": True}
+
+
+ObjectiveConfig = Annotated[
+    MDLMConfig | BD3LMConfig | FastDLLMv2Config | UniformConfig | ARConfig, Field(discriminator="name")
+]
