@@ -23,7 +23,7 @@ demo: venv
 	GLIBC_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=2147483647 $(BIN)/python -m dllm.demo --dir $(DEMO_DIR)
 
 test: venv
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=25 tests
 
 test-fast: venv
 	$(BIN)/python -m pytest -q -m "not slow and not distributed" tests
