@@ -43,12 +43,6 @@ def launch(
     spec_path = run_dir_of(spec) / CONFIG_NAME
     in_process = topo.world_size == 1
     worker_env = _worker_env(spec)
-    if in_process and worker_env is not None and not memory_retained():
-        warn(
-            "training.cpu_allocator: retain needs GLIBC_TUNABLES set when the process starts; this in-process "
-            f"run keeps glibc's default (export GLIBC_TUNABLES={worker_env['GLIBC_TUNABLES']} first, "
-            "or set training.cpu_allocator: system to silence this)"
-        )
     cmd = (
         ["python", "-m", "dllm.training.worker", str(spec_path)]
         if in_process
@@ -64,6 +58,12 @@ def launch(
         # node rank 0 writes the shared run folder; the workers of every node read its config.yaml
         run_dir = prepare_run_dir(spec) if node_rank == 0 else run_dir_of(spec)
         info(f"run folder: {run_dir}")
+        if in_process and worker_env is not None and not memory_retained():
+            info(
+                "note: training.cpu_allocator: retain takes effect in a process started with "
+                f"GLIBC_TUNABLES={worker_env['GLIBC_TUNABLES']} (`dllm launch` sets it for the workers it "
+                "starts; this one-process run trains here, with glibc's default)"
+            )
         _train(run_dir, None if in_process else cmd, lock.fd, worker_env)
     finally:
         lock.release()
