@@ -16,11 +16,11 @@ from tests.distributed.harness import free_port
 MAX_LEN = 128
 
 
-def tiny_model(seed: int = 0) -> tuple[Transformer, ModelConfig]:
+def tiny_model(seed: int = 0, preset: str = "tiny") -> tuple[Transformer, ModelConfig]:
     """A random tiny model over bytes whose greedy choices are printable ASCII: the tied embedding
     rows of every other byte are zero (logit 0, below the best of ~95 random logits)."""
     tok = ByteTokenizer()
-    cfg = ModelConfig(preset="tiny", vocab_size=tok.vocab_size, max_seq_len=MAX_LEN, init_std=0.2)
+    cfg = ModelConfig(preset=preset, vocab_size=tok.vocab_size, max_seq_len=MAX_LEN, init_std=0.2)
     model = Transformer(cfg)
     model.init_weights(torch.Generator().manual_seed(seed))
     keep = torch.zeros(tok.vocab_size, dtype=torch.bool)
@@ -31,8 +31,8 @@ def tiny_model(seed: int = 0) -> tuple[Transformer, ModelConfig]:
     return model.eval(), cfg
 
 
-def tiny_loaded() -> LoadedModel:
-    model, cfg = tiny_model()
+def tiny_loaded(preset: str = "tiny") -> LoadedModel:
+    model, cfg = tiny_model(preset=preset)
     tok = ByteTokenizer()
     return LoadedModel(model, tok, cfg, Path("tiny"), derive_profile(None, cfg, tok))
 

@@ -182,6 +182,7 @@ def test_denoise_stream_shows_masks_turning_into_tokens(server):
         (b'{"prompt": "x", "max_tokens": 200}', 400, "max_tokens"),
         (b'{"prompt": "' + b"y" * 120 + b'", "max_tokens": 16}', 400, "max_tokens"),
         (b'{"prompt": [1, 99999]}', 400, "prompt"),
+        (b'{"prompt": ' + json.dumps([str(i) for i in range(17)]).encode() + b', "n": 16}', 400, "n"),
     ],
 )
 def test_bad_requests_are_openai_errors(server, body, status, param):
@@ -202,8 +203,9 @@ def test_openai_client_raises_the_matching_errors(client):
 
 
 def test_queue_full_is_429_and_disconnect_cancels():
-    with make_server(max_batch=1, max_wait_ms=0, max_queue=1) as srv:
-        long = {"prompt": "long", "max_tokens": 120, "steps": 120}
+    # a larger model and guidance (two rows per row): a long request takes a second or more
+    with make_server(tiny_loaded("demo"), max_batch=1, max_wait_ms=0, max_queue=1) as srv:
+        long = {"prompt": "long", "max_tokens": 120, "steps": 120, "cfg_scale": 1.0}
         hold = threading.Thread(target=httpx.post, args=(srv.url + "/v1/completions",), kwargs={"json": long,
                                 "timeout": 60})  # fmt: skip
         hold.start()
@@ -225,6 +227,12 @@ def test_queue_full_is_429_and_disconnect_cancels():
         _wait(lambda: httpx.get(srv.url + "/health").json()["running_rows"] == 0)
         assert _metric(srv, "dllm_batches_total") == batches  # aborted, not finished
         assert time.monotonic() - t0 < 30
+        # a plain (not streamed) request whose client gives up: cancelled as well
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(srv.url + "/v1/completions", json=long, timeout=0.2)
+        _wait(lambda: _metric(srv, "dllm_cancelled_total") == 2)
+        _wait(lambda: httpx.get(srv.url + "/health").json()["running_rows"] == 0)
+        assert _metric(srv, "dllm_batches_total") == batches
         assert httpx.post(srv.url + "/v1/completions", json={"prompt": "next", "max_tokens": 4}).status_code == 200
 
 

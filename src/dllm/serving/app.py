@@ -12,6 +12,7 @@ for the key and sends it with its requests).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import secrets
 import time
@@ -30,6 +31,8 @@ from dllm.config.profile import DecodeProfile
 from dllm.config.sampler import SamplerConfig
 from dllm.serving.engine import Engine, Job, RowResult
 from dllm.serving.protocol import ApiError, ChatRequest, CompletionRequest, Settings, parse_body, sampler_settings
+
+MAX_ROWS = 256  # rows (prompts x n) one request may ask for
 
 
 @dataclass
@@ -74,12 +77,7 @@ def build_app(state: ServeState) -> FastAPI:
         err = ApiError(500, f"internal error: {type(e).__name__}: {e}", kind="server_error")
         return JSONResponse(err.body(), status_code=500)
 
-    @app.middleware("http")
-    async def _count(request: Request, call_next):
-        response = await call_next(request)
-        if request.url.path.startswith("/v1/"):
-            metrics.inc("dllm_requests_total", endpoint=request.url.path, status=str(response.status_code))
-        return response
+    app.add_middleware(CountRequests, metrics=metrics)
 
     def authorize(request: Request) -> None:
         if state.api_key is None:
@@ -150,15 +148,22 @@ def build_app(state: ServeState) -> FastAPI:
         check_lengths(prompts, settings)
         stream = req.stream or kind == "denoise"
         show_frames = kind == "denoise" or bool((req.model_extra or {}).get("denoise"))
+        if len(prompts) * req.n > MAX_ROWS:
+            raise ApiError(400, f"n: {len(prompts)} prompts x n {req.n} make more than {MAX_ROWS} rows; split the "
+                           "request", param="n")  # fmt: skip
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
-        job = Job([p for p in prompts for _ in range(req.n)], settings,
-                  lambda k, v: loop.call_soon_threadsafe(events.put_nowait, (k, v)),
-                  stream_text=stream and kind != "denoise", denoise=show_frames)  # fmt: skip
+
+        def push(kind: str, payload: Any) -> None:  # called from the engine's thread
+            with contextlib.suppress(RuntimeError):  # a closed event loop (the server stopped): nobody listens
+                loop.call_soon_threadsafe(events.put_nowait, (kind, payload))
+
+        job = Job([p for p in prompts for _ in range(req.n)], settings, push, stream_text=stream and kind != "denoise",
+                  denoise=show_frames)  # fmt: skip
         state.engine.submit(job)
         reply = Reply(kind, chat, state.model_id, prompts, req, settings)
         if stream:
-            return StreamingResponse(sse(reply, job, events, t0), media_type="text/event-stream",
+            return StreamingResponse(sse(request, reply, job, events, t0), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # fmt: skip
         rows, counters = await wait_done(request, job, events)
         metrics.observe_request(time.monotonic() - t0)
@@ -167,29 +172,37 @@ def build_app(state: ServeState) -> FastAPI:
     async def wait_done(request: Request, job: Job, events: asyncio.Queue) -> tuple[list[RowResult], dict]:
         """The job's result; a client that goes away cancels it."""
         while True:
-            try:
-                kind, payload = await asyncio.wait_for(events.get(), 0.25)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    cancel(job)
-                    raise ApiError(499, "the client went away", code="client_closed") from None
-                continue
+            kind, payload = await next_event(request, job, events)
             if kind == "error":
                 raise payload
             if kind == "done":
                 return payload
+
+    async def next_event(request: Request, job: Job, events: asyncio.Queue) -> tuple[str, Any]:
+        """The job's next event; every 0.25 s without one, whether the client is still there (a stream
+        would only notice at its next write, which a long canvas may not make for a while)."""
+        while True:
+            try:
+                return await asyncio.wait_for(events.get(), 0.25)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    cancel(job)
+                    raise ApiError(499, "the client went away", code="client_closed") from None
 
     def cancel(job: Job) -> None:
         if not job.cancelled.is_set():
             job.cancelled.set()
             metrics.inc("dllm_cancelled_total")
 
-    async def sse(reply: Reply, job: Job, events: asyncio.Queue, t0: float) -> AsyncIterator[str]:
+    async def sse(request: Request, reply: Reply, job: Job, events: asyncio.Queue, t0: float) -> AsyncIterator[str]:
         done = False
         try:
             yield from_json(reply.opening())
             while True:
-                kind, payload = await events.get()
+                try:
+                    kind, payload = await next_event(request, job, events)
+                except ApiError:  # the client went away: nobody to write to
+                    return
                 if kind == "error":
                     yield from_json(payload.body())
                     break
@@ -241,6 +254,26 @@ def build_app(state: ServeState) -> FastAPI:
                                param="max_tokens", code="context_length_exceeded")  # fmt: skip
 
     return app
+
+
+class CountRequests:
+    """Counts /v1 responses by endpoint and status. A plain ASGI middleware: starlette's
+    BaseHTTPMiddleware wraps `receive`, and `request.is_disconnected()` then never sees a client leave."""
+
+    def __init__(self, app: Any, metrics: Any) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+
+        async def counted(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.inc("dllm_requests_total", endpoint=path, status=str(message["status"]))
+            await send(message)
+
+        await self.app(scope, receive, counted)
 
 
 def from_json(obj: dict[str, Any]) -> str:

@@ -126,7 +126,7 @@ class Engine:
             except Exception as e:  # nothing a request does may stop the worker
                 err = ApiError(500, f"the sampler failed: {type(e).__name__}: {e}", kind="server_error")
                 for job in batch:
-                    job.sink("error", err)
+                    job.sink("error", err)  # the app's sink never raises (a closed loop is ignored)
             finally:
                 self.running = 0
 

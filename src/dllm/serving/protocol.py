@@ -143,7 +143,8 @@ def sampler_settings(req: _Request, base: SamplerConfig, profile: DecodeProfile)
     for name, v in (("temperature", req.temperature), ("top_p", req.top_p), ("seed", req.seed)):
         if v is not None:
             values[name] = v
-    values["stop_strings"] = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if req.stop is not None:  # else the server's own stop strings
+        values["stop_strings"] = [req.stop] if isinstance(req.stop, str) else list(req.stop)
     if max_tokens >= profile.max_length:
         raise ApiError(400, f"max_tokens: {max_tokens} leaves no room for a prompt in the model's "
                        f"{profile.max_length} positions; lower it", param="max_tokens",
