@@ -6,7 +6,9 @@ does not depend on what the weights say), starts two servers on it as subprocess
 clients, each sending one completion of --max-tokens tokens per round, alternating the two servers
 round by round (A B A B: the machine's drift hits both). Prints one JSON line per round, then the
 summary: generated tokens/s of each (median over rounds) and their ratio (target >= 2.5), p50/p99
-latency, errors (target 0). Then the batched server is kept under the same load for --soak-s seconds
+latency, errors (target 0), and the ceiling: the same decode as one generate call of all the rows vs
+one call per row, without a server (on a small CPU the model's compute, not the loop's overhead,
+bounds what batching can win). Then the batched server is kept under the same load for --soak-s seconds
 (default 300) and its resident memory (VmRSS) is read at the start and end of the soak (target:
 growth < 10%). Everything is bounded: a round has --clients requests and a timeout, the soak stops
 by itself.
@@ -134,7 +136,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--max-batch", type=int, default=64, help="The batched server's --max-batch.")
-    ap.add_argument("--max-wait-ms", type=float, default=10.0)
+    ap.add_argument("--max-wait-ms", type=float, default=50.0, help="The batched server's --max-wait-ms.")
     ap.add_argument("--preset", default="tiny", help="Model size preset (random weights): tiny, demo, ...")
     ap.add_argument("--soak-s", type=float, default=300.0, help="Seconds of load on the batched server (0: none).")
     ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each server.")
@@ -169,6 +171,7 @@ def main() -> int:
         summary["batched_mean_batch_rows"] = summary_rows["batched"]
         summary["batching_speedup"] = round(summary["batched_tokens_per_s"] / summary["max_batch_1_tokens_per_s"], 2)
         summary["errors"] = summary["batched_errors"] + summary["max_batch_1_errors"]
+        summary["sampler_ceiling_speedup"] = sampler_ceiling(model, args)
         if args.soak_s > 0:
             summary.update(soak(servers["batched"], args))
         print(json.dumps(summary), flush=True)
@@ -179,19 +182,48 @@ def main() -> int:
 
 
 def soak(srv: Server, args: argparse.Namespace) -> dict:
-    """The batched server under back-to-back rounds for soak_s seconds: RSS at start and end."""
+    """The batched server under back-to-back rounds for soak_s seconds: RSS at start and end, and
+    every tenth of the way (a plateau is the allocator settling; steady growth would be a leak)."""
     start_mb = srv.rss_mb()
-    t0, requests, errors = time.monotonic(), 0, 0
+    t0, requests, errors, series = time.monotonic(), 0, 0, [round(start_mb, 1)]
     r = 0
     while time.monotonic() - t0 < args.soak_s:
         res = asyncio.run(one_round(srv.url, args.clients, args.max_tokens, 100 + r, args.round_timeout_s))
         requests += args.clients
         errors += res["errors"]
         r += 1
+        if time.monotonic() - t0 >= len(series) * args.soak_s / 10:
+            series.append(round(srv.rss_mb(), 1))
     end_mb = srv.rss_mb()
     return {"soak_s": round(time.monotonic() - t0, 1), "soak_requests": requests, "soak_errors": errors,
             "rss_start_mb": round(start_mb, 1), "rss_end_mb": round(end_mb, 1),
-            "rss_growth": round(end_mb / start_mb - 1, 4)}  # fmt: skip
+            "rss_growth": round(end_mb / start_mb - 1, 4), "rss_series_mb": series}  # fmt: skip
+
+
+def sampler_ceiling(model_dir: Path, args: argparse.Namespace) -> float:
+    """The same decode without a server: one generate call of `clients` rows vs `clients` calls of one
+    row (median of 3 interleaved rounds). No server can batch better than this on this machine."""
+    import torch
+
+    from dllm.checkpoint.inference import load_for_inference
+    from dllm.config.sampler import SamplerConfig, resolve_sampler
+    from dllm.sampling.generate import SpecialIds, generate
+
+    torch.set_num_threads(args.threads)
+    loaded = load_for_inference(model_dir=model_dir)
+    cfg = resolve_sampler(SamplerConfig(gen_length=args.max_tokens), loaded.profile)
+    special = SpecialIds.of(loaded.profile)
+    prompts = [loaded.tokenizer.encode(f"{(i * 7) % 50} + {(i * 3) % 50} =") for i in range(args.clients)]
+    ratios = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        generate(loaded.model, prompts, cfg, special)
+        batched = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for p in prompts:
+            generate(loaded.model, [p], cfg, special)
+        ratios.append((time.perf_counter() - t0) / batched)
+    return round(statistics.median(ratios), 2)
 
 
 if __name__ == "__main__":

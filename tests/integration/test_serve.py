@@ -298,3 +298,34 @@ def test_cli_serve_user_errors(tmp_path: Path):
     res = subprocess.run([sys.executable, "-m", "dllm.cli.main", "serve", "--model", str(tmp_path / "nowhere")],
                          capture_output=True, text=True, timeout=120)  # fmt: skip
     assert res.returncode == 2 and res.stderr.startswith("dllm: error:") and len(res.stderr.splitlines()) == 1
+
+
+def test_block_model_rounds_max_tokens_to_whole_blocks():
+    """A block-diffusion profile: the canvas is whole blocks of the trained size, the text is cut back to
+    max_tokens, and its exact block cache gives the uncached text."""
+    from fastapi.testclient import TestClient
+
+    from dllm.serving.app import build_app
+    from dllm.serving.protocol import CompletionRequest, sampler_settings
+
+    loaded = tiny_loaded()
+    loaded.profile = loaded.profile.model_copy(update={"attention": "block", "block_size": 4, "objective": "bd3lm"})
+    srv = make_server(loaded)
+    settings = sampler_settings(CompletionRequest(prompt="x", max_tokens=10), srv.state.base, loaded.profile)
+    assert (settings.cfg.gen_length, settings.cfg.block_length, settings.max_tokens) == (12, 4, 10)
+    with TestClient(build_app(srv.state)) as http:
+        plain = http.post("/v1/completions", json={"prompt": "blocks", "max_tokens": 10}).json()
+        cached = http.post("/v1/completions", json={"prompt": "blocks", "max_tokens": 10, "cache": "block"}).json()
+        assert len(plain["choices"][0]["text"]) == 10 and plain["usage"]["completion_tokens"] == 10
+        assert cached["choices"][0]["text"] == plain["choices"][0]["text"]
+        bad = http.post("/v1/completions", json={"prompt": "x", "block_length": 8})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "block_length"
+
+
+def test_models_not_served_yet_are_refused():
+    from dllm.errors import ConfigError
+
+    loaded = tiny_loaded()
+    loaded.profile = loaded.profile.model_copy(update={"objective": "dflash_distillation"})
+    with pytest.raises(ConfigError, match="not served yet"):
+        make_server(loaded)
