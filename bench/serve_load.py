@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -142,6 +143,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each server.")
     ap.add_argument("--round-timeout-s", type=float, default=600.0)
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a `timeout` or kill still stops the servers
     # one intra-op thread per server: on a shared 2-core box a busy-waiting second thread costs more than it gives
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     work = Path(tempfile.mkdtemp(prefix="dllm-serve-load-"))

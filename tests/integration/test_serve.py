@@ -163,6 +163,15 @@ def test_denoise_stream_shows_masks_turning_into_tokens(server):
     done = frames[-1]
     assert done["object"] == "denoise.done" and "".join(steps[-1]["choices"][0]["tokens"]) == done["choices"][0]["text"]
     assert done["dllm"]["nfe"] == 8
+    # the same frames ride a streamed completion that asks for them, beside its text chunks
+    body = {"prompt": "abc", "max_tokens": 8, "stream": True, "denoise": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body) as resp:
+        mixed = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
+    assert sum(e["object"] == "denoise.frame" for e in mixed) == 8
+    assert (
+        "".join(e["choices"][0]["text"] for e in mixed if e["object"] == "text_completion" and e["choices"])
+        == (done["choices"][0]["text"])
+    )
 
 
 @pytest.mark.parametrize(
