@@ -157,9 +157,11 @@ def test_denoise_stream_shows_masks_turning_into_tokens(server):
         events = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     frames = [json.loads(e) for e in events[:-1]]
-    steps = [f for f in frames if f["object"] == "denoise.frame"]
+    steps = [f for f in frames if f["object"] == "denoise.frame" and not f["final"]]
     masked = [sum(t is None for t in f["choices"][0]["tokens"]) for f in steps]
     assert masked == list(range(7, -1, -1))  # one position per step, never re-masked
+    last = [f for f in frames if f["object"] == "denoise.frame" and f["final"]]
+    assert len(last) == 1 and last[0]["choices"] == steps[-1]["choices"]
     done = frames[-1]
     assert done["object"] == "denoise.done" and "".join(steps[-1]["choices"][0]["tokens"]) == done["choices"][0]["text"]
     assert done["dllm"]["nfe"] == 8
@@ -167,7 +169,7 @@ def test_denoise_stream_shows_masks_turning_into_tokens(server):
     body = {"prompt": "abc", "max_tokens": 8, "stream": True, "denoise": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body) as resp:
         mixed = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
-    assert sum(e["object"] == "denoise.frame" for e in mixed) == 8
+    assert sum(e["object"] == "denoise.frame" for e in mixed) == 8 + 1  # the steps, then the final canvas
     assert (
         "".join(e["choices"][0]["text"] for e in mixed if e["object"] == "text_completion" and e["choices"])
         == (done["choices"][0]["text"])

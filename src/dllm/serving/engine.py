@@ -174,6 +174,11 @@ class Engine:
         counters = {**result.counters.as_dict(), "batch_rows": len(prompts)}
         offset = 0
         for job in batch:
+            if job.denoise:  # the final canvas: an early exit (every row ended) fills what was left with EOS
+                final = StepEvent(result.canvas_BL, torch.zeros_like(result.canvas_BL, dtype=torch.bool), -1, -1,
+                                  result.gen_start_B, self.special.mask_id)  # fmt: skip
+                self._frame(job, result.canvas_BL[offset : offset + len(job.rows)].tolist(), final, offset,
+                            result.counters.steps, last=True)  # fmt: skip
             rows = [self._row_result(result, offset + i, job.settings) for i in range(len(job.rows))]
             offset += len(job.rows)
             self.metrics.inc("dllm_prompt_tokens_total", sum(len(r) for r in job.rows))
@@ -205,15 +210,22 @@ class Engine:
 
     def _stream(self, job: Job, rows: list[list[int]], event: StepEvent, offset: int, step: int) -> None:
         s, mask_id = job.settings, self.special.mask_id
-        gens = [row[g : g + s.max_tokens] for row, g in zip(rows, event.gen_start_B[offset:], strict=False)]
         if job.denoise:
-            frame = [[MASK if t == mask_id else self.piece(t) for t in ids] for ids in gens]
-            committed = int(event.committed_BT[offset : offset + len(rows)].sum())
-            job.sink("frame", {"step": step, "block": event.block, "committed": committed, "rows": frame})
+            self._frame(job, rows, event, offset, step)
         if job.stream_text and s.cfg.policy != "uniform":
+            gens = [row[g : g + s.max_tokens] for row, g in zip(rows, event.gen_start_B[offset:], strict=False)]
             for i, ids in enumerate(gens):
                 decided = ids[: ids.index(mask_id)] if mask_id in ids else ids
                 self._send_text(job, i, decided, final=False)
+
+    def _frame(self, job: Job, rows: list[list[int]], event: StepEvent, offset: int, step: int,
+               last: bool = False) -> None:  # fmt: skip
+        """The canvas of the job's rows (their first max_tokens positions), masks as MASK."""
+        n, mask_id = job.settings.max_tokens, self.special.mask_id
+        gens = [row[g : g + n] for row, g in zip(rows, event.gen_start_B[offset:], strict=False)]
+        frame = [[MASK if t == mask_id else self.piece(t) for t in ids] for ids in gens]
+        committed = int(event.committed_BT[offset : offset + len(rows)].sum())
+        job.sink("frame", {"step": step, "block": event.block, "committed": committed, "rows": frame, "last": last})
 
     def _send_text(self, job: Job, i: int, ids: list[int], final: bool) -> None:
         """Send the new text of row i: its decided ids, cut at EOS and stop strings; while not final,
@@ -248,7 +260,7 @@ class Engine:
         return RowResult(text, len(ids), reason)
 
     def piece(self, token: int) -> str:
-        """The text of one token (cached: the denoising frames decode every position of every step)."""
+        """The text of one token, special tokens by name (cached: the frames decode every position)."""
         if token not in self._pieces:
-            self._pieces[token] = self.tokenizer.decode([token])
+            self._pieces[token] = self.tokenizer.decode([token], skip_special=False)
         return self._pieces[token]

@@ -22,8 +22,9 @@ function render(tokens, previous) {
       span.className = "mask";
       span.title = "masked";
     } else {
-      span.className = previous && previous[i] === null ? "tok new" : "tok";
-      span.textContent = t;
+      const special = t.startsWith("<|") && t.endsWith("|>");
+      span.className = (special ? "tok special" : "tok") + (previous && previous[i] === null ? " new" : "");
+      span.textContent = special ? t.slice(2, -2) : t;
     }
     canvas.appendChild(span);
   });
