@@ -165,6 +165,11 @@ def test_denoise_stream_shows_masks_turning_into_tokens(server):
     done = frames[-1]
     assert done["object"] == "denoise.done" and "".join(steps[-1]["choices"][0]["tokens"]) == done["choices"][0]["text"]
     assert done["dllm"]["nfe"] == 8
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+    with httpx.stream("POST", server.url + "/v1/denoise", json=chat) as resp:
+        chat_done = [json.loads(x[6:]) for x in resp.iter_lines() if x.startswith("data: {")][-1]
+    answer = httpx.post(server.url + "/v1/chat/completions", json=chat).json()
+    assert chat_done["choices"][0]["text"] == answer["choices"][0]["message"]["content"]
     # the same frames ride a streamed completion that asks for them, beside its text chunks
     body = {"prompt": "abc", "max_tokens": 8, "stream": True, "denoise": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body) as resp:
@@ -306,9 +311,48 @@ def _up(url: str) -> bool:
 
 
 def test_cli_serve_user_errors(tmp_path: Path):
-    res = subprocess.run([sys.executable, "-m", "dllm.cli.main", "serve", "--model", str(tmp_path / "nowhere")],
-                         capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert res.returncode == 2 and res.stderr.startswith("dllm: error:") and len(res.stderr.splitlines()) == 1
+    import socket
+
+    def serve(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "dllm.cli.main", "serve", *args], capture_output=True, text=True,
+                              timeout=120)  # fmt: skip
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        for res, expected in (
+            (serve("--model", str(tmp_path / "nowhere")), "nowhere"),
+            (serve("--model", str(tmp_path), "--port", str(busy.getsockname()[1])), "choose another port"),
+        ):
+            assert res.returncode == 2 and res.stderr.startswith("dllm: error:"), res.stderr
+            assert len(res.stderr.splitlines()) == 1 and expected in res.stderr
+
+
+def test_a_failing_sampler_is_a_500_and_the_server_goes_on():
+    """Nothing a request does stops the worker: a model that raises answers 500 twice, then health is ok."""
+    import torch
+    from fastapi.testclient import TestClient
+
+    from dllm.serving.app import build_app
+
+    class Exploding(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+
+        def forward(self, *args, **kwargs):
+            raise RuntimeError("boom")
+
+    loaded = tiny_loaded()
+    loaded.model = Exploding()
+    srv = make_server(loaded)
+    with TestClient(build_app(srv.state)) as http:
+        for _ in range(2):
+            r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 4})
+            assert r.status_code == 500 and "boom" in r.json()["error"]["message"]
+        streamed = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 4, "stream": True})
+        assert '"server_error"' in streamed.text and streamed.text.rstrip().endswith("data: [DONE]")
+        assert http.get("/health").json()["status"] == "ok" and srv.state.engine.thread.is_alive()
 
 
 def test_block_model_rounds_max_tokens_to_whole_blocks():

@@ -43,6 +43,7 @@ def serve(
         ) from None
     if not 0 < port < 65536:
         raise ConfigError(f"--port must lie in 1..65535 (got {port})")
+    _check_port(host, port)  # before the model loads: a busy port is a one-line error, not a log after a wait
     s = setup_sampling(run, checkpoint, model, device, sampler_config, overrides, {})
     key = api_key or os.environ.get(API_KEY_ENV) or None
     state = make_state(s.loaded, s.cfg, model_id=model_id, api_key=key, max_batch=max_batch,
@@ -52,3 +53,19 @@ def serve(
     info(f"{s.loaded.source}: serving {state.model_id!r} on http://{host}:{port} (page at /, API at /v1; "
          f"max batch {max_batch}, {'API key required' if key else 'no API key'})")  # fmt: skip
     uvicorn.run(build_app(state), host=host, port=port, log_level="warning", access_log=False)
+
+
+def _check_port(host: str, port: int) -> None:
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise ConfigError(f"--host {host}: not an address of this machine ({e.strerror})") from None
+    family, _, _, _, addr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as e:
+            raise ConfigError(f"--port {port}: cannot listen on {host} ({e.strerror}); choose another port") from None

@@ -350,9 +350,10 @@ class Reply:
                 "choices": choices}  # fmt: skip
 
     def closing(self, rows: list[RowResult], counters: dict) -> list[dict[str, Any]]:
-        if self.kind == "denoise":
-            final = self.final(rows, counters)
-            return [{**final, "object": "denoise.done"}]
+        if self.kind == "denoise":  # one shape for prompts and conversations: the text of each row
+            choices = [{"index": i, "text": r.text, "finish_reason": r.finish_reason} for i, r in enumerate(rows)]
+            return [{**self._head("denoise.done"), "choices": choices, "usage": self.usage(rows),
+                     "dllm": _sampler_counters(counters)}]  # fmt: skip
         if self.chat:
             choices = [{"index": i, "delta": {}, "finish_reason": r.finish_reason} for i, r in enumerate(rows)]
             out = [{**self._head("chat.completion.chunk"), "choices": choices}]
