@@ -53,7 +53,7 @@ class ApiError(Exception):
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=False)
+    model_config = ConfigDict(extra="allow", strict=False, allow_inf_nan=False)
 
     model: str | None = None
     """The served model's id (GET /v1/models); null: the one model this server holds."""
@@ -62,7 +62,7 @@ class _Request(BaseModel):
     temperature: float | None = Field(default=None, ge=0)
     top_p: float | None = Field(default=None, gt=0, le=1)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)
     """Seed of a stochastic request (temperature > 0 or a random-order policy): it then runs in its own
     batch with its own generator, so the same seed gives the same text whatever else is queued."""
     n: int = Field(default=1, ge=1, le=16)
