@@ -160,6 +160,7 @@ def test_denoise_stream_shows_masks_turning_into_tokens(server):
     steps = [f for f in frames if f["object"] == "denoise.frame" and not f["final"]]
     masked = [sum(t is None for t in f["choices"][0]["tokens"]) for f in steps]
     assert masked == list(range(7, -1, -1))  # one position per step, never re-masked
+    assert [f["nfe"] for f in steps] == list(range(1, 9))  # the NFE of the call so far, one forward per step
     last = [f for f in frames if f["object"] == "denoise.frame" and f["final"]]
     assert len(last) == 1 and last[0]["choices"] == steps[-1]["choices"]
     done = frames[-1]

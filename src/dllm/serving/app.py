@@ -346,7 +346,7 @@ class Reply:
         masked = sum(t is None for row in frame["rows"] for t in row)
         choices = [{"index": i, "tokens": row} for i, row in enumerate(frame["rows"])]
         return {**self._head("denoise.frame"), "step": frame["step"], "block": frame["block"],
-                "committed": frame["committed"], "masked": masked, "final": frame["last"],
+                "committed": frame["committed"], "masked": masked, "final": frame["last"], "nfe": frame["nfe"],
                 "choices": choices}  # fmt: skip
 
     def closing(self, rows: list[RowResult], counters: dict) -> list[dict[str, Any]]:

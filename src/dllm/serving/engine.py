@@ -88,8 +88,12 @@ class Engine:
         self.stopping = False
         self.running = 0
         """Rows in the sampler call under way (0: idle)."""
+        self.call_start_forwards = 0
         self.device = next(model.parameters()).device
         self._pieces: dict[int, str] = {}
+        self.forwards = 0
+        """Model calls so far (a forward hook: the denoising frames show the NFE of the call under way)."""
+        model.register_forward_hook(self._count_forward)
         self.thread = threading.Thread(target=self._work, name="dllm-serve-engine", daemon=True)
 
     def start(self) -> Engine:
@@ -112,6 +116,9 @@ class Engine:
                                code="queue_full", kind="rate_limit_error")  # fmt: skip
             self.queue.append(job)
             self.cond.notify_all()
+
+    def _count_forward(self, *_: Any) -> None:
+        self.forwards += 1
 
     def _work(self) -> None:
         while True:
@@ -166,7 +173,7 @@ class Engine:
         prompts = [row for job in batch for row in job.rows]
         seed = settings.seed if settings.seed is not None and batch[0].key.startswith("seeded:") else None
         generator = torch.Generator(device=self.device).manual_seed(seed if seed is not None else secrets.randbits(63))
-        t0 = time.perf_counter()
+        t0, self.call_start_forwards = time.perf_counter(), self.forwards
         stop = stop_function(self.tokenizer, cfg.stop_strings)
         result = generate(self.model, prompts, cfg, self.special, generator=generator,
                           callback=self._callback(batch), stop=stop)  # fmt: skip
@@ -225,7 +232,9 @@ class Engine:
         gens = [row[g : g + n] for row, g in zip(rows, event.gen_start_B[offset:], strict=False)]
         frame = [[MASK if t == mask_id else self.piece(t) for t in ids] for ids in gens]
         committed = int(event.committed_BT[offset : offset + len(rows)].sum())
-        job.sink("frame", {"step": step, "block": event.block, "committed": committed, "rows": frame, "last": last})
+        nfe = self.forwards - self.call_start_forwards
+        job.sink("frame", {"step": step, "block": event.block, "committed": committed, "rows": frame, "last": last,
+                           "nfe": nfe})  # fmt: skip
 
     def _send_text(self, job: Job, i: int, ids: list[int], final: bool) -> None:
         """Send the new text of row i: its decided ids, cut at EOS and stop strings; while not final,

@@ -87,6 +87,9 @@ async function run(ev) {
         window.dllmFrames.push({ step: e.step, masked });
         $("step").textContent = "step " + e.step;
         $("masked").textContent = "masked " + masked;
+        const decided = tokens.length - masked;
+        $("nfe").textContent = "NFE " + e.nfe;
+        $("tpf").textContent = "tokens/forward " + (e.nfe ? (decided / e.nfe).toFixed(2) : "–");
       } else if (e.object === "denoise.done") {
         const d = e.dllm || {};
         $("nfe").textContent = "NFE " + d.nfe;
