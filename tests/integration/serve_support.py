@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch
@@ -45,3 +46,21 @@ def make_server(loaded: LoadedModel | None = None, **kw):
     base = resolve_sampler(SamplerConfig(gen_length=16), loaded.profile)
     kw.setdefault("model_id", "tiny")
     return BackgroundServer(make_state(loaded, base, **kw), port=free_port())
+
+
+class Slow(torch.nn.Module):
+    """A model that takes at least `delay_s` per forward, whatever the machine (cancellation, queue tests)."""
+
+    def __init__(self, inner: torch.nn.Module, delay_s: float) -> None:
+        super().__init__()
+        self.inner, self.delay_s = inner, delay_s
+
+    def forward(self, *args, **kwargs):
+        time.sleep(self.delay_s)
+        return self.inner(*args, **kwargs)
+
+
+def slow_loaded(delay_s: float = 0.01) -> LoadedModel:
+    loaded = tiny_loaded()
+    loaded.model = Slow(loaded.model, delay_s)
+    return loaded

@@ -19,7 +19,7 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-from tests.integration.serve_support import make_server, tiny_loaded, tiny_model  # noqa: E402
+from tests.integration.serve_support import make_server, slow_loaded, tiny_loaded, tiny_model  # noqa: E402
 
 KEY = "sk-test"
 
@@ -220,11 +220,11 @@ def test_openai_client_raises_the_matching_errors(client):
 
 
 def test_queue_full_is_429_and_disconnect_cancels():
-    # a larger model and guidance (two rows per row): a long request takes a second or more
-    with make_server(tiny_loaded("demo"), max_batch=1, max_wait_ms=0, max_queue=1) as srv:
-        long = {"prompt": "long", "max_tokens": 120, "steps": 120, "cfg_scale": 1.0}
-        hold = threading.Thread(target=httpx.post, args=(srv.url + "/v1/completions",), kwargs={"json": long,
-                                "timeout": 60})  # fmt: skip
+    # a model that takes 10 ms a forward: a request of 120 steps takes 1.2 s or more on any machine
+    with make_server(slow_loaded(0.01), max_batch=1, max_wait_ms=0, max_queue=1) as srv:
+        long = {"prompt": "long", "max_tokens": 120, "steps": 120}
+        hold = threading.Thread(target=httpx.post, args=(srv.url + "/v1/completions",),
+                                kwargs={"json": {**long, "max_tokens": 40, "steps": 40}, "timeout": 60})  # fmt: skip
         hold.start()
         _wait(lambda: httpx.get(srv.url + "/health").json()["running_rows"] == 1)
         queued = threading.Thread(target=httpx.post, args=(srv.url + "/v1/completions",),
