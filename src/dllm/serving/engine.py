@@ -181,19 +181,23 @@ class Engine:
         counters = {**result.counters.as_dict(), "batch_rows": len(prompts)}
         offset = 0
         for job in batch:
-            if job.denoise:  # the final canvas: an early exit (every row ended) fills what was left with EOS
-                final = StepEvent(result.canvas_BL, torch.zeros_like(result.canvas_BL, dtype=torch.bool), -1, -1,
-                                  result.gen_start_B, self.special.mask_id)  # fmt: skip
-                self._frame(job, result.canvas_BL[offset : offset + len(job.rows)].tolist(), final, offset,
-                            result.counters.steps, last=True)  # fmt: skip
-            rows = [self._row_result(result, offset + i, job.settings) for i in range(len(job.rows))]
+            self._finish(job, result, offset, counters)
             offset += len(job.rows)
-            self.metrics.inc("dllm_prompt_tokens_total", sum(len(r) for r in job.rows))
-            self.metrics.inc("dllm_generated_tokens_total", sum(r.completion_tokens for r in rows))
-            for i, r in enumerate(rows if job.stream_text else []):  # what the steps had not sent yet
-                if len(r.text) > len(job.sent[i]) and r.text.startswith(job.sent[i]):
-                    job.sink("delta", (i, r.text[len(job.sent[i]) :]))
-            job.sink("done", (rows, counters))
+
+    def _finish(self, job: Job, result: GenerationResult, offset: int, counters: dict) -> None:
+        """A job's last events: the final canvas (an early exit fills what was left with EOS), the text the
+        steps had not sent yet, and its results."""
+        n = len(job.rows)
+        if job.denoise:
+            canvas = result.canvas_BL[offset : offset + n].tolist()
+            self._frame(job, canvas, result.gen_start_B[offset:], 0, result.counters.steps, -1, last=True)
+        rows = [self._row_result(result, offset + i, job.settings) for i in range(n)]
+        self.metrics.inc("dllm_prompt_tokens_total", sum(len(r) for r in job.rows))
+        self.metrics.inc("dllm_generated_tokens_total", sum(r.completion_tokens for r in rows))
+        for i, r in enumerate(rows if job.stream_text else []):
+            if len(r.text) > len(job.sent[i]) and r.text.startswith(job.sent[i]):
+                job.sink("delta", (i, r.text[len(job.sent[i]) :]))
+        job.sink("done", (rows, counters))
 
     def _callback(self, batch: list[Job]) -> Callable[[StepEvent], None]:
         incremental = batch[0].settings.cfg.policy != "uniform"  # uniform: noise, not masks, until the end
@@ -218,22 +222,22 @@ class Engine:
     def _stream(self, job: Job, rows: list[list[int]], event: StepEvent, offset: int, step: int) -> None:
         s, mask_id = job.settings, self.special.mask_id
         if job.denoise:
-            self._frame(job, rows, event, offset, step)
+            committed = int(event.committed_BT[offset : offset + len(rows)].sum())
+            self._frame(job, rows, event.gen_start_B[offset:], committed, step, event.block)
         if job.stream_text and s.cfg.policy != "uniform":
             gens = [row[g : g + s.max_tokens] for row, g in zip(rows, event.gen_start_B[offset:], strict=False)]
             for i, ids in enumerate(gens):
                 decided = ids[: ids.index(mask_id)] if mask_id in ids else ids
                 self._send_text(job, i, decided, final=False)
 
-    def _frame(self, job: Job, rows: list[list[int]], event: StepEvent, offset: int, step: int,
+    def _frame(self, job: Job, rows: list[list[int]], gen_start: list[int], committed: int, step: int, block: int,
                last: bool = False) -> None:  # fmt: skip
         """The canvas of the job's rows (their first max_tokens positions), masks as MASK."""
         n, mask_id = job.settings.max_tokens, self.special.mask_id
-        gens = [row[g : g + n] for row, g in zip(rows, event.gen_start_B[offset:], strict=False)]
+        gens = [row[g : g + n] for row, g in zip(rows, gen_start, strict=False)]
         frame = [[MASK if t == mask_id else self.piece(t) for t in ids] for ids in gens]
-        committed = int(event.committed_BT[offset : offset + len(rows)].sum())
         nfe = self.forwards - self.call_start_forwards
-        job.sink("frame", {"step": step, "block": event.block, "committed": committed, "rows": frame, "last": last,
+        job.sink("frame", {"step": step, "block": block, "committed": committed, "rows": frame, "last": last,
                            "nfe": nfe})  # fmt: skip
 
     def _send_text(self, job: Job, i: int, ids: list[int], final: bool) -> None:
