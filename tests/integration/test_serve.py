@@ -354,6 +354,7 @@ def test_a_failing_sampler_is_a_500_and_the_server_goes_on():
         streamed = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 4, "stream": True})
         assert '"server_error"' in streamed.text and streamed.text.rstrip().endswith("data: [DONE]")
         assert http.get("/health").json()["status"] == "ok" and srv.state.engine.thread.is_alive()
+        assert srv.state.engine.metrics.value("dllm_cancelled_total") == 0  # failed, not cancelled
 
 
 def test_block_model_rounds_max_tokens_to_whole_blocks():

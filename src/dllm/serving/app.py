@@ -205,6 +205,7 @@ def build_app(state: ServeState) -> FastAPI:
                     return
                 if kind == "error":
                     yield from_json(payload.body())
+                    done = True
                     break
                 if kind == "delta":
                     yield from_json(reply.delta(*payload))
