@@ -192,6 +192,9 @@ def test_denoise_stream_shows_masks_turning_into_tokens(server):
         (b'{"prompt": "x", "policy": "nope"}', 400, "policy"),
         (b'{"prompt": "x", "max_tokens": 8, "block_length": 4, "steps": 3}', 400, "steps"),
         (b'{"prompt": "x", "block_length": 0}', 400, "block_length"),
+        (b'{"prompt": "x", "block_length": "four"}', 400, "block_length"),
+        (b'{"prompt": "x", "block_length": -2}', 400, "block_length"),
+        (b'{"prompt": "x", "steps": [4]}', 400, "steps"),
         (b'{"prompt": "x", "cache": "block"}', 400, "cache"),
         (b'{"prompt": "x", "colour": 1}', 400, "colour"),
         (b'{"prompt": "x", "draft_model": "d"}', 400, "draft_model"),
@@ -408,10 +411,10 @@ def test_fuzzed_bodies_never_crash_the_server():
     srv = make_server()
     with TestClient(build_app(srv.state)) as http:
         statuses = []
-        for i in range(150):
-            body = {"prompt": "fuzz", "max_tokens": 4}
-            for name in rng.sample(fields, rng.randint(1, 3)):
-                body[name] = rng.choice(_mutations(rng))
+        cases = [{name: value} for name in fields for value in _mutations(rng)]  # each field, each odd value
+        cases += [{n: rng.choice(_mutations(rng)) for n in rng.sample(fields, rng.randint(2, 3))} for _ in range(60)]
+        for i, case in enumerate(cases):
+            body = {"prompt": "fuzz", "max_tokens": 4, **case}
             raw = json.dumps(body)
             if i % 10 == 9:
                 raw = raw[: rng.randint(0, len(raw) - 1)]  # cut short: not JSON

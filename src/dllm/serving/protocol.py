@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from dllm.config.profile import DecodeProfile
 from dllm.config.sampler import SamplerConfig, resolve_sampler
@@ -137,7 +137,7 @@ def sampler_settings(req: _Request, base: SamplerConfig, profile: DecodeProfile)
     """The request's SamplerConfig: the server's defaults < the request's fields, resolved against the
     model's decode profile. A value the schema refuses -> 400 naming the field."""
     values = base.model_dump()
-    extra = {k: v for k, v in (req.model_extra or {}).items() if k in DIFFUSION_FIELDS}
+    extra = {k: _field_value(k, v) for k, v in (req.model_extra or {}).items() if k in DIFFUSION_FIELDS}
     values.update(extra)
     max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens or base.gen_length
     for name, v in (("temperature", req.temperature), ("top_p", req.top_p), ("seed", req.seed)):
@@ -168,6 +168,15 @@ def sampler_settings(req: _Request, base: SamplerConfig, profile: DecodeProfile)
         raise ApiError(400, msg, param=msg.split(":")[0] if ":" in msg else None, code="invalid_value") from None
     stochastic = cfg.temperature > 0 or cfg.policy in RANDOM_POLICIES
     return Settings(cfg, max_tokens, req.seed, stochastic)
+
+
+def _field_value(name: str, value: Any) -> Any:
+    """One diffusion field checked against its SamplerConfig declaration before it sizes the canvas."""
+    info = SamplerConfig.model_fields[name]
+    try:
+        return TypeAdapter(Annotated[info.annotation, info]).validate_python(value)
+    except ValidationError as e:
+        raise ApiError(400, f"{name}: {e.errors()[0]['msg']}", param=name, code="invalid_value") from None
 
 
 def _guess_param(msg: str) -> str | None:
