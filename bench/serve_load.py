@@ -137,7 +137,12 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--max-batch", type=int, default=64, help="The batched server's --max-batch.")
-    ap.add_argument("--max-wait-ms", type=float, default=200.0, help="The batched server's --max-wait-ms (a round of 64 arrives over ~100 ms).")
+    ap.add_argument(
+        "--max-wait-ms",
+        type=float,
+        default=200.0,
+        help="The batched server's --max-wait-ms (a round of 64 arrives over ~100 ms).",
+    )
     ap.add_argument("--preset", default="tiny", help="Model size preset (random weights): tiny, demo, ...")
     ap.add_argument("--soak-s", type=float, default=300.0, help="Seconds of load on the batched server (0: none).")
     ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each server.")
