@@ -21,6 +21,7 @@ from dllm.cli.main import main as dllm
 from dllm.data.synthetic import first_int, parse_sum_prompt
 
 GENERATE = ["--gen-length", "8", "--block-length", "8", "--steps", "8"]
+SERVE = ["--set", "gen_length=8", "--port", "8000"]  # then open http://127.0.0.1:8000/
 
 
 @contextlib.contextmanager
@@ -87,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{rec['prompt']:<13} {rec['completion']!r:<12} {expected:<4} {'right' if ok else 'wrong'}")
     print(f"\narithmetic: {right}/{len(prompts)} answers right; the whole demo took {time.perf_counter() - t0:.0f}s")
     print(f"try: cd {args.dir} && dllm generate --run runs/latest --prompt '12 + 7 =' {' '.join(GENERATE)}")
+    # the last line: the one command that serves this model (OpenAI API on /v1, the live denoising page on /)
+    print(f"serve it: cd {args.dir} && dllm serve --run runs/latest {' '.join(SERVE)}")
     return 0
 
 

@@ -15,6 +15,7 @@ from dllm.cli.init_cmd import init
 from dllm.cli.launch_cmd import launch
 from dllm.cli.plot_cmd import plot
 from dllm.cli.runs_cmd import runs
+from dllm.cli.serve_cmd import serve
 from dllm.errors import UserError
 
 app = typer.Typer(
@@ -36,6 +37,7 @@ app.command()(convert)
 app.command()(doctor)
 app.command()(plot)
 app.command()(runs)
+app.command()(serve)
 
 
 def _one_line(text: str) -> str:

@@ -1,0 +1,237 @@
+"""Load on `dllm serve` over loopback: batching across requests vs --max-batch 1, then an RSS soak.
+
+Writes a random model folder (the `tiny` preset over bytes by default, no training needed: the cost of a request
+does not depend on what the weights say), starts two servers on it as subprocesses (`dllm serve
+--max-batch 64` and `--max-batch 1`, loopback only), and runs --rounds rounds of --clients concurrent
+clients, each sending one completion of --max-tokens tokens per round, alternating the two servers
+round by round (A B A B: the machine's drift hits both). Prints one JSON line per round, then the
+summary: generated tokens/s of each (median over rounds) and their ratio (target >= 2.5), p50/p99
+latency, errors (target 0), and the ceiling: the same decode as one generate call of all the rows vs
+one call per row, without a server (on a small CPU the model's compute, not the loop's overhead,
+bounds what batching can win). Then the batched server is kept under the same load for --soak-s seconds
+(default 300) and its resident memory (VmRSS) is read at the start and end of the soak (target:
+growth < 10%). Everything is bounded: a round has --clients requests and a timeout, the soak stops
+by itself.
+
+    PYTHONPATH=src python bench/serve_load.py [--soak-s 300] [--clients 64] [--rounds 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+
+def write_model(folder: Path, preset: str, max_len: int) -> Path:
+    import torch
+
+    from dllm.config.model import ModelConfig
+    from dllm.models.hf_io import export_hf
+    from dllm.models.transformer import Transformer
+
+    cfg = ModelConfig(preset=preset, vocab_size=260, max_seq_len=max_len)
+    model = Transformer(cfg)
+    model.init_weights(torch.Generator().manual_seed(0))
+    return export_hf(model.state_dict(), cfg, folder)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`dllm serve` in a subprocess on a free loopback port."""
+
+    def __init__(self, model: Path, max_batch: int, max_wait_ms: float) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "dllm.cli.main", "serve", "--model", str(model), "--port", str(self.port),
+               "--max-batch", str(max_batch), "--max-wait-ms", str(max_wait_ms), "--max-queue", "1024"]  # fmt: skip
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        t0 = time.monotonic()
+        while True:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"the server did not start: {self.proc.stderr.read()}")  # type: ignore[union-attr]
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() - t0 > 120:
+                raise SystemExit("the server did not answer within 120 s")
+            time.sleep(0.2)
+
+    def rss_mb(self) -> float:
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+        return float("nan")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+async def one_round(url: str, clients: int, max_tokens: int, round_idx: int, timeout_s: float) -> dict:
+    """`clients` concurrent requests; tokens/s over the round's wall time, latencies, errors."""
+    latencies: list[float] = []
+    tokens, errors = 0, 0
+
+    async def client(i: int, http: httpx.AsyncClient) -> None:
+        nonlocal tokens, errors
+        prompt = f"{(i * 7 + round_idx) % 50} + {(i * 3) % 50} ="
+        t0 = time.perf_counter()
+        try:
+            r = await http.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens})
+            if r.status_code != 200:
+                errors += 1
+                return
+            tokens += r.json()["usage"]["completion_tokens"]
+            latencies.append(time.perf_counter() - t0)
+        except httpx.HTTPError:
+            errors += 1
+
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as http:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client(i, http) for i in range(clients)))
+        wall = time.perf_counter() - t0
+    latencies.sort()
+    return {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall, "errors": errors,
+            "latencies": latencies}  # fmt: skip
+
+
+def mean_batch_rows(srv: Server) -> float:
+    """Rows per sampler call so far, from the server's /metrics."""
+    values = {}
+    for line in httpx.get(srv.url + "/metrics").text.splitlines():
+        if line.startswith(("dllm_batch_size_sum", "dllm_batch_size_count")):
+            values[line.split()[0]] = float(line.split()[1])
+    return round(values["dllm_batch_size_sum"] / max(values["dllm_batch_size_count"], 1), 2)
+
+
+def percentile(xs: list[float], q: float) -> float:
+    return xs[min(int(q * len(xs)), len(xs) - 1)] if xs else float("nan")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--clients", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--max-batch", type=int, default=64, help="The batched server's --max-batch.")
+    ap.add_argument(
+        "--max-wait-ms",
+        type=float,
+        default=200.0,
+        help="The batched server's --max-wait-ms (a round of 64 arrives over ~100 ms).",
+    )
+    ap.add_argument("--preset", default="tiny", help="Model size preset (random weights): tiny, demo, ...")
+    ap.add_argument("--soak-s", type=float, default=300.0, help="Seconds of load on the batched server (0: none).")
+    ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each server.")
+    ap.add_argument("--round-timeout-s", type=float, default=600.0)
+    args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a `timeout` or kill still stops the servers
+    # one intra-op thread per server: on a shared 2-core box a busy-waiting second thread costs more than it gives
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    work = Path(tempfile.mkdtemp(prefix="dllm-serve-load-"))
+    model = write_model(work / "model", args.preset, max_len=args.max_tokens + 64)
+    servers = {"batched": Server(model, args.max_batch, args.max_wait_ms), "max_batch_1": Server(model, 1, 0.0)}
+    results: dict[str, list[dict]] = {k: [] for k in servers}
+    try:
+        for srv in servers.values():  # warm-up: first calls pay for lazy init
+            asyncio.run(one_round(srv.url, 4, args.max_tokens, -1, args.round_timeout_s))
+        for r in range(args.rounds):
+            for name, srv in servers.items():
+                res = asyncio.run(one_round(srv.url, args.clients, args.max_tokens, r, args.round_timeout_s))
+                results[name].append(res)
+                print(json.dumps({"bench": "serve_load_round", "server": name, "round": r, "tokens": res["tokens"],
+                                  "wall_s": round(res["wall_s"], 3), "tokens_per_s": round(res["tokens_per_s"], 1),
+                                  "errors": res["errors"]}), flush=True)  # fmt: skip
+        summary_rows = {name: mean_batch_rows(srv) for name, srv in servers.items()}
+        servers.pop("max_batch_1").stop()
+        summary = {"bench": "serve_load", "clients": args.clients, "rounds": args.rounds, "max_tokens": args.max_tokens,
+                   "preset": args.preset, "max_batch": args.max_batch}  # fmt: skip
+        for name, rounds in results.items():
+            lat = sorted(x for res in rounds for x in res["latencies"])
+            summary[f"{name}_tokens_per_s"] = round(statistics.median(res["tokens_per_s"] for res in rounds), 1)
+            summary[f"{name}_p50_s"] = round(percentile(lat, 0.5), 3)
+            summary[f"{name}_p99_s"] = round(percentile(lat, 0.99), 3)
+            summary[f"{name}_errors"] = sum(res["errors"] for res in rounds)
+        summary["batched_mean_batch_rows"] = summary_rows["batched"]
+        summary["batching_speedup"] = round(summary["batched_tokens_per_s"] / summary["max_batch_1_tokens_per_s"], 2)
+        summary["errors"] = summary["batched_errors"] + summary["max_batch_1_errors"]
+        summary["sampler_ceiling_speedup"] = sampler_ceiling(model, args)
+        if args.soak_s > 0:
+            summary.update(soak(servers["batched"], args))
+        print(json.dumps(summary), flush=True)
+    finally:
+        for srv in servers.values():
+            srv.stop()
+    return 0
+
+
+def soak(srv: Server, args: argparse.Namespace) -> dict:
+    """The batched server under back-to-back rounds for soak_s seconds: RSS at start and end, and
+    every tenth of the way (a plateau is the allocator settling; steady growth would be a leak)."""
+    start_mb = srv.rss_mb()
+    t0, requests, errors, series = time.monotonic(), 0, 0, [round(start_mb, 1)]
+    r = 0
+    while time.monotonic() - t0 < args.soak_s:
+        res = asyncio.run(one_round(srv.url, args.clients, args.max_tokens, 100 + r, args.round_timeout_s))
+        requests += args.clients
+        errors += res["errors"]
+        r += 1
+        if time.monotonic() - t0 >= len(series) * args.soak_s / 10:
+            series.append(round(srv.rss_mb(), 1))
+    end_mb = srv.rss_mb()
+    return {"soak_s": round(time.monotonic() - t0, 1), "soak_requests": requests, "soak_errors": errors,
+            "rss_start_mb": round(start_mb, 1), "rss_end_mb": round(end_mb, 1),
+            "rss_growth": round(end_mb / start_mb - 1, 4), "rss_series_mb": series}  # fmt: skip
+
+
+def sampler_ceiling(model_dir: Path, args: argparse.Namespace) -> float:
+    """The same decode without a server: one generate call of `clients` rows vs `clients` calls of one
+    row (median of 3 interleaved rounds). No server can batch better than this on this machine."""
+    import torch
+
+    from dllm.checkpoint.inference import load_for_inference
+    from dllm.config.sampler import SamplerConfig, resolve_sampler
+    from dllm.sampling.generate import SpecialIds, generate
+
+    torch.set_num_threads(args.threads)
+    loaded = load_for_inference(model_dir=model_dir)
+    cfg = resolve_sampler(SamplerConfig(gen_length=args.max_tokens), loaded.profile)
+    special = SpecialIds.of(loaded.profile)
+    prompts = [loaded.tokenizer.encode(f"{(i * 7) % 50} + {(i * 3) % 50} =") for i in range(args.clients)]
+    ratios = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        generate(loaded.model, prompts, cfg, special)
+        batched = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for p in prompts:
+            generate(loaded.model, [p], cfg, special)
+        ratios.append((time.perf_counter() - t0) / batched)
+    return round(statistics.median(ratios), 2)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

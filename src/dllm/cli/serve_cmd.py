@@ -1,0 +1,71 @@
+"""`dllm serve`: an OpenAI-compatible HTTP server over a run, a checkpoint or a model folder."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import typer
+
+from dllm.cli.common import info
+from dllm.cli.sampling_common import SAMPLER_CONFIG_OPTION, SET_OPTION, setup_sampling
+from dllm.errors import ConfigError
+
+API_KEY_ENV = "DLLM_API_KEY"
+
+
+def serve(
+    run: Path = typer.Option(None, "--run", help="Run folder (its newest checkpoint is used)."),
+    checkpoint: Path = typer.Option(None, "--checkpoint", help="One checkpoint folder (step_XXXXXXXX)."),
+    model: Path = typer.Option(None, "--model", help="A Hugging Face or `dllm convert` model folder."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (loopback by default)."),
+    port: int = typer.Option(8000, "--port", help="TCP port."),
+    api_key: str = typer.Option(
+        None, "--api-key", help=f"Require `Authorization: Bearer KEY` on every request (or set ${API_KEY_ENV})."
+    ),
+    max_batch: int = typer.Option(8, "--max-batch", help="Most rows (choices) decoded together in one sampler call."),
+    max_wait_ms: float = typer.Option(10.0, "--max-wait-ms", help="How long a request waits for peers to batch with."),
+    max_queue: int = typer.Option(256, "--max-queue", help="Requests that may wait; past it the server answers 429."),
+    model_id: str = typer.Option(None, "--model-id", help="The id clients send as `model` (default: the run's name)."),
+    sampler_config: Path = SAMPLER_CONFIG_OPTION,
+    overrides: list[str] = SET_OPTION,
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
+) -> None:
+    """Serve a model over HTTP: OpenAI completions and chat, streaming, a live denoising page at /."""
+    try:
+        import uvicorn
+
+        from dllm.serving.app import build_app
+        from dllm.serving.server import make_state
+    except ImportError as e:
+        raise ConfigError(
+            f"dllm serve needs the serve extra ({e.name} is missing): pip install 'dllm[serve]'"
+        ) from None
+    if not 0 < port < 65536:
+        raise ConfigError(f"--port must lie in 1..65535 (got {port})")
+    _check_port(host, port)  # before the model loads: a busy port is a one-line error, not a log after a wait
+    s = setup_sampling(run, checkpoint, model, device, sampler_config, overrides, {})
+    key = api_key or os.environ.get(API_KEY_ENV) or None
+    state = make_state(s.loaded, s.cfg, model_id=model_id, api_key=key, max_batch=max_batch,
+                       max_wait_ms=max_wait_ms, max_queue=max_queue)  # fmt: skip
+    if host not in ("127.0.0.1", "localhost", "::1") and key is None:
+        info(f"dllm: warning: serving on {host} without an API key: anyone who can reach it can use it")
+    info(f"{s.loaded.source}: serving {state.model_id!r} on http://{host}:{port} (page at /, API at /v1; "
+         f"max batch {max_batch}, {'API key required' if key else 'no API key'})")  # fmt: skip
+    uvicorn.run(build_app(state), host=host, port=port, log_level="warning", access_log=False)
+
+
+def _check_port(host: str, port: int) -> None:
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise ConfigError(f"--host {host}: not an address of this machine ({e.strerror})") from None
+    family, _, _, _, addr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as e:
+            raise ConfigError(f"--port {port}: cannot listen on {host} ({e.strerror}); choose another port") from None

@@ -1,0 +1,279 @@
+"""The engine: one worker thread that drains a bounded queue of requests into batched sampler calls.
+
+Requests waiting together (up to `max_batch` rows, within `max_wait_ms` of the oldest) whose sampler
+settings are compatible (the same resolved SamplerConfig and stop strings; max_tokens may differ, as
+rows are cut from a canvas of the same length) are decoded in one `sampling.generate` call. The
+loop decodes each row from its own prompt only (padding is masked out; tests/unit/test_sampling.py
+checks that batched greedy rows equal each prompt alone), so a deterministic request's text does not
+depend on its batch. Seeds: one generator serves a whole call, so a stochastic request that names a
+seed runs in a batch of its own with a generator seeded by it (reproducible); one without a seed
+shares a batch and a freshly seeded generator with its compatible peers.
+
+The step callback of the loop feeds the streams: text as the decided prefix of a row grows (positions
+commit in any order; text is sent once everything before it is decided), and whole-canvas frames for
+the denoising view. A request whose client went away is dropped from the queue, and a running call
+whose requests have all gone is aborted from the callback.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dllm.sampling.generate import GenerationResult, SpecialIds, StepEvent, generate
+from dllm.sampling.stops import cut_at_stop, stop_function
+from dllm.serving.metrics import Metrics
+from dllm.serving.protocol import ApiError, Settings
+
+MASK = None  # a masked position in a denoising frame
+
+
+@dataclass
+class RowResult:
+    text: str
+    completion_tokens: int
+    finish_reason: str  # "stop" (EOS or a stop string) or "length"
+
+
+@dataclass
+class Job:
+    """One request: its rows (prompt ids per choice), settings, and where its events go.
+
+    `sink(kind, payload)` is called from the worker thread with ("delta", (row, text)),
+    ("frame", dict), ("done", (list[RowResult], counters)) or ("error", ApiError)."""
+
+    rows: list[list[int]]
+    settings: Settings
+    sink: Callable[[str, Any], None]
+    stream_text: bool = False
+    denoise: bool = False
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    enqueued_at: float = field(default_factory=time.monotonic)
+    key: str = ""
+    sent: list[str] = field(default_factory=list)
+    """Text already streamed per row."""
+
+
+class Cancelled(Exception):
+    """Every request of a running call has gone: the call stops at its next step."""
+
+
+def batch_key(settings: Settings) -> str:
+    """Requests with equal keys decode in one call."""
+    if settings.stochastic and settings.seed is not None:
+        return f"seeded:{secrets.token_hex(8)}"  # its own batch, its own generator
+    values = settings.cfg.model_dump(mode="json")
+    values.pop("seed")
+    return json.dumps(values, sort_keys=True)
+
+
+class Engine:
+    """Holds the model and the worker. `submit` is called from the server's event loop."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer: Any, special: SpecialIds, metrics: Metrics | None = None,
+                 *, max_batch: int = 8, max_wait_ms: float = 10.0, max_queue: int = 256) -> None:  # fmt: skip
+        self.model, self.tokenizer, self.special = model, tokenizer, special
+        self.max_batch, self.max_wait_s, self.max_queue = max_batch, max_wait_ms / 1000, max_queue
+        self.metrics = metrics or Metrics(lambda: len(self.queue))
+        self.queue: deque[Job] = deque()
+        self.cond = threading.Condition()
+        self.stopping = False
+        self.running = 0
+        """Rows in the sampler call under way (0: idle)."""
+        self.call_start_forwards = 0
+        self.device = next(model.parameters()).device
+        self._pieces: dict[int, str] = {}
+        self.forwards = 0
+        """Model calls so far (a forward hook: the denoising frames show the NFE of the call under way)."""
+        model.register_forward_hook(self._count_forward)
+        self.thread = threading.Thread(target=self._work, name="dllm-serve-engine", daemon=True)
+
+    def start(self) -> Engine:
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        with self.cond:
+            self.stopping = True
+            self.cond.notify_all()
+        self.thread.join(timeout=30)
+
+    def submit(self, job: Job) -> None:
+        """Queue a request; 429 when the queue is full."""
+        job.key = batch_key(job.settings)
+        job.sent = [""] * len(job.rows)
+        with self.cond:
+            if len(self.queue) >= self.max_queue:
+                raise ApiError(429, f"the server's queue is full ({self.max_queue} requests waiting); retry later",
+                               code="queue_full", kind="rate_limit_error")  # fmt: skip
+            self.queue.append(job)
+            self.cond.notify_all()
+
+    def _count_forward(self, *_: Any) -> None:
+        self.forwards += 1
+
+    def _work(self) -> None:
+        while True:
+            batch = self._take_batch()
+            if batch is None:
+                return
+            self.running = sum(len(j.rows) for j in batch)
+            try:
+                self._run(batch)
+            except Cancelled:
+                pass
+            except Exception as e:  # nothing a request does may stop the worker
+                err = ApiError(500, f"the sampler failed: {type(e).__name__}: {e}", kind="server_error")
+                for job in batch:
+                    job.sink("error", err)  # the app's sink never raises (a closed loop is ignored)
+            finally:
+                self.running = 0
+
+    def _take_batch(self) -> list[Job] | None:
+        """The oldest request and its compatible peers, once `max_batch` rows wait or the oldest has
+        waited `max_wait_ms`."""
+        with self.cond:
+            while True:
+                self._drop_cancelled()
+                if self.stopping:
+                    return None
+                if not self.queue:
+                    self.cond.wait()
+                    continue
+                first = self.queue[0]
+                rows = sum(len(j.rows) for j in self.queue if j.key == first.key)
+                wait = first.enqueued_at + self.max_wait_s - time.monotonic()
+                if rows >= self.max_batch or wait <= 0:
+                    break
+                self.cond.wait(wait)
+            batch, rows = [], 0
+            for job in list(self.queue):
+                if job.key == first.key and (not batch or rows + len(job.rows) <= self.max_batch):
+                    batch.append(job)
+                    rows += len(job.rows)
+            for job in batch:
+                self.queue.remove(job)
+            return batch
+
+    def _drop_cancelled(self) -> None:
+        for job in [j for j in self.queue if j.cancelled.is_set()]:
+            self.queue.remove(job)
+
+    def _run(self, batch: list[Job]) -> None:
+        settings = batch[0].settings
+        cfg = settings.cfg
+        prompts = [row for job in batch for row in job.rows]
+        seed = settings.seed if settings.seed is not None and batch[0].key.startswith("seeded:") else None
+        generator = torch.Generator(device=self.device).manual_seed(seed if seed is not None else secrets.randbits(63))
+        t0, self.call_start_forwards = time.perf_counter(), self.forwards
+        stop = stop_function(self.tokenizer, cfg.stop_strings)
+        result = generate(self.model, prompts, cfg, self.special, generator=generator,
+                          callback=self._callback(batch), stop=stop)  # fmt: skip
+        self.metrics.observe_batch(len(prompts), time.perf_counter() - t0, result.nfe)
+        counters = {**result.counters.as_dict(), "batch_rows": len(prompts)}
+        offset = 0
+        for job in batch:
+            self._finish(job, result, offset, counters)
+            offset += len(job.rows)
+
+    def _finish(self, job: Job, result: GenerationResult, offset: int, counters: dict) -> None:
+        """A job's last events: the final canvas (an early exit fills what was left with EOS), the text the
+        steps had not sent yet, and its results."""
+        n = len(job.rows)
+        if job.denoise:
+            canvas = result.canvas_BL[offset : offset + n].tolist()
+            self._frame(job, canvas, result.gen_start_B[offset:], 0, result.counters.steps, -1, last=True)
+        rows = [self._row_result(result, offset + i, job.settings) for i in range(n)]
+        self.metrics.inc("dllm_prompt_tokens_total", sum(len(r) for r in job.rows))
+        self.metrics.inc("dllm_generated_tokens_total", sum(r.completion_tokens for r in rows))
+        for i, r in enumerate(rows if job.stream_text else []):
+            if len(r.text) > len(job.sent[i]) and r.text.startswith(job.sent[i]):
+                job.sink("delta", (i, r.text[len(job.sent[i]) :]))
+        job.sink("done", (rows, counters))
+
+    def _callback(self, batch: list[Job]) -> Callable[[StepEvent], None]:
+        incremental = batch[0].settings.cfg.policy != "uniform"  # uniform: noise, not masks, until the end
+        watched = [j for j in batch if (j.stream_text and incremental) or j.denoise]
+        step = [0]
+
+        def on_step(event: StepEvent) -> None:
+            if all(j.cancelled.is_set() for j in batch):
+                raise Cancelled
+            step[0] += 1
+            if not watched:
+                return
+            canvas = event.canvas_BT.tolist()
+            offset = 0
+            for job in batch:
+                if job in watched and not job.cancelled.is_set():
+                    self._stream(job, canvas[offset : offset + len(job.rows)], event, offset, step[0])
+                offset += len(job.rows)
+
+        return on_step
+
+    def _stream(self, job: Job, rows: list[list[int]], event: StepEvent, offset: int, step: int) -> None:
+        s, mask_id = job.settings, self.special.mask_id
+        if job.denoise:
+            committed = int(event.committed_BT[offset : offset + len(rows)].sum())
+            self._frame(job, rows, event.gen_start_B[offset:], committed, step, event.block)
+        if job.stream_text and s.cfg.policy != "uniform":
+            gens = [row[g : g + s.max_tokens] for row, g in zip(rows, event.gen_start_B[offset:], strict=False)]
+            for i, ids in enumerate(gens):
+                decided = ids[: ids.index(mask_id)] if mask_id in ids else ids
+                self._send_text(job, i, decided, final=False)
+
+    def _frame(self, job: Job, rows: list[list[int]], gen_start: list[int], committed: int, step: int, block: int,
+               last: bool = False) -> None:  # fmt: skip
+        """The canvas of the job's rows (their first max_tokens positions), masks as MASK."""
+        n, mask_id = job.settings.max_tokens, self.special.mask_id
+        gens = [row[g : g + n] for row, g in zip(rows, gen_start, strict=False)]
+        frame = [[MASK if t == mask_id else self.piece(t) for t in ids] for ids in gens]
+        nfe = self.forwards - self.call_start_forwards
+        job.sink("frame", {"step": step, "block": block, "committed": committed, "rows": frame, "last": last,
+                           "nfe": nfe})  # fmt: skip
+
+    def _send_text(self, job: Job, i: int, ids: list[int], final: bool) -> None:
+        """Send the new text of row i: its decided ids, cut at EOS and stop strings; while not final,
+        hold back a partial character and what could still become a stop string."""
+        cfg = job.settings.cfg
+        eos = self.special.eos_id
+        ended = cfg.stop_at_eos and eos in ids
+        text = self.tokenizer.decode(ids[: ids.index(eos)] if ended else ids)
+        cut = cut_at_stop(text, cfg.stop_strings)
+        if not final and not ended and len(cut) == len(text):
+            text = text.rstrip("\ufffd")
+            hold = max((len(x) for x in cfg.stop_strings), default=1) - 1
+            cut = text[: len(text) - hold] if hold else text
+        sent = job.sent[i]
+        if len(cut) > len(sent) and cut.startswith(sent):
+            job.sent[i] = cut
+            job.sink("delta", (i, cut[len(sent) :]))
+
+    def _row_result(self, result: GenerationResult, b: int, s: Settings) -> RowResult:
+        """The text of row b cut at EOS, max_tokens and stop strings; its token count and why it ended."""
+        cfg = s.cfg
+        ids = result.sequences[b][: s.max_tokens]
+        g = result.gen_start_B[b]
+        raw = result.canvas_BL[b, g : g + s.max_tokens].tolist()
+        reason = "stop" if cfg.stop_at_eos and self.special.eos_id in raw else "length"
+        full = self.tokenizer.decode(ids)
+        text = cut_at_stop(full, cfg.stop_strings)
+        if len(text) < len(full):  # the tokens up to the one that completed the stop string
+            reason = "stop"
+            ids = next((ids[:k] for k in range(1, len(ids) + 1) if len(cut_at_stop(self.tokenizer.decode(ids[:k]),
+                        cfg.stop_strings)) < len(self.tokenizer.decode(ids[:k]))), ids)  # fmt: skip
+        return RowResult(text, len(ids), reason)
+
+    def piece(self, token: int) -> str:
+        """The text of one token, special tokens by name (cached: the frames decode every position)."""
+        if token not in self._pieces:
+            self._pieces[token] = self.tokenizer.decode([token], skip_special=False)
+        return self._pieces[token]
