@@ -14,7 +14,7 @@ import torch
 from dllm.config.model import ModelConfig
 from dllm.errors import ConfigError
 from dllm.models.transformer import Transformer
-from dllm.rl.grpo import group_advantages, grpo_loss, k3_kl, sequence_mean
+from dllm.rl.grpo import completion_mask, group_advantages, grpo_loss, k3_kl, sequence_mean
 from dllm.rl.logprob import diffu_grpo_logprobs
 
 V, MASK = 32, 31
@@ -61,9 +61,16 @@ def test_loss_and_stats_by_hand():
         grpo_loss(logp, old, None, adv, mask, clip_eps=0.2, beta=0.1)
 
 
+def test_completion_mask_stops_after_the_first_eos():
+    eos = 29
+    c = torch.tensor([[5, 6, 29, 29, 7], [5, 6, 7, 8, 9], [29, 1, 2, 29, 3]])
+    expected = [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]
+    assert completion_mask(c, eos).long().tolist() == expected
+
+
 PROMPT = torch.tensor([[1, 2, 3, 4], [1, 2, 3, 4], [5, 6, 7, 8], [5, 6, 7, 8]])
-COMPLETION = torch.tensor([[9, 10, 11], [12, 13, 14], [15, 16, 17], [18, 19, 29]])
-COMPLETION_MASK = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 1, 1], [1, 0, 0]])  # tokens after EOS not scored
+COMPLETION = torch.tensor([[9, 10, 11], [12, 29, 14], [15, 16, 17], [29, 19, 20]])  # 29: EOS
+COMPLETION_MASK = completion_mask(COMPLETION, 29)  # rows 1 and 3 end early
 
 
 def logp_of(model) -> torch.Tensor:
@@ -105,6 +112,7 @@ def test_beta_zero_one_inner_update_is_reinforce():
     adv = group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), 2)
     logp = logp_of(policy)
     out = grpo_loss(logp, logp.detach(), None, adv, COMPLETION_MASK, clip_eps=0.01, beta=0.0)
+    assert COMPLETION_MASK.long().tolist() == [[1, 1, 1], [1, 1, 0], [1, 1, 1], [1, 0, 0]]
     assert out.ratio_mean.item() == pytest.approx(1.0) and out.clip_fraction.item() == 0.0
     got = grads(policy, out.loss)
     reinforce = -sequence_mean(adv[:, None] * logp_of(policy), COMPLETION_MASK)

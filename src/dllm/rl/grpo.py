@@ -42,6 +42,13 @@ def group_advantages(rewards_B: torch.Tensor, group_size: int, eps: float = 1e-4
     return a_NG.reshape(-1).to(rewards_B.dtype if rewards_B.is_floating_point() else torch.float32)
 
 
+def completion_mask(completion_BC: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """bool [B, C]: the completion tokens that are scored, up to and including the first EOS (what follows
+    an EOS is padding the sampler filled in, not a choice of the policy)."""
+    is_eos = (completion_BC == eos_id).long()
+    return (is_eos.cumsum(-1) - is_eos) == 0
+
+
 @dataclass(frozen=True)
 class GRPOLoss:
     """The loss of one inner update and its statistics (detached, over completion tokens)."""
