@@ -117,3 +117,32 @@ def test_beta_zero_one_inner_update_is_reinforce():
     got = grads(policy, out.loss)
     reinforce = -sequence_mean(adv[:, None] * logp_of(policy), COMPLETION_MASK)
     assert_same_grads(got, grads(policy, reinforce))
+
+
+def test_inner_updates_move_probability_towards_the_better_completion():
+    """mu clipped updates on one group, each with its own prompt mask: pi_old of update k is the sampling
+    policy under update k's mask (computed before the updates), so the ratio compares like with like."""
+    policy = tiny(0)
+    prompt, completions = PROMPT[:2], torch.tensor([[9, 10, 11], [12, 13, 14]])
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    adv = group_advantages(torch.tensor([1.0, 0.0]), 2)
+    seeds = [11, 12, 13, 14]  # one prompt mask per inner update
+
+    def logp(seed: int, p_mask: float = 0.3) -> torch.Tensor:
+        return diffu_grpo_logprobs(policy, prompt, completions, MASK, p_mask, torch.Generator().manual_seed(seed))
+
+    with torch.no_grad():
+        old = [logp(s) for s in seeds]
+        ref = [logp(s) for s in seeds]  # the reference: the policy as it was at the start
+        before = logp(0, p_mask=0.0).sum(-1)
+    opt = torch.optim.SGD(policy.parameters(), lr=0.05)
+    for k, seed in enumerate(seeds):
+        out = grpo_loss(logp(seed), old[k], ref[k], adv, mask, clip_eps=0.2, beta=0.01)
+        if k == 0:
+            assert out.ratio_mean.item() == pytest.approx(1.0) and out.kl_mean.item() == pytest.approx(0.0)
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+    with torch.no_grad():
+        after = logp(0, p_mask=0.0).sum(-1)
+    assert after[0] - before[0] > 0 > after[1] - before[1]

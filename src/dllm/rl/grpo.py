@@ -10,6 +10,8 @@ generation round maximises
 
 rho_it = exp(logp_it - logp_old_it), and KL_it the k3 estimator of KL(pi || pi_ref) (Schulman 2020),
 exp(ref_it - logp_it) - (ref_it - logp_it) - 1: unbiased, non-negative, low variance. The loss is -J.
+With a fresh prompt mask per inner update (rl/logprob.py), logp_old and ref of update k are estimated
+under update k's mask too (before the first update), so each ratio compares one estimator with itself.
 
 Normalisation: per sequence (the mean over its completion tokens, `mask_BC`), then the mean over the
 sequences of the batch, as written in DeepSeekMath and d1. It weighs short and long completions alike
