@@ -42,6 +42,7 @@ from dllm.config.registries import (
     SOURCES,
     TOKENIZERS,
 )
+from dllm.config.rl import RewardConfig
 from dllm.config.sampler import SamplerConfig
 from dllm.config.training import SchedulerConfig
 from dllm.data.loader import Batch
@@ -112,6 +113,7 @@ CONFIG_LITERALS = {  # registry -> names its config accepts
     "LAYOUTS": lambda: literal_names(PrepareSpec, "layout"),
     "TOKENIZERS": lambda: literal_names(TokenizerConfig, "kind"),
     "LR_SCHEDULES": lambda: literal_names(SchedulerConfig, "name"),
+    "REWARDS": lambda: literal_names(RewardConfig, "name"),  # besides the registered names: user module:function
 }
 
 

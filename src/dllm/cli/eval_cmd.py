@@ -109,7 +109,7 @@ def tasks(
     checkpoint: Path = typer.Option(None, "--checkpoint", help="One checkpoint folder."),
     model: Path = typer.Option(None, "--model", help="A Hugging Face or `dllm convert` model folder."),
     task_names: str = typer.Option(
-        ..., "--tasks", help="Comma-separated: addition, addition3, copy, pattern, FILE.jsonl."
+        ..., "--tasks", help="Comma-separated: addition, addition3, copy, pattern, countdown, sudoku4, FILE.jsonl."
     ),
     sampler_config: Path = SAMPLER_CONFIG_OPTION,
     overrides: list[str] = SET_OPTION,

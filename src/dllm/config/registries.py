@@ -137,6 +137,17 @@ LR_SCHEDULES = Registry(
     {"cosine": "lr:cosine_decay", "linear": "lr:linear_decay", "constant": "lr:constant"},
 )
 
+# -- rl -------------------------------------------------------------------------------------------------
+REWARDS = Registry(
+    "reward",
+    "rl",
+    {
+        "exact_answer": "rewards:ExactAnswer",
+        "format": "rewards:FormatMatch",
+        "length_penalty": "rewards:LengthPenalty",
+    },
+)
+
 ALL: dict[str, Registry] = {
     "OBJECTIVES": OBJECTIVES,
     "SCHEDULES": SCHEDULES,
@@ -151,4 +162,5 @@ ALL: dict[str, Registry] = {
     "NORMS": NORMS,
     "ACTIVATIONS": ACTIVATIONS,
     "LR_SCHEDULES": LR_SCHEDULES,
+    "REWARDS": REWARDS,
 }

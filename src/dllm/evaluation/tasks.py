@@ -4,11 +4,14 @@ Built-in tasks are generated from a seed, so every run scores the same examples:
 - `addition`: "a + b =" -> " a+b" with operands 0..19 (the format `dllm init` / `make demo` trains on);
 - `addition3`: the same with three-digit operands (multi-digit carries);
 - `copy`: "copy: <word> ->" -> " <word>" (random lowercase words of 4-8 letters);
-- `pattern`: a cycle of 2-3 words shown twice and cut, "-> " the next three words.
+- `pattern`: a cycle of 2-3 words shown twice and cut, "-> " the next three words;
+- `countdown`, `sudoku4`: puzzles with many right answers or rule-checked ones (evaluation/puzzles.py),
+  each example carrying its exact verifier.
 A user task is a JSONL file of {"prompt": ..., "answer": ...} records.
 
 An output is right when the generated text, cut at the first stop string (a newline by default) and
-EOS, equals the answer after stripping surrounding whitespace on both.
+EOS, equals the answer after stripping surrounding whitespace on both, or, for an example with a
+verifier, when the verifier accepts it.
 """
 
 from __future__ import annotations
@@ -18,10 +21,12 @@ import string
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from dllm.errors import DataError
+from dllm.evaluation import puzzles
 
 WORDS = ("red", "blue", "green", "cat", "dog", "sun", "moon", "tree", "fish", "star", "rain", "snow")
 
@@ -30,6 +35,14 @@ WORDS = ("red", "blue", "green", "cat", "dog", "sun", "moon", "tree", "fish", "s
 class Example:
     prompt: str
     answer: str
+    """The reference answer (one right answer when the example has a verifier)."""
+    verify: Callable[[str], bool] | None = field(default=None, compare=False, repr=False)
+    """Exact check of an output (cut at the stop strings) for answers that are not one string; None:
+    the output must equal `answer` (after stripping)."""
+
+    def correct(self, output: str) -> bool:
+        """Whether `output` (cut at the task's stop strings) answers this example."""
+        return self.verify(output) if self.verify is not None else is_correct(output, self.answer)
 
 
 @dataclass(frozen=True)
@@ -58,11 +71,23 @@ def _pattern(rng: random.Random) -> Example:
     return Example(" ".join(shown) + " ->", " " + " ".join(nxt))
 
 
+def _countdown(rng: random.Random) -> Example:
+    prompt, answer, numbers, target = puzzles.make_countdown(rng)
+    return Example(prompt, answer, partial(puzzles.countdown_correct, numbers=numbers, target=target))
+
+
+def _sudoku4(rng: random.Random) -> Example:
+    prompt, answer, puzzle = puzzles.make_sudoku4(rng)
+    return Example(prompt, answer, partial(puzzles.sudoku4_correct, puzzle=puzzle))
+
+
 BUILTIN: dict[str, tuple[Callable[[random.Random], Example], int]] = {
     "addition": (lambda r: _addition(r, 19), 8),
     "addition3": (lambda r: _addition(r, 999), 8),
     "copy": (_copy, 16),
     "pattern": (_pattern, 24),
+    "countdown": (_countdown, 16),
+    "sudoku4": (_sudoku4, 24),
 }
 
 
@@ -93,6 +118,13 @@ def load_task(name_or_path: str, limit: int, seed: int = 0) -> Task:
 
 def is_correct(output: str, answer: str) -> bool:
     return output.strip() == answer.strip()
+
+
+def extract_answer(task: Task, text: str) -> str:
+    """The answer part of a generated text: before the first of the task's stop strings."""
+    from dllm.sampling.stops import cut_at_stop
+
+    return cut_at_stop(text, list(task.stop_strings))
 
 
 @dataclass
@@ -128,7 +160,7 @@ def run_task(
         committed += counters.tokens_committed
         calls += 1
         for ex, out in zip(chunk, texts, strict=True):
-            ok = is_correct(out, ex.answer)
+            ok = ex.correct(out)
             right += ok
             outputs.append({"task": task.name, "prompt": ex.prompt, "answer": ex.answer, "output": out, "correct": ok})
     wall = time.perf_counter() - t0
