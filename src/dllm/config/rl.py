@@ -14,8 +14,9 @@ from typing import Annotated, Literal
 
 from pydantic import Field, StringConstraints, ValidationError, field_validator, model_validator
 
-from dllm.config.base import Section
+from dllm.config.base import RelPath, Section
 from dllm.config.registries import REWARDS
+from dllm.config.sampler import SamplerConfig
 
 USER_REWARD = r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*"
 """`package.module:function`: a user reward, imported by exactly that name."""
@@ -51,7 +52,8 @@ class RewardConfig(Section):
     @model_validator(mode="after")
     def _params_fit_the_reward(self) -> RewardConfig:
         for param, owner in _PARAMS.items():
-            if param in self.model_fields_set and self.name != owner:
+            # a value other than the default, not "set": the resolved config (config.yaml) spells out every field
+            if getattr(self, param) != type(self).model_fields[param].default and self.name != owner:
                 raise ValueError(f"{param} applies to reward {owner} only, not {self.name}")
         if self.name == "format":
             if self.pattern is None:
@@ -63,6 +65,30 @@ class RewardConfig(Section):
         if self.name == "length_penalty" and self.target_tokens is None:
             raise ValueError("reward length_penalty needs target_tokens")
         return self
+
+
+class PromptsConfig(Section):
+    """Where the prompts of the rollouts come from: a built-in generated task or a JSONL file of
+    {"prompt": ..., "answer": ...} records (a prepared prompts artifact is a later route)."""
+
+    task: str | None = None
+    """A built-in generated task with exact answers (addition, addition3, copy, pattern, countdown, sudoku4)."""
+    path: RelPath | None = None
+    """A JSONL file of {"prompt": "...", "answer": "..."} records (instead of task)."""
+    num_prompts: int = Field(default=512, gt=0)
+    """Prompts generated from the task (or read from the file, at most); each round draws from them."""
+    seed: int = 0
+    """Seed of the generated task's examples (use another seed than the held-out evaluation's)."""
+
+    @model_validator(mode="after")
+    def _one_source(self) -> PromptsConfig:
+        if (self.task is None) == (self.path is None):
+            raise ValueError("give exactly one of task (a built-in task name) or path (a JSONL of prompt/answer)")
+        return self
+
+
+def _rollout_sampler() -> SamplerConfig:
+    return SamplerConfig(temperature=1.0)
 
 
 class RLConfig(Section):
@@ -80,3 +106,7 @@ class RLConfig(Section):
     """Weight of the KL penalty to the reference policy (k3 estimator; DeepSeekMath: 0.04); 0 needs no reference."""
     inner_updates: int = Field(default=12, ge=1)
     """mu: gradient updates per generation round on the same completions (d1: 12)."""
+    prompts: PromptsConfig | None = None
+    """The prompts and reference answers the policy is rewarded on (required)."""
+    sampler: SamplerConfig = Field(default_factory=_rollout_sampler)
+    """How rollouts are decoded (any sampler the decode profile allows; temperature > 0 gives a group variety)."""

@@ -21,7 +21,7 @@ def check_objective(spec: RunSpec) -> None:
     """Objective x model x data combinations that cannot work, with the reason."""
     obj, model = spec.objective, spec.model
     if OBJECTIVES.has(obj.name, "block"):
-        if spec.data.seq_len % obj.block_size:
+        if spec.data is not None and spec.data.seq_len % obj.block_size:
             raise ConfigError(
                 f"objective.block_size: {obj.block_size} does not divide data.seq_len {spec.data.seq_len}; "
                 "block diffusion needs whole blocks"
@@ -130,7 +130,8 @@ def check_tensor_parallel(spec: RunSpec) -> None:
     if topo.sequence_parallel:
         if not model.final_norm:
             raise ConfigError("topology.sequence_parallel: needs a model with a final norm (model.final_norm: true)")
-        rows = spec.data.seq_len * (2 if OBJECTIVES.has(spec.objective.name, "block") else 1)
+        seq_len = spec.data.seq_len if spec.data is not None else model.max_seq_len
+        rows = seq_len * (2 if OBJECTIVES.has(spec.objective.name, "block") else 1)
         if topo.context.mode == "none" and rows % tp:
             raise ConfigError(
                 f"topology.sequence_parallel: the model input's {rows} rows are not divisible by tp_size {tp}; "
@@ -198,3 +199,45 @@ def check_context(spec: RunSpec) -> None:
             f"objective.self_condition_prob: self-conditioning runs a second model pass, which context "
             f"parallelism (topology.context.mode {mode}) does not shard; set it to 0 or mode: none"
         )
+
+
+def check_rl(spec: RunSpec) -> None:
+    """An rl run (diffu-GRPO, training/grpo.py) vs the rest of the spec; before any generation."""
+    rl, tr, obj = spec.rl, spec.training, spec.objective
+    if rl is None:
+        return
+    if rl.prompts is None:
+        raise ConfigError(
+            "rl.prompts: an rl run needs prompts with reference answers; set rl.prompts.task "
+            "(a built-in task such as addition) or rl.prompts.path (a JSONL of prompt/answer)"
+        )
+    if rl.group_size < 2:  # RLConfig refuses it too; kept here for specs built without validation
+        raise ConfigError(f"rl.group_size: GRPO compares completions within a group; needs >= 2, got {rl.group_size}")
+    if spec.data is not None:
+        raise ConfigError("data: an rl run generates its own batches from rl.prompts; remove the data section")
+    if obj.name != "mdlm":
+        raise ConfigError(
+            f"objective.name: rl estimates log-probs of masked (bidirectional) diffusion models; {obj.name} is "
+            "not supported yet: use mdlm (the objective the policy was trained with)"
+        )
+    if tr.global_batch_size % rl.group_size:
+        raise ConfigError(
+            f"training.global_batch_size: {tr.global_batch_size} completions per round is not a multiple of "
+            f"rl.group_size {rl.group_size} (completions per prompt)"
+        )
+    if tr.steps % rl.inner_updates:
+        raise ConfigError(
+            f"training.steps: {tr.steps} optimizer steps is not a multiple of rl.inner_updates {rl.inner_updates} "
+            "(steps = rounds x inner_updates)"
+        )
+    every = spec.checkpointing.every_steps
+    if every is not None and every % rl.inner_updates:
+        raise ConfigError(
+            f"checkpointing.every_steps: {every} must be a multiple of rl.inner_updates {rl.inner_updates} "
+            "(checkpoints are written between generation rounds)"
+        )
+    topo = spec.topology
+    if topo.world_size > 1 or topo.context.mode != "none" or topo.tp_size > 1:
+        raise ConfigError("topology: rl runs in one process for now; set nproc_per_node: 1, nnodes: 1")
+    if spec.training.autocast_dtype != "float32":
+        raise ConfigError("training.autocast_dtype: rl trains in float32 for now; set it to float32")

@@ -17,6 +17,7 @@ from dllm.config.data import DataConfig, TokenizerConfig
 from dllm.config.model import LoraConfig, ModelConfig
 from dllm.config.objectives import MDLMConfig, ObjectiveConfig
 from dllm.config.observability import ProfilingConfig
+from dllm.config.rl import RLConfig
 from dllm.config.training import (
     CheckpointingConfig,
     LoggingConfig,
@@ -53,8 +54,8 @@ class RunSpec(Section):
     """Network architecture."""
     tokenizer: TokenizerConfig = TokenizerConfig()
     """Tokenizer (must match the one that prepared the data)."""
-    data: DataConfig
-    """Prepared training data."""
+    data: DataConfig | None = None
+    """Prepared training data (required, except for an rl run, which generates its own batches)."""
     objective: ObjectiveConfig = Field(default_factory=MDLMConfig)
     """Training objective: mdlm, bd3lm, fast_dllm_v2, uniform or ar (`name`)."""
     training: TrainingConfig
@@ -73,3 +74,11 @@ class RunSpec(Section):
     """LoRA adapters; null trains every parameter."""
     profiling: ProfilingConfig | None = None
     """A torch.profiler trace of a few steps in the run folder; null: no profiling."""
+    rl: RLConfig | None = None
+    """Reinforcement learning (diffu-GRPO) on generated completions instead of prepared data; null: off."""
+
+    @model_validator(mode="after")
+    def _data_or_rl(self) -> RunSpec:
+        if self.data is None and self.rl is None:
+            raise ValueError("data: required (the prepared training data: path and seq_len)")
+        return self

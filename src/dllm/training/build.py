@@ -8,7 +8,7 @@ data-parallel index) -> CheckpointManager (resume when a checkpoint exists).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -35,6 +35,9 @@ from dllm.training.needs import resolve_compile
 from dllm.training.optim import build_optimizer
 from dllm.training.profiler import StepProfiler
 from dllm.training.trainer import Trainer
+
+if TYPE_CHECKING:
+    from dllm.training.grpo import GRPOTrainer
 
 
 def token_ids(tok: Tokenizer) -> TokenIds:
@@ -99,9 +102,11 @@ def _profiler(spec: RunSpec, run_dir: Path, device: torch.device, env: DistEnv) 
     return StepProfiler(spec.profiling, run_dir / "profile", device, env.rank, announce=env.is_main)
 
 
-def build_trainer(spec: RunSpec, run_dir: Path, env: DistEnv | None = None) -> Trainer:
+def build_trainer(spec: RunSpec, run_dir: Path, env: DistEnv | None = None) -> Trainer | GRPOTrainer:
     """Everything a run needs, resumed from the newest checkpoint when `checkpointing.resume: auto`."""
     env = env or DistEnv.from_environ()
+    if spec.rl is not None:
+        return build_grpo_trainer(spec, run_dir, env)
     check_topology(spec, env.world_size)  # a worker started by hand with another world size
     device = pick_device(spec.training.device, env)
     # the preflight resolved training.compile: auto already; a spec built without it resolves here
@@ -109,6 +114,7 @@ def build_trainer(spec: RunSpec, run_dir: Path, env: DistEnv | None = None) -> T
     spec = spec.model_copy(update={"training": spec.training.model_copy(update={"compile": compile})})
     init_process_group(env, spec.topology, device)
     tok = build_tokenizer(spec.tokenizer)
+    assert spec.data is not None  # RunSpec: data or rl
     artifact = open_artifact(spec.data.path)
     check_layout(artifact)  # a worker started without the preflight; the loader checks the values it reads
     dims = ParallelDims.from_topology(spec.topology, env.world_size)
@@ -147,6 +153,58 @@ def build_trainer(spec: RunSpec, run_dir: Path, env: DistEnv | None = None) -> T
         plan=plan,
         flops=FlopsMeter(spec.model, peak_flops(device), env.world_size),
         profiler=None if spec.profiling is None else _profiler(spec, run_dir, device, env),
+    )
+    latest = trainer.checkpoints.latest() if spec.checkpointing.resume == "auto" else None
+    if latest is not None:
+        trainer.resume(latest)
+    return trainer
+
+
+def build_grpo_trainer(spec: RunSpec, run_dir: Path, env: DistEnv) -> GRPOTrainer:
+    """An rl run (training/grpo.py): the policy, a frozen copy of its initial weights as the reference
+    (none when rl.beta is 0), the prompts, the rewards and the rollout sampler resolved against the
+    run's decode profile. One process, uncompiled (config/rules.py check_rl)."""
+    import copy
+
+    from dllm.config.sampler import resolve_sampler
+    from dllm.rl.prompts import load_prompts
+    from dllm.rl.rewards import Rewards
+    from dllm.sampling.generate import SpecialIds
+    from dllm.training.grpo import GRPOTrainer, Policy
+
+    rl = spec.rl
+    assert rl is not None and rl.prompts is not None  # check_rl
+    check_topology(spec, env.world_size)
+    device = pick_device(spec.training.device, env)
+    spec = spec.model_copy(update={"training": spec.training.model_copy(update={"compile": False})})
+    init_process_group(env, spec.topology, device)
+    tok = build_tokenizer(spec.tokenizer)
+    dims = ParallelDims.from_topology(spec.topology, env.world_size)
+    model = build_model(spec, device, env, dims, None)
+    reference = None
+    if rl.beta > 0:
+        reference = copy.deepcopy(unwrap(model)).requires_grad_(False).eval()
+    profile = derive_profile(spec.objective, spec.model, tok)
+    sampler = resolve_sampler(rl.sampler, profile)
+    task = load_prompts(rl.prompts)
+    identity: dict[str, Any] = {"tokenizer": tok.identity(), "prompts": task.name}
+    tr = spec.training
+    trainer = GRPOTrainer(
+        model=model,
+        reference=reference,
+        optimizer=build_optimizer(model, spec.optimizer),
+        lr_schedule=LRSchedule(spec.scheduler, spec.optimizer.lr, tr.steps),
+        checkpoints=CheckpointManager(run_dir / "checkpoints", spec.checkpointing, env, profile),
+        metrics=MetricsLogger(run_dir, spec.logging, enabled=env.is_main),
+        cfg=tr,
+        rl=rl,
+        log_cfg=spec.logging,
+        env=env,
+        device=device,
+        identity=identity,
+        task=task,
+        rewards=Rewards(rl.rewards),
+        policy=Policy(tok, SpecialIds.of(profile), sampler, sampler.shift == "on"),
     )
     latest = trainer.checkpoints.latest() if spec.checkpointing.resume == "auto" else None
     if latest is not None:

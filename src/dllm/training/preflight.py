@@ -17,7 +17,7 @@ import torch
 
 from dllm.attention.backends.auto import resolve_backend
 from dllm.config.model import ModelConfig
-from dllm.config.rules import check_objective, check_topology, round_up
+from dllm.config.rules import check_objective, check_rl, check_topology, round_up
 from dllm.config.spec import RunSpec
 from dllm.data.artifact import check_layout, check_values, open_artifact
 from dllm.errors import ConfigError, DataError
@@ -59,14 +59,17 @@ def resolve_run_spec(
     backend = spec.model.attention_backend
     if not spec.model.flex_compile and backend in ("sdpa", "blockwise"):
         warnings.append(f"model.flex_compile: false has no effect with attention_backend {backend}")
-    if spec.data.seq_len > spec.model.max_seq_len:
+    check_rl(spec)  # before the model section's sizes: an rl run has no data section
+    if spec.rl is not None:
+        warnings += _check_rl(spec, tok)
+    if spec.data is not None and spec.data.seq_len > spec.model.max_seq_len:
         raise ConfigError(
             f"data.seq_len: {spec.data.seq_len} exceeds model.max_seq_len {spec.model.max_seq_len}; raise max_seq_len"
         )
     check_objective(spec)
     if spec.lora is not None:
         _check_lora(spec)
-    if check_data:
+    if check_data and spec.data is not None:
         _check_artifact(spec, tok.identity())
     if spec.topology.world_size == 1 and spec.topology.backend != "auto":
         warnings.append(f"topology.backend {spec.topology.backend} has no effect with one process")
@@ -110,6 +113,29 @@ def _resolve_pretrained(spec: RunSpec, tok_vocab: int) -> tuple[ModelConfig, lis
             "(new rows start at the mean embedding)"
         )
     return model, warnings
+
+
+def _check_rl(spec: RunSpec, tok) -> list[str]:
+    """The rewards import, the prompts load with their answers, and prompt + completion fit the model:
+    every rl input mistake is a ConfigError here, before any generation. Returns warnings."""
+    from dllm.rl.prompts import load_prompts
+    from dllm.rl.rewards import Rewards
+
+    rl = spec.rl
+    assert rl is not None and rl.prompts is not None  # check_rl
+    Rewards(rl.rewards)
+    task = load_prompts(rl.prompts)
+    longest = max(len(tok.encode(e.prompt)) for e in task.examples)
+    if longest + rl.sampler.gen_length > spec.model.max_seq_len:
+        raise ConfigError(
+            f"rl.sampler.gen_length: the longest prompt ({longest} tokens) + {rl.sampler.gen_length} generated "
+            f"tokens exceed model.max_seq_len {spec.model.max_seq_len}; lower gen_length or raise max_seq_len"
+        )
+    warnings = []
+    if rl.sampler.temperature == 0 and rl.sampler.policy not in ("random", "ancestral", "first_hitting"):
+        warnings.append("rl.sampler.temperature: 0 decodes the G completions of a prompt alike (greedy), so their "
+                        "advantages are all 0; use a temperature > 0")  # fmt: skip
+    return warnings
 
 
 def _check_context(spec: RunSpec) -> list[str]:

@@ -60,6 +60,9 @@ class Progress:
             info += f"  {format_flops(perf['flops_per_s'])}/s"
         if perf and "mfu" in perf:
             info += f"  MFU {100 * perf['mfu']:.1f}%"
+        if perf and "reward_mean" in perf:  # an rl round (training/grpo.py)
+            info += f"  reward {perf['reward_mean']:.3f}±{perf['reward_std']:.3f}  acc {100 * perf['accuracy']:.0f}%"
+            info += f"  kl {perf['kl']:.4f}  clip {perf['clip_fraction']:.3f}  len {perf['completion_len']:.1f}"
         if self.mode == "bar":
             self._bar.update(self._task, completed=step, info=info)
         elif self.mode == "lines" and (warm_up or step % self.every == 0 or step == self.total):
