@@ -1,0 +1,122 @@
+"""The diffu-GRPO training loop (training/grpo.py) on a tiny random model, one process on a CPU."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from dllm.checkpoint.manager import latest_checkpoint, read_trainer_state
+from dllm.cli import main as cli_main
+from dllm.rl.logprob import completion_logprobs
+from dllm.training import grpo as grpo_mod
+from dllm.training.build import build_trainer
+from dllm.training.metrics import read_metrics
+from dllm.training.preflight import resolve_run_spec
+from dllm.training.run import prepare_run_dir, train_from_run_dir
+from tests.helpers import load_spec, write_yaml
+
+# a user reward with a spread on a random model (exact answers are all wrong there): distinct characters
+USER_REWARD = "def variety(sample):\n    return len(set(sample.completion)) / 8\n"
+
+
+def _rl_yaml(folder: Path, **rl: Any) -> Path:
+    values = {
+        "run": {"name": "grpo", "output_dir": str(folder / "runs")},
+        "model": {"preset": "tiny"},
+        "training": {"steps": 4, "global_batch_size": 8, "micro_batch_size": 4, "grad_clip": None},
+        "logging": {"every_steps": 1, "progress": "off", "tensorboard": "off"},
+        "rl": {
+            "rewards": [{"name": "exact_answer"}, {"name": "rl_user_reward:variety", "weight": 0.5}],
+            "group_size": 4,
+            "inner_updates": 2,
+            "prompts": {"task": "addition", "num_prompts": 16, "seed": 1},
+            "sampler": {"gen_length": 8, "temperature": 1.0},
+            **rl,
+        },
+    }
+    return write_yaml(folder / "train.yaml", values)
+
+
+@pytest.fixture
+def user_reward(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "rl_user_reward.py").write_text(USER_REWARD, encoding="utf-8")
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+
+def test_two_rounds_write_the_rl_metrics_and_a_checkpoint_with_the_generator(tmp_path: Path, user_reward):
+    spec, warnings = resolve_run_spec(load_spec(_rl_yaml(tmp_path)))
+    assert warnings == []
+    run_dir = prepare_run_dir(spec)
+    losses = train_from_run_dir(run_dir)
+    assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
+    records = read_metrics(run_dir)
+    assert [r["step"] for r in records] == [2, 4] and [r["round"] for r in records] == [1, 2]
+    for r in records:
+        assert 0.0 <= r["accuracy"] <= 1.0 and 0 < r["completion_len"] <= 8
+        assert r["reward_std"] > 0, "the user reward spreads the group"
+        assert r["reward_mean"] == pytest.approx(r["reward_exact_answer"] + 0.5 * r["reward_rl_user_reward:variety"])
+        assert 0.0 <= r["clip_fraction"] <= 1.0 and r["kl"] >= 0.0 and r["grad_norm"] > 0
+    state = read_trainer_state(latest_checkpoint(run_dir / "checkpoints"))
+    assert state["step"] == 4 and len(state["generator"]) > 0
+
+
+def test_one_update_with_beta_0_is_a_reinforce_step(tmp_path: Path, user_reward, monkeypatch):
+    """mu = 1, beta = 0: the ratio is 1 and the gradient is REINFORCE with the group mean as baseline,
+    -1/B sum_b A_b * mean_t grad log p(o_bt), assembled here from the recorded rollouts and prompt mask."""
+    spec, _ = resolve_run_spec(load_spec(_rl_yaml(tmp_path, beta=0.0, inner_updates=1), "training.steps=1"))
+    trainer = build_trainer(spec, prepare_run_dir(spec))
+    assert trainer.reference is None
+    model0 = copy.deepcopy(trainer.model)
+    seen: dict[str, Any] = {}
+    real_rollout, real_mask = grpo_mod.rollout, trainer._mask_prompts
+    monkeypatch.setattr(grpo_mod, "rollout", lambda *a, **k: seen.setdefault("ro", real_rollout(*a, **k)))
+    monkeypatch.setattr(trainer, "_mask_prompts", lambda ro: seen.setdefault("noisy", real_mask(ro)))
+    grads: dict[str, torch.Tensor] = {}
+    real_step = trainer.optimizer.step
+
+    def step(*a, **k):
+        grads.update({n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None})
+        return real_step(*a, **k)
+
+    monkeypatch.setattr(trainer.optimizer, "step", step)
+    trainer.run_round()
+    ro, noisy = seen["ro"], seen["noisy"]
+    r_NG = ro.rewards_B.double().reshape(-1, 4)
+    adv_B = ((r_NG - r_NG.mean(1, keepdim=True)) / (r_NG.std(1, keepdim=True) + 1e-4)).reshape(-1).float()
+    assert adv_B.abs().sum() > 0
+    logp_BC = completion_logprobs(model0, noisy, ro.completion_BC, trainer.policy.special.mask_id,
+                                  prompt_valid_BP=ro.prompt_valid_BP)  # fmt: skip
+    m = ro.mask_BC.float()
+    loss = -(adv_B * (logp_BC * m).sum(1) / m.sum(1).clamp_min(1)).mean()
+    loss.backward()
+    expected = {n: p.grad for n, p in model0.named_parameters() if p.grad is not None}
+    assert expected.keys() == grads.keys()
+    for name, g in expected.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize(
+    ("rl", "message"),
+    [
+        ({"prompts": None}, "rl.prompts: an rl run needs prompts with reference answers"),
+        ({"group_size": 1}, "rl.group_size"),
+        ({"rewards": [{"name": "no_such_module_xyz:score"}]}, "rl.rewards.0.name: cannot import module"),
+        ({"prompts": {"path": "prompts.jsonl"}}, 'prompts.jsonl:1: expected {"prompt": "...", "answer": "..."}'),
+        ({"prompts": {"task": "nope"}}, "rl.prompts.task: unknown task 'nope'"),
+    ],
+)
+def test_bad_rl_input_is_one_line_through_launch_before_any_generation(
+    tmp_path: Path, capsys, monkeypatch, rl: dict, message: str
+):
+    (tmp_path / "prompts.jsonl").write_text(json.dumps({"prompt": "1 + 1 ="}) + "\n", encoding="utf-8")
+    monkeypatch.setattr(grpo_mod, "rollout", lambda *a, **k: pytest.fail("generated before the error"))
+    train_yaml = _rl_yaml(tmp_path, **rl)
+    assert cli_main.main(["launch", "--config", str(train_yaml)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dllm: error: ") and message in err and err.count("\n") == 1, err
+    assert not (tmp_path / "runs").exists()
