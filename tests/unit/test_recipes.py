@@ -7,6 +7,7 @@ from importlib import resources
 from pathlib import Path
 
 import pytest
+import torch
 import typer
 
 from dllm.cli import main as cli_main
@@ -56,7 +57,7 @@ def test_index_matches_the_recipe_folders():
     assert len(set(RECIPES)) == len(RECIPES)
     for name in RECIPES:
         assert all((package / name / f).is_file() for f in CONFIG_FILES)
-    smoke = {"mdlm", "sft", "bd3lm", "fast-dllm-v2", "uniform", "a2d-mdlm", "a2d-bd3lm", "ar"}
+    smoke = {"mdlm", "sft", "bd3lm", "fast-dllm-v2", "uniform", "a2d-mdlm", "a2d-bd3lm", "ar", "grpo"}
     templates = {"qwen3-0.6b-bd3lm", "llada-8b-sft", "qwen2.5-fast-dllm-v2", "mdlm-small-pretrain"}
     assert {f"{s}-smoke" for s in smoke} <= set(SMOKE)
     assert templates <= set(RECIPES) - set(SMOKE)
@@ -68,7 +69,10 @@ def test_recipe_configs_validate_and_agree(name: str, tmp_path: Path):
     spec, prep = _write_configs(name, tmp_path)
     assert spec.objective.name == INFO[name].objective
     assert spec.tokenizer == prep.tokenizer, "train.yaml must use the tokenizer that prepared the data"
-    assert spec.data.path == prep.output and spec.data.seq_len == prep.seq_len
+    if spec.rl is not None:  # an rl run generates its batches from rl.prompts
+        assert spec.data is None and spec.rl.prompts is not None and INFO[name].after is not None
+    else:
+        assert spec.data.path == prep.output and spec.data.seq_len == prep.seq_len
     check_topology(spec, spec.topology.world_size)
     block = getattr(spec.objective, "block_size", None)
     if block is not None:
@@ -77,8 +81,35 @@ def test_recipe_configs_validate_and_agree(name: str, tmp_path: Path):
     assert spec.run.name == name
 
 
+def _start_model(name: str, tmp_path: Path, train: bool = False) -> None:
+    """What a recipe with `after` reads: the sibling recipe's folder, prepared (trained too when `train`),
+    and for an rl recipe the model exported into it (random tiny weights when not trained: enough to resolve)."""
+    from dllm.training.run import prepare_run_dir, train_from_run_dir
+
+    after = INFO[name].after
+    if after is None:
+        return
+    after_spec = _copy_and_prepare(after, tmp_path / after)
+    run_dir = prepare_run_dir(after_spec)
+    if "\nrl:" not in recipe_files(name)["train.yaml"]:
+        return
+    if train:
+        from dllm.cli.convert_cmd import _export
+
+        train_from_run_dir(run_dir)
+        _export(tmp_path / after / "model", run_dir, None, None)
+        return
+    from dllm.models import Transformer
+    from dllm.models.hf_io import export_hf
+
+    model = Transformer(after_spec.model)
+    model.init_weights(torch.Generator().manual_seed(0))
+    export_hf(model.state_dict(), after_spec.model, tmp_path / after / "model")
+
+
 @pytest.mark.parametrize("name", SMOKE)
 def test_smoke_recipe_copies_prepares_and_resolves(name: str, tmp_path: Path):
+    _start_model(name, tmp_path)
     spec = _copy_and_prepare(name, tmp_path / name)
     assert spec.training.device == "auto" and spec.topology.world_size == 1
     if INFO[name].ar_model:
@@ -187,10 +218,14 @@ def test_smoke_recipe_trains_in_a_minute(name: str, tmp_path: Path):
     """Copy, prepare and train with the recipe's own settings: the loss falls, in under 60 s on a CPU."""
     from dllm.training.run import prepare_run_dir, train_from_run_dir
 
+    _start_model(name, tmp_path, train=True)  # not timed
     t0 = time.perf_counter()
     spec = _copy_and_prepare(name, tmp_path / name)
     losses = train_from_run_dir(prepare_run_dir(spec))
     elapsed_s = time.perf_counter() - t0
+    if spec.rl is not None:  # one loss per round, near 0 by construction (advantages have mean 0 per group)
+        assert len(losses) == spec.training.steps // spec.rl.inner_updates and elapsed_s < 120
+        return
     assert len(losses) == spec.training.steps
     first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
     assert last < 0.8 * first, f"{name}: loss {first:.3f} -> {last:.3f}"
