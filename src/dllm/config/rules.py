@@ -39,6 +39,10 @@ def check_objective(spec: RunSpec) -> None:
         raise ConfigError(
             f"model.shift_logits: {obj.name} shifts predictions itself (hidden i-1 predicts i); set it false"
         )
+    if obj.name == "edit_flow" and not model.edit_head:
+        raise ConfigError("objective.name: edit_flow trains edit rates; set model.edit_head: true")
+    if obj.name == "edit_flow" and model.shift_logits:
+        raise ConfigError("model.shift_logits: edit_flow reads each position's own state; set it to false")
     if obj.name == "uniform" and model.shift_logits:
         raise ConfigError("model.shift_logits: the uniform objective predicts x0 in place; set it to false")
 
