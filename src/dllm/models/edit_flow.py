@@ -26,6 +26,18 @@ INSERT, DELETE, SUBSTITUTE = 0, 1, 2
 """Index of each edit kind in the last dimension of the rates."""
 
 
+def edit_token_log_probs(head, features_NE: torch.Tensor, num_tokens: int, anchor_id: int) -> torch.Tensor:
+    """log Q [N, V] (what to insert / substitute) through the shared output `head` (ModelOutput.head):
+    the anchor id (the sequence-start token, never produced) and ids past `num_tokens` get probability 0."""
+    feats, weight_VE, bias_V = head(features_NE)
+    logits_NV = F.linear(feats, weight_VE, bias_V)
+    if logits_NV.dtype in (torch.bfloat16, torch.float16):
+        logits_NV = logits_NV.float()
+    banned_V = torch.arange(logits_NV.shape[-1], device=logits_NV.device) >= num_tokens
+    banned_V[anchor_id] = True
+    return logits_NV.masked_fill(banned_V, float("-inf")).log_softmax(-1)
+
+
 class EditHead(nn.Module):
     """hidden [..., E] -> (rates [..., 3] >= 0: insert-after, delete, substitute; insertion features [..., E])."""
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from dllm.attention.masks import AttentionMask
 from dllm.config.objectives import EditFlowConfig
@@ -42,7 +41,7 @@ from dllm.data.loader import Batch
 from dllm.diffusion.corruption import NoiseKeys, uniform_token_ids
 from dllm.diffusion.edit_alignment import GAP, align
 from dllm.diffusion.objectives.base import LossOutput, ModelInputs, TokenIds
-from dllm.models.edit_flow import DELETE, INSERT, SUBSTITUTE
+from dllm.models.edit_flow import DELETE, INSERT, SUBSTITUTE, edit_token_log_probs
 from dllm.models.output import ModelOutput
 
 
@@ -144,19 +143,9 @@ class EditFlowObjective:
         r, p, k = inputs.edit_row_N, inputs.edit_pos_N, inputs.edit_kind_N
         log_rate_N = rates_BL3[r, p, k].clamp_min(1e-30).log()
         features_NE = torch.where((k == INSERT)[:, None], ins_features_BLE[r, p], out.hidden_BLE[r, p])
-        log_q_N = self.token_log_probs(out, features_NE).gather(1, inputs.edit_token_N[:, None])[:, 0]
+        log_q_NV = edit_token_log_probs(out.head, features_NE, self.ids.num_tokens, self.ids.mask_id)
+        log_q_N = log_q_NV.gather(1, inputs.edit_token_N[:, None])[:, 0]
         log_u_N = log_rate_N + torch.where(k == DELETE, torch.zeros_like(log_q_N), log_q_N.to(log_rate_N.dtype))
         edit_term = (inputs.edit_weight_N.to(log_u_N.dtype) * log_u_N).sum()
         metrics = {"rate_sum": rate_sum.detach(), "num_edits": torch.tensor(r.numel(), device=r.device)}
         return LossOutput(loss_sum=rate_sum - edit_term, metrics=metrics)
-
-    def token_log_probs(self, out: ModelOutput, features_NE: torch.Tensor) -> torch.Tensor:
-        """log Q [N, V] through the shared output head; the anchor (mask id) and ids the tokenizer cannot
-        produce are never inserted or substituted."""
-        feats, weight_VE, bias_V = out.head(features_NE)
-        logits_NV = F.linear(feats, weight_VE, bias_V)
-        if logits_NV.dtype in (torch.bfloat16, torch.float16):
-            logits_NV = logits_NV.float()
-        banned_V = torch.arange(logits_NV.shape[-1], device=logits_NV.device) >= self.ids.num_tokens
-        banned_V[self.ids.mask_id] = True
-        return logits_NV.masked_fill(banned_V, float("-inf")).log_softmax(-1)
