@@ -8,7 +8,7 @@ position i with rates (insert after i, delete i, substitute i) and total rate r_
 with probability 1 - exp(-h r_i), of kind chosen in proportion to the rates (at most one event per
 position, so the edits of a step never conflict); inserted and substituted tokens are drawn from
 the head's token distributions. All edits of a step are applied at once, from the rates of the
-sequence before the step. The prompt is never edited; a row stops growing at `max_length`.
+sequence before the step. The prompt is never edited; a completion stops growing at `max_new_tokens`.
 
 `TauLeaping.step` is the policy (it never calls the model); `sample_edit_flow` owns the loop, the
 model call and the counters (NFE, edits per step). Randomness is one generator per row, so a row's
@@ -99,7 +99,7 @@ def sample_edit_flow(
     anchor_id: int,
     pad_id: int,
     num_tokens: int,
-    max_length: int,
+    max_new_tokens: int,
     generators: list[torch.Generator],
 ) -> EditFlowOutput:
     """Tau-leaping from an empty completion after each prompt; `generators`: one per row."""
@@ -121,9 +121,10 @@ def sample_edit_flow(
             rates_N3, ins_NE = out.edit(hidden_NE)
             ins_logp = edit_token_log_probs(out.head, ins_NE, num_tokens, anchor_id)
             sub_logp = edit_token_log_probs(out.head, hidden_NE, num_tokens, anchor_id)
-            row_edits = policy.step(rates_N3, ins_logp, sub_logp, generators[b])
+            cpu = (t.to("cpu", torch.float64) for t in (rates_N3, ins_logp, sub_logp))  # the generators are CPU ones
+            row_edits = policy.step(*cpu, generators[b])
             edits += int((row_edits.kind_N != KEEP).sum())
-            completions[b] = apply_edits(completions[b], row_edits, max_length - 1 - len(prompt))
+            completions[b] = apply_edits(completions[b], row_edits, max_new_tokens)
         result.edits_per_step.append(edits)
     return result
 
