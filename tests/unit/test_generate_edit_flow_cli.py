@@ -61,3 +61,13 @@ def test_generate_on_an_edit_flow_run(tmp_path, capsys):
         assert main([*args, *bad]) == 2
         err = capsys.readouterr().err
         assert words in err and err.startswith("dllm: error:") and err.count("\n") == 1
+
+
+def test_likelihood_refuses_an_edit_flow_run():
+    from types import SimpleNamespace
+
+    from dllm.evaluation.likelihood import scoring_for
+
+    loaded = SimpleNamespace(profile=DecodeProfile(objective="edit_flow", generation="edit_flow", **IDS))
+    with pytest.raises(ConfigError, match="trained with edit_flow .* evaluate it with tasks"):
+        scoring_for(loaded)
