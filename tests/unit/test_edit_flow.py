@@ -56,6 +56,13 @@ def test_edit_head_gives_non_negative_rates_and_insertion_features():
     )
 
 
+def test_parameter_count_includes_the_edit_head():
+    from dllm.models.sizing import count_params
+
+    cfg = ModelConfig(preset="tiny", vocab_size=V, edit_head=True)
+    assert count_params(cfg) == Transformer(cfg).num_params()
+
+
 def test_kappa_schedules():
     t = torch.tensor([0.0, 0.5, 0.9])
     k, w = kappa_and_weight("cubic", t)
@@ -192,7 +199,8 @@ def test_same_noise_keys_same_inputs_and_padding_rows_add_nothing():
 @pytest.mark.parametrize(
     ("model", "message"),
     [({}, "set model.edit_head: true"), ({"edit_head": True, "shift_logits": True}, "model.shift_logits: edit_flow"),
-     ({"edit_head": True}, None)],
+     ({"edit_head": True}, None),
+     ({"edit_head": True, "topology": {"context": {"mode": "cp", "cp_size": 2}}}, "edit_flow rows change length")],
 )  # fmt: skip
 def test_config_rules(tmp_path, model, message):
     from dllm.config.loading import validate_config
@@ -200,7 +208,8 @@ def test_config_rules(tmp_path, model, message):
     from dllm.errors import ConfigError
     from dllm.training.preflight import resolve_run_spec
 
-    values = {"model": {"preset": "tiny", **model}, "data": {"path": "x", "seq_len": 32},
+    topology = model.pop("topology", {})
+    values = {"model": {"preset": "tiny", **model}, "topology": topology, "data": {"path": "x", "seq_len": 32},
               "objective": {"name": "edit_flow"},
               "training": {"steps": 1, "global_batch_size": 2, "micro_batch_size": 2}}  # fmt: skip
     spec = validate_config(RunSpec, values, source="train.yaml", base_dir=tmp_path)

@@ -127,6 +127,7 @@ def check_tensor_parallel(spec: RunSpec) -> None:
         (not spec.training.chunked_loss, "training.chunked_loss: tensor parallelism needs the vocabulary-parallel "
          "chunked loss; set it to true"),
         (model.self_condition, "model.self_condition: not supported with tensor parallelism; set tp_size: 1"),
+        (model.edit_head, "model.edit_head: the Edit Flows head reads whole-vocabulary logits; set tp_size: 1"),
     ]  # fmt: skip
     for refused, message in refusals:
         if refused:
@@ -196,6 +197,10 @@ def check_context(spec: RunSpec) -> None:
         raise ConfigError(
             f"topology.context.mode: {mode} does not support MoE models (model.num_experts {model.num_experts}): "
             "the router's load-balancing loss is not a sum over rows; set mode: none"
+        )
+    if obj.name == "edit_flow":
+        raise ConfigError(
+            f"topology.context.mode: {mode} shards fixed-length rows; edit_flow rows change length; set mode: none"
         )
     if getattr(obj, "self_condition_prob", 0) > 0:
         raise ConfigError(
