@@ -3,6 +3,7 @@ bad combinations: an edit-flow run with a mask policy / canvas sampler, a mask r
 
 from __future__ import annotations
 
+import io
 import json
 
 import pytest
@@ -39,7 +40,7 @@ def test_resolve_sampler_keeps_edit_flow_and_mask_runs_apart():
         resolve_sampler(SamplerConfig(cache="prefix"), edit)
 
 
-def test_generate_on_an_edit_flow_run(tmp_path, capsys):
+def test_generate_and_chat_on_an_edit_flow_run(tmp_path, capsys, monkeypatch):
     write_corpus(tmp_path / "data" / "train.jsonl", num_records=30)
     write_yaml(tmp_path / "prepare.yaml", PREPARE)
     prepare(load_config(PrepareSpec, tmp_path / "prepare.yaml"), tmp_path)
@@ -61,6 +62,10 @@ def test_generate_on_an_edit_flow_run(tmp_path, capsys):
         assert main([*args, *bad]) == 2
         err = capsys.readouterr().err
         assert words in err and err.startswith("dllm: error:") and err.count("\n") == 1
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\n/exit\n"))
+    assert main(["chat", "--run", str(run_dir), "--gen-length", "6", "--steps", "5"]) == 0
+    err = capsys.readouterr().err
+    assert "chatting (edit_flow, tau_leaping)" in err and "[NFE 5," in err
 
 
 def test_likelihood_refuses_an_edit_flow_run():
