@@ -46,8 +46,7 @@ class DecodeProfile(Section):
     corruption: Literal["mask", "uniform"] = "mask"
     """Noise: the mask token (absorbing) or uniformly random tokens (uniform-state models)."""
     generation: Literal["canvas", "edit_flow"] = "canvas"
-    """canvas: positions of a fixed-length canvas are committed by a policy (masked/uniform diffusion, AR);
-    edit_flow: the sequence is edited by insertions, deletions, substitutions (tau-leaping over edit rates)."""
+    """canvas: a policy commits positions of a fixed canvas; edit_flow: insert/delete/substitute edits (tau-leaping)."""
     mask_id: int = Field(ge=0)
     """Id of the mask token."""
     pad_id: int = Field(ge=0)

@@ -61,8 +61,7 @@ class SamplerConfig(Section):
     seed: int = 0
     """Seed of the sampling noise (temperature, random orders and the process policies)."""
     generation: Literal["auto", "canvas", "edit_flow"] = "auto"
-    """canvas: a policy commits masked positions; edit_flow: tau-leaping over an Edit Flows model's edit rates
-    (`steps` steps, default gen_length; at most gen_length new tokens); auto: from the decode profile."""
+    """canvas (a policy commits masks) or edit_flow (tau-leaping over edit rates, `steps` steps); auto: from the run."""
     compile: bool = False
     """Compile each transformer block in place with torch.compile (dynamic shapes: a new prompt length reuses it)."""
 
