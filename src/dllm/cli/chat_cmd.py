@@ -61,7 +61,8 @@ def chat(
     history: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
     stop_fn = stop_function(tok, cfg.stop_strings)
     interactive = sys.stdin.isatty()
-    info(f"{s.loaded.source}: chatting ({cfg.policy}, cache {cfg.cache}); /reset, /exit")
+    how = "edit_flow, tau_leaping" if cfg.generation == "edit_flow" else f"{cfg.policy}, cache {cfg.cache}"
+    info(f"{s.loaded.source}: chatting ({how}); /reset, /exit")
     while True:
         if interactive:
             sys.stderr.write("you> ")

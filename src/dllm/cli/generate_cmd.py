@@ -124,8 +124,9 @@ def generate(
             records.append({"prompt": text, "completion": completion, "batch_wall_s": round(wall, 4), **counters})
     elapsed = time.perf_counter() - t0
     _write_records(records, output, as_json)
+    how = "edit_flow/tau_leaping" if cfg.generation == "edit_flow" else f"{cfg.policy}/{cfg.cache}/{cfg.attention}"
     info(
-        f"{s.loaded.source}: {len(texts)} prompt(s), {cfg.policy}/{cfg.cache}/{cfg.attention}, NFE {total_nfe}, "
+        f"{s.loaded.source}: {len(texts)} prompt(s), {how}, NFE {total_nfe}, "
         f"{total_tokens / max(total_nfe, 1):.2f} tokens/forward, {elapsed:.2f}s"
     )
 

@@ -136,6 +136,8 @@ class ModelConfig(Section):
     """Weight of the load-balancing loss (Switch Transformer) added to the training loss."""
     self_condition: bool = False
     """Add an input for self-conditioning (the embedding of a previous pass's predictions, zero-initialised)."""
+    edit_head: bool = False
+    """Add the Edit Flows head: per-position insert/delete/substitute rates and an insertion projection."""
     init_std: float = Field(default=0.02, gt=0)
     """Standard deviation of the normal weight initialisation."""
     attention_backend: Literal[ATTENTION_BACKENDS.names()] = "auto"  # type: ignore[valid-type]

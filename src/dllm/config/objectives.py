@@ -117,6 +117,26 @@ class ARConfig(Section):
         return {"attention": "causal", "shift": True}
 
 
+class EditFlowConfig(Section):
+    """Edit Flows (Havasi et al. 2025): a CTMC of insertions, deletions and substitutions; variable length."""
+
+    name: Literal["edit_flow"] = "edit_flow"
+    """Objective: edit_flow (Bregman flow-matching loss on the edit rates; needs model.edit_head)."""
+    kappa: Literal["cubic", "linear"] = "cubic"
+    """Coupling schedule kappa(t): chance an aligned column already shows x_1 (cubic t^3, or linear t)."""
+    x0: Literal["empty", "uniform"] = "empty"
+    """Start of the completion: empty (learn insertions), or uniform random tokens as long as x_1."""
+    eps: float = Field(default=1e-3, gt=0, lt=1)
+    """Largest time is 1 - eps: t ~ U[0, 1 - eps] (the weight kappa'/(1 - kappa) diverges at 1)."""
+    antithetic: bool = True
+    """Stratify t over the global batch."""
+
+    def decode_facts(self) -> dict[str, Any]:
+        """Bidirectional edit-flow decoding (tau-leaping over the edit rates), no mask canvas."""
+        return {"attention": "bidirectional", "generation": "edit_flow"}
+
+
 ObjectiveConfig = Annotated[
-    MDLMConfig | BD3LMConfig | FastDLLMv2Config | UniformConfig | ARConfig, Field(discriminator="name")
+    MDLMConfig | BD3LMConfig | FastDLLMv2Config | UniformConfig | ARConfig | EditFlowConfig,
+    Field(discriminator="name"),
 ]

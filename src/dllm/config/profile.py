@@ -45,6 +45,8 @@ class DecodeProfile(Section):
     """Noise schedule alpha(t) the model was trained under (likelihood bounds use it)."""
     corruption: Literal["mask", "uniform"] = "mask"
     """Noise: the mask token (absorbing) or uniformly random tokens (uniform-state models)."""
+    generation: Literal["canvas", "edit_flow"] = "canvas"
+    """canvas: a policy commits positions of a fixed canvas; edit_flow: insert/delete/substitute edits (tau-leaping)."""
     mask_id: int = Field(ge=0)
     """Id of the mask token."""
     pad_id: int = Field(ge=0)

@@ -26,6 +26,7 @@ OBJECTIVES = Registry(
         "fast_dllm_v2": entry("objectives.block:FastDLLMv2Objective", "block"),
         "uniform": "objectives.uniform:UniformObjective",
         "ar": entry("objectives.ar:ARObjective", "causal"),  # causal: next-token training, decoded with --ar
+        "edit_flow": "objectives.edit_flow:EditFlowObjective",  # Edit Flows: insert/delete/substitute rates
     },
 )
 SCHEDULES = Registry(

@@ -39,6 +39,10 @@ def check_objective(spec: RunSpec) -> None:
         raise ConfigError(
             f"model.shift_logits: {obj.name} shifts predictions itself (hidden i-1 predicts i); set it false"
         )
+    if obj.name == "edit_flow" and not model.edit_head:
+        raise ConfigError("objective.name: edit_flow trains edit rates; set model.edit_head: true")
+    if obj.name == "edit_flow" and model.shift_logits:
+        raise ConfigError("model.shift_logits: edit_flow reads each position's own state; set it to false")
     if obj.name == "uniform" and model.shift_logits:
         raise ConfigError("model.shift_logits: the uniform objective predicts x0 in place; set it to false")
 
@@ -123,6 +127,7 @@ def check_tensor_parallel(spec: RunSpec) -> None:
         (not spec.training.chunked_loss, "training.chunked_loss: tensor parallelism needs the vocabulary-parallel "
          "chunked loss; set it to true"),
         (model.self_condition, "model.self_condition: not supported with tensor parallelism; set tp_size: 1"),
+        (model.edit_head, "model.edit_head: the Edit Flows head reads whole-vocabulary logits; set tp_size: 1"),
     ]  # fmt: skip
     for refused, message in refusals:
         if refused:
@@ -193,6 +198,10 @@ def check_context(spec: RunSpec) -> None:
         raise ConfigError(
             f"topology.context.mode: {mode} does not support MoE models (model.num_experts {model.num_experts}): "
             "the router's load-balancing loss is not a sum over rows; set mode: none"
+        )
+    if obj.name == "edit_flow":
+        raise ConfigError(
+            f"topology.context.mode: {mode} shards fixed-length rows; edit_flow rows change length; set mode: none"
         )
     if getattr(obj, "self_condition_prob", 0) > 0:
         raise ConfigError(

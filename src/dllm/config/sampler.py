@@ -60,6 +60,8 @@ class SamplerConfig(Section):
     """Cut each output at the first of these strings, and stop early once every row has one."""
     seed: int = 0
     """Seed of the sampling noise (temperature, random orders and the process policies)."""
+    generation: Literal["auto", "canvas", "edit_flow"] = "auto"
+    """canvas (a policy commits masks) or edit_flow (tau-leaping over edit rates, `steps` steps); auto: from the run."""
     compile: bool = False
     """Compile each transformer block in place with torch.compile (dynamic shapes: a new prompt length reuses it)."""
 
@@ -122,6 +124,7 @@ def resolve_sampler(cfg: SamplerConfig, profile: DecodeProfile) -> SamplerConfig
         )
     if profile.corruption != "uniform" and cfg.policy == "uniform":
         raise ConfigError(f"sampler.policy: uniform decodes uniform-state models; {trained}")
+    generation = _check_generation(cfg, profile, trained)
     if cfg.gen_length > profile.max_length:
         raise ConfigError(
             f"sampler.gen_length: {cfg.gen_length} exceeds the {profile.max_length} positions the model covers "
@@ -129,7 +132,7 @@ def resolve_sampler(cfg: SamplerConfig, profile: DecodeProfile) -> SamplerConfig
         )
     attention = cfg.attention if cfg.attention != "auto" else profile.attention
     shift = cfg.shift if cfg.shift != "auto" else ("on" if profile.shift else "off")
-    values = {**cfg.model_dump(), "attention": attention, "shift": shift}
+    values = {**cfg.model_dump(), "attention": attention, "shift": shift, "generation": generation}
     if attention == "block" and profile.block_size is not None:
         if cfg.block_length is not None and cfg.block_length != profile.block_size:
             raise ConfigError(
@@ -146,3 +149,26 @@ def resolve_sampler(cfg: SamplerConfig, profile: DecodeProfile) -> SamplerConfig
     except ValidationError as e:  # a combination that only became invalid once auto was resolved
         msg = str(e.errors()[0]["msg"]).removeprefix("Value error, ")
         raise ConfigError(f"sampler: {msg} (attention resolved to {attention} from the run)") from None
+
+
+def _check_generation(cfg: SamplerConfig, profile: DecodeProfile, trained: str) -> str:
+    """canvas or edit_flow, from the profile; a sampler of the other kind is refused."""
+    if cfg.generation not in ("auto", profile.generation):
+        if cfg.generation == "edit_flow":
+            raise ConfigError(f"sampler.generation: edit_flow (tau-leaping) needs an Edit Flows model; {trained}")
+        raise ConfigError(
+            f"sampler.generation: {cfg.generation} commits mask positions, but {trained} (edit rates, no mask "
+            "canvas); use generation edit_flow or auto"
+        )
+    if profile.generation != "edit_flow":
+        return profile.generation
+    chosen = "policy" in cfg.model_fields_set and cfg.generation == "auto"
+    if chosen or cfg.policy != SamplerConfig.model_fields["policy"].default:
+        raise ConfigError(
+            f"sampler.policy: {cfg.policy} commits mask positions, but {trained} (edit rates, decoded by "
+            "tau-leaping); leave the policy out"
+        )
+    if cfg.cache != "none" or cfg.cfg_scale > 0 or cfg.block_length is not None:
+        raise ConfigError("sampler: an edit-flow run decodes without cache, guidance or blocks; "
+                          "use cache none, cfg_scale 0, no block_length")  # fmt: skip
+    return "edit_flow"

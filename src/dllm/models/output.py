@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+EditHeadFn = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 HeadFn = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]]
 
 
@@ -27,6 +28,9 @@ class ModelOutput:
     """hidden [..., E] -> (features [..., E], output weight [V, E], output bias [V] or None)."""
     aux: dict[str, torch.Tensor] = field(default_factory=dict)
     """Auxiliary losses of this forward, e.g. `router_loss` (MoE load balancing, a scalar)."""
+    edit: EditHeadFn | None = None
+    """A model built with `edit_head` (Edit Flows): hidden [..., E] -> (rates [..., 3] >= 0 for
+    insert-after / delete / substitute, insertion features [..., E] for `head`); None otherwise."""
 
     def logits(self) -> torch.Tensor:
         features, weight, bias = self.head(self.hidden_BLE)

@@ -46,6 +46,7 @@ def count_params(cfg: ModelConfig) -> int:
     n += cfg.max_seq_len * E if cfg.position == "learned" else 0
     n += _norm_params(cfg, E) if cfg.embedding_norm else 0
     n += E * E if cfg.self_condition else 0
+    n += (E * 3 + 3) + (E * E + E) if cfg.edit_head else 0  # Edit Flows: rate and insertion projections
     n += _norm_params(cfg, E) if cfg.final_norm else 0
     n -= 0 if cfg.first_layer_attn_norm else _norm_params(cfg, E)
     n += _linear(E, E, cfg.head_dense_bias) + _norm_params(cfg, E) + V if cfg.head == "mlm" else 0

@@ -25,6 +25,7 @@ from dllm.attention.backends import AttentionFn, make_attention
 from dllm.attention.masks import AttentionMask
 from dllm.config.model import ModelConfig
 from dllm.config.registries import ACTIVATIONS, NORMS
+from dllm.models.edit_flow import EditHead
 from dllm.models.layers import RMSNorm
 from dllm.models.output import ModelOutput, SelfConditioned
 
@@ -220,6 +221,7 @@ class Transformer(nn.Module):
         self.head_transform = MLMHead(cfg) if cfg.head == "mlm" else None
         self.head_bias = nn.Parameter(torch.zeros(V)) if cfg.head == "mlm" else None
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(E, V, bias=False)
+        self.edit_head = EditHead(E) if cfg.edit_head else None  # Edit Flows rates (models/edit_flow.py)
         self.register_buffer("inv_freq", self._inv_freq(cfg.rope_theta), persistent=False)
         local_theta = cfg.local_rope_theta if any(layer.local for layer in self.layers) else None
         local_inv_freq = None if local_theta in (None, cfg.rope_theta) else self._inv_freq(local_theta)
@@ -261,7 +263,8 @@ class Transformer(nn.Module):
                 aux.append(layer_aux)
         if self.norm is not None:
             x = self.norm(x)
-        return ModelOutput(x, self.head, {"router_loss": torch.stack(aux).mean()} if aux else {})
+        aux_losses = {"router_loss": torch.stack(aux).mean()} if aux else {}
+        return ModelOutput(x, self.head, aux_losses, edit=self.edit_head)
 
     def _local_attention(
         self, positions_BL: torch.Tensor, rope: tuple | None, mask: AttentionMask

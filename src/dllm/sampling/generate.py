@@ -24,6 +24,7 @@ import torch
 from dllm.config.sampler import SamplerConfig
 from dllm.sampling.canvas import Canvas, SpecialIds, left_pad
 from dllm.sampling.compiled import compile_blocks
+from dllm.sampling.edit_flow import sample_edit_flow
 from dllm.sampling.policies import Commit, StepState, make_policy
 from dllm.sampling.proposals import commit_schedule, filter_logits, full_proposal, propose
 from dllm.sampling.runner import Runner
@@ -52,6 +53,8 @@ class Counters:
     """Steps answered from the previous forward because no token changed (ancestral)."""
     overrun_steps: int = 0
     """Steps past a block's budget, taken instead of leaving a mask."""
+    edits: int = 0
+    """Edit Flows: insertions, deletions and substitutions drawn, over all rows."""
 
     def as_dict(self) -> dict[str, float]:
         d: dict[str, float] = dict(self.__dict__)
@@ -113,10 +116,33 @@ def generate(
 
     The loop runs under `torch.inference_mode` (less dispatch work per op than `no_grad`: ~10% of a
     small model's forward); the returned canvas is an ordinary tensor, usable in autograd later."""
+    if cfg.generation == "edit_flow":  # no canvas: tau-leaping over edit rates (sampling/edit_flow.py)
+        return _edit_flow(model, prompts, cfg, special, generator)
     with torch.inference_mode():
         result = Loop(model, prompts, cfg, special, generator, callback, stop).run()
     result.canvas_BL = result.canvas_BL.clone()  # inference tensors cannot enter autograd
     return result
+
+
+def _edit_flow(model, prompts, cfg: SamplerConfig, special: SpecialIds, generator) -> GenerationResult:
+    """An Edit Flows run: `steps` tau-leaping steps, up to gen_length new tokens; one generator per
+    row, seeded from `generator`, so a row's output does not depend on its batch mates."""
+    seeds = torch.randint(0, 2**62, (len(prompts),), generator=generator).tolist()
+    device = next(model.parameters()).device
+    gens = [torch.Generator(device="cpu").manual_seed(s) for s in seeds]
+    num_tokens = special.num_tokens or model.cfg.vocab_size
+    out = sample_edit_flow(model, prompts, num_steps=cfg.total_steps, anchor_id=special.mask_id, pad_id=special.pad_id,
+                           num_tokens=num_tokens, max_new_tokens=cfg.gen_length, generators=gens)  # fmt: skip
+    sequences = [
+        c[: c.index(special.eos_id)] if cfg.stop_at_eos and special.eos_id in c else c for c in out.completions
+    ]
+    rows = [[special.mask_id, *p, *c] for p, c in zip(prompts, out.completions, strict=True)]
+    canvas = torch.full((len(rows), max(map(len, rows))), special.pad_id, dtype=torch.long, device=device)
+    for b, r in enumerate(rows):
+        canvas[b, : len(r)] = torch.tensor(r, device=device)
+    counters = Counters(nfe=out.nfe, steps=out.nfe, edits=sum(out.edits_per_step),
+                        tokens_committed=sum(map(len, sequences)))  # fmt: skip
+    return GenerationResult(sequences, canvas, counters, [1 + len(p) for p in prompts])
 
 
 class Loop:

@@ -1,0 +1,139 @@
+"""Edit Flows sampling: tau-leaping over the model's edit rates (Havasi et al. 2025).
+
+A row is `[anchor] + prompt + completion` (the layout the edit_flow objective trains on: the anchor
+is the mask id, and an insertion after the last prefix token starts the completion). The completion
+starts empty and time runs from 0 to 1 in `num_steps` steps of h = 1 / num_steps. Each step is one
+batched forward (rows padded to the longest, padding masked out of attention); then, per editable
+position i with rates (insert after i, delete i, substitute i) and total rate r_i, one event happens
+with probability 1 - exp(-h r_i), of kind chosen in proportion to the rates (at most one event per
+position, so the edits of a step never conflict); inserted and substituted tokens are drawn from
+the head's token distributions. All edits of a step are applied at once, from the rates of the
+sequence before the step. The prompt is never edited; a completion stops growing at `max_new_tokens`.
+
+`TauLeaping.step` is the policy (it never calls the model); `sample_edit_flow` owns the loop, the
+model call and the counters (NFE, edits per step). Randomness is one generator per row, so a row's
+result does not depend on its batch mates.
+
+Shapes: B batch, L padded row length, V vocabulary, E hidden.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from dllm.attention.masks import AttentionMask
+from dllm.models.edit_flow import DELETE, INSERT, SUBSTITUTE, edit_token_log_probs
+
+KEEP = -1
+"""Event kind of a position that is left as it is."""
+
+
+@dataclass(frozen=True)
+class RowEdits:
+    """One row's events of a step, per editable position (from the last prefix token on)."""
+
+    kind_N: torch.Tensor
+    """KEEP, INSERT (after the position), DELETE or SUBSTITUTE."""
+    token_N: torch.Tensor
+    """Token inserted or substituted (unused for KEEP and DELETE)."""
+
+
+class TauLeaping:
+    """Draws a step's edit events from rates and token distributions (one row at a time)."""
+
+    def __init__(self, step_size: float) -> None:
+        self.h = step_size
+
+    def step(
+        self, rates_N3: torch.Tensor, ins_logp_NV: torch.Tensor, sub_logp_NV: torch.Tensor, generator: torch.Generator
+    ) -> RowEdits:
+        """Position 0 is the last prefix token: it may only insert (the prompt is never edited)."""
+        rates_N3 = rates_N3.clone()
+        rates_N3[0, DELETE] = rates_N3[0, SUBSTITUTE] = 0.0
+        total_N = rates_N3.sum(-1)
+        u_N = torch.rand(total_N.shape, generator=generator, dtype=torch.float64)
+        fires_N = u_N < -torch.expm1(-self.h * total_N.double())
+        kind_N = torch.full_like(total_N, KEEP, dtype=torch.long)
+        token_N = torch.zeros_like(kind_N)
+        idx = fires_N.nonzero(as_tuple=True)[0]
+        if idx.numel():
+            kind_N[idx] = torch.multinomial(rates_N3[idx].double(), 1, generator=generator)[:, 0]
+            logp_NV = torch.where((kind_N[idx] == INSERT)[:, None], ins_logp_NV[idx], sub_logp_NV[idx])
+            token_N[idx] = torch.multinomial(logp_NV.double().exp(), 1, generator=generator)[:, 0]
+        return RowEdits(kind_N, token_N)
+
+
+def apply_edits(completion: list[int], edits: RowEdits, max_completion: int) -> list[int]:
+    """The completion after a step's events (event 0 belongs to the last prefix token, event i >= 1
+    to completion token i - 1); insertions stop at `max_completion` tokens."""
+    kinds, tokens = edits.kind_N.tolist(), edits.token_N.tolist()
+    out: list[int] = []
+    room = max_completion - len(completion) + sum(k == DELETE for k in kinds)
+    for i, (kind, token) in enumerate(zip(kinds, tokens, strict=True)):
+        if i > 0 and kind != DELETE:
+            out.append(token if kind == SUBSTITUTE else completion[i - 1])
+        if kind == INSERT and room > 0:
+            out.append(token)
+            room -= 1
+    return out
+
+
+@dataclass
+class EditFlowOutput:
+    completions: list[list[int]]
+    """Each row's generated tokens (the prompt and the anchor left out)."""
+    nfe: int = 0
+    """Model forwards (one per step for the whole batch)."""
+    edits_per_step: list[int] = field(default_factory=list)
+    """Edits applied in each step, summed over rows."""
+
+
+@torch.no_grad()
+def sample_edit_flow(
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    *,
+    num_steps: int,
+    anchor_id: int,
+    pad_id: int,
+    num_tokens: int,
+    max_new_tokens: int,
+    generators: list[torch.Generator],
+) -> EditFlowOutput:
+    """Tau-leaping from an empty completion after each prompt; `generators`: one per row."""
+    assert len(generators) == len(prompts) and num_steps > 0
+    policy = TauLeaping(1.0 / num_steps)
+    completions: list[list[int]] = [[] for _ in prompts]
+    result = EditFlowOutput(completions)
+    device = next(model.parameters()).device
+    for _ in range(num_steps):
+        rows = [[anchor_id, *p, *c] for p, c in zip(prompts, completions, strict=True)]
+        tokens_BL, valid_BL = _pad(rows, pad_id, device)
+        out = model(tokens_BL, torch.arange(tokens_BL.shape[1], device=device).expand_as(tokens_BL),
+                    AttentionMask("bidirectional", key_valid_BL=valid_BL))  # fmt: skip
+        result.nfe += 1
+        assert out.edit is not None, "an edit-flow run needs a model built with model.edit_head"
+        edits = 0
+        for b, prompt in enumerate(prompts):
+            hidden_NE = out.hidden_BLE[b, len(prompt) : len(rows[b])]  # the last prefix token on
+            rates_N3, ins_NE = out.edit(hidden_NE)
+            ins_logp = edit_token_log_probs(out.head, ins_NE, num_tokens, anchor_id)
+            sub_logp = edit_token_log_probs(out.head, hidden_NE, num_tokens, anchor_id)
+            cpu = (t.to("cpu", torch.float64) for t in (rates_N3, ins_logp, sub_logp))  # the generators are CPU ones
+            row_edits = policy.step(*cpu, generators[b])
+            edits += int((row_edits.kind_N != KEEP).sum())
+            completions[b] = apply_edits(completions[b], row_edits, max_new_tokens)
+        result.edits_per_step.append(edits)
+    return result
+
+
+def _pad(rows: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows left-aligned in [B, L] with `pad_id` after each row's end, and which positions are real."""
+    L = max(len(r) for r in rows)
+    tokens = torch.full((len(rows), L), pad_id, dtype=torch.long, device=device)
+    for b, r in enumerate(rows):
+        tokens[b, : len(r)] = torch.tensor(r, dtype=torch.long, device=device)
+    lengths = torch.tensor([len(r) for r in rows], device=device)
+    return tokens, torch.arange(L, device=device)[None, :] < lengths[:, None]

@@ -1,0 +1,68 @@
+"""Edit Flows tau-leaping: the policy's events, applying them, and the batched loop."""
+
+from __future__ import annotations
+
+import torch
+
+from dllm.config.model import ModelConfig
+from dllm.models import Transformer
+from dllm.models.edit_flow import DELETE, INSERT, SUBSTITUTE
+from dllm.sampling.edit_flow import KEEP, RowEdits, TauLeaping, apply_edits, sample_edit_flow
+
+V = 24
+ANCHOR, PAD = V - 1, V - 3
+
+
+def _model(seed: int = 0) -> Transformer:
+    model = Transformer(ModelConfig(preset="tiny", vocab_size=V, edit_head=True, attention_backend="sdpa"))
+    model.init_weights(torch.Generator().manual_seed(seed))
+    return model.double().eval()
+
+
+def _sample(model, prompts, seeds, num_steps=6, max_new_tokens=10):
+    gens = [torch.Generator().manual_seed(s) for s in seeds]
+    return sample_edit_flow(model, prompts, num_steps=num_steps, anchor_id=ANCHOR, pad_id=PAD, num_tokens=V - 3,
+                            max_new_tokens=max_new_tokens, generators=gens)  # fmt: skip
+
+
+def test_zero_rates_step_is_the_identity():
+    logp = torch.log_softmax(torch.randn(5, V, dtype=torch.float64), -1)
+    edits = TauLeaping(0.5).step(torch.zeros(5, 3), logp, logp, torch.Generator().manual_seed(0))
+    assert (edits.kind_N == KEEP).all()
+    assert apply_edits([3, 4, 5, 6], edits, max_completion=10) == [3, 4, 5, 6]
+
+
+def test_zero_rates_through_the_loop_leave_the_prompt_and_an_empty_completion():
+    model = _model()
+    with torch.no_grad():
+        model.edit_head.rate_proj.weight.zero_()
+        model.edit_head.rate_proj.bias.fill_(-1e4)  # softplus underflows to exactly 0
+    out = _sample(model, [[1, 2], [3]], [0, 1])
+    assert out.completions == [[], []] and out.nfe == 6 and out.edits_per_step == [0] * 6
+
+
+def test_apply_edits_by_hand():
+    # events: after the prefix insert 9; delete 3; substitute 4 by 8; keep 5
+    edits = RowEdits(torch.tensor([INSERT, DELETE, SUBSTITUTE, KEEP]), torch.tensor([9, 0, 8, 0]))
+    assert apply_edits([3, 4, 5], edits, max_completion=10) == [9, 8, 5]
+    ins = RowEdits(torch.tensor([INSERT, INSERT, INSERT, INSERT]), torch.tensor([9, 8, 7, 6]))
+    assert apply_edits([3, 4, 5], ins, max_completion=5) == [9, 3, 8, 4, 5]  # room for two insertions
+
+
+def test_prefix_token_never_deletes_or_substitutes():
+    logp = torch.log_softmax(torch.randn(3, V, dtype=torch.float64), -1)
+    rates = torch.tensor([[0.0, 50.0, 50.0], [0.0, 50.0, 0.0], [0.0, 0.0, 50.0]])
+    edits = TauLeaping(1.0).step(rates, logp, logp, torch.Generator().manual_seed(0))
+    assert edits.kind_N.tolist() == [KEEP, DELETE, SUBSTITUTE]
+
+
+def test_batched_sampling_equals_per_row_with_fixed_seeds():
+    model = _model(1)
+    prompts, seeds = [[1, 2, 3], [], [4, 5]], [11, 12, 13]
+    batched = _sample(model, prompts, seeds)
+    rows = [_sample(model, [p], [s]) for p, s in zip(prompts, seeds, strict=True)]
+    assert batched.completions == [r.completions[0] for r in rows]
+    assert batched.edits_per_step == [sum(e) for e in zip(*(r.edits_per_step for r in rows), strict=True)]
+    assert batched.nfe == 6 and sum(batched.edits_per_step) > 0
+    assert all(len(c) <= 10 for c in batched.completions)
+    assert all(0 <= t < V - 3 for c in batched.completions for t in c)
