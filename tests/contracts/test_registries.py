@@ -178,7 +178,7 @@ def test_config_accepts_exactly_the_registered_names(reg_name):
 def test_tags_agree_with_the_implementations():
     """The facts the config reads from tags before importing anything match the implementations."""
     for name in OBJECTIVES:
-        facts = CONFIG_SECTIONS[name]().decode_facts()
+        facts = CONFIG_SECTIONS[name].model_construct().decode_facts()  # defaults; required paths unset
         assert (facts["attention"] == "block") == OBJECTIVES.has(name, "block"), name
     for name in POLICIES:
         policy = POLICIES.resolve(name)
@@ -245,9 +245,11 @@ TOKEN_IDS = TokenIds(mask_id=MASK_ID, eos_id=MASK_ID - 1, pad_id=MASK_ID - 2, nu
 
 
 def test_every_registered_objective_has_a_contract_case():
+    # objectives of a frozen target (tag "target": dflash_distillation) train a drafter, not a model on
+    # clean targets: their contract is tested in tests/unit/test_dflash.py
     assert {type(make("linear")).model_fields["name"].default for make in OBJECTIVE_CONFIGS.values()} == set(
         OBJECTIVES.names()
-    )
+    ) - set(OBJECTIVES.names("target"))
 
 
 def build_objective(case: str, schedule: str):

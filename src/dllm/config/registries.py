@@ -25,6 +25,8 @@ OBJECTIVES = Registry(
         "bd3lm": entry("objectives.block:BD3LMObjective", "block"),  # block: trains the block-diffusion layout
         "fast_dllm_v2": entry("objectives.block:FastDLLMv2Objective", "block"),
         "uniform": "objectives.uniform:UniformObjective",
+        # target: trains a drafter of a frozen target model that training/build.py loads and hands over
+        "dflash_distillation": entry("objectives.dflash:DFlashDistillation", "target"),
     },
 )
 SCHEDULES = Registry(
