@@ -128,48 +128,53 @@ def _load_pretrained(folder: Path, device: torch.device | None) -> LoadedModel:
 
 # -- DFlash drafters and their targets ---------------------------------------------------------------
 def target_model_config(path: Path) -> ModelConfig:
-    """The architecture of a drafter's target (a run folder or a model folder) without loading weights."""
+    """The architecture of a drafter's target (a run folder or a model folder) without loading weights;
+    refuses a target that does not decode causally."""
     from dllm.models.pretrained import pretrained_config
 
     path = Path(path)
+    check_causal_target(path)
     if (path / RUN_CONFIG).is_file():
         return load_config(RunSpec, path / RUN_CONFIG).model
-    if not path.is_dir():
-        raise CheckpointError(f"{path}: no such target folder; objective.target names a run or a model folder")
     return pretrained_config(path)
 
 
 def load_target(path: Path, device: torch.device | None = None) -> LoadedModel:
-    """A frozen causal target for a DFlash drafter: a run folder (its newest checkpoint) or a model
-    folder; refuses a model that does not decode causally (one line, naming the folder)."""
+    """A frozen causal target for a DFlash drafter: a run folder (its newest checkpoint) or a model folder."""
     path = Path(path)
-    if (path / RUN_CONFIG).is_file():
-        loaded = load_for_inference(run=path, device=device)
-    elif path.is_dir():
-        loaded = load_for_inference(model_dir=path, device=device)
-    else:
-        raise CheckpointError(f"{path}: no such target folder; give the run or model folder of a causal (AR) model")
-    if not is_causal(loaded, path):
-        raise CheckpointError(
-            f"{path}: the target decodes with {loaded.profile.attention} attention "
-            f"(objective {loaded.profile.objective or 'unknown'}); DFlash drafts for a causal (AR) target, "
-            "e.g. a run of objective ar or a Hugging Face *ForCausalLM folder"
-        )
+    check_causal_target(path)
+    run = (path / RUN_CONFIG).is_file()
+    loaded = load_for_inference(run=path, device=device) if run else load_for_inference(model_dir=path, device=device)
     loaded.model.requires_grad_(False)
     return loaded
 
 
-def is_causal(loaded: LoadedModel, path: Path) -> bool:
-    """Trained here with causal attention (its profile says so), or a Hugging Face causal LM folder
-    that carries no dllm profile."""
-    if loaded.profile.attention == "causal":
-        return True
-    if read_profile(loaded.source) is not None or not (path / "config.json").is_file():
-        return False
+def check_causal_target(path: Path) -> None:
+    """One line when `path` is not a causal (AR) model: a run whose objective decodes causally, a model
+    folder whose decode profile says so, or a Hugging Face *ForCausalLM folder without a dllm profile."""
     import json
 
-    archs = json.loads((path / "config.json").read_text(encoding="utf-8")).get("architectures") or []
-    return any(str(a).endswith("ForCausalLM") for a in archs)
+    path = Path(path)
+    if (path / RUN_CONFIG).is_file():
+        spec = load_config(RunSpec, path / RUN_CONFIG)
+        attention, what = spec.objective.decode_facts()["attention"], f"objective {spec.objective.name}"
+    elif path.is_dir():
+        profile = read_profile(path)
+        if profile is not None:
+            attention, what = profile.attention, f"objective {profile.objective or 'unknown'}"
+        elif (path / "config.json").is_file():
+            archs = json.loads((path / "config.json").read_text(encoding="utf-8")).get("architectures") or []
+            causal = any(str(a).endswith("ForCausalLM") for a in archs)
+            attention, what = ("causal" if causal else "bidirectional"), f"architectures {archs}"
+        else:
+            attention, what = "bidirectional", "a dllm model folder without a decode profile"
+    else:
+        raise CheckpointError(f"{path}: no such target folder; give the run or model folder of a causal (AR) model")
+    if attention != "causal":
+        raise CheckpointError(
+            f"{path}: the target decodes with {attention} attention ({what}); DFlash drafts for a causal (AR) "
+            "target: a run of objective ar, or a Hugging Face *ForCausalLM folder"
+        )
 
 
 def load_drafter_run(
