@@ -22,7 +22,14 @@ from dllm.attention.backends import make_attention
 from dllm.attention.masks import AttentionMask
 from dllm.config.data import TokenizerConfig
 from dllm.config.model import ModelConfig
-from dllm.config.objectives import BD3LMConfig, FastDLLMv2Config, MDLMConfig, ObjectiveConfig, UniformConfig
+from dllm.config.objectives import (
+    ARConfig,
+    BD3LMConfig,
+    FastDLLMv2Config,
+    MDLMConfig,
+    ObjectiveConfig,
+    UniformConfig,
+)
 from dllm.config.prepare import PrepareSpec
 from dllm.config.profile import DecodeProfile
 from dllm.config.registries import (
@@ -180,6 +187,7 @@ def test_tags_agree_with_the_implementations():
     for name in OBJECTIVES:
         facts = CONFIG_SECTIONS[name].model_construct().decode_facts()  # defaults; required paths unset
         assert (facts["attention"] == "block") == OBJECTIVES.has(name, "block"), name
+        assert (facts["attention"] == "causal") == OBJECTIVES.has(name, "causal"), name
     for name in POLICIES:
         policy = POLICIES.resolve(name)
         assert POLICIES.has(name, "scheduled") == policy.scheduled, name
@@ -235,6 +243,7 @@ OBJECTIVE_CONFIGS = {
     "bd3lm_shift_uniform": lambda s: BD3LMConfig(schedule=s, block_size=4, shift=True, corruption="uniform"),
     "fast_dllm_v2": lambda s: FastDLLMv2Config(block_size=4, sub_block_size=2),
     "uniform": lambda s: UniformConfig(schedule=s),
+    "ar": lambda s: ARConfig(),
 }
 OBJECTIVE_CASES = [
     (case, sched)
@@ -339,7 +348,10 @@ def test_objective_deterministic_under_same_noise_keys(name, schedule, model):
     logits = model(a.tokens_BL, a.positions_BL, a.mask).logits()
     assert torch.equal(obj.loss(output_of_logits(logits), a).loss_sum, obj.loss(output_of_logits(logits), b).loss_sum)
     c = obj.prepare(batch, NoiseKeys(4, 8))
-    assert not torch.equal(a.tokens_BL, c.tokens_BL), "the noise seed has no effect"
+    if OBJECTIVES.has(OBJECTIVE_CONFIGS[name](schedule).name, "causal"):  # next-token training adds no noise
+        assert torch.equal(a.tokens_BL, c.tokens_BL) and torch.equal(a.tokens_BL, batch.tokens_BL)
+    else:
+        assert not torch.equal(a.tokens_BL, c.tokens_BL), "the noise seed has no effect"
 
 
 @pytest.mark.parametrize(("name", "schedule"), OBJECTIVE_CASES)

@@ -463,3 +463,36 @@ def test_mask_cache_lives_and_dies_with_its_description():
     for other in (dataclasses.replace(mask), make_mask("block_diffusion", "documents")):
         assert other == mask and other.cache is not mask.cache and other.cache.built("key") is None
     assert "cache" not in repr(mask)
+
+
+# --------------------------------------------------------------------------------------------------
+# ragged cached decoding: per-row query offsets (query row r of batch row b is key index r + offset[b])
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "flex", "blockwise", "auto"])
+@pytest.mark.parametrize(("pattern", "extra"), [("causal", "alone"), ("causal", "documents_padding"),
+                                                ("causal_window", "alone"), ("block_causal", "documents")])  # fmt: skip
+def test_per_row_query_offsets_match_the_loop_reference(backend, pattern, extra):
+    """Q = 3 query rows at different key offsets per batch row (5 and 2, plus a common offset 0 or 1)
+    against S = 8 keys, on every backend, against the loop reference evaluated at the shifted rows."""
+    attend = make_attention(backend, flex_compile=False)
+    Q = 3
+    for common in (0, 1):
+        offsets = torch.tensor([5, 2]) - common
+        mask = dataclasses.replace(make_mask(pattern, extra), query_offset=common, query_offset_B=offsets)
+        full = reference_allowed(dataclasses.replace(mask, query_offset=0, query_offset_B=None), B, L, L)
+        allowed = torch.stack([full[b, :, offsets[b] + common : offsets[b] + common + Q] for b in range(B)])
+        assert torch.equal(dense_mask(mask_mod(mask, L), B, Q, L, CPU), allowed)
+        q, k, v = make_qkv(4, 2, L)
+        q = q[:, :, :Q]
+        ref = reference_attention(q, k, v, allowed)
+        with torch.no_grad():
+            torch.testing.assert_close(attend(q, k, v, mask), ref.detach(), atol=1e-5, rtol=1e-5)
+    assert not mask.is_plain and choose_backend(mask, "cuda", True) == "sdpa"  # a new key length every step
+
+
+def test_per_row_query_offsets_are_checked():
+    with pytest.raises(ValueError, match="query_offset_B must be int64"):
+        AttentionMask("causal", query_offset_B=torch.tensor([1.0, 2.0]))
+    with pytest.raises(ValueError, match="query_offset_B must be int64"):
+        AttentionMask("block_diffusion", block_size=2, query_offset_B=torch.tensor([1, 2]))

@@ -1,4 +1,4 @@
-"""Objective-specific behaviour of bd3lm, fast_dllm_v2 and uniform, their config rules, and a
+"""Objective-specific behaviour of bd3lm, fast_dllm_v2, uniform and ar, their config rules, and a
 convergence check of every objective on a generated deterministic task."""
 
 from __future__ import annotations
@@ -14,13 +14,14 @@ import torch
 from dllm.attention.masks import AttentionMask
 from dllm.config.loading import validate_config
 from dllm.config.model import ModelConfig
-from dllm.config.objectives import BD3LMConfig, FastDLLMv2Config, UniformConfig
+from dllm.config.objectives import ARConfig, BD3LMConfig, FastDLLMv2Config, UniformConfig
 from dllm.config.prepare import PrepareSpec
 from dllm.config.spec import RunSpec
 from dllm.data.loader import Batch
 from dllm.data.prepare import prepare
 from dllm.diffusion.corruption import NoiseKeys
 from dllm.diffusion.objectives import BD3LMObjective, FastDLLMv2Objective, TokenIds, UniformObjective
+from dllm.diffusion.objectives.ar import ARObjective
 from dllm.diffusion.objectives.block import pad_blocks_with_eos, shifted_rows
 from dllm.errors import ConfigError
 from dllm.models import Transformer
@@ -148,6 +149,8 @@ def _spec(tmp_path: Path, objective: dict, **model) -> RunSpec:
         ({"name": "bd3lm", "block_size": 8}, {"family": "bert"}, None),
         ({"name": "fast_dllm_v2", "block_size": 8}, {"family": "bert"}, "bert is an encoder"),
         ({"name": "uniform", "self_condition_prob": 0.5}, {}, "set model.self_condition: true"),
+        ({"name": "ar"}, {"shift_logits": True}, r"model.shift_logits: ar shifts predictions itself"),
+        ({"name": "ar"}, {"family": "qwen3"}, None),
     ],
 )
 def test_objective_rules(tmp_path: Path, objective: dict, model: dict, message: str | None):
@@ -199,6 +202,7 @@ CONVERGENCE = {
     "bd3lm": ({"name": "bd3lm", "block_size": 8}, {}, 1.5),
     "fast_dllm_v2": ({"name": "fast_dllm_v2", "block_size": 8, "sub_block_size": 4}, {}, 1.0),
     "uniform": ({"name": "uniform", "self_condition_prob": 0.25}, {"self_condition": True}, 1.0),
+    "ar": ({"name": "ar"}, {}, 0.5),  # the next letter of a cycle follows from the one before
 }
 
 
@@ -240,3 +244,26 @@ def test_bd3lm_asks_for_the_noisy_half_only():
     assert inp.mask.num_outputs == 16 and inp.loss_rows is None
     shifted = BD3LMObjective(BD3LMConfig(block_size=4, shift=True), IDS).prepare(_batch(), NoiseKeys(0, 4))
     assert shifted.mask.num_outputs is None  # the shift reads clean positions too
+
+
+def test_ar_loss_is_next_token_cross_entropy_on_supervised_tokens():
+    """The ar objective: causal attention, hidden i-1 predicts token i, unsupervised targets (a prompt)
+    and position 0 carry no loss; the mask token is no prediction. Checked against a plain computation."""
+    model = Transformer(ModelConfig(preset="tiny", vocab_size=V)).eval()
+    model.init_weights(torch.Generator().manual_seed(0))
+    batch = _batch(B=3, L=12, seed=4, supervised=0.6)
+    obj = ARObjective(ARConfig(), IDS, chunked_loss=False)
+    inp = obj.prepare(batch, NoiseKeys(0, 3))
+    assert inp.mask.kind == "causal" and torch.equal(inp.tokens_BL, batch.tokens_BL)
+    assert obj.normalizer(batch) == int(batch.loss_mask_BL[:, 1:].sum()) == int((inp.weights_BL > 0).sum())
+    out = model(inp.tokens_BL, inp.positions_BL, inp.mask)
+    loss = obj.loss(out, inp).loss_sum
+    logits = model(batch.tokens_BL, inp.positions_BL, AttentionMask("causal")).logits()[:, :-1]
+    logits[..., IDS.mask_id] = float("-inf")
+    ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), batch.tokens_BL[:, 1:], reduction="none")
+    torch.testing.assert_close(loss, (ce * batch.loss_mask_BL[:, 1:]).sum(), atol=1e-4, rtol=1e-5)
+    # the future never leaks: changing the last token leaves every other prediction unchanged
+    changed = batch.tokens_BL.clone()
+    changed[:, -1] = (changed[:, -1] + 1) % (V - 3)
+    other = model(changed, inp.positions_BL, inp.mask).hidden_BLE
+    torch.testing.assert_close(other[:, :-1], out.hidden_BLE[:, :-1], atol=0, rtol=0)

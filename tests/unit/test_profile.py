@@ -13,11 +13,11 @@ from dllm.checkpoint.files import MANIFEST, write_manifest
 from dllm.checkpoint.inference import load_for_inference
 from dllm.config.loading import validate_config
 from dllm.config.model import ModelConfig
-from dllm.config.objectives import BD3LMConfig, FastDLLMv2Config, MDLMConfig, UniformConfig
+from dllm.config.objectives import ARConfig, BD3LMConfig, FastDLLMv2Config, MDLMConfig, UniformConfig
 from dllm.config.profile import PROFILE_FILE, DecodeProfile, build_profile, read_profile, write_profile
 from dllm.config.sampler import SamplerConfig, resolve_sampler
 from dllm.config.spec import RunSpec
-from dllm.errors import CheckpointError
+from dllm.errors import CheckpointError, ConfigError
 from dllm.training.preflight import resolve_run_spec
 from dllm.training.run import prepare_run_dir, train_from_run_dir
 from tests.helpers import tiny_train_values
@@ -38,6 +38,7 @@ def _profile(objective, shift_logits: bool = False) -> DecodeProfile:
         (FastDLLMv2Config(block_size=8, sub_block_size=4), ("block", 8, 4, True, "linear", "mask")),
         (UniformConfig(), ("bidirectional", None, None, False, "linear", "uniform")),
         (None, ("bidirectional", None, None, False, "linear", "mask")),
+        (ARConfig(), ("causal", None, None, True, "linear", "mask")),
     ],
 )
 def test_each_objective_states_how_its_models_decode(objective, expected):
@@ -65,6 +66,13 @@ def test_profile_rules_and_file_round_trip(tmp_path: Path):
     (tmp_path / PROFILE_FILE).write_text('{"attention": "sideways"}')
     with pytest.raises(CheckpointError, match=rf"{PROFILE_FILE}: not a valid decode profile"):
         read_profile(tmp_path)
+
+
+def test_the_diffusion_sampler_refuses_a_causal_model():
+    with pytest.raises(ConfigError, match=r"autoregressive \(trained with ar: attention causal.*`dllm generate --ar`"):
+        resolve_sampler(SamplerConfig(gen_length=16), _profile(ARConfig()))
+    with pytest.raises(ValueError, match="apply to attention block only"):
+        DecodeProfile(attention="causal", block_size=4, max_length=8, **IDS)
 
 
 def test_the_sampler_reads_the_profile_not_the_objective():

@@ -56,7 +56,7 @@ def test_index_matches_the_recipe_folders():
     assert len(set(RECIPES)) == len(RECIPES)
     for name in RECIPES:
         assert all((package / name / f).is_file() for f in CONFIG_FILES)
-    smoke = {"mdlm", "sft", "bd3lm", "fast-dllm-v2", "uniform", "a2d-mdlm", "a2d-bd3lm"}
+    smoke = {"mdlm", "sft", "bd3lm", "fast-dllm-v2", "uniform", "a2d-mdlm", "a2d-bd3lm", "ar"}
     templates = {"qwen3-0.6b-bd3lm", "llada-8b-sft", "qwen2.5-fast-dllm-v2", "mdlm-small-pretrain"}
     assert {f"{s}-smoke" for s in smoke} <= set(SMOKE)
     assert templates <= set(RECIPES) - set(SMOKE)

@@ -81,6 +81,9 @@ class AttentionMask:
     query_offset: int = 0
     """Query row r is index r + query_offset of the key sequence (cached decoding runs a slice of the
     canvas against cached keys); per-position tensors are indexed by key index."""
+    query_offset_B: torch.Tensor | None = None
+    """Per-row query offsets [B] (int64), added to `query_offset`: query row r of batch row b is key index
+    r + query_offset + query_offset_B[b] (a ragged KV cache, whose rows hold different lengths)."""
     num_outputs: int | None = None
     """Only the first N query rows' outputs are used (BD3LM's loss reads x_t only): a model may compute
     just those queries in its last layer. None: every row's output is used."""
@@ -102,11 +105,16 @@ class AttentionMask:
         if self.window is not None and self.window < 1:
             raise ValueError(f"attention window must be >= 1 (or None for no window), got {self.window}")
         _check_per_position(self.key_valid_BL, self.doc_ids_BL)
+        off = self.query_offset_B
+        if off is not None and (off.dim() != 1 or off.dtype != torch.int64 or self.kind == "block_diffusion"):
+            raise ValueError(f"query_offset_B must be int64 [batch] and not block_diffusion, got {off.dtype} "
+                             f"{tuple(off.shape)} with {self.kind}")  # fmt: skip
 
     @property
     def is_plain(self) -> bool:
         """Plain bidirectional or causal: no mask tensor needed (backends can skip building one)."""
         restricted = self.key_valid_BL is not None or self.doc_ids_BL is not None or self.window is not None
+        restricted = restricted or self.query_offset_B is not None
         shifted_causal = self.kind == "causal" and self.query_offset != 0  # SDPA's is_causal is top-left aligned
         return self.kind in ("bidirectional", "causal") and not restricted and not shifted_causal
 
@@ -237,6 +245,8 @@ def mask_mod(mask: AttentionMask, kv_len: int | None = None) -> MaskMod:
         restrictions = [in_both_halves(m, seq_len) for m in restrictions]
     mods = [base_mod(mask, seq_len), *restrictions]
     mod = mods[0] if len(mods) == 1 else and_masks(*mods)
+    if mask.query_offset_B is not None:
+        return offset_queries_per_row(mod, mask.query_offset_B + mask.query_offset)
     return mod if not mask.query_offset else offset_queries(mod, mask.query_offset)
 
 
@@ -245,6 +255,15 @@ def offset_queries(inner: MaskMod, offset: int) -> MaskMod:
 
     def mod(b, h, q, kv):
         return inner(b, h, q + offset, kv)
+
+    return mod
+
+
+def offset_queries_per_row(inner: MaskMod, offset_B: torch.Tensor) -> MaskMod:
+    """Query row r of batch row b is index r + offset_B[b] (rows of a ragged cache sit at different lengths)."""
+
+    def mod(b, h, q, kv):
+        return inner(b, h, q + offset_B[b], kv)
 
     return mod
 
@@ -301,4 +320,4 @@ def dense_mask(mod: MaskMod, batch: int, q_len: int, kv_len: int, device: torch.
 
 def depends_on_batch(mask: AttentionMask) -> bool:
     """Whether the pattern differs between batch rows (per-position tensors), else it broadcasts."""
-    return mask.key_valid_BL is not None or mask.doc_ids_BL is not None
+    return mask.key_valid_BL is not None or mask.doc_ids_BL is not None or mask.query_offset_B is not None

@@ -106,6 +106,17 @@ class UniformConfig(Section):
         return {"attention": "bidirectional", "schedule": self.schedule, "corruption": "uniform"}
 
 
+class ARConfig(Section):
+    """Autoregressive next-token training under a causal mask (a speculative-decoding target, an AR baseline)."""
+
+    name: Literal["ar"] = "ar"
+    """Objective: ar (next-token cross-entropy; hidden i-1 predicts token i; supervised tokens only)."""
+
+    def decode_facts(self) -> dict[str, Any]:
+        """Causal decoding, one token per forward (`dllm generate --ar`, or a drafter with `--draft`)."""
+        return {"attention": "causal", "shift": True}
+
+
 class DFlashDistillationConfig(Section):
     """DFlash drafter distillation (Chen et al. 2025): a drafter learns a frozen AR target's next tokens."""
 
@@ -132,5 +143,6 @@ class DFlashDistillationConfig(Section):
 
 
 ObjectiveConfig = Annotated[
-    MDLMConfig | BD3LMConfig | FastDLLMv2Config | UniformConfig | DFlashDistillationConfig, Field(discriminator="name")
+    MDLMConfig | BD3LMConfig | FastDLLMv2Config | UniformConfig | ARConfig | DFlashDistillationConfig,
+    Field(discriminator="name"),
 ]

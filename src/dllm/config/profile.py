@@ -32,8 +32,9 @@ class DecodeProfile(Section):
     """Format version of this record."""
     objective: str | None = None
     """The objective the model was trained with (for messages); null for a model not trained here."""
-    attention: Literal["bidirectional", "block"] = "bidirectional"
-    """bidirectional (MDLM, LLaDA, Dream) or block-causal with the training block size (BD3LM, Fast-dLLM v2)."""
+    attention: Literal["bidirectional", "block", "causal"] = "bidirectional"
+    """bidirectional (MDLM, LLaDA, Dream), block-causal with the training block size (BD3LM, Fast-dLLM v2), or
+    causal: an autoregressive model (objective ar), decoded one token per forward or speculatively (`--ar`)."""
     block_size: int | None = Field(default=None, gt=0)
     """Tokens per block of a block model (its sampler must use the same); null for bidirectional models."""
     sub_block_size: int | None = Field(default=None, gt=0)
@@ -59,7 +60,7 @@ class DecodeProfile(Section):
     def _check_blocks(self) -> DecodeProfile:
         if self.attention == "block" and self.block_size is None:
             raise ValueError("attention block needs block_size")
-        if self.attention == "bidirectional" and (self.block_size is not None or self.sub_block_size is not None):
+        if self.attention != "block" and (self.block_size is not None or self.sub_block_size is not None):
             raise ValueError("block_size and sub_block_size apply to attention block only")
         if self.sub_block_size is not None and self.block_size and self.block_size % self.sub_block_size:
             raise ValueError(f"sub_block_size {self.sub_block_size} must divide block_size {self.block_size}")

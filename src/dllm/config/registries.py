@@ -25,6 +25,7 @@ OBJECTIVES = Registry(
         "bd3lm": entry("objectives.block:BD3LMObjective", "block"),  # block: trains the block-diffusion layout
         "fast_dllm_v2": entry("objectives.block:FastDLLMv2Objective", "block"),
         "uniform": "objectives.uniform:UniformObjective",
+        "ar": entry("objectives.ar:ARObjective", "causal"),  # causal: next-token training, decoded with --ar
         # target: trains a drafter of a frozen target model that training/build.py loads and hands over
         "dflash_distillation": entry("objectives.dflash:DFlashDistillation", "target"),
     },

@@ -35,6 +35,10 @@ def check_objective(spec: RunSpec) -> None:
             raise ConfigError("objective.name: fast_dllm_v2 adapts autoregressive models; bert is an encoder")
     if obj.name == "uniform" and obj.self_condition_prob > 0 and not model.self_condition:
         raise ConfigError("objective.self_condition_prob: needs a model input for it; set model.self_condition: true")
+    if OBJECTIVES.has(obj.name, "causal") and model.shift_logits:
+        raise ConfigError(
+            f"model.shift_logits: {obj.name} shifts predictions itself (hidden i-1 predicts i); set it false"
+        )
     if obj.name == "uniform" and model.shift_logits:
         raise ConfigError("model.shift_logits: the uniform objective predicts x0 in place; set it to false")
     if obj.name == "dflash_distillation":

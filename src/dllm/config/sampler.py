@@ -109,6 +109,11 @@ class SamplerConfig(Section):
 def resolve_sampler(cfg: SamplerConfig, profile: DecodeProfile) -> SamplerConfig:
     """Fill `attention`, `shift`, the block and sub-block lengths from the model's decode profile, and
     refuse a sampler the model was not trained for."""
+    if profile.attention == "causal":
+        raise ConfigError(
+            f"this model is autoregressive (trained with {profile.objective or 'a causal objective'}: attention causal "
+            "in its decode profile); the diffusion sampler cannot decode it: use `dllm generate --ar`"
+        )
     trained = f"this run was trained with {profile.objective}" if profile.objective else "this model decodes masks"
     if profile.corruption == "uniform" and cfg.policy != "uniform":
         raise ConfigError(

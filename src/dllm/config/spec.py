@@ -56,7 +56,7 @@ class RunSpec(Section):
     data: DataConfig
     """Prepared training data."""
     objective: ObjectiveConfig = Field(default_factory=MDLMConfig)
-    """Training objective: mdlm, bd3lm, fast_dllm_v2 or uniform (`name`)."""
+    """Training objective: mdlm, bd3lm, fast_dllm_v2, uniform, ar or dflash_distillation (`name`)."""
     training: TrainingConfig
     """Training loop."""
     optimizer: OptimizerConfig = OptimizerConfig()

@@ -276,7 +276,7 @@ def scoring_for(loaded, kind: str = "auto") -> ScoringModel:
             "this run was trained with the uniform objective (a simplified x0 loss without a mask token): "
             "it has no likelihood bound here; evaluate it with tasks"
         )
-    if kind == "ar":
+    if kind == "ar" or (kind == "auto" and profile.attention == "causal"):  # a causal run: its exact likelihood
         return ScoringModel("ar", profile.mask_id)
     if profile.attention == "block":
         if kind == "mdlm":

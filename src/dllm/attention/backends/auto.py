@@ -16,6 +16,8 @@ recorded with that name computes exactly what `auto` did.
   padding, windows on bidirectional / causal) it hands to SDPA with a dense mask. Compiled
   FlexAttention is faster on big masks but costs ~30 s per new shape, more than a CPU sampling call;
   choose `flex` explicitly for long CPU jobs;
+- ragged cached decoding (per-row query offsets: a few query rows against a key length that grows every
+  step): SDPA with a dense mask; a compiled FlexAttention kernel would compile for every new key length;
 - FlexAttention configured eager (model.flex_compile: false) or any other device: SDPA. Eager
   FlexAttention materialises every score and ran ~6x slower than dense SDPA on the block-diffusion mask.
 
@@ -49,7 +51,12 @@ def resolve_backend(name: str, device_type: str, flex_compile: bool) -> str:
 def choose_backend(mask: AttentionMask, device_type: str, flex_compile: bool) -> str:
     """Which backend `auto` runs for a mask on a device: SDPA's mask-free kernels for plain masks, else
     the resolved backend (which takes the same mask-free path for plain masks, so both agree)."""
-    return "sdpa" if mask.is_plain else resolve_backend("auto", device_type, flex_compile)
+    return "sdpa" if _sdpa_path(mask) else resolve_backend("auto", device_type, flex_compile)
+
+
+def _sdpa_path(mask: AttentionMask) -> bool:
+    """Plain masks (mask-free kernels) and ragged decoding steps (new shapes every step) run on SDPA."""
+    return mask.is_plain or mask.query_offset_B is not None
 
 
 class AutoBackend:
@@ -76,7 +83,7 @@ class AutoBackend:
         return self._structured[device_type]
 
     def __call__(self, q_BHLD: torch.Tensor, k_BKSD: torch.Tensor, v_BKSD: torch.Tensor, mask: AttentionMask):
-        backend = sdpa_attention if mask.is_plain else self.for_device(q_BHLD.device.type)
+        backend = sdpa_attention if _sdpa_path(mask) else self.for_device(q_BHLD.device.type)
         return backend(q_BHLD, k_BKSD, v_BKSD, mask)
 
 

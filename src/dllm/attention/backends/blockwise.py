@@ -102,7 +102,9 @@ def chunk_plan(mask: AttentionMask, q_len: int, kv_len: int, num_chunks: int) ->
     if num_chunks < 1:
         raise ValueError(f"blockwise attention needs num_chunks >= 1, got {num_chunks}")
     noisy_only = mask.kind == "block_diffusion" and 2 * q_len == kv_len  # only x_t's outputs are needed
-    if mask.kind not in BLOCK_KINDS or mask.query_offset or (q_len != kv_len and not noisy_only):
+    if mask.kind not in BLOCK_KINDS or mask.query_offset or mask.query_offset_B is not None:
+        return None
+    if q_len != kv_len and not noisy_only:
         return None
     seq_len = layout_length(mask, kv_len)  # L; raises on a bad 2L length before any slicing
     assert seq_len is not None and mask.block_size is not None  # kv_len is given; block kinds have one

@@ -47,7 +47,7 @@ def sharded_attention(
     """out [B, H, Q, D] of local queries (global rows `q_rows` [Q]) over held keys (global rows
     `kv_rows` [S]); `num_rows` is the global key length the description is laid out on (L, or 2L
     for block diffusion). `map_key` names the mapping in the mask cache (e.g. the shard plan)."""
-    if mask.query_offset:
+    if mask.query_offset or mask.query_offset_B is not None:
         raise ValueError("sharded attention evaluates global row indices: a mask with query_offset is not supported")
     assert q_rows.numel() == q_BHQD.shape[2] and kv_rows.numel() == k_BKSD.shape[2], "rows and tensors disagree"
     gqa = k_BKSD.shape[1] != q_BHQD.shape[1]
@@ -82,7 +82,7 @@ def shard_mask(
     None when every pair is allowed (plain bidirectional). Not memoised: the ring builds each step's
     tile inside the step's checkpoint (again in the backward), so no more than one step's tile lives
     at a time, instead of a Q x all-keys mask in the cache."""
-    if mask.query_offset:
+    if mask.query_offset or mask.query_offset_B is not None:
         raise ValueError("sharded attention evaluates global row indices: a mask with query_offset is not supported")
     if mask.kind == "bidirectional" and mask.is_plain:
         return None
