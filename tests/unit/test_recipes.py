@@ -13,6 +13,7 @@ from dllm.cli import main as cli_main
 from dllm.cli import recipe_cmd
 from dllm.config.loading import load_config
 from dllm.config.prepare import PrepareSpec
+from dllm.config.registries import OBJECTIVES
 from dllm.config.rules import check_topology
 from dllm.config.spec import RunSpec
 from dllm.data.prepare import prepare
@@ -56,8 +57,11 @@ def test_index_matches_the_recipe_folders():
     assert len(set(RECIPES)) == len(RECIPES)
     for name in RECIPES:
         assert all((package / name / f).is_file() for f in CONFIG_FILES)
-    smoke = {"mdlm", "sft", "bd3lm", "fast-dllm-v2", "uniform", "a2d-mdlm", "a2d-bd3lm", "ar"}
-    templates = {"qwen3-0.6b-bd3lm", "llada-8b-sft", "qwen2.5-fast-dllm-v2", "mdlm-small-pretrain"}
+    smoke = {"mdlm", "sft", "bd3lm", "fast-dllm-v2", "uniform", "a2d-mdlm", "a2d-bd3lm", "ar", "dflash"}
+    templates = {"qwen3-0.6b-bd3lm", "llada-8b-sft", "qwen2.5-fast-dllm-v2", "mdlm-small-pretrain", "dflash-qwen3-8b"}
+    for name in RECIPES:  # a recipe trained first is a smoke recipe listed before
+        after = INFO[name].after
+        assert after is None or (after in SMOKE and RECIPES.index(after) < RECIPES.index(name)), name
     assert {f"{s}-smoke" for s in smoke} <= set(SMOKE)
     assert templates <= set(RECIPES) - set(SMOKE)
 
@@ -71,7 +75,7 @@ def test_recipe_configs_validate_and_agree(name: str, tmp_path: Path):
     assert spec.data.path == prep.output and spec.data.seq_len == prep.seq_len
     check_topology(spec, spec.topology.world_size)
     block = getattr(spec.objective, "block_size", None)
-    if block is not None:
+    if block is not None and OBJECTIVES.has(spec.objective.name, "block"):  # a drafter's block is not the data's
         assert spec.data.seq_len % block == 0
         assert prep.pad_to_multiple == block, "documents start on block boundaries"
     assert spec.run.name == name
@@ -79,6 +83,11 @@ def test_recipe_configs_validate_and_agree(name: str, tmp_path: Path):
 
 @pytest.mark.parametrize("name", SMOKE)
 def test_smoke_recipe_copies_prepares_and_resolves(name: str, tmp_path: Path):
+    from dllm.training.run import prepare_run_dir
+
+    after = INFO[name].after
+    if after is not None:  # the run it reads: its folder and config (resolving reads no weights)
+        prepare_run_dir(_copy_and_prepare(after, tmp_path / after))
     spec = _copy_and_prepare(name, tmp_path / name)
     assert spec.training.device == "auto" and spec.topology.world_size == 1
     if INFO[name].ar_model:
@@ -187,6 +196,9 @@ def test_smoke_recipe_trains_in_a_minute(name: str, tmp_path: Path):
     """Copy, prepare and train with the recipe's own settings: the loss falls, in under 60 s on a CPU."""
     from dllm.training.run import prepare_run_dir, train_from_run_dir
 
+    after = INFO[name].after
+    if after is not None:  # the target's run, trained first (not timed)
+        train_from_run_dir(prepare_run_dir(_copy_and_prepare(after, tmp_path / after)))
     t0 = time.perf_counter()
     spec = _copy_and_prepare(name, tmp_path / name)
     losses = train_from_run_dir(prepare_run_dir(spec))

@@ -44,6 +44,8 @@ def copy(
     info(f"wrote {', '.join(str(p) for p in written)}")
     if recipe.kind == "template":
         info("this is a template: point its model, tokenizer and data paths at your folders first")
+    if recipe.after is not None:
+        info(f"first train the recipe {recipe.after} in {dest.parent / recipe.after} (this one reads its run)")
     info("next:")
     info(f"  dllm data prepare --config {dest / 'prepare.yaml'}")
     info(f"  dllm launch --config {dest / 'train.yaml'}")

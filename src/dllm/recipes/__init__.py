@@ -46,6 +46,8 @@ class RecipeInfo(Section):
     """The corpus `copy` generates into data/train.jsonl."""
     ar_model: bool = False
     """`copy` also writes ar-model/, a tiny random causal llama (Hugging Face folder) to convert."""
+    after: str | None = None
+    """A recipe to copy and train first, in the sibling folder of that name (a drafter's target run)."""
 
     @model_validator(mode="after")
     def _generated_only_for_smoke(self) -> RecipeInfo:
