@@ -45,9 +45,8 @@ def make_drafter(target: Transformer, block: int = 4, seed: int = 1, num_layers:
 
 
 def make_objective(target: Transformer, **over) -> DFlashDistillation:
-    cfg = DFlashDistillationConfig(
-        target="unused", target_layer_ids=list(LAYERS), block_size=4, num_anchors=5, **over
-    )  # fmt: skip
+    values = {"target": "unused", "target_layer_ids": list(LAYERS), "block_size": 4, "num_anchors": 5, **over}
+    cfg = DFlashDistillationConfig(**values)
     return DFlashDistillation(cfg, IDS, target=target)
 
 
@@ -312,3 +311,60 @@ def test_a_drafter_run_refuses_a_target_that_is_not_causal(workdir: Path, capsys
     err = capsys.readouterr().err
     assert code == 2 and "masked: the target decodes with bidirectional attention" in err, err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_ranks_draw_the_anchors_of_the_whole_batch():
+    """Anchors are keyed by sample id: two data-parallel ranks holding half the rows each prepare exactly
+    the rows of the whole batch, and their normalisers add up to the whole batch's."""
+    target = make_target()
+    obj = make_objective(target)
+    whole = make_batch(B=4)
+    inp = obj.prepare(whole, NoiseKeys(0, 4))
+    total = 0
+    for rows in (slice(0, 2), slice(2, 4)):
+        half = Batch(whole.tokens_BL[rows], whole.loss_mask_BL[rows], whole.sample_ids_B[rows])
+        part = obj.prepare(half, NoiseKeys(0, 4))
+        assert torch.equal(part.tokens_BL.ids_BN, inp.tokens_BL.ids_BN[rows])
+        assert torch.equal(part.targets_BL, inp.targets_BL[rows])
+        assert torch.equal(part.weights_BL, inp.weights_BL[rows])
+        total += obj.normalizer(half)
+    assert total == obj.normalizer(whole)
+
+
+def test_anchors_and_targets_stay_inside_a_document():
+    target = make_target()
+    obj = make_objective(target, decay=None, num_anchors=20)  # every valid anchor
+    tokens = torch.randint(2, 60, (1, 24), generator=torch.Generator().manual_seed(0))
+    doc = torch.tensor([[0] * 12 + [1] * 12])
+    batch = Batch(tokens, torch.ones(1, 24, dtype=torch.bool), torch.arange(1), doc)
+    valid = obj.valid_anchors(batch)[0]
+    assert not bool(valid[11])  # its next token starts the next document
+    assert bool(valid[10]) and bool(valid[12])
+    inp = obj.prepare(batch, NoiseKeys(0, 1))
+    pos, anchors = inp.positions_BL.view(20, 4), inp.tokens_BL.context_len_BA[0]
+    w = inp.weights_BL.view(20, 4)
+    same = doc[0, pos] == doc[0, anchors][:, None]
+    assert bool((~same).any()), "this draw has a block that crosses into the next document"
+    assert bool((w[~same] == 0).all()) and bool((w[same] > 0).sum() > 0)
+
+
+def test_kl_loss_is_the_weighted_kl_to_the_target():
+    from dllm.diffusion.objectives.dflash import kl_loss
+    from dllm.models.output import ModelOutput
+
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 3, 8, generator=g)
+    weight = torch.randn(10, 8, generator=g)
+    out = ModelOutput(hidden, lambda h: (h, weight, None))
+    weights = torch.tensor([[0.0, 1.0, 0.5], [0.0, 0.0, 2.0]])
+    teacher = torch.randn(3, 10, generator=g)
+    teacher[:, 9] = -float("inf")  # an id the target may not produce: excluded from both
+    inp = dataclasses.replace(
+        make_objective(make_target(), loss="kl").prepare(make_batch(B=2), NoiseKeys(0, 2)),
+        weights_BL=weights, targets_BL=torch.zeros(2, 3, dtype=torch.long), teacher_logits_MV=teacher,
+    )  # fmt: skip
+    logits = hidden[weights > 0] @ weight.T
+    q = teacher[:, :9].log_softmax(-1)
+    p = logits[:, :9].log_softmax(-1)
+    expected = ((q.exp() * (q - p)).sum(-1) * torch.tensor([1.0, 0.5, 2.0])).sum()
+    torch.testing.assert_close(kl_loss(out, inp).loss_sum, expected)
