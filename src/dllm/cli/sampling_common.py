@@ -37,8 +37,11 @@ def setup_sampling(
     sampler_config: Path | None,
     overrides: list[str] | None,
     flags: dict[str, Any],
+    causal: bool = False,
 ) -> SamplingSetup:
-    """Load the model and build the sampler: file < flags < --set, then `auto` fields from the run."""
+    """Load the model and build the sampler: file < flags < --set, then `auto` fields from the run.
+    `causal` (AR / speculative decoding): the sampler's length, temperature, top-k/p, EOS and stop
+    fields are read as they are; nothing is resolved against the diffusion profile."""
     import torch
 
     from dllm.checkpoint.inference import load_for_inference
@@ -61,6 +64,6 @@ def setup_sampling(
     if device not in ("cpu", "cuda") or (device == "cuda" and not torch.cuda.is_available()):
         raise ConfigError(f"--device: {device!r} is not available here; use cpu")
     loaded = load_for_inference(run, checkpoint, torch.device(device), model_dir=model)
-    cfg = resolve_sampler(cfg, loaded.profile)
+    cfg = cfg if causal else resolve_sampler(cfg, loaded.profile)
     special = SpecialIds.of(loaded.profile)
     return SamplingSetup(loaded, cfg, special, torch.device(device))

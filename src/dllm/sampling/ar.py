@@ -274,50 +274,54 @@ def ar_generate(
         target.commit(lengths_B)
         logits_BV = logits_B1V[:, 0]
         out_BN = torch.zeros(B, N, dtype=torch.long, device=device)
+        num_B = torch.zeros(B, dtype=torch.long, device=device)  # tokens generated per row until its end
         ended_B = torch.zeros(B, dtype=torch.bool, device=device)
         counters, kept = DecodeCounters(), []
         for n in range(N):
-            x_B = decoding.choose(logits_BV, generator)
-            if decoding.eos_id is not None:
-                x_B = torch.where(ended_B, decoding.eos_id, x_B)
-            out_BN[:, n] = x_B
+            out_BN[:, n] = decoding.choose(logits_BV, generator)
             kept.append(logits_BV.clone() if return_logits else None)
             counters.rounds += int((~ended_B).sum())
-            ended_B = ended_B | row_ended(out_BN[:, : n + 1], decoding.eos_id, stop)
+            num_B = num_B + (~ended_B).long()
+            ended_B = ended_B | row_ended(out_BN, num_B, decoding.eos_id, stop)
             if n == N - 1 or bool(ended_B.all()):
                 break
-            logits_B1V, _ = target.forward(x_B[:, None])
+            logits_B1V, _ = target.forward(out_BN[:, n : n + 1])
             target.commit(torch.ones_like(lengths_B))
             logits_BV = logits_B1V[:, 0]
         counters.target_forwards = target.forwards
-        result = finish(out_BN, n + 1, decoding.eos_id, counters)
+        result = finish(out_BN, num_B, decoding.eos_id, counters)
         if return_logits:
             result.logits_BNV = torch.stack(kept, dim=1)
     return result
 
 
-def row_ended(out_BN: torch.Tensor, eos_id: int | None, stop: Callable[[list[int]], bool] | None) -> torch.Tensor:
-    """Rows whose output so far holds an EOS or, cut before it, makes `stop` true."""
-    ended_B = (out_BN == eos_id).any(-1) if eos_id is not None else torch.zeros_like(out_BN[:, 0], dtype=torch.bool)
+def row_ended(
+    out_BN: torch.Tensor, num_B: torch.Tensor, eos_id: int | None, stop: Callable[[list[int]], bool] | None
+) -> torch.Tensor:
+    """Rows whose first num_B tokens hold an EOS or, cut before it, make `stop` true."""
+    decided_BN = torch.arange(out_BN.shape[1], device=out_BN.device) < num_B[:, None]
+    ended_B = ((out_BN == eos_id) & decided_BN).any(-1) if eos_id is not None else torch.zeros_like(num_B).bool()
     if stop is not None:
-        ended_B = ended_B | torch.tensor([stop(ids) for ids in cut(out_BN, eos_id)], device=out_BN.device)
+        ended_B = ended_B | torch.tensor([stop(ids) for ids in cut(out_BN, num_B, eos_id)], device=out_BN.device)
     return ended_B
 
 
-def cut(out_BN: torch.Tensor, eos_id: int | None) -> list[list[int]]:
-    rows = out_BN.tolist()
+def cut(out_BN: torch.Tensor, num_B: torch.Tensor, eos_id: int | None) -> list[list[int]]:
+    """Each row's first num_B tokens, cut before its first EOS."""
+    rows = [r[:n] for r, n in zip(out_BN.tolist(), num_B.tolist(), strict=True)]
     return [r[: r.index(eos_id)] if eos_id is not None and eos_id in r else r for r in rows]
 
 
-def finish(out_BN: torch.Tensor, num_decided: int, eos_id: int | None, counters: DecodeCounters) -> DecodeResult:
-    """The result of a loop that decided the first `num_decided` tokens of every row; the rest (every row
-    had ended) is filled with EOS."""
-    if num_decided < out_BN.shape[1]:
-        out_BN[:, num_decided:] = eos_id if eos_id is not None else 0
-    sequences = cut(out_BN, eos_id)
+def finish(out_BN: torch.Tensor, num_B: torch.Tensor, eos_id: int | None, counters: DecodeCounters) -> DecodeResult:
+    """The result of a loop that generated num_B tokens per row (at most N = out_BN's width); undecided
+    positions of `tokens_BN` hold the EOS (or 0). `counters.tokens` counts each row's EOS too."""
     N = out_BN.shape[1]
-    counters.tokens = sum(len(s) + (len(s) < N) for s in sequences)  # a cut row ended with its EOS
-    return DecodeResult(sequences, out_BN.clone(), counters)
+    num_B = num_B.clamp_max(N)
+    decided_BN = torch.arange(N, device=out_BN.device) < num_B[:, None]
+    tokens_BN = torch.where(decided_BN, out_BN, eos_id if eos_id is not None else 0)
+    sequences = cut(tokens_BN, num_B, eos_id)
+    counters.tokens = sum(min(len(s) + 1, n) for s, n in zip(sequences, num_B.tolist(), strict=True))
+    return DecodeResult(sequences, tokens_BN, counters)
 
 
 # ---------------------------------------------------------------------------------------------------
