@@ -18,7 +18,7 @@ b in --blocks (objective dflash_distillation, the target frozen). Then, on held-
 One JSON line per block size, then a summary line with the targets (tau >= 3 at b = 8; >= 1.8x the
 AR tokens/s at batch 1).
 
-    python bench/speculative.py [--work-dir /tmp/dllm-bench-speculative] [--blocks 4 8 16] [--retrain]
+    python bench/speculative_dflash.py [--work-dir /tmp/dllm-bench-speculative] [--blocks 4 8 16] [--retrain]
 """
 
 from __future__ import annotations
