@@ -21,7 +21,7 @@ from pydantic import BaseModel
 from dllm.attention.backends import make_attention
 from dllm.attention.masks import AttentionMask
 from dllm.config.data import TokenizerConfig
-from dllm.config.model import ModelConfig
+from dllm.config.model import DrafterKind, ModelConfig
 from dllm.config.objectives import (
     ARConfig,
     BD3LMConfig,
@@ -112,6 +112,7 @@ CONFIG_LITERALS = {  # registry -> names its config accepts
     "LAYOUTS": lambda: literal_names(PrepareSpec, "layout"),
     "TOKENIZERS": lambda: literal_names(TokenizerConfig, "kind"),
     "LR_SCHEDULES": lambda: literal_names(SchedulerConfig, "name"),
+    "DRAFTERS": lambda: literal_names(DrafterKind, "model_type"),
 }
 
 

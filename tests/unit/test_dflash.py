@@ -5,6 +5,7 @@ round-trips and refuses another target."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -294,6 +295,21 @@ def test_a_drafter_run_trains_exports_and_checks_its_target(workdir: Path, capsy
     with pytest.raises(CheckpointError, match="weights differs"):
         load_drafter(workdir / "drafter", load_target(workdir / "other").model)
     capsys.readouterr()
+    # generate --draft: lossless against --ar; another target or block size is one line, exit 2
+    outs = {}
+    for flag in (["--ar"], ["--draft", str(workdir / "drafter")]):
+        args = ["generate", "--model", str(workdir / "target"), *flag, "-p", "the cat", "--gen-length", "12", "--json"]
+        assert dllm(args) == 0
+        outs[flag[0]] = json.loads(capsys.readouterr().out)
+    assert outs["--draft"]["completion"] == outs["--ar"]["completion"] and outs["--draft"]["tau"] >= 1
+    for target, extra, message in (
+        ("other", [], "this drafter was trained for target"),
+        ("target", ["--draft-block-size", "8"], "trained with blocks of 4, not 8"),
+    ):
+        args = ["generate", "--model", str(workdir / target), "--draft", str(workdir / "drafter"), *extra, "-p", "x"]
+        assert dllm(args) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("dllm: error: ") and err.count("\n") == 1 and message in err, err
 
 
 def test_a_drafter_run_refuses_a_target_that_is_not_causal(workdir: Path, capsys: pytest.CaptureFixture[str]):

@@ -7,7 +7,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from dllm.config.base import RelPath, Section
-from dllm.config.registries import ACTIVATIONS, ATTENTION_BACKENDS, FAMILIES, NORMS
+from dllm.config.registries import ACTIVATIONS, ATTENTION_BACKENDS, DRAFTERS, FAMILIES, NORMS
 
 # Size presets for the native transformer. A preset fills the fields the user did not set.
 MODEL_PRESETS: dict[str, dict[str, Any]] = {
@@ -226,3 +226,10 @@ class DFlashConfig(Section):
     def feature_size(self) -> int:
         """F: the width of the concatenated target features."""
         return len(self.target_layer_ids) * self.target.hidden_size
+
+
+class DrafterKind(Section):
+    """The family of a drafter folder: its config.json `model_type`, which picks the loader (DRAFTERS)."""
+
+    model_type: Literal[DRAFTERS.names()]  # type: ignore[valid-type]
+    """Drafter family: dflash (DFlash block-diffusion drafters, Chen et al. 2025)."""

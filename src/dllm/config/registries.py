@@ -123,6 +123,8 @@ FAMILIES = Registry(
     },
 )
 NORMS = Registry("norm", "models", {"rmsnorm": "layers:RMSNorm", "layernorm": "layers:LayerNorm"})
+# a drafter folder's config.json `model_type` picks its loader `(folder, target) -> Drafter` (generate --draft)
+DRAFTERS = Registry("drafter family", "models", {"dflash": "dflash:load_drafter"})
 ACTIVATIONS = Registry(
     "activation",
     "models",
@@ -149,5 +151,6 @@ ALL: dict[str, Registry] = {
     "FAMILIES": FAMILIES,
     "NORMS": NORMS,
     "ACTIVATIONS": ACTIVATIONS,
+    "DRAFTERS": DRAFTERS,
     "LR_SCHEDULES": LR_SCHEDULES,
 }
