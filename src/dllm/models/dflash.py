@@ -86,7 +86,7 @@ def draft_mask_mod(context_len_BA: torch.Tensor, block_size: int, num_context: i
     return mod
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask_B1QK: torch.Tensor) -> torch.Tensor:
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask_B1QK: torch.Tensor | None) -> torch.Tensor:
     """SDPA with the drafter's dense mask (per-anchor context lengths are not an AttentionMask kind)."""
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask_B1QK, enable_gqa=k.shape[1] != q.shape[1])
 
@@ -204,8 +204,10 @@ class DFlashDrafter(nn.Module):
         embedding, run the blocks over [context ; blocks] under the draft mask, final norm."""
         B, N = ids_BN.shape
         x = self.target.embed(ids_BN, positions_BN).to(self.fc.weight.dtype)
-        mod = draft_mask_mod(context_len_BA, self.block_size, num_context)
-        mask_B1NK = dense_mask(mod, B, N, num_context + N, ids_BN.device)
+        mask_B1NK = None  # one block that sees the whole context (decoding at batch 1): no mask at all
+        if context_len_BA.shape[1] > 1 or not bool((context_len_BA == num_context).all()):
+            mod = draft_mask_mod(context_len_BA, self.block_size, num_context)
+            mask_B1NK = dense_mask(mod, B, N, num_context + N, ids_BN.device)
         rope = self._rope(positions_BN)
         for i, layer in enumerate(self.layers):
             x, _ = layer(x, rope, mask_B1NK, None, context_kv(i, layer))
