@@ -128,6 +128,8 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, nargs="+", default=[4, 8, 16])
     ap.add_argument("--target-steps", type=int, default=400)
     ap.add_argument("--drafter-steps", type=int, default=250)
+    ap.add_argument("--anchors", type=int, default=64, help="objective.num_anchors of the drafters")
+    ap.add_argument("--loss", choices=["ce", "kl"], default="ce", help="objective.loss of the drafters")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
@@ -153,7 +155,7 @@ def main() -> None:
     summary: dict[str, Any] = {"bench": "speculative_summary", "speculative_loop": speculative_generate is not None}
     for b in args.blocks:
         objective = {"name": "dflash_distillation", "target": str(target_run), "target_layer_ids": TARGET_LAYERS,
-                     "block_size": b, "num_layers": 1, "num_anchors": 32, "loss": "ce"}  # fmt: skip
+                     "block_size": b, "num_layers": 1, "num_anchors": args.anchors, "loss": args.loss}  # fmt: skip
         run = train(work, f"drafter-b{b}", objective, args.drafter_steps, 3e-3, None)
         drafter, _, _ = load_drafter_run(run=run, device=torch.device("cpu"))
         drafter.attach(target)  # the very module the AR baseline runs
