@@ -3,7 +3,7 @@
 Trains (or reuses from --work-dir) a causal target, 4 layers x 256 wide (objective ar), on the
 demo-style corpus (sentences and sums, packed rows), and one 1-layer DFlash drafter per block size
 b in --blocks (objective dflash_distillation, the target frozen). Then, on held-out corpus prompts
-(a record's first words), greedy decoding of --new-tokens tokens:
+(a record's first word), greedy decoding of up to --new-tokens tokens, a row ending at its EOS:
 
 - `tau_offline`: the mean tokens gained per verify round, measured without a verify loop: the
   target's own greedy continuation S is computed once; each round the drafter proposes from the
@@ -84,18 +84,20 @@ def train(work: Path, name: str, objective: dict[str, Any], steps: int, lr: floa
 
 
 def prompts_of(tok, n: int) -> list[list[int]]:
-    """Held-out records (another seed), cut after their first two words."""
+    """Held-out records (another seed), cut after their first word."""
     texts = [r["text"] for r in demo_text(n, seed=12345)]
-    return [tok.encode(" ".join(t.split()[:2]) + " ") for t in texts]
+    return [tok.encode(t.split()[0] + " ") for t in texts]
 
 
 @torch.inference_mode()
-def tau_offline(target, drafter: DFlashDrafter, prompts: list[list[int]], greedy: torch.Tensor) -> dict[str, float]:
-    """Accepted-prefix rounds of the drafter against the target's greedy continuations, one row at a time."""
+def tau_offline(target, drafter: DFlashDrafter, prompts: list[list[int]], greedy: list[list[int]], eos: int,
+                max_new: int) -> dict[str, Any]:  # fmt: skip
+    """Accepted-prefix rounds of the drafter against the target's greedy continuations (with their
+    EOS, for rows that ended before `max_new` tokens), one row at a time."""
     b = drafter.block_size
     rounds = gained = 0
-    for prompt, cont in zip(prompts, greedy.tolist(), strict=True):
-        seq = torch.tensor([prompt + cont])
+    for prompt, cont in zip(prompts, greedy, strict=True):
+        seq = torch.tensor([prompt + cont + ([eos] if len(cont) < max_new else [])])
         P, L = len(prompt), seq.shape[1]
         with capture_layers(target, drafter.target_layer_ids) as cap:
             target(seq, torch.arange(L)[None], AttentionMask("causal"))
@@ -146,8 +148,9 @@ def main() -> None:
     loaded = load_for_inference(run=target_run, device=torch.device("cpu"))
     target, tok = loaded.model, loaded.tokenizer
     prompts = prompts_of(tok, args.prompts)
-    decoding = Decoding(max_new_tokens=args.new_tokens)
-    greedy = ar_generate(target, prompts, decoding, mask_id=tok.mask_id).tokens_BN
+    # rows end at EOS, as real decoding does: past it a target writes text unlike its corpus
+    decoding = Decoding(max_new_tokens=args.new_tokens, eos_id=tok.eos_id)
+    greedy = ar_generate(target, prompts, decoding, mask_id=tok.mask_id).sequences
     try:
         from dllm.sampling.speculative import speculative_generate
     except ImportError:
@@ -160,7 +163,8 @@ def main() -> None:
         drafter, _, _ = load_drafter_run(run=run, device=torch.device("cpu"))
         drafter.attach(target)  # the very module the AR baseline runs
         line: dict[str, Any] = {"bench": "speculative", "block_size": b, "new_tokens": args.new_tokens,
-                                "prompts": len(prompts), **tau_offline(target, drafter, prompts, greedy)}  # fmt: skip
+                                "prompts": len(prompts)}  # fmt: skip
+        line.update(tau_offline(target, drafter, prompts, greedy, tok.eos_id, args.new_tokens))
         if speculative_generate is not None:
             line.update(measure(target, drafter, prompts, decoding, tok.mask_id, speculative_generate, args.repeats))
         print(json.dumps(line), flush=True)
@@ -182,7 +186,7 @@ def measure(target, drafter, prompts, decoding, mask_id, speculative_generate, r
     c = spec_all.counters.as_dict()
     out.update(tau=round(c["tau"], 3), forwards_per_token=round(c["forwards_per_token"], 4),
                acceptance_rate=round(c["acceptance_rate"], 3),
-               lossless=bool(torch.equal(spec_all.tokens_BN, ar_all.tokens_BN)))  # fmt: skip
+               lossless=spec_all.sequences == ar_all.sequences)  # fmt: skip
     for batch in (1, 8):
         chunks = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
         best = timed({
@@ -191,7 +195,7 @@ def measure(target, drafter, prompts, decoding, mask_id, speculative_generate, r
                 speculative_generate(target, drafter, ch, decoding, mask_id=mask_id) for ch in chunks
             ],
         }, repeats)  # fmt: skip
-        tokens = len(prompts) * decoding.max_new_tokens
+        tokens = ar_all.counters.tokens  # the same for both: lossless
         out[f"ar_tokens_per_s_b{batch}"] = round(tokens / best["ar"], 1)
         out[f"spec_tokens_per_s_b{batch}"] = round(tokens / best["spec"], 1)
         out[f"speedup_b{batch}"] = round(best["ar"] / best["spec"], 3)
