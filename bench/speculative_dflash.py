@@ -11,7 +11,8 @@ b in --blocks (objective dflash_distillation, the target frozen). Then, on held-
   prefix equal to S, plus the target's token. Under greedy decoding this is exactly what the
   speculative loop accepts, so it cross-checks the loop's tau.
 - with the speculative loop (`dllm.sampling.speculative.speculative_generate`, when present): tau,
-  target forwards per generated token, and wall time against AR decoding with the KV cache
+  target forwards per generated token (`forwards_per_token_b1`: one prompt per call; `..._one_batch`:
+  all prompts in one call, a forward counted once for its rows), and wall time against AR decoding with the KV cache
   (`sampling.ar.ar_generate`) at batch 1 and 8 (the best of --repeats interleaved rounds), plus
   whether the outputs equal AR's token for token (lossless).
 
@@ -134,7 +135,7 @@ def main() -> None:
     ap.add_argument("--loss", choices=["ce", "kl"], default="ce", help="objective.loss of the drafters")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--prompts", type=int, default=16)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--retrain", action="store_true")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -184,9 +185,11 @@ def measure(target, drafter, prompts, decoding, mask_id, speculative_generate, r
     spec_all = speculative_generate(target, drafter, prompts, decoding, mask_id=mask_id)
     ar_all = ar_generate(target, prompts, decoding, mask_id=mask_id)
     c = spec_all.counters.as_dict()
-    out.update(tau=round(c["tau"], 3), forwards_per_token=round(c["forwards_per_token"], 4),
+    out.update(tau=round(c["tau"], 3), forwards_per_token_one_batch=round(c["forwards_per_token"], 4),
                acceptance_rate=round(c["acceptance_rate"], 3),
                lossless=spec_all.sequences == ar_all.sequences)  # fmt: skip
+    ones = [speculative_generate(target, drafter, [p], decoding, mask_id=mask_id).counters for p in prompts]
+    out["forwards_per_token_b1"] = round(sum(c.target_forwards for c in ones) / sum(c.tokens for c in ones), 4)
     for batch in (1, 8):
         chunks = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
         best = timed({
