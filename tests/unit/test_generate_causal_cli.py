@@ -108,7 +108,7 @@ def test_an_ar_run_decodes_with_ar_and_the_diffusion_sampler_refuses_it(tmp_path
     [
         (["--model", "{mdlm}", "--ar"], "--ar: {mdlm} is not a causal model (trained with mdlm, attention bidirect"),
         (["--model", "{mdlm}", "--draft", "{tmp}"], "--draft: {mdlm} is not a causal model"),
-        (["--model", "{ar}", "--draft", "{tmp}"], "--draft: no drafter loader for {tmp}"),
+        (["--model", "{ar}", "--draft", "{tmp}"], "--draft: {tmp}/config.json names no drafter family"),
         (["--model", "{ar}", "--draft", "{ar}/nope"], "is not a drafter folder (no config.json)"),
         (["--model", "{ar}", "--ar", "--draft-block-size", "4"], "--draft-block-size applies to speculative"),
         (["--model", "{causal}"], "the diffusion sampler cannot decode it: use `dllm generate --ar`"),

@@ -14,6 +14,7 @@ from dllm.cli import main as cli_main
 from dllm.cli import recipe_cmd
 from dllm.config.loading import load_config
 from dllm.config.prepare import PrepareSpec
+from dllm.config.registries import OBJECTIVES
 from dllm.config.rules import check_topology
 from dllm.config.spec import RunSpec
 from dllm.data.prepare import prepare
@@ -57,8 +58,11 @@ def test_index_matches_the_recipe_folders():
     assert len(set(RECIPES)) == len(RECIPES)
     for name in RECIPES:
         assert all((package / name / f).is_file() for f in CONFIG_FILES)
-    smoke = {"mdlm", "sft", "bd3lm", "fast-dllm-v2", "uniform", "a2d-mdlm", "a2d-bd3lm", "ar", "grpo"}
-    templates = {"qwen3-0.6b-bd3lm", "llada-8b-sft", "qwen2.5-fast-dllm-v2", "mdlm-small-pretrain"}
+    smoke = {"mdlm", "sft", "bd3lm", "fast-dllm-v2", "uniform", "a2d-mdlm", "a2d-bd3lm", "ar", "dflash", "grpo"}
+    templates = {"qwen3-0.6b-bd3lm", "llada-8b-sft", "qwen2.5-fast-dllm-v2", "mdlm-small-pretrain", "dflash-qwen3-8b"}
+    for name in RECIPES:  # a recipe trained first is a smoke recipe listed before
+        after = INFO[name].after
+        assert after is None or (after in SMOKE and RECIPES.index(after) < RECIPES.index(name)), name
     assert {f"{s}-smoke" for s in smoke} <= set(SMOKE)
     assert templates <= set(RECIPES) - set(SMOKE)
 
@@ -75,7 +79,7 @@ def test_recipe_configs_validate_and_agree(name: str, tmp_path: Path):
         assert spec.data.path == prep.output and spec.data.seq_len == prep.seq_len
     check_topology(spec, spec.topology.world_size)
     block = getattr(spec.objective, "block_size", None)
-    if block is not None:
+    if block is not None and OBJECTIVES.has(spec.objective.name, "block"):  # a drafter's block is not the data's
         assert spec.data.seq_len % block == 0
         assert prep.pad_to_multiple == block, "documents start on block boundaries"
     assert spec.run.name == name
@@ -83,7 +87,8 @@ def test_recipe_configs_validate_and_agree(name: str, tmp_path: Path):
 
 def _start_model(name: str, tmp_path: Path, train: bool = False) -> None:
     """What a recipe with `after` reads: the sibling recipe's folder, prepared (trained too when `train`),
-    and for an rl recipe the model exported into it (random tiny weights when not trained: enough to resolve)."""
+    and for an rl recipe the model exported into it (random tiny weights when not trained: enough to resolve);
+    a DFlash drafter's target run is read from its folder."""
     from dllm.training.run import prepare_run_dir, train_from_run_dir
 
     after = INFO[name].after
@@ -91,13 +96,15 @@ def _start_model(name: str, tmp_path: Path, train: bool = False) -> None:
         return
     after_spec = _copy_and_prepare(after, tmp_path / after)
     run_dir = prepare_run_dir(after_spec)
-    if "\nrl:" not in recipe_files(name)["train.yaml"]:
-        return
-    if train:
+    rl = "\nrl:" in recipe_files(name)["train.yaml"]
+    if train:  # a drafter's target run, or an rl run's start model (exported from the trained run)
         from dllm.cli.convert_cmd import _export
 
         train_from_run_dir(run_dir)
-        _export(tmp_path / after / "model", run_dir, None, None)
+        if rl:
+            _export(tmp_path / after / "model", run_dir, None, None)
+        return
+    if not rl:  # a drafter reads its target run's folder and config (resolving reads no weights)
         return
     from dllm.models import Transformer
     from dllm.models.hf_io import export_hf

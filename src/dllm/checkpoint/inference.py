@@ -14,7 +14,7 @@ from dllm.config.loading import load_config
 from dllm.config.model import ModelConfig
 from dllm.config.profile import PROFILE_FILE, DecodeProfile, build_profile, read_profile
 from dllm.config.spec import RunSpec
-from dllm.errors import CheckpointError
+from dllm.errors import CheckpointError, ConfigError
 from dllm.models import factory
 from dllm.models.lora import merge_lora
 from dllm.models.transformer import Transformer
@@ -77,6 +77,11 @@ def load_for_inference(
         return _load_pretrained(Path(model_dir), device)
     run_dir, ckpt = resolve_checkpoint(run, checkpoint)
     spec = load_config(RunSpec, run_dir / RUN_CONFIG)
+    if spec.objective.name == "dflash_distillation":
+        raise CheckpointError(
+            f"{run_dir} trained a DFlash drafter, which only proposes tokens for its target; export it with "
+            f"dllm convert --to-hf OUT --run {run_dir} and pass OUT with --draft"
+        )
     tok = build_tokenizer(spec.tokenizer)
     cfg = _attention_for(spec.model, device)
     model = factory.build_model(cfg, spec.lora, spec.training.seed)
@@ -119,3 +124,91 @@ def _load_pretrained(folder: Path, device: torch.device | None) -> LoadedModel:
     model.load_state_dict(pretrained_state(cfg), strict=True)
     profile = read_profile(folder) or derive_profile(None, cfg, tok)  # a folder from elsewhere: a masked model
     return LoadedModel(_ready(model, device), tok, cfg, folder, profile)
+
+
+# -- DFlash drafters and their targets ---------------------------------------------------------------
+def target_model_config(path: Path) -> ModelConfig:
+    """The architecture of a drafter's target (a run folder or a model folder) without loading weights;
+    refuses a target that does not decode causally."""
+    from dllm.models.pretrained import pretrained_config
+
+    path = Path(path)
+    check_causal_target(path)
+    if (path / RUN_CONFIG).is_file():
+        return load_config(RunSpec, path / RUN_CONFIG).model
+    return pretrained_config(path)
+
+
+def load_target(path: Path, device: torch.device | None = None) -> LoadedModel:
+    """A frozen causal target for a DFlash drafter: a run folder (its newest checkpoint) or a model folder."""
+    path = Path(path)
+    check_causal_target(path)
+    run = (path / RUN_CONFIG).is_file()
+    loaded = load_for_inference(run=path, device=device) if run else load_for_inference(model_dir=path, device=device)
+    loaded.model.requires_grad_(False)
+    return loaded
+
+
+def check_causal_target(path: Path) -> None:
+    """One line when `path` is not a causal (AR) model: a run whose objective decodes causally, a model
+    folder whose decode profile says so, or a Hugging Face *ForCausalLM folder without a dllm profile."""
+    import json
+
+    path = Path(path)
+    if (path / RUN_CONFIG).is_file():
+        spec = load_config(RunSpec, path / RUN_CONFIG)
+        attention, what = spec.objective.decode_facts()["attention"], f"objective {spec.objective.name}"
+    elif path.is_dir():
+        profile = read_profile(path)
+        if profile is not None:
+            attention, what = profile.attention, f"objective {profile.objective or 'unknown'}"
+        elif (path / "config.json").is_file():
+            archs = json.loads((path / "config.json").read_text(encoding="utf-8")).get("architectures") or []
+            causal = any(str(a).endswith("ForCausalLM") for a in archs)
+            attention, what = ("causal" if causal else "bidirectional"), f"architectures {archs}"
+        else:
+            attention, what = "bidirectional", "a dllm model folder without a decode profile"
+    else:
+        raise CheckpointError(f"{path}: no such target folder; give the run or model folder of a causal (AR) model")
+    if attention != "causal":
+        raise CheckpointError(
+            f"{path}: the target decodes with {attention} attention ({what}); DFlash drafts for a causal (AR) "
+            "target: a run of objective ar, or a Hugging Face *ForCausalLM folder"
+        )
+
+
+def load_drafter_run(
+    run: Path | None = None, checkpoint: Path | None = None, device: torch.device | None = None
+) -> tuple[nn.Module, LoadedModel, RunSpec]:
+    """A dflash_distillation run's drafter (attached to its target, loaded from objective.target),
+    the target, and the run's config."""
+    from dllm.models.dflash import DFlashDrafter
+
+    run_dir, ckpt = resolve_checkpoint(run, checkpoint)
+    spec = load_config(RunSpec, run_dir / RUN_CONFIG)
+    obj = spec.objective
+    if obj.name != "dflash_distillation":
+        raise CheckpointError(f"{run_dir}: not a drafter run (objective {obj.name}, not dflash_distillation)")
+    target = load_target(obj.target, device)
+    drafter = DFlashDrafter(drafter_config(obj, target.model_cfg, target.tokenizer.mask_id))
+    load_model_weights(ckpt, drafter, verify=spec.checkpointing.verify)
+    drafter.attach(target.model)  # type: ignore[arg-type]
+    return _ready(drafter, device), target, spec
+
+
+def drafter_config(obj, target_cfg: ModelConfig, mask_id: int):
+    """The drafter architecture of a dflash_distillation section for a target of `target_cfg`."""
+    from pydantic import ValidationError
+
+    from dllm.config.model import DFlashConfig
+
+    try:
+        return DFlashConfig(
+            num_layers=obj.num_layers, block_size=obj.block_size, target_layer_ids=tuple(obj.target_layer_ids),
+            mask_id=mask_id, target=target_cfg,
+        )  # fmt: skip
+    except ValidationError as e:
+        msg = e.errors()[0]["msg"].removeprefix("Value error, ")
+        raise ConfigError(
+            f"objective (dflash_distillation): {msg} (target {obj.target}); fix target_layer_ids"
+        ) from None

@@ -77,11 +77,35 @@ def _export(out: Path, run: Path | None, checkpoint: Path | None, model: Path | 
     from dllm.config.profile import write_profile
     from dllm.models.hf_io import export_hf
 
+    if model is None and _is_drafter_run(run, checkpoint):
+        _export_drafter(out, run, checkpoint)
+        return
     loaded = load_for_inference(run, checkpoint, model_dir=model)
     folder = export_hf(loaded.model.state_dict(), loaded.model_cfg, out)
     _save_tokenizer(loaded.tokenizer, folder)
     write_profile(loaded.profile, folder)  # sampling the exported folder decodes as the run did
     info(f"wrote {folder} ({loaded.model_cfg.family}) from {loaded.source}")
+
+
+def _is_drafter_run(run: Path | None, checkpoint: Path | None) -> bool:
+    from dllm.checkpoint.inference import RUN_CONFIG, resolve_checkpoint
+    from dllm.config.loading import load_config
+    from dllm.config.spec import RunSpec
+
+    run_dir, _ = resolve_checkpoint(run, checkpoint)
+    return load_config(RunSpec, run_dir / RUN_CONFIG).objective.name == "dflash_distillation"
+
+
+def _export_drafter(out: Path, run: Path | None, checkpoint: Path | None) -> None:
+    """A DFlash drafter folder: config.json (block size, target layers, the target's identity) and its own weights."""
+    from dllm.checkpoint.inference import load_drafter_run
+    from dllm.models.dflash import save_drafter
+
+    drafter, target, spec = load_drafter_run(run, checkpoint)
+    folder = save_drafter(out, drafter, target_name=str(spec.objective.target))  # type: ignore[union-attr]
+    info(f"wrote {folder}: a DFlash drafter (block size {drafter.block_size}, target layers "
+         f"{list(drafter.target_layer_ids)}) for the target {target.source}")  # fmt: skip
+    info(f"use it with dllm generate --model TARGET --draft {folder}")
 
 
 def _export_adapter(out: Path, run: Path | None, checkpoint: Path | None) -> None:

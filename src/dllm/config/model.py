@@ -6,8 +6,8 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from dllm.config.base import PathOrHubId, Section
-from dllm.config.registries import ACTIVATIONS, ATTENTION_BACKENDS, FAMILIES, NORMS
+from dllm.config.base import PathOrHubId, RelPath, Section
+from dllm.config.registries import ACTIVATIONS, ATTENTION_BACKENDS, DRAFTERS, FAMILIES, NORMS
 
 # Size presets for the native transformer. A preset fills the fields the user did not set.
 MODEL_PRESETS: dict[str, dict[str, Any]] = {
@@ -226,3 +226,44 @@ class LoraConfig(Section):
         if any(t.split(".")[-1].lstrip("*") in ("lm_head", "head_transform") for t in self.targets):
             raise ValueError("adapters on the output head are not supported (its weight is used directly)")
         return self
+
+
+class DFlashConfig(Section):
+    """A DFlash drafter (Chen et al. 2025): a few bidirectional blocks that read the target's hidden states."""
+
+    num_layers: int = Field(default=1, gt=0)
+    """Drafter blocks (each attends to the projected target context plus its own draft block)."""
+    block_size: int = Field(default=8, ge=2)
+    """b: a draft block is [last accepted token, MASK x (b-1)]; one forward proposes b - 1 tokens."""
+    target_layer_ids: tuple[int, ...] = Field(min_length=1)
+    """Target blocks (0-based into its layers) whose outputs are concatenated as the drafter's context features."""
+    mask_id: int = Field(ge=0)
+    """Token id of the MASK placeholders of a draft block (embedded with the target's embedding)."""
+    target: ModelConfig
+    """The target's architecture: the drafter's blocks copy its widths, heads, norms and RoPE (never its weights)."""
+
+    @model_validator(mode="after")
+    def _check_target(self) -> DFlashConfig:
+        n = self.target.num_layers
+        bad = [i for i in self.target_layer_ids if not 0 <= i < n]
+        if bad:
+            raise ValueError(f"target_layer_ids {bad} are outside the target's {n} layers (0-based)")
+        if self.target.vocab_size is not None and self.mask_id >= self.target.vocab_size:
+            raise ValueError(f"mask_id {self.mask_id} is outside the target's vocabulary of {self.target.vocab_size}")
+        return self
+
+    @property
+    def hidden_size(self) -> int:
+        return self.target.hidden_size
+
+    @property
+    def feature_size(self) -> int:
+        """F: the width of the concatenated target features."""
+        return len(self.target_layer_ids) * self.target.hidden_size
+
+
+class DrafterKind(Section):
+    """The family of a drafter folder: its config.json `model_type`, which picks the loader (DRAFTERS)."""
+
+    model_type: Literal[DRAFTERS.names()]  # type: ignore[valid-type]
+    """Drafter family: dflash (DFlash block-diffusion drafters, Chen et al. 2025)."""

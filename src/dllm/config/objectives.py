@@ -6,7 +6,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
-from dllm.config.base import Section
+from dllm.config.base import RelPath, Section
 from dllm.config.registries import SCHEDULES
 
 
@@ -136,7 +136,32 @@ class EditFlowConfig(Section):
         return {"attention": "bidirectional", "generation": "edit_flow"}
 
 
+class DFlashDistillationConfig(Section):
+    """DFlash drafter distillation (Chen et al. 2025): a drafter learns a frozen AR target's next tokens."""
+
+    name: Literal["dflash_distillation"] = "dflash_distillation"
+    """Objective: dflash_distillation (the trained model is a DFlash drafter of `target`)."""
+    target: RelPath
+    """The frozen causal target: a model folder (dllm convert, Hugging Face) or a run folder (newest checkpoint)."""
+    target_layer_ids: list[int] = Field(min_length=1)
+    """Target blocks (0-based) whose outputs the drafter reads, e.g. spread from the second to the third-last."""
+    block_size: int = Field(default=8, ge=2)
+    """b: draft block length (the anchor and b - 1 proposals); generation must use the same."""
+    num_layers: int = Field(default=1, gt=0)
+    """Drafter blocks."""
+    num_anchors: int = Field(default=16, gt=0)
+    """Draft blocks per training sequence, all in one forward (anchors drawn where the next token is supervised)."""
+    loss: Literal["ce", "kl"] = "ce"
+    """ce: cross-entropy to the target's greedy next tokens; kl: KL(target || drafter) of next-token distributions."""
+    decay: float | None = Field(default=7.0, gt=0)
+    """gamma of the weight exp(-(k-1)/gamma) of the k-th proposal (early ones decide acceptance); null: all 1."""
+
+    def decode_facts(self) -> dict[str, Any]:
+        """A drafter's block is bidirectional; it is never sampled alone (only with its target, `--draft`)."""
+        return {"attention": "bidirectional"}
+
+
 ObjectiveConfig = Annotated[
-    MDLMConfig | BD3LMConfig | FastDLLMv2Config | UniformConfig | ARConfig | EditFlowConfig,
+    MDLMConfig | BD3LMConfig | FastDLLMv2Config | UniformConfig | ARConfig | EditFlowConfig | DFlashDistillationConfig,
     Field(discriminator="name"),
 ]

@@ -27,6 +27,8 @@ OBJECTIVES = Registry(
         "uniform": "objectives.uniform:UniformObjective",
         "ar": entry("objectives.ar:ARObjective", "causal"),  # causal: next-token training, decoded with --ar
         "edit_flow": "objectives.edit_flow:EditFlowObjective",  # Edit Flows: insert/delete/substitute rates
+        # target: trains a drafter of a frozen target model that training/build.py loads and hands over
+        "dflash_distillation": entry("objectives.dflash:DFlashDistillation", "target"),
     },
 )
 SCHEDULES = Registry(
@@ -125,6 +127,8 @@ FAMILIES = Registry(
     },
 )
 NORMS = Registry("norm", "models", {"rmsnorm": "layers:RMSNorm", "layernorm": "layers:LayerNorm"})
+# a drafter folder's config.json `model_type` picks its loader `(folder, target) -> Drafter` (generate --draft)
+DRAFTERS = Registry("drafter family", "models", {"dflash": "dflash:load_drafter"})
 ACTIVATIONS = Registry(
     "activation",
     "models",
@@ -162,6 +166,7 @@ ALL: dict[str, Registry] = {
     "FAMILIES": FAMILIES,
     "NORMS": NORMS,
     "ACTIVATIONS": ACTIVATIONS,
+    "DRAFTERS": DRAFTERS,
     "LR_SCHEDULES": LR_SCHEDULES,
     "REWARDS": REWARDS,
 }

@@ -45,6 +45,23 @@ def check_objective(spec: RunSpec) -> None:
         raise ConfigError("model.shift_logits: edit_flow reads each position's own state; set it to false")
     if obj.name == "uniform" and model.shift_logits:
         raise ConfigError("model.shift_logits: the uniform objective predicts x0 in place; set it to false")
+    if obj.name == "dflash_distillation":
+        _check_drafter_run(spec)
+
+
+def _check_drafter_run(spec: RunSpec) -> None:
+    """A drafter run data-parallelises a small model: no adapters, tensor, context or expert parallelism."""
+    topo, b = spec.topology, spec.objective.block_size  # type: ignore[union-attr]
+    refused = (
+        (spec.lora is not None, "lora: a DFlash drafter trains all its (few) parameters; remove the lora section"),
+        (topo.tp_size > 1, "topology.tp_size: a DFlash drafter trains data-parallel only; set tp_size: 1"),
+        (topo.context.group_size > 1, "topology.context: a DFlash drafter trains data-parallel only; set cp/bp 1"),
+        (topo.ep_size > 1, "topology.ep_size: a DFlash drafter trains data-parallel only; set ep_size: 1"),
+        (spec.data.seq_len <= b, f"data.seq_len: {spec.data.seq_len} leaves no anchor for block_size {b}"),
+    )
+    for bad, msg in refused:
+        if bad:
+            raise ConfigError(msg)
 
 
 def check_topology(spec: RunSpec, world_size: int) -> None:

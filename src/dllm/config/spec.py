@@ -57,7 +57,7 @@ class RunSpec(Section):
     data: DataConfig | None = None
     """Prepared training data (required, except for an rl run, which generates its own batches)."""
     objective: ObjectiveConfig = Field(default_factory=MDLMConfig)
-    """Training objective: mdlm, bd3lm, fast_dllm_v2, uniform or ar (`name`)."""
+    """Training objective: mdlm, bd3lm, fast_dllm_v2, uniform, ar or dflash_distillation (`name`)."""
     training: TrainingConfig
     """Training loop."""
     optimizer: OptimizerConfig = OptimizerConfig()

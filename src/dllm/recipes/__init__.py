@@ -47,7 +47,7 @@ class RecipeInfo(Section):
     ar_model: bool = False
     """`copy` also writes ar-model/, a tiny random causal llama (Hugging Face folder) to convert."""
     after: str | None = None
-    """A recipe to copy and train first, in the sibling folder of that name (a drafter's target run)."""
+    """A recipe to copy and train first, in the sibling folder of that name (a drafter's target run, an rl start)."""
 
     @model_validator(mode="after")
     def _generated_only_for_smoke(self) -> RecipeInfo:

@@ -186,12 +186,26 @@ def load_drafter(path: Path, target: nn.Module, loaded: Any = None) -> Drafter:
     LoadedModel, for its identity). A drafter family (issue 18 part B: DFlash) fills this seam: its
     entry in config/registries.py, chosen by the folder's config.json, loads the weights and refuses a
     drafter trained for another target."""
+    import json
+
+    from pydantic import ValidationError
+
+    from dllm.config.model import DrafterKind
+    from dllm.config.registries import DRAFTERS
     from dllm.errors import CheckpointError
 
     path = Path(path)
     if not (path / "config.json").is_file():
         raise CheckpointError(f"--draft: {path} is not a drafter folder (no config.json)")
-    raise CheckpointError(f"--draft: no drafter loader for {path}: this build has no drafter family yet")
+    try:
+        header = json.loads((path / "config.json").read_text(encoding="utf-8"))
+        kind = DrafterKind.model_validate({"model_type": header.get("model_type")})
+    except (ValueError, AttributeError, ValidationError):
+        raise CheckpointError(
+            f"--draft: {path}/config.json names no drafter family (model_type one of {', '.join(DRAFTERS.names())}); "
+            "export a drafter run with dllm convert --to-hf"
+        ) from None
+    return DRAFTERS.resolve(kind.model_type)(path, target)
 
 
 def check_drafter(drafter: Drafter, target: nn.Module, block_size: int | None = None) -> None:

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-from dllm.checkpoint.inference import derive_profile
+from dllm.checkpoint.inference import LoadedModel, derive_profile, drafter_config, load_target
 from dllm.checkpoint.manager import CheckpointManager
 from dllm.config.registries import OBJECTIVES
 from dllm.config.rules import check_topology
@@ -97,6 +97,35 @@ def build_model(
     return after_materialize(model, meshes, spec.topology)
 
 
+def build_drafter(
+    spec: RunSpec, target: LoadedModel, tok: Tokenizer, device: torch.device, env: DistEnv, dims: ParallelDims
+) -> nn.Module:
+    """A DFlash drafter of the frozen `target` (objective dflash_distillation), built like a model: meta ->
+    parallel.apply -> materialize a seeded initialisation -> after_materialize; then attached to the target."""
+    from dllm.models.dflash import DFlashDrafter
+
+    if target.tokenizer.identity()["vocab_hash"] != tok.identity()["vocab_hash"]:
+        raise ConfigError(
+            f"tokenizer: the target {spec.objective.target} was trained with another tokenizer; "  # type: ignore[union-attr]
+            "use the target's tokenizer section"
+        )
+    cfg = drafter_config(spec.objective, target.model_cfg, tok.mask_id)
+    meshes = dims.build_meshes(device)
+    with torch.device("meta"):
+        model = DFlashDrafter(cfg)
+    model = apply_parallelism(model, dims, meshes, spec.topology, spec.training.compile is True,
+                              activation_checkpointing=spec.training.activation_checkpointing)  # fmt: skip
+    full: dict[str, torch.Tensor] = {}
+    if env.is_main or not env.distributed:
+        init = DFlashDrafter(cfg)
+        init.init_weights(torch.Generator().manual_seed(spec.training.seed))
+        full = init.state_dict()
+    materialize(model, full, device, env)
+    target.model.to(device)
+    unwrap(model).attach(target.model)
+    return after_materialize(model, meshes, spec.topology)
+
+
 def _profiler(spec: RunSpec, run_dir: Path, device: torch.device, env: DistEnv) -> StepProfiler:
     assert spec.profiling is not None
     return StepProfiler(spec.profiling, run_dir / "profile", device, env.rank, announce=env.is_main)
@@ -119,8 +148,13 @@ def build_trainer(spec: RunSpec, run_dir: Path, env: DistEnv | None = None) -> T
     check_layout(artifact)  # a worker started without the preflight; the loader checks the values it reads
     dims = ParallelDims.from_topology(spec.topology, env.world_size)
     plan = context_plan(spec, dims.group_rank(env.rank))
-    model = build_model(spec, device, env, dims, plan)
+    target = load_target(spec.objective.target, device) if OBJECTIVES.has(spec.objective.name, "target") else None  # type: ignore[union-attr]
+    if target is None:
+        model = build_model(spec, device, env, dims, plan)
+    else:  # the trained model is a drafter of a frozen target, which the objective also reads
+        model = build_drafter(spec, target, tok, device, env, dims)
     tr = spec.training
+    extra: dict[str, Any] = {} if target is None else {"target": target.model}
     loader = StepLoader(
         artifact,
         global_batch_size=tr.global_batch_size,
@@ -136,7 +170,7 @@ def build_trainer(spec: RunSpec, run_dir: Path, env: DistEnv | None = None) -> T
     trainer = Trainer(
         model=model,
         objective=OBJECTIVES.resolve(spec.objective.name)(
-            spec.objective, token_ids(tok), chunked_loss=tr.chunked_loss, shift_logits=spec.model.shift_logits
+            spec.objective, token_ids(tok), chunked_loss=tr.chunked_loss, shift_logits=spec.model.shift_logits, **extra
         ),
         optimizer=build_optimizer(model, spec.optimizer),
         lr_schedule=LRSchedule(spec.scheduler, spec.optimizer.lr, tr.steps),
@@ -151,7 +185,7 @@ def build_trainer(spec: RunSpec, run_dir: Path, env: DistEnv | None = None) -> T
         identity=identity,
         aux_loss_coef=spec.model.router_aux_loss_coef,
         plan=plan,
-        flops=FlopsMeter(spec.model, peak_flops(device), env.world_size),
+        flops=None if target is not None else FlopsMeter(spec.model, peak_flops(device), env.world_size),
         profiler=None if spec.profiling is None else _profiler(spec, run_dir, device, env),
     )
     latest = trainer.checkpoints.latest() if spec.checkpointing.resume == "auto" else None

@@ -37,6 +37,9 @@ def resolve_run_spec(
     """Resolve derived fields and check every cross-field rule; returns (spec, warnings)."""
     warnings: list[str] = []
     tok = build_tokenizer(spec.tokenizer)
+    if spec.objective.name == "dflash_distillation":
+        spec, note = _target_as_model(spec)
+        warnings += note
     model = spec.model
     if model.init_from is not None:
         model, note = _resolve_pretrained(spec, tok.vocab_size)
@@ -95,6 +98,19 @@ def resolve_run_spec(
             f"profiling.start_step {prof.start_step} > training.steps {spec.training.steps}: nothing is profiled"
         )
     return spec, warnings
+
+
+def _target_as_model(spec: RunSpec) -> tuple[RunSpec, list[str]]:
+    """A drafter run's `model` is its target's architecture (the drafter's blocks copy it; sizes,
+    memory and the decode profile are read from it): filled from objective.target."""
+    from dllm.checkpoint.inference import target_model_config
+
+    notes = []
+    if spec.model.model_fields_set - {"attention_backend", "flex_compile"}:
+        notes.append("model: a dflash_distillation run copies its target's architecture; the model section is ignored")
+    target = target_model_config(spec.objective.target)  # type: ignore[union-attr]
+    keep = {"attention_backend": spec.model.attention_backend, "flex_compile": spec.model.flex_compile}
+    return spec.model_copy(update={"model": target.model_copy(update={**keep, "init_from": None})}), notes
 
 
 def _resolve_pretrained(spec: RunSpec, tok_vocab: int) -> tuple[ModelConfig, list[str]]:

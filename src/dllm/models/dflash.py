@@ -1,0 +1,368 @@
+"""DFlash drafters: block-diffusion proposals conditioned on a frozen AR target's hidden states.
+
+Chen et al. 2025, "DFlash: Block Diffusion for Flash Speculative Decoding". A drafter proposes the
+b - 1 tokens after the last accepted one in a single forward. Its input block is [anchor, MASK x
+(b-1)], embedded with the target's (frozen) embedding; the outputs of chosen target blocks at the
+context positions are concatenated (F = len(ids) * E), fused to E by a projection and a norm, and
+every drafter block attends to keys/values projected (by that block's own k/v projections) from
+this fused context plus the draft block itself, bidirectionally inside the block. The target's LM
+head turns the drafter's last states into proposals, in place (block row k predicts position
+anchor + k). The target is held by reference: its weights are neither drafter parameters nor saved.
+
+The same blocks serve training (many anchors per sequence in one forward, each block seeing only
+the context before its anchor: `draft_mask_mod`) and decoding (`start`/`extend`/`propose`, the
+Drafter protocol of the speculative loop: the projected context keys/values are cached per layer,
+so `extend` costs O(new positions) and `propose` is one forward of b tokens).
+
+A drafter folder (`save_drafter`/`load_drafter`): config.json (model_type "dflash", the block size,
+the target layer ids, the drafter and target architectures, the target's identity) and
+model.safetensors (drafter weights only).
+
+Shapes: B batch, N draft tokens (A anchors x b), A anchors per row, b block size, C context
+positions, T state capacity, E hidden, F features, H/K query/key-value heads, D head width, V vocab.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import dllm
+from dllm.attention.masks import MaskMod, dense_mask
+from dllm.config.model import DFlashConfig, ModelConfig
+from dllm.errors import CheckpointError
+from dllm.models.output import ModelOutput
+from dllm.models.transformer import Block, Transformer, apply_rope, make_norm, rope_cos_sin
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+MODEL_TYPE = "dflash"
+
+
+@dataclass(frozen=True)
+class DraftTokens:
+    """The drafter's `tokens` input: draft blocks plus the target context they read (as
+    `SelfConditioned` carries a second input for self-conditioned models)."""
+
+    ids_BN: torch.Tensor
+    """A draft blocks per row, concatenated: [anchor, MASK x (b-1)] each."""
+    context_BCF: torch.Tensor
+    """Target features at positions 0..C-1 (captured block outputs, in target_layer_ids order)."""
+    context_len_BA: torch.Tensor
+    """Block a of row r reads context positions [0, context_len_BA[r, a]) (its anchor's position)."""
+
+
+class PrefixKV:
+    """Context keys/values put before a forward's own: `update` is what `Attention` calls on a
+    `sampling.cache.LayerKV`, so the native attention block runs unchanged over [context ; block]."""
+
+    def __init__(self, k_BKCD: torch.Tensor, v_BKCD: torch.Tensor) -> None:
+        self.k, self.v = k_BKCD, v_BKCD
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2)
+
+
+def draft_mask_mod(context_len_BA: torch.Tensor, block_size: int, num_context: int) -> MaskMod:
+    """Keys [context (C) ; draft blocks (N)], queries the N draft tokens: query q of block a = q // b
+    sees context key kv iff kv < context_len[a] (features before its anchor) and block key kv iff it
+    is in the same block (bidirectional inside it); never another block."""
+
+    def mod(b, h, q, kv):
+        block = q // block_size
+        in_context = kv < num_context
+        before_anchor = kv < context_len_BA[b, block]
+        same_block = (kv - num_context).clamp_min(0) // block_size == block
+        return (in_context & before_anchor) | (~in_context & same_block)
+
+    return mod
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask_B1QK: torch.Tensor | None) -> torch.Tensor:
+    """SDPA with the drafter's dense mask (per-anchor context lengths are not an AttentionMask kind)."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask_B1QK, enable_gqa=k.shape[1] != q.shape[1])
+
+
+@dataclass
+class DraftState:
+    """Per-call decoding state: each layer's keys/values of the fused target context, by position."""
+
+    k: list[torch.Tensor]
+    """Per layer [B, K, T, D]."""
+    v: list[torch.Tensor]
+
+
+class DFlashDrafter(nn.Module):
+    """Feature fusion -> `num_layers` native blocks over [context ; block] -> norm -> the target's head."""
+
+    def __init__(self, cfg: DFlashConfig) -> None:
+        super().__init__()
+        self.dcfg = cfg
+        # the blocks copy the target's layout; `cfg` names it so Transformer's init helpers apply
+        self.cfg: ModelConfig = cfg.target.model_copy(update={"num_layers": cfg.num_layers, "init_from": None})
+        self.block_size = cfg.block_size
+        self.target_layer_ids = tuple(cfg.target_layer_ids)
+        self.mask_id = cfg.mask_id
+        E = self.cfg.hidden_size
+        self.fc = nn.Linear(cfg.feature_size, E, bias=False)
+        self.hidden_norm = make_norm(self.cfg)
+        self.layers = nn.ModuleList(Block(self.cfg, _attend) for _ in range(cfg.num_layers))  # type: ignore[arg-type]
+        self.norm = make_norm(self.cfg)
+        self.register_buffer("inv_freq", Transformer._inv_freq(self), persistent=False)  # type: ignore[arg-type]
+        self._target: tuple[Transformer, ...] = ()  # a tuple: not a submodule, not in state_dict or parameters()
+
+    # -- the target, by reference ------------------------------------------------------------------
+    def attach(self, target: Transformer) -> DFlashDrafter:
+        """Use `target`'s embedding and LM head (frozen: its parameters stop requiring gradients)."""
+        tcfg = target.cfg
+        if (tcfg.hidden_size, len(target.layers)) != (self.cfg.hidden_size, self.dcfg.target.num_layers):
+            raise CheckpointError(
+                f"the target (hidden {tcfg.hidden_size}, {len(target.layers)} layers) is not the architecture this "
+                f"drafter was built for (hidden {self.cfg.hidden_size}, {self.dcfg.target.num_layers} layers)"
+            )
+        target.requires_grad_(False)
+        target.eval()
+        self._target = (target,)
+        return self
+
+    @property
+    def target(self) -> Transformer:
+        if not self._target:
+            raise RuntimeError("attach(target) the drafter to its target before using it")
+        return self._target[0]
+
+    def head(self, hidden_BLE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The target's output head (its weight stays the target's: frozen, not the drafter's)."""
+        return self.target.head(hidden_BLE)
+
+    # -- weights -----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator) -> None:
+        """The native transformer's initialisation (normal(0, init_std), scaled residual outputs, norms 1)."""
+        Transformer.init_weights(self, generator)  # type: ignore[arg-type]
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        self.inv_freq.copy_(Transformer._inv_freq(self).to(self.inv_freq.device))  # type: ignore[arg-type]
+
+    # -- the forward (training: many anchors per row) ----------------------------------------------
+    def forward(
+        self, tokens: DraftTokens, positions_BN: torch.Tensor, mask: Any = None, cache: Any = None
+    ) -> ModelOutput:
+        """Final states [B, N, E] of the draft blocks; row k of a block predicts position anchor + k.
+        The attention pattern comes from `tokens.context_len_BA` (`mask` is unused: None)."""
+        assert cache is None, "a drafter decodes through start/extend/propose"
+        context_BCE = self.fuse(tokens.context_BCF)
+        C = context_BCE.shape[1]
+        ctx_pos = torch.arange(C, device=context_BCE.device).expand(context_BCE.shape[0], C)
+        ctx_rope = self._rope(ctx_pos)
+
+        def context_kv(i: int, layer: nn.Module) -> PrefixKV:
+            return PrefixKV(*self.context_kv(layer, context_BCE, ctx_rope))
+
+        hidden = self._blocks(tokens.ids_BN, positions_BN, tokens.context_len_BA, C, context_kv)
+        return ModelOutput(hidden, self.head)
+
+    def fuse(self, features_BLF: torch.Tensor) -> torch.Tensor:
+        """Concatenated target layer outputs -> E (projection, then norm)."""
+        return self.hidden_norm(self.fc(features_BLF.to(self.fc.weight.dtype)))
+
+    def context_kv(self, layer: nn.Module, context_BLE: torch.Tensor, rope: tuple | None):
+        """A block's keys/values [B, K, L, D] of fused context states: its input norm, k/v projections,
+        k norm and RoPE, as `Attention` computes them for its own tokens."""
+        attn = layer.self_attn
+        x = layer.input_layernorm(context_BLE)
+        B, L, _ = x.shape
+        k = attn.k_proj(x).view(B, L, -1, attn.head_dim).transpose(1, 2)
+        v = attn.v_proj(x).view(B, L, -1, attn.head_dim).transpose(1, 2)
+        if attn.k_norm is not None:
+            k = attn.k_norm(k)
+        if rope is not None:
+            k = apply_rope(k, *rope)
+        return k, v
+
+    def _rope(self, positions_BL: torch.Tensor) -> tuple | None:
+        return rope_cos_sin(positions_BL, self.inv_freq) if self.cfg.position == "rope" else None
+
+    def _blocks(
+        self,
+        ids_BN: torch.Tensor,
+        positions_BN: torch.Tensor,
+        context_len_BA: torch.Tensor,
+        num_context: int,
+        context_kv: Callable[[int, nn.Module], PrefixKV],
+    ) -> torch.Tensor:
+        """THE drafter pass shared by training and decoding: embed the blocks with the target's
+        embedding, run the blocks over [context ; blocks] under the draft mask, final norm."""
+        B, N = ids_BN.shape
+        x = self.target.embed(ids_BN, positions_BN).to(self.fc.weight.dtype)
+        mask_B1NK = None  # one block that sees the whole context (decoding at batch 1): no mask at all
+        if context_len_BA.shape[1] > 1 or not bool((context_len_BA == num_context).all()):
+            mod = draft_mask_mod(context_len_BA, self.block_size, num_context)
+            mask_B1NK = dense_mask(mod, B, N, num_context + N, ids_BN.device)
+        rope = self._rope(positions_BN)
+        for i, layer in enumerate(self.layers):
+            x, _ = layer(x, rope, mask_B1NK, None, context_kv(i, layer))
+        return self.norm(x)
+
+    # -- the Drafter protocol (decoding) -----------------------------------------------------------
+    def start(self, batch_size: int, max_length: int) -> DraftState:
+        """Fresh per-call state: zeroed key/value buffers of `max_length` context positions per layer."""
+        w = self.fc.weight
+        shape = (batch_size, self.cfg.kv_heads, max_length, self.cfg.dim_per_head)
+        return DraftState(
+            [torch.zeros(shape, dtype=w.dtype, device=w.device) for _ in self.layers],
+            [torch.zeros(shape, dtype=w.dtype, device=w.device) for _ in self.layers],
+        )
+
+    @torch.no_grad()
+    def extend(self, state: DraftState, features_BNF: torch.Tensor, positions_BN: torch.Tensor) -> None:
+        """Write the projected context keys/values of N new positions per row (a later write to a
+        position overwrites an earlier one: rejected drafts are rewritten by the next verification)."""
+        context_BNE = self.fuse(features_BNF)
+        rope = self._rope(positions_BN)
+        rows_B1 = torch.arange(positions_BN.shape[0], device=positions_BN.device)[:, None]
+        for i, layer in enumerate(self.layers):
+            k, v = self.context_kv(layer, context_BNE, rope)
+            state.k[i][rows_B1, :, positions_BN] = k.transpose(1, 2)  # [B, N, K, D] at (row, position)
+            state.v[i][rows_B1, :, positions_BN] = v.transpose(1, 2)
+
+    @torch.no_grad()
+    def propose(self, state: DraftState, anchor_B: torch.Tensor, anchor_pos_B: torch.Tensor) -> torch.Tensor:
+        """Logits [B, b-1, V] for positions anchor_pos+1 .. anchor_pos+b-1; row r reads the context
+        of positions [0, anchor_pos_B[r])."""
+        b = self.block_size
+        B = anchor_B.shape[0]
+        C = int(anchor_pos_B.max())
+        ids_Bb = torch.cat([anchor_B[:, None], torch.full((B, b - 1), self.mask_id, device=anchor_B.device)], dim=1)
+        positions_Bb = anchor_pos_B[:, None] + torch.arange(b, device=anchor_B.device)
+
+        def cached_kv(i: int, layer: nn.Module) -> PrefixKV:
+            return PrefixKV(state.k[i][:, :, :C], state.v[i][:, :, :C])
+
+        hidden = self._blocks(ids_Bb, positions_Bb, anchor_pos_B[:, None], C, cached_kv)
+        return self.target.logits(hidden[:, 1:])
+
+
+# -- the target's identity -------------------------------------------------------------------------
+# fields that say how a model is loaded or computed, not what it is: an exported target and its run agree
+_NOT_IDENTITY = ("init_from", "preset", "attention_backend", "flex_compile", "init_std", "max_seq_len")
+
+
+def target_identity(target: Transformer, name: str | None = None) -> dict[str, Any]:
+    """What a drafter records of its target: the SHA-256 of its architecture, its embedding shape, a
+    fingerprint of its weights (a strided sample of the embedding and final norm, rounded to bfloat16 so a
+    bf16 copy of the same weights matches) and its path or name (for messages)."""
+    arch = {k: v for k, v in target.cfg.model_dump(mode="json").items() if k not in _NOT_IDENTITY}
+    emb = target.embed_tokens.weight.detach()
+    flat = emb.reshape(-1)
+    sample = [flat[:: max(1, flat.numel() // 65536)]]
+    if target.norm is not None and hasattr(target.norm, "weight"):
+        sample.append(target.norm.weight.detach().reshape(-1))
+    digest = hashlib.sha256()
+    for t in sample:
+        digest.update(t.to(torch.bfloat16).float().cpu().numpy().tobytes())
+    return {
+        "config_sha256": hashlib.sha256(json.dumps(arch, sort_keys=True).encode()).hexdigest(),
+        "embedding_shape": list(emb.shape),
+        "weights_sha256": digest.hexdigest(),
+        "name": name,
+    }
+
+
+def check_target(saved: dict[str, Any], target: Transformer, where: str) -> None:
+    """One-line CheckpointError when `target` is not the model the drafter was trained for."""
+    given = target_identity(target)
+    for key, what in (("config_sha256", "architecture"), ("embedding_shape", "embedding shape"),
+                      ("weights_sha256", "weights")):  # fmt: skip
+        if saved.get(key) != given[key]:
+            raise CheckpointError(
+                f"{where}: this drafter was trained for target {saved.get('name') or '(unnamed)'}, and the given "
+                f"target's {what} differs; pass that target, or train a drafter for this one (dflash_distillation)"
+            )
+
+
+# -- the drafter folder ----------------------------------------------------------------------------
+def save_drafter(folder: Path, drafter: DFlashDrafter, target_name: str | None = None) -> Path:
+    """config.json + model.safetensors (the drafter's own weights; the target's are never written)."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    d = drafter.dcfg
+    config = {
+        "model_type": MODEL_TYPE,
+        "architectures": ["DFlashDrafter"],
+        "block_size": d.block_size,
+        "target_layer_ids": list(d.target_layer_ids),
+        "num_layers": d.num_layers,
+        "hidden_size": d.hidden_size,
+        "mask_id": d.mask_id,
+        "target_config": d.target.model_dump(mode="json", exclude={"init_from"}),
+        "target": target_identity(drafter.target, target_name),
+        "dllm_version": dllm.__version__,
+    }
+    state = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
+    save_file(state, str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
+    (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    return folder
+
+
+def is_drafter_folder(path: Path) -> bool:
+    cfg = Path(path) / CONFIG_FILE
+    if not cfg.is_file():
+        return False
+    try:
+        return json.loads(cfg.read_text(encoding="utf-8")).get("model_type") == MODEL_TYPE
+    except (ValueError, AttributeError):
+        return False
+
+
+def load_drafter(path: Path, target: Transformer, block_size: int | None = None) -> DFlashDrafter:
+    """The drafter in `path`, attached to `target` after checking that it is the target it was trained
+    for; `block_size` (if given) must be the one it was trained with."""
+    from pydantic import ValidationError
+    from safetensors.torch import load_file
+
+    folder = Path(path)
+    cfg_path = folder / CONFIG_FILE
+    if not cfg_path.is_file() or not (folder / WEIGHTS_FILE).is_file():
+        raise CheckpointError(f"{folder}: not a drafter folder (needs {CONFIG_FILE} and {WEIGHTS_FILE}); "
+                              "export one with dllm convert --to-hf --run DRAFTER_RUN")  # fmt: skip
+    try:
+        saved = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise CheckpointError(f"{cfg_path}: not valid JSON ({e}); re-export the drafter") from None
+    if not isinstance(saved, dict) or saved.get("model_type") != MODEL_TYPE:
+        raise CheckpointError(f"{cfg_path}: model_type is not {MODEL_TYPE!r}; --draft takes a DFlash drafter folder")
+    check_target(saved.get("target") or {}, target, str(cfg_path))
+    if block_size is not None and block_size != saved.get("block_size"):
+        raise CheckpointError(
+            f"block size {block_size}: the drafter in {folder} was trained for block size {saved.get('block_size')}; "
+            "use that, or train a drafter with objective.block_size set to it"
+        )
+    try:
+        dcfg = DFlashConfig(
+            num_layers=saved["num_layers"], block_size=saved["block_size"], target_layer_ids=saved["target_layer_ids"],
+            mask_id=saved["mask_id"], target=target.cfg,
+        )  # fmt: skip
+    except (KeyError, ValidationError) as e:
+        raise CheckpointError(f"{cfg_path}: incomplete or invalid drafter config ({e!s:.200}); re-export it") from None
+    drafter = DFlashDrafter(dcfg)
+    state = load_file(str(folder / WEIGHTS_FILE))
+    missing, unexpected = drafter.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise CheckpointError(f"{folder / WEIGHTS_FILE}: weights do not fit the drafter config "
+                              f"(missing {missing[:3]}, unexpected {unexpected[:3]}); re-export it")  # fmt: skip
+    w = target.embed_tokens.weight
+    drafter.to(device=w.device, dtype=w.dtype)
+    drafter.eval()
+    return drafter.attach(target)
