@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from dllm.config.base import PathOrHubId, RelPath, Section
+from dllm.config.base import PathOrHubId, Section
 from dllm.config.registries import ACTIVATIONS, ATTENTION_BACKENDS, DRAFTERS, FAMILIES, NORMS
 
 # Size presets for the native transformer. A preset fills the fields the user did not set.

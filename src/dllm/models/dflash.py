@@ -40,7 +40,7 @@ from dllm.attention.masks import MaskMod, dense_mask
 from dllm.config.model import DFlashConfig, ModelConfig
 from dllm.errors import CheckpointError
 from dllm.models.output import ModelOutput
-from dllm.models.transformer import Block, Transformer, apply_rope, make_norm, rope_cos_sin
+from dllm.models.transformer import Block, Transformer, apply_rope, make_norm, rope_cos_sin, rope_inv_freq
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -116,7 +116,7 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = make_norm(self.cfg)
         self.layers = nn.ModuleList(Block(self.cfg, _attend) for _ in range(cfg.num_layers))  # type: ignore[arg-type]
         self.norm = make_norm(self.cfg)
-        self.register_buffer("inv_freq", Transformer._inv_freq(self), persistent=False)  # type: ignore[arg-type]
+        self.register_buffer("inv_freq", rope_inv_freq(self.cfg.dim_per_head, self.cfg.rope_theta), persistent=False)
         self._target: tuple[Transformer, ...] = ()  # a tuple: not a submodule, not in state_dict or parameters()
 
     # -- the target, by reference ------------------------------------------------------------------
@@ -151,7 +151,7 @@ class DFlashDrafter(nn.Module):
 
     @torch.no_grad()
     def init_buffers(self) -> None:
-        self.inv_freq.copy_(Transformer._inv_freq(self).to(self.inv_freq.device))  # type: ignore[arg-type]
+        self.inv_freq.copy_(rope_inv_freq(self.cfg.dim_per_head, self.cfg.rope_theta).to(self.inv_freq.device))
 
     # -- the forward (training: many anchors per row) ----------------------------------------------
     def forward(

@@ -45,6 +45,12 @@ def rope_cos_sin(positions_BL: torch.Tensor, inv_freq: torch.Tensor) -> tuple[to
     return torch.cat([cos, cos], dim=-1)[:, None], torch.cat([-sin, sin], dim=-1)[:, None]
 
 
+def rope_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
+    """RoPE's inverse frequencies theta^(-2i/D), i < D/2, in float32."""
+    D = head_dim
+    return 1.0 / (theta ** (torch.arange(0, D - D % 2, 2, dtype=torch.float32) / D))
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """x * cos + rotate_half(x) * sin, computed in the tables' dtype (float32 for bf16 activations)."""
     if x.dtype != cos.dtype:
@@ -231,8 +237,7 @@ class Transformer(nn.Module):
         self.trim_last_block = True
 
     def _inv_freq(self, theta: float) -> torch.Tensor:
-        D = self.cfg.dim_per_head
-        return 1.0 / (theta ** (torch.arange(0, D - D % 2, 2, dtype=torch.float32) / D))
+        return rope_inv_freq(self.cfg.dim_per_head, theta)
 
     def forward(
         self,
