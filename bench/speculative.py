@@ -1,107 +1,208 @@
-"""Decoding speed of a causal target: AR with the ragged KV cache vs full recomputation (the baseline
-every speculative speedup is measured against), at batch 1 and batch 8.
+"""DFlash speculative decoding on CPU: acceptance (tau), target forwards per token, speed vs AR decoding.
 
-The target is a random llama (default 4 layers, 256 wide, byte vocabulary): throughput does not
-depend on what the weights learned, and no EOS is set, so every row generates --gen tokens. Each
-variant decodes the same prompts; rounds interleave the variants (A B A B ...) and each variant's
-median wall time over --repeats rounds gives its tokens/s. One JSON line: per batch size, tokens/s of
-every variant, target forwards per token, and the ratio of each variant to `ar_recompute`.
+Trains (or reuses from --work-dir) a causal target, 4 layers x 256 wide (objective ar), on the
+demo-style corpus (sentences and sums, packed rows), and one 1-layer DFlash drafter per block size
+b in --blocks (objective dflash_distillation, the target frozen). Then, on held-out corpus prompts
+(a record's first word), greedy decoding of up to --new-tokens tokens, a row ending at its EOS:
 
-Variants are entries of VARIANTS: `(target, prompts, args) -> DecodeResult`. Speculative decoding with
-a drafter (issue 18 part B) is added as another entry next to the AR ones (e.g. `dflash_b16`, calling
-dllm.sampling.speculative.speculative_generate with the loaded drafter); the baseline stays `ar_cache`.
+- `tau_offline`: the mean tokens gained per verify round, measured without a verify loop: the
+  target's own greedy continuation S is computed once; each round the drafter proposes from the
+  context of S before the anchor (extend/propose, its cached decoding path) and keeps the longest
+  prefix equal to S, plus the target's token. Under greedy decoding this is exactly what the
+  speculative loop accepts, so it cross-checks the loop's tau.
+- with the speculative loop (`dllm.sampling.speculative.speculative_generate`, when present): tau,
+  target forwards per generated token (`forwards_per_token_b1`: one prompt per call; `..._one_batch`:
+  all prompts in one call, a forward counted once for its rows), and wall time against AR decoding with the KV cache
+  (`sampling.ar.ar_generate`) at batch 1 and 8 (the best of --repeats interleaved rounds), plus
+  whether the outputs equal AR's token for token (lossless).
 
-    python bench/speculative.py [--layers 4] [--width 256] [--prompt-len 32] [--gen 128] [--repeats 3] [--device cuda]
+One JSON line per block size, then a summary line with the targets (tau >= 3 at b = 8; >= 1.8x the
+AR tokens/s at batch 1).
+
+    python bench/speculative.py [--work-dir /tmp/dllm-bench-speculative] [--blocks 4 8 16] [--retrain]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import shutil
+import sys
 import time
-from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import torch
 
-from dllm.config.model import ModelConfig
-from dllm.models import Transformer
-from dllm.sampling.ar import DecodeResult, Decoding, ar_generate
+from dllm.attention.masks import AttentionMask
+from dllm.checkpoint.inference import load_drafter_run, load_for_inference
+from dllm.config.loading import validate_config
+from dllm.config.prepare import PrepareSpec
+from dllm.config.spec import RunSpec
+from dllm.data.prepare import prepare
+from dllm.models.capture import capture_layers
+from dllm.models.dflash import DFlashDrafter
+from dllm.recipes import demo_text, write_jsonl
+from dllm.sampling.ar import Decoding, ar_generate
+from dllm.training.preflight import resolve_run_spec
+from dllm.training.run import prepare_run_dir, train_from_run_dir
 
-Variant = Callable[[torch.nn.Module, list[list[int]], argparse.Namespace], DecodeResult]
-
-
-def ar_cache(target: torch.nn.Module, prompts: list[list[int]], args: argparse.Namespace) -> DecodeResult:
-    return ar_generate(target, prompts, Decoding(max_new_tokens=args.gen))
-
-
-def ar_recompute(target: torch.nn.Module, prompts: list[list[int]], args: argparse.Namespace) -> DecodeResult:
-    return ar_generate(target, prompts, Decoding(max_new_tokens=args.gen), use_cache=False)
-
-
-VARIANTS: dict[str, Variant] = {"ar_cache": ar_cache, "ar_recompute": ar_recompute}
-BASELINE = "ar_recompute"
+SEQ_LEN = 128
+TARGET_LAYERS = [0, 1, 2, 3]
 
 
-def build_target(args: argparse.Namespace) -> torch.nn.Module:
-    cfg = ModelConfig(family="llama", vocab_size=320, num_layers=args.layers, hidden_size=args.width,
-                      num_heads=max(args.width // 64, 1), num_kv_heads=max(args.width // 128, 1),
-                      max_seq_len=args.prompt_len + args.gen + 64)  # fmt: skip
-    model = Transformer(cfg).eval()
-    model.init_weights(torch.Generator().manual_seed(0))
-    return model
+def build_data(work: Path) -> None:
+    if (work / "prepared" / "manifest.json").is_file():
+        return
+    write_jsonl(work / "train.jsonl", demo_text(20000, seed=0))
+    values = {"tokenizer": {"kind": "byte"}, "sources": [{"path": "train.jsonl"}], "output": "prepared",
+              "seq_len": SEQ_LEN, "layout": "packed"}  # fmt: skip
+    prepare(validate_config(PrepareSpec, values, source="bench", base_dir=work), work, overwrite=True)
 
 
-def measure(target: torch.nn.Module, batch: int, args: argparse.Namespace) -> dict[str, float]:
-    g = torch.Generator().manual_seed(batch)
-    prompts = [torch.randint(0, 256, (args.prompt_len - (i % 4),), generator=g).tolist() for i in range(batch)]
-    sync = torch.cuda.synchronize if args.device.startswith("cuda") else lambda: None
-    walls: dict[str, list[float]] = {name: [] for name in VARIANTS}
-    forwards: dict[str, float] = {}
-    for name, fn in VARIANTS.items():  # warm-up (allocator, kernels), and the outputs agree
-        forwards[name] = fn(target, prompts, args).counters.as_dict()["forwards_per_token"]
-    for _ in range(args.repeats):
-        for name, fn in VARIANTS.items():
-            sync()
+def train(work: Path, name: str, objective: dict[str, Any], steps: int, lr: float, model: dict | None) -> Path:
+    run = work / "runs" / name
+    if (run / "checkpoints" / "latest").is_file():
+        return run
+    values = {
+        "run": {"name": name, "output_dir": str(work / "runs")},
+        **({"model": model} if model else {}),
+        "tokenizer": {"kind": "byte"},
+        "data": {"path": str(work / "prepared"), "seq_len": SEQ_LEN},
+        "objective": objective,
+        "training": {"steps": steps, "global_batch_size": 16, "micro_batch_size": 16, "device": "cpu", "seed": 0},
+        "optimizer": {"lr": lr},
+        "scheduler": {"warmup_steps": 50},
+        "checkpointing": {"every_steps": steps, "keep_last_n": 1},
+        "logging": {"progress": "off", "tensorboard": "off", "every_steps": 50},
+    }
+    spec, _ = resolve_run_spec(validate_config(RunSpec, values, source="bench", base_dir=work))
+    t0 = time.perf_counter()
+    losses = train_from_run_dir(prepare_run_dir(spec))
+    print(f"# trained {name}: {steps} steps in {time.perf_counter() - t0:.0f}s, loss {losses[0]:.3f} -> "
+          f"{sum(losses[-20:]) / len(losses[-20:]):.3f}", file=sys.stderr)  # fmt: skip
+    return run
+
+
+def prompts_of(tok, n: int) -> list[list[int]]:
+    """Held-out records (another seed), cut after their first word."""
+    texts = [r["text"] for r in demo_text(n, seed=12345)]
+    return [tok.encode(t.split()[0] + " ") for t in texts]
+
+
+@torch.inference_mode()
+def tau_offline(target, drafter: DFlashDrafter, prompts: list[list[int]], greedy: list[list[int]], eos: int,
+                max_new: int) -> dict[str, Any]:  # fmt: skip
+    """Accepted-prefix rounds of the drafter against the target's greedy continuations (with their
+    EOS, for rows that ended before `max_new` tokens), one row at a time."""
+    b = drafter.block_size
+    rounds = gained = 0
+    for prompt, cont in zip(prompts, greedy, strict=True):
+        seq = torch.tensor([prompt + cont + ([eos] if len(cont) < max_new else [])])
+        P, L = len(prompt), seq.shape[1]
+        with capture_layers(target, drafter.target_layer_ids) as cap:
+            target(seq, torch.arange(L)[None], AttentionMask("causal"))
+        feats = cap.features()
+        state = drafter.start(1, L + b)
+        drafter.extend(state, feats, torch.arange(L)[None])  # a position's features never change under greedy
+        p = P - 1  # the anchor: the last prompt token; tokens after it are what the target generates
+        while p < L - 1:
+            drafts = drafter.propose(state, seq[:, p], torch.tensor([p]))[0].argmax(-1)
+            truth = seq[0, p + 1 : p + b]
+            n = int((drafts[: len(truth)] == truth).long().cumprod(0).sum())
+            step = min(n + 1, L - 1 - p)
+            rounds, gained, p = rounds + 1, gained + step, p + step
+    return {"tau_offline": round(gained / rounds, 3), "rounds_offline": rounds}
+
+
+def timed(fns: dict[str, Any], repeats: int) -> dict[str, float]:
+    best = {k: float("inf") for k in fns}
+    for _ in range(repeats):
+        for k, fn in fns.items():
             t0 = time.perf_counter()
-            result = fn(target, prompts, args)
-            sync()
-            walls[name].append(time.perf_counter() - t0)
-            assert result.counters.tokens == batch * args.gen, (name, result.counters.tokens)
-    out: dict[str, float] = {}
-    base = statistics.median(walls[BASELINE])
-    for name in VARIANTS:
-        wall = statistics.median(walls[name])
-        out[f"{name}_tok_s"] = round(batch * args.gen / wall, 1)
-        out[f"{name}_forwards_per_token"] = round(forwards[name], 4)
-        out[f"{name}_speedup_vs_{BASELINE}"] = round(base / wall, 3)
-    return out
+            fn()
+            best[k] = min(best[k], time.perf_counter() - t0)
+    return best
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--width", type=int, default=256)
-    parser.add_argument("--prompt-len", type=int, default=32)
-    parser.add_argument("--gen", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--device", default="cpu")
-    args = parser.parse_args(argv)
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--work-dir", type=Path, default=Path("/tmp/dllm-bench-speculative"))
+    ap.add_argument("--blocks", type=int, nargs="+", default=[4, 8, 16])
+    ap.add_argument("--target-steps", type=int, default=450)
+    ap.add_argument("--drafter-steps", type=int, default=400)
+    ap.add_argument("--anchors", type=int, default=64, help="objective.num_anchors of the drafters")
+    ap.add_argument("--loss", choices=["ce", "kl"], default="ce", help="objective.loss of the drafters")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--retrain", action="store_true")
+    args = ap.parse_args()
     torch.manual_seed(0)
-    target = build_target(args).to(args.device)
-    with torch.inference_mode():
-        result = {
-            "bench": "speculative",
-            "target": {"layers": args.layers, "width": args.width, "params": target.num_params()},
-            "prompt_len": args.prompt_len,
-            "gen": args.gen,
-            "device": args.device,
-            "threads": torch.get_num_threads(),
-            **{f"batch_{b}": measure(target, b, args) for b in args.batches},
-        }
-    print(json.dumps(result))
-    return result
+    work = args.work_dir.absolute()
+    if args.retrain and work.exists():
+        shutil.rmtree(work)
+    work.mkdir(parents=True, exist_ok=True)
+    build_data(work)
+    arch = {"hidden_size": 256, "num_layers": 4, "num_heads": 4, "num_kv_heads": 4, "max_seq_len": 512}
+    target_run = train(work, "target", {"name": "ar"}, args.target_steps, 2e-3, arch)
+    loaded = load_for_inference(run=target_run, device=torch.device("cpu"))
+    target, tok = loaded.model, loaded.tokenizer
+    prompts = prompts_of(tok, args.prompts)
+    # rows end at EOS, as real decoding does: past it a target writes text unlike its corpus
+    decoding = Decoding(max_new_tokens=args.new_tokens, eos_id=tok.eos_id)
+    greedy = ar_generate(target, prompts, decoding, mask_id=tok.mask_id).sequences
+    try:
+        from dllm.sampling.speculative import speculative_generate
+    except ImportError:
+        speculative_generate = None
+    summary: dict[str, Any] = {"bench": "speculative_summary", "speculative_loop": speculative_generate is not None}
+    for b in args.blocks:
+        objective = {"name": "dflash_distillation", "target": str(target_run), "target_layer_ids": TARGET_LAYERS,
+                     "block_size": b, "num_layers": 1, "num_anchors": args.anchors, "loss": args.loss}  # fmt: skip
+        run = train(work, f"drafter-b{b}", objective, args.drafter_steps, 3e-3, None)
+        drafter, _, _ = load_drafter_run(run=run, device=torch.device("cpu"))
+        drafter.attach(target)  # the very module the AR baseline runs
+        line: dict[str, Any] = {"bench": "speculative", "block_size": b, "new_tokens": args.new_tokens,
+                                "prompts": len(prompts)}  # fmt: skip
+        line.update(tau_offline(target, drafter, prompts, greedy, tok.eos_id, args.new_tokens))
+        if speculative_generate is not None:
+            line.update(measure(target, drafter, prompts, decoding, tok.mask_id, speculative_generate, args.repeats))
+        print(json.dumps(line), flush=True)
+        summary[f"tau_b{b}"] = line.get("tau", line["tau_offline"])
+        if "speedup_b1" in line:
+            summary[f"speedup_b1_b{b}"], summary[f"speedup_b8_b{b}"] = line["speedup_b1"], line["speedup_b8"]
+    if 8 in args.blocks:
+        summary["tau_b8_target_3"] = summary["tau_b8"] >= 3
+        if "speedup_b1_b8" in summary:
+            summary["speedup_b1_target_1.8"] = summary["speedup_b1_b8"] >= 1.8
+    print(json.dumps(summary), flush=True)
+
+
+def measure(target, drafter, prompts, decoding, mask_id, speculative_generate, repeats: int) -> dict[str, Any]:
+    """tau, forwards per token, losslessness and tokens/s vs AR with the KV cache at batch 1 and 8."""
+    out: dict[str, Any] = {}
+    spec_all = speculative_generate(target, drafter, prompts, decoding, mask_id=mask_id)
+    ar_all = ar_generate(target, prompts, decoding, mask_id=mask_id)
+    c = spec_all.counters.as_dict()
+    out.update(tau=round(c["tau"], 3), forwards_per_token_one_batch=round(c["forwards_per_token"], 4),
+               acceptance_rate=round(c["acceptance_rate"], 3),
+               lossless=spec_all.sequences == ar_all.sequences)  # fmt: skip
+    ones = [speculative_generate(target, drafter, [p], decoding, mask_id=mask_id).counters for p in prompts]
+    out["forwards_per_token_b1"] = round(sum(c.target_forwards for c in ones) / sum(c.tokens for c in ones), 4)
+    for batch in (1, 8):
+        chunks = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
+        best = timed({
+            "ar": lambda chunks=chunks: [ar_generate(target, ch, decoding, mask_id=mask_id) for ch in chunks],
+            "spec": lambda chunks=chunks: [
+                speculative_generate(target, drafter, ch, decoding, mask_id=mask_id) for ch in chunks
+            ],
+        }, repeats)  # fmt: skip
+        tokens = ar_all.counters.tokens  # the same for both: lossless
+        out[f"ar_tokens_per_s_b{batch}"] = round(tokens / best["ar"], 1)
+        out[f"spec_tokens_per_s_b{batch}"] = round(tokens / best["spec"], 1)
+        out[f"speedup_b{batch}"] = round(best["ar"] / best["spec"], 3)
+    return out
 
 
 if __name__ == "__main__":

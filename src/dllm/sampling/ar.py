@@ -12,7 +12,7 @@ length (padding of a shorter prompt, drafts the target rejected) lies after ever
 so it is never read, and the next forward overwrites it: rolling back a rejection is setting the length.
 
 `Recompute` is the plain reference with the same interface: every forward runs each row's whole
-sequence again, no cache (tests and bench/speculative.py compare the two).
+sequence again, no cache (tests and bench/ar_decoding.py compare the two).
 
 Shapes: B batch, K key/value heads, T cache capacity, D head width, Q query tokens per row, P prompt
 length, N new tokens, V vocabulary, F captured target features.

@@ -1,8 +1,8 @@
-"""bench/speculative.py runs end to end on a tiny target and reports every variant at every batch size."""
+"""bench/ar_decoding.py runs end to end on a tiny target and reports every variant at every batch size."""
 
 from __future__ import annotations
 
-from bench.speculative import BASELINE, VARIANTS, main
+from bench.ar_decoding import BASELINE, VARIANTS, main
 
 
 def test_the_bench_reports_every_variant(capsys):
