@@ -16,8 +16,11 @@ b in --blocks (objective dflash_distillation, the target frozen). Then, on held-
   (`sampling.ar.ar_generate`) at batch 1 and 8 (the best of --repeats interleaved rounds), plus
   whether the outputs equal AR's token for token (lossless).
 
+- the CPU's ceiling for the pair (`step_costs`): one AR step, one verify forward of b tokens and one
+  drafter proposal timed alone; tau x AR step / (verify + proposal) bounds the batch-1 speedup.
+
 One JSON line per block size, then a summary line with the targets (tau >= 3 at b = 8; >= 1.8x the
-AR tokens/s at batch 1).
+AR tokens/s at batch 1) and the ceilings.
 
     python bench/speculative.py [--work-dir /tmp/dllm-bench-speculative] [--blocks 4 8 16] [--retrain]
 """
@@ -172,11 +175,44 @@ def main() -> None:
         summary[f"tau_b{b}"] = line.get("tau", line["tau_offline"])
         if "speedup_b1" in line:
             summary[f"speedup_b1_b{b}"], summary[f"speedup_b8_b{b}"] = line["speedup_b1"], line["speedup_b8"]
+            summary[f"ceiling_b{b}"] = line["speedup_b1_ceiling"]
     if 8 in args.blocks:
         summary["tau_b8_target_3"] = summary["tau_b8"] >= 3
         if "speedup_b1_b8" in summary:
             summary["speedup_b1_target_1.8"] = summary["speedup_b1_b8"] >= 1.8
+            summary["speedup_b1_ceiling_b8"] = summary["ceiling_b8"]
     print(json.dumps(summary), flush=True)
+
+
+def step_costs(target, drafter, prompt: list[int], mask_id: int, repeats: int = 30) -> dict[str, float]:
+    """Seconds of one AR step (1 token against the KV cache), one verify forward (b tokens) and one
+    drafter proposal at batch 1, after a prompt (the fastest of `repeats`; nothing committed, so every
+    call sees the same cache). A round costs verify + propose and gains tau tokens, so with nothing else
+    to pay speculative decoding reaches at most tau x ar / (verify + propose) of AR's tokens/s: on a CPU
+    the verify forward costs about b AR steps (compute-bound, where a GPU step is memory-bound)."""
+    from dllm.sampling.ar import Target
+
+    b = drafter.block_size
+    runner = Target(target, 1, len(prompt) + 2 * b, drafter.target_layer_ids, mask_id)
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        _, features = runner.forward(ids)
+        runner.commit(torch.tensor([len(prompt)]))
+        state = drafter.start(1, len(prompt) + 2 * b)
+        drafter.extend(state, features, torch.arange(len(prompt))[None])
+        anchor, pos = ids[:, -1], torch.tensor([len(prompt) - 1])
+        calls = {
+            "ar_step_s": lambda: runner.forward(ids[:, -1:]),
+            "verify_s": lambda: runner.forward(ids[:, -1:].expand(1, b).contiguous()),
+            "propose_s": lambda: drafter.propose(state, anchor, pos),
+        }
+        best = dict.fromkeys(calls, float("inf"))
+        for _ in range(repeats):
+            for k, fn in calls.items():
+                t0 = time.perf_counter()
+                fn()
+                best[k] = min(best[k], time.perf_counter() - t0)
+    return best
 
 
 def measure(target, drafter, prompts, decoding, mask_id, speculative_generate, repeats: int) -> dict[str, Any]:
@@ -188,6 +224,11 @@ def measure(target, drafter, prompts, decoding, mask_id, speculative_generate, r
     out.update(tau=round(c["tau"], 3), forwards_per_token_one_batch=round(c["forwards_per_token"], 4),
                acceptance_rate=round(c["acceptance_rate"], 3),
                lossless=spec_all.sequences == ar_all.sequences)  # fmt: skip
+    costs = step_costs(target, drafter, prompts[0] + ar_all.sequences[0][:16], mask_id)
+    out["verify_over_ar_step"] = round(costs["verify_s"] / costs["ar_step_s"], 2)
+    out["propose_over_ar_step"] = round(costs["propose_s"] / costs["ar_step_s"], 2)
+    # the CPU's ceiling for this pair: tau tokens per (verify + propose), against one token per AR step
+    out["speedup_b1_ceiling"] = round(c["tau"] * costs["ar_step_s"] / (costs["verify_s"] + costs["propose_s"]), 3)
     ones = [speculative_generate(target, drafter, [p], decoding, mask_id=mask_id).counters for p in prompts]
     out["forwards_per_token_b1"] = round(sum(c.target_forwards for c in ones) / sum(c.tokens for c in ones), 4)
     for batch in (1, 8):
