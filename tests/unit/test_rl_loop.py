@@ -112,7 +112,7 @@ def test_one_update_with_beta_0_is_a_reinforce_step(tmp_path: Path, user_reward,
     ],
 )
 def test_bad_rl_input_is_one_line_through_launch_before_any_generation(
-    tmp_path: Path, capsys, monkeypatch, rl: dict, message: str
+    tmp_path: Path, capsys, monkeypatch, user_reward, rl: dict, message: str
 ):
     (tmp_path / "prompts.jsonl").write_text(json.dumps({"prompt": "1 + 1 ="}) + "\n", encoding="utf-8")
     monkeypatch.setattr(grpo_mod, "rollout", lambda *a, **k: pytest.fail("generated before the error"))

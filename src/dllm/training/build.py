@@ -220,7 +220,7 @@ def build_grpo_trainer(spec: RunSpec, run_dir: Path, env: DistEnv) -> GRPOTraine
         reference = copy.deepcopy(unwrap(model)).requires_grad_(False).eval()
     profile = derive_profile(spec.objective, spec.model, tok)
     sampler = resolve_sampler(rl.sampler, profile)
-    task = load_prompts(rl.prompts)
+    task = load_prompts(rl.prompts, tok)
     identity: dict[str, Any] = {"tokenizer": tok.identity(), "prompts": task.name}
     tr = spec.training
     trainer = GRPOTrainer(
