@@ -197,9 +197,7 @@ def build_trainer(spec: RunSpec, run_dir: Path, env: DistEnv | None = None) -> T
 def build_grpo_trainer(spec: RunSpec, run_dir: Path, env: DistEnv) -> GRPOTrainer:
     """An rl run (training/grpo.py): the policy, a frozen copy of its initial weights as the reference
     (none when rl.beta is 0), the prompts, the rewards and the rollout sampler resolved against the
-    run's decode profile. One process, uncompiled (config/rules.py check_rl)."""
-    import copy
-
+    run's decode profile. Data-parallel (DDP or FSDP2) over the processes, uncompiled (config/rules.py check_rl)."""
     from dllm.config.sampler import resolve_sampler
     from dllm.rl.prompts import load_prompts
     from dllm.rl.rewards import Rewards
@@ -215,9 +213,7 @@ def build_grpo_trainer(spec: RunSpec, run_dir: Path, env: DistEnv) -> GRPOTraine
     tok = build_tokenizer(spec.tokenizer)
     dims = ParallelDims.from_topology(spec.topology, env.world_size)
     model = build_model(spec, device, env, dims, None)
-    reference = None
-    if rl.beta > 0:
-        reference = copy.deepcopy(unwrap(model)).requires_grad_(False).eval()
+    reference = frozen_reference(spec, device) if rl.beta > 0 else None
     profile = derive_profile(spec.objective, spec.model, tok)
     sampler = resolve_sampler(rl.sampler, profile)
     task = load_prompts(rl.prompts, tok)
@@ -234,6 +230,7 @@ def build_grpo_trainer(spec: RunSpec, run_dir: Path, env: DistEnv) -> GRPOTraine
         rl=rl,
         log_cfg=spec.logging,
         env=env,
+        dims=dims,
         device=device,
         identity=identity,
         task=task,
@@ -244,3 +241,15 @@ def build_grpo_trainer(spec: RunSpec, run_dir: Path, env: DistEnv) -> GRPOTraine
     if latest is not None:
         trainer.resume(latest)
     return trainer
+
+
+def frozen_reference(spec: RunSpec, device: torch.device) -> nn.Module:
+    """The rl reference policy: the run's initial weights as a plain frozen module on every rank (not
+    sharded: its forwards need no collective)."""
+    cfg, lora, seed = spec.model, spec.lora, spec.training.seed
+    with torch.device("meta"):
+        reference = factory.build_model(cfg, lora, seed)
+    reference.to_empty(device=device)
+    reference.init_buffers()
+    reference.load_state_dict(factory.initial_state(cfg, lora, seed))
+    return reference.requires_grad_(False).eval()
