@@ -1,7 +1,8 @@
 """diffu-GRPO over two gloo processes (training/grpo.py): with the same generated samples (a replay of
 fixed completions per prompt), two ranks holding half the prompts each take the one-process step on the
 union (DDP and FSDP2); real rollouts under FSDP2 draw rank-disjoint prompts; a two-process resume
-between rounds is bit-exact (each rank's generation RNG is in the checkpoint)."""
+between rounds is bit-exact (each rank's generation RNG is in the checkpoint); FSDP2 with LoRA takes
+its reference from the base weights (KL 0 before the first update)."""
 
 from __future__ import annotations
 
@@ -144,6 +145,9 @@ def test_two_ranks_match_one_on_the_same_samples_and_resume_bit_exact(tmp_path: 
     cases["whole"] = {**whole, "name": "whole", "overrides": ["training.steps=8"]}
     cases["resumed"] = {**whole, "name": "resumed", "out": str(tmp_path / "resumed.safetensors"), "stop_steps": 4,
                         "overrides": ["training.steps=8", "checkpointing.every_steps=4"]}  # fmt: skip
+    lora = ["lora.rank=4", "rl.inner_updates=1"]
+    cases["lora"] = {"folder": str(tmp_path / "lora"), "mode": "fsdp", "name": "lora", "rounds": 2,
+                     "out": str(tmp_path / "lora.safetensors"), "overrides": lora}  # fmt: skip
     out = run_cases(tmp_path, 2, cases, _run_case)
     for mode in ("ddp", "fsdp"):
         two = out[mode]
@@ -153,5 +157,7 @@ def test_two_ranks_match_one_on_the_same_samples_and_resume_bit_exact(tmp_path: 
         assert ref["records"][1]["kl"] > 0 and ref["records"][0]["reward_std"] > 0
         _assert_same_weights(tmp_path / f"{mode}.safetensors", tmp_path / "one.safetensors", rtol=1e-5, atol=1e-5)
     assert not set(out["whole"]["prompts"][0]) & set(out["whole"]["prompts"][1]), "rank-disjoint prompts"
+    lora = out["lora"]["records"]  # the reference is the sharded policy with its adapters off: B = 0 at first
+    assert lora[0]["kl"] == 0.0 and lora[1]["kl"] > 0.0
     assert out["resumed"]["step"] == out["whole"]["step"] == 8
     _assert_same_weights(tmp_path / "whole.safetensors", tmp_path / "resumed.safetensors", rtol=0, atol=0)

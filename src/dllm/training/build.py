@@ -195,9 +195,10 @@ def build_trainer(spec: RunSpec, run_dir: Path, env: DistEnv | None = None) -> T
 
 
 def build_grpo_trainer(spec: RunSpec, run_dir: Path, env: DistEnv) -> GRPOTrainer:
-    """An rl run (training/grpo.py): the policy, a frozen copy of its initial weights as the reference
-    (none when rl.beta is 0), the prompts, the rewards and the rollout sampler resolved against the
-    run's decode profile. Data-parallel (DDP or FSDP2) over the processes, uncompiled (config/rules.py check_rl)."""
+    """An rl run (training/grpo.py): the policy; its reference (the KL anchor: a frozen copy of the
+    initial weights, or with LoRA the policy's base weights with its adapters off; none when rl.beta is 0);
+    the prompts, the rewards and the rollout sampler resolved against the run's decode profile.
+    Data-parallel (DDP or FSDP2) over the processes, uncompiled (config/rules.py check_rl)."""
     from dllm.config.sampler import resolve_sampler
     from dllm.rl.prompts import load_prompts
     from dllm.rl.rewards import Rewards
@@ -213,7 +214,8 @@ def build_grpo_trainer(spec: RunSpec, run_dir: Path, env: DistEnv) -> GRPOTraine
     tok = build_tokenizer(spec.tokenizer)
     dims = ParallelDims.from_topology(spec.topology, env.world_size)
     model = build_model(spec, device, env, dims, None)
-    reference = frozen_reference(spec, device) if rl.beta > 0 else None
+    # the KL anchor: with LoRA the policy's base weights (adapters off), else a frozen copy of the initial weights
+    reference = frozen_reference(spec, device) if rl.beta > 0 and spec.lora is None else None
     profile = derive_profile(spec.objective, spec.model, tok)
     sampler = resolve_sampler(rl.sampler, profile)
     task = load_prompts(rl.prompts, tok)
@@ -222,6 +224,7 @@ def build_grpo_trainer(spec: RunSpec, run_dir: Path, env: DistEnv) -> GRPOTraine
     trainer = GRPOTrainer(
         model=model,
         reference=reference,
+        reference_is_base=rl.beta > 0 and spec.lora is not None,
         optimizer=build_optimizer(model, spec.optimizer),
         lr_schedule=LRSchedule(spec.scheduler, spec.optimizer.lr, tr.steps),
         checkpoints=CheckpointManager(run_dir / "checkpoints", spec.checkpointing, env, profile),

@@ -38,6 +38,7 @@ from dllm.config.sampler import SamplerConfig
 from dllm.config.training import LoggingConfig, TrainingConfig
 from dllm.errors import CheckpointError
 from dllm.evaluation.tasks import Task
+from dllm.models.lora import adapters_disabled
 from dllm.parallel.apply import set_grad_sync, unwrap
 from dllm.parallel.dims import DistEnv, ParallelDims, all_reduce_sum
 from dllm.parallel.grad_norm import clip_grad_norm
@@ -71,6 +72,7 @@ class GRPOTrainer:
         *,
         model: nn.Module,
         reference: nn.Module | None,
+        reference_is_base: bool = False,
         optimizer: torch.optim.Optimizer,
         lr_schedule: LRSchedule,
         checkpoints: CheckpointManager,
@@ -87,6 +89,8 @@ class GRPOTrainer:
         policy: Policy,
     ) -> None:
         self.model, self.reference, self.optimizer, self.lr_schedule = model, reference, optimizer, lr_schedule
+        # with LoRA: the reference is the policy's own base weights, its adapters off (no second copy)
+        self.reference_is_base = reference_is_base
         self.checkpoints, self.metrics, self.cfg, self.rl, self.log_cfg = checkpoints, metrics, cfg, rl, log_cfg
         self.env, self.dims, self.device, self.identity = env, dims, device, identity
         self.task, self.rewards, self.policy = task, rewards, policy
@@ -144,7 +148,7 @@ class GRPOTrainer:
         t1 = time.perf_counter()
         noisy = [self._mask_prompts(ro) for _ in range(self.rl.inner_updates)]  # one prompt mask per update
         olds = [self._frozen_logprobs(self.model, ro, n) for n in noisy]
-        refs = [self._frozen_logprobs(self.reference, ro, n) if self._uses_reference() else None for n in noisy]
+        refs = [self._reference_logprobs(ro, n) if self._uses_reference() else None for n in noisy]
         sums: dict[str, float] = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "grad_norm": 0.0}
         lr = 0.0
         for k in range(self.rl.inner_updates):
@@ -182,7 +186,14 @@ class GRPOTrainer:
         return out
 
     def _uses_reference(self) -> bool:
-        return self.rl.beta > 0 and self.reference is not None
+        return self.rl.beta > 0 and (self.reference is not None or self.reference_is_base)
+
+    def _reference_logprobs(self, ro: Rollouts, noisy_BP: torch.Tensor) -> torch.Tensor:
+        """The reference policy's log-probs [B, C]: the frozen copy's, or (LoRA) the policy's with its adapters off."""
+        if not self.reference_is_base:
+            return self._frozen_logprobs(self.reference, ro, noisy_BP)
+        with adapters_disabled(unwrap(self.model)):
+            return self._frozen_logprobs(self.model, ro, noisy_BP)
 
     def _mask_prompts(self, ro: Rollouts) -> torch.Tensor:
         """The prompts with d1's random prompt masking, drawn from the run's generator: one draw per inner
