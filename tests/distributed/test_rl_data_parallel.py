@@ -97,6 +97,11 @@ def _run(rank: int, world: int, case: dict[str, Any], env: DistEnv) -> dict[str,
         spec = spec.model_copy(update={"rl": spec.rl.model_copy(update={"p_mask_prompt": 0.0})})
     trainer = build_trainer(spec, run_dir, env)
     drawn = [e.prompt for e in trainer.draw_prompts(0)]
+    if case.get("uneven"):  # as decoding that stops early: forwards on gathered weights need no peer
+        tokens_BL = torch.randint(0, 200, (2, 12), generator=torch.Generator().manual_seed(rank))
+        with torch.no_grad(), grpo_mod.gathered_weights(trainer.model):
+            for _ in range(3 if rank == 0 else 1):
+                trainer.model(tokens_BL, torch.arange(12).expand(2, 12))
     if case.get("stop_steps"):
         trainer.cfg = trainer.cfg.model_copy(update={"steps": case["stop_steps"]})
         trainer.fit()
@@ -147,7 +152,7 @@ def test_two_ranks_match_one_on_the_same_samples_and_resume_bit_exact(tmp_path: 
                         "overrides": ["training.steps=8", "checkpointing.every_steps=4"]}  # fmt: skip
     lora = ["lora.rank=4", "rl.inner_updates=1"]
     cases["lora"] = {"folder": str(tmp_path / "lora"), "mode": "fsdp", "name": "lora", "rounds": 2,
-                     "out": str(tmp_path / "lora.safetensors"), "overrides": lora}  # fmt: skip
+                     "out": str(tmp_path / "lora.safetensors"), "overrides": lora, "uneven": True}  # fmt: skip
     out = run_cases(tmp_path, 2, cases, _run_case)
     for mode in ("ddp", "fsdp"):
         two = out[mode]
