@@ -51,6 +51,10 @@ def test_an_artifact_without_answers_or_prompts_is_refused(tmp_path: Path):
     full = _prepare(tmp_path / "full", supervision="full")  # every token supervised: no prompt/answer split
     with pytest.raises(ConfigError, match=r"rl.prompts.path: .*sample 0: no prompt"):
         load_prompts(PromptsConfig(path=full), tok)
+    cut = _prepare(tmp_path / "cut", rows=[*RECORDS, {"prompt": "1 + 1 =" * 3, "completion": " 2"}],
+                   overflow="truncate_right")  # fmt: skip
+    with pytest.raises(ConfigError, match="1 records were truncated .*use overflow: reject"):
+        load_prompts(PromptsConfig(path=cut), tok)
     packed = _prepare(tmp_path / "packed", layout="packed")
     with pytest.raises(ConfigError, match="layout packed mixes records"):
         load_prompts(PromptsConfig(path=packed), tok)

@@ -50,6 +50,9 @@ def artifact_task(art: Artifact, tok: Tokenizer, limit: int) -> Task:
     where = art.path / "manifest.json"
     if art.manifest["layout"] != "indexed":
         raise DataError(f"{where}: layout {art.manifest['layout']} mixes records in rows; {_PREPARE}")
+    cut = art.manifest["stats"].get("truncated", 0) if isinstance(art.manifest["stats"], dict) else 0
+    if cut:
+        raise DataError(f"{where}: {cut} records were truncated (a prompt or answer may be cut); use overflow: reject")
     if art.tokenizer.get("vocab_hash") != tok.identity().get("vocab_hash"):
         raise DataError(f"{where}: prepared with another tokenizer than the run's; use the run's tokenizer section")
     ids, mask = np.asarray(art.array("tokens")), np.asarray(art.array("loss_mask"))
