@@ -89,7 +89,7 @@ def _run(rank: int, world: int, case: dict[str, Any], env: DistEnv) -> dict[str,
     """Build and run one trainer (with `stop_steps` it stops there, as a killed run would, and a second
     trainer resumes); rank 0 saves the final weights to case["out"] and returns the metrics."""
     folder = Path(case["folder"])
-    spec, _ = resolve_run_spec(load_spec(_yaml(folder, world, case["mode"]), *case.get("overrides", [])))
+    spec, _ = resolve_run_spec(load_spec(folder / "train.yaml", *case.get("overrides", [])))
     run_dir = folder / "runs" / case["name"]
     run_dir.mkdir(parents=True, exist_ok=True)
     if case.get("replay"):  # and no prompt masking: its draws come from each rank's own generator
@@ -134,6 +134,7 @@ def test_two_ranks_match_one_on_the_same_samples_and_resume_bit_exact(tmp_path: 
     one = {"folder": str(tmp_path / "one"), "mode": "fsdp", "name": "one", "replay": True, "rounds": 2,
            "out": str(tmp_path / "one.safetensors")}  # fmt: skip
     monkeypatch.setattr(grpo_mod, "rollout", replay_rollout)
+    _yaml(tmp_path / "one", 1, "fsdp")
     ref = _run(0, 1, one, DistEnv())
     cases = {
         mode: {
@@ -153,6 +154,8 @@ def test_two_ranks_match_one_on_the_same_samples_and_resume_bit_exact(tmp_path: 
     lora = ["lora.rank=4", "rl.inner_updates=1"]
     cases["lora"] = {"folder": str(tmp_path / "lora"), "mode": "fsdp", "name": "lora", "rounds": 2,
                      "out": str(tmp_path / "lora.safetensors"), "overrides": lora, "uneven": True}  # fmt: skip
+    for case in cases.values():  # written here: the ranks only read them
+        _yaml(Path(case["folder"]), 2, case["mode"])
     out = run_cases(tmp_path, 2, cases, _run_case)
     for mode in ("ddp", "fsdp"):
         two = out[mode]

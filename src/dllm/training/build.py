@@ -215,7 +215,7 @@ def build_grpo_trainer(spec: RunSpec, run_dir: Path, env: DistEnv) -> GRPOTraine
     dims = ParallelDims.from_topology(spec.topology, env.world_size)
     model = build_model(spec, device, env, dims, None)
     # the KL anchor: with LoRA the policy's base weights (adapters off), else a frozen copy of the initial weights
-    reference = frozen_reference(spec, device) if rl.beta > 0 and spec.lora is None else None
+    reference = frozen_reference(spec, device, env, dims) if rl.beta > 0 and spec.lora is None else None
     profile = derive_profile(spec.objective, spec.model, tok)
     sampler = resolve_sampler(rl.sampler, profile)
     task = load_prompts(rl.prompts, tok)
@@ -246,13 +246,14 @@ def build_grpo_trainer(spec: RunSpec, run_dir: Path, env: DistEnv) -> GRPOTraine
     return trainer
 
 
-def frozen_reference(spec: RunSpec, device: torch.device) -> nn.Module:
-    """The rl reference policy: the run's initial weights as a plain frozen module on every rank (not
-    sharded: its forwards need no collective)."""
+def frozen_reference(spec: RunSpec, device: torch.device, env: DistEnv, dims: ParallelDims) -> nn.Module:
+    """The rl reference policy: the run's initial weights, frozen, laid out like the policy (FSDP2 shards
+    it over the same ranks; its forwards run in step on every rank, one per micro-batch; with DDP a full
+    copy per rank, which needs no gradient reduction and so no wrapper)."""
     cfg, lora, seed = spec.model, spec.lora, spec.training.seed
     with torch.device("meta"):
         reference = factory.build_model(cfg, lora, seed)
-    reference.to_empty(device=device)
-    reference.init_buffers()
-    reference.load_state_dict(factory.initial_state(cfg, lora, seed))
+    reference = apply_parallelism(reference, dims, dims.build_meshes(device), spec.topology, False)
+    full = factory.initial_state(cfg, lora, seed) if env.is_main or not env.distributed else {}
+    materialize(reference, full, device, env)
     return reference.requires_grad_(False).eval()
