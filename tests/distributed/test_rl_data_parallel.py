@@ -15,6 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor
 
 from dllm.parallel.dims import DistEnv
 from dllm.rl.grpo import completion_mask
@@ -116,7 +117,9 @@ def _run(rank: int, world: int, case: dict[str, Any], env: DistEnv) -> dict[str,
     torch.distributed.all_gather_object(prompts, drawn) if world > 1 else prompts.__setitem__(0, drawn)
     if rank == 0:
         save_file(state, case["out"])
-    return {"records": records, "prompts": prompts, "step": trainer.step} if rank == 0 else {}
+    ref = trainer.reference
+    sharded = ref is not None and isinstance(next(ref.parameters()), DTensor)  # FSDP2: laid out like the policy
+    return {"records": records, "prompts": prompts, "step": trainer.step, "ref_sharded": sharded} if rank == 0 else {}
 
 
 def _run_case(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
@@ -164,6 +167,7 @@ def test_two_ranks_match_one_on_the_same_samples_and_resume_bit_exact(tmp_path: 
             assert {k: r2[k] for k in METRICS} == pytest.approx({k: r1[k] for k in METRICS}, rel=1e-5, abs=1e-6)
         assert ref["records"][1]["kl"] > 0 and ref["records"][0]["reward_std"] > 0
         _assert_same_weights(tmp_path / f"{mode}.safetensors", tmp_path / "one.safetensors", rtol=1e-5, atol=1e-5)
+    assert out["fsdp"]["ref_sharded"] and not out["ddp"]["ref_sharded"]
     assert not set(out["whole"]["prompts"][0]) & set(out["whole"]["prompts"][1]), "rank-disjoint prompts"
     lora = out["lora"]["records"]  # the reference is the sharded policy with its adapters off: B = 0 at first
     assert lora[0]["kl"] == 0.0 and lora[1]["kl"] > 0.0

@@ -212,7 +212,10 @@ class GRPOTrainer:
     def _frozen_logprobs(self, model: nn.Module | None, ro: Rollouts, noisy_BP: torch.Tensor) -> torch.Tensor:
         """The old policy's or the reference's log-probs [B, C], micro_batch_size rows per forward."""
         B, mb = ro.completion_BC.shape[0], self.cfg.micro_batch_size
-        return torch.cat([self._logprobs(model, ro, noisy_BP, slice(lo, min(lo + mb, B))) for lo in range(0, B, mb)])
+        out_BC = torch.cat([self._logprobs(model, ro, noisy_BP, slice(lo, min(lo + mb, B))) for lo in range(0, B, mb)])
+        if isinstance(model, FSDPModule):  # FSDP2 keeps the root's weights gathered after a forward (until a backward)
+            model.reshard()
+        return out_BC
 
     def _update(self, ro: Rollouts, noisy_BP: torch.Tensor, old_BC: torch.Tensor, ref_BC: torch.Tensor | None,
                 advantages_B: torch.Tensor) -> dict[str, float]:  # fmt: skip
