@@ -63,7 +63,7 @@ def test_two_rounds_write_the_rl_metrics_and_a_checkpoint_with_the_generator(tmp
         assert r["reward_mean"] == pytest.approx(r["reward_exact_answer"] + 0.5 * r["reward_rl_user_reward:variety"])
         assert 0.0 <= r["clip_fraction"] <= 1.0 and r["kl"] >= 0.0 and r["grad_norm"] > 0
     state = read_trainer_state(latest_checkpoint(run_dir / "checkpoints"))
-    assert state["step"] == 4 and len(state["generator"]) > 0
+    assert state["step"] == 4 and len(state["generators"]) == 1 and len(state["generators"][0]) > 0
 
 
 def test_one_update_with_beta_0_is_a_reinforce_step(tmp_path: Path, user_reward, monkeypatch):
@@ -112,7 +112,7 @@ def test_one_update_with_beta_0_is_a_reinforce_step(tmp_path: Path, user_reward,
     ],
 )
 def test_bad_rl_input_is_one_line_through_launch_before_any_generation(
-    tmp_path: Path, capsys, monkeypatch, rl: dict, message: str
+    tmp_path: Path, capsys, monkeypatch, user_reward, rl: dict, message: str
 ):
     (tmp_path / "prompts.jsonl").write_text(json.dumps({"prompt": "1 + 1 ="}) + "\n", encoding="utf-8")
     monkeypatch.setattr(grpo_mod, "rollout", lambda *a, **k: pytest.fail("generated before the error"))
@@ -146,3 +146,15 @@ def test_resume_between_rounds_is_bit_exact(tmp_path: Path, user_reward):
     a = build_trainer(load_spec(whole_dir / "config.yaml"), whole_dir).model.state_dict()
     b = build_trainer(load_spec(run_dir / "config.yaml"), run_dir).model.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_rl_over_ranks_needs_whole_groups_per_rank_and_data_parallelism_only(tmp_path: Path):
+    from dllm.config.rules import check_rl
+    from dllm.errors import ConfigError
+
+    yaml_path = _rl_yaml(tmp_path)  # 8 completions per round, groups of 4: 2 prompts
+    check_rl(load_spec(yaml_path, "topology.nproc_per_node=2"))
+    with pytest.raises(ConfigError, match="2 prompts per round .* do not split over 4 processes"):
+        check_rl(load_spec(yaml_path, "topology.nproc_per_node=4"))
+    with pytest.raises(ConfigError, match="topology: rl runs data-parallel only"):
+        check_rl(load_spec(yaml_path, "topology.nproc_per_node=2", "topology.tp_size=2"))

@@ -68,13 +68,13 @@ class RewardConfig(Section):
 
 
 class PromptsConfig(Section):
-    """Where the prompts of the rollouts come from: a built-in generated task or a JSONL file of
-    {"prompt": ..., "answer": ...} records (a prepared prompts artifact is a later route)."""
+    """Where the prompts of the rollouts come from: a built-in generated task, a JSONL file of
+    {"prompt": ..., "answer": ...} records, or a prompts artifact written by `dllm data prepare`."""
 
     task: str | None = None
     """A built-in generated task with exact answers (addition, addition3, copy, pattern, countdown, sudoku4)."""
     path: RelPath | None = None
-    """A JSONL file of {"prompt": "...", "answer": "..."} records (instead of task)."""
+    """A JSONL file of {"prompt": "...", "answer": "..."} records, or a prompts artifact folder (instead of task)."""
     num_prompts: int = Field(default=512, gt=0)
     """Prompts generated from the task (or read from the file, at most); each round draws from them."""
     seed: int = 0
@@ -83,7 +83,9 @@ class PromptsConfig(Section):
     @model_validator(mode="after")
     def _one_source(self) -> PromptsConfig:
         if (self.task is None) == (self.path is None):
-            raise ValueError("give exactly one of task (a built-in task name) or path (a JSONL of prompt/answer)")
+            raise ValueError(
+                "give exactly one of task (a built-in task name) or path (prompt/answer JSONL or prepared artifact)"
+            )
         return self
 
 

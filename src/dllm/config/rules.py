@@ -263,7 +263,13 @@ def check_rl(spec: RunSpec) -> None:
             "(checkpoints are written between generation rounds)"
         )
     topo = spec.topology
-    if topo.world_size > 1 or topo.context.mode != "none" or topo.tp_size > 1:
-        raise ConfigError("topology: rl runs in one process for now; set nproc_per_node: 1, nnodes: 1")
+    if topo.context.mode != "none" or topo.tp_size > 1:
+        raise ConfigError("topology: rl runs data-parallel only (ddp or fsdp); set tp_size: 1 and context.mode: none")
+    per_rank = tr.global_batch_size // rl.group_size
+    if per_rank % topo.world_size:
+        raise ConfigError(
+            f"training.global_batch_size: {per_rank} prompts per round (global_batch_size / rl.group_size) do not "
+            f"split over {topo.world_size} processes; each rank generates whole groups for its own prompts"
+        )
     if spec.training.autocast_dtype != "float32":
         raise ConfigError("training.autocast_dtype: rl trains in float32 for now; set it to float32")

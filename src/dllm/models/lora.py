@@ -31,13 +31,14 @@ rsLoRA, per-module ranks or several adapters at once.
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import json
 import math
 import os
 import re
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -65,6 +66,7 @@ class LoraLinear(nn.Module):
         self.lora_B = nn.utils.skip_init(nn.Linear, spec.rank, base.out_features, **kw)
         self.scale = spec.scale
         self.dropout = nn.Dropout(spec.dropout) if spec.dropout > 0 else nn.Identity()
+        self.adapter_enabled = True  # False: the base linear alone (`adapters_disabled`: e.g. an rl reference)
 
     @torch.no_grad()
     def reset_lora_parameters(self, generator: torch.Generator) -> None:
@@ -75,7 +77,10 @@ class LoraLinear(nn.Module):
         self.lora_B.weight.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias) + self.lora_B(self.lora_A(self.dropout(x))) * self.scale
+        base = F.linear(x, self.weight, self.bias)
+        if not self.adapter_enabled:
+            return base
+        return base + self.lora_B(self.lora_A(self.dropout(x))) * self.scale
 
     def merged_weight(self) -> torch.Tensor:
         """W + scale * B A in the base dtype (computed in float32); differentiable w.r.t. A and B."""
@@ -121,6 +126,21 @@ def init_lora(model: nn.Module, generator: torch.Generator) -> None:
     """(Re)initialise every adapter, in module order, from `generator` (A Kaiming-uniform, B = 0)."""
     for lora in adapted_modules(model).values():
         lora.reset_lora_parameters(generator)
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """Within the block, every adapter of `model` is off: its forward is the base model's, computed with
+    the same weights (no copy). Restored on exit, even after an error."""
+    modules = list(adapted_modules(model).values())
+    states = [m.adapter_enabled for m in modules]
+    for m in modules:
+        m.adapter_enabled = False
+    try:
+        yield
+    finally:
+        for m, state in zip(modules, states, strict=True):
+            m.adapter_enabled = state
 
 
 def adapted_modules(model: nn.Module) -> dict[str, LoraLinear]:

@@ -195,11 +195,10 @@ def build_trainer(spec: RunSpec, run_dir: Path, env: DistEnv | None = None) -> T
 
 
 def build_grpo_trainer(spec: RunSpec, run_dir: Path, env: DistEnv) -> GRPOTrainer:
-    """An rl run (training/grpo.py): the policy, a frozen copy of its initial weights as the reference
-    (none when rl.beta is 0), the prompts, the rewards and the rollout sampler resolved against the
-    run's decode profile. One process, uncompiled (config/rules.py check_rl)."""
-    import copy
-
+    """An rl run (training/grpo.py): the policy; its reference (the KL anchor: a frozen copy of the
+    initial weights, or with LoRA the policy's base weights with its adapters off; none when rl.beta is 0);
+    the prompts, the rewards and the rollout sampler resolved against the run's decode profile.
+    Data-parallel (DDP or FSDP2) over the processes, uncompiled (config/rules.py check_rl)."""
     from dllm.config.sampler import resolve_sampler
     from dllm.rl.prompts import load_prompts
     from dllm.rl.rewards import Rewards
@@ -215,17 +214,17 @@ def build_grpo_trainer(spec: RunSpec, run_dir: Path, env: DistEnv) -> GRPOTraine
     tok = build_tokenizer(spec.tokenizer)
     dims = ParallelDims.from_topology(spec.topology, env.world_size)
     model = build_model(spec, device, env, dims, None)
-    reference = None
-    if rl.beta > 0:
-        reference = copy.deepcopy(unwrap(model)).requires_grad_(False).eval()
+    # the KL anchor: with LoRA the policy's base weights (adapters off), else a frozen copy of the initial weights
+    reference = frozen_reference(spec, device, env, dims) if rl.beta > 0 and spec.lora is None else None
     profile = derive_profile(spec.objective, spec.model, tok)
     sampler = resolve_sampler(rl.sampler, profile)
-    task = load_prompts(rl.prompts)
+    task = load_prompts(rl.prompts, tok)
     identity: dict[str, Any] = {"tokenizer": tok.identity(), "prompts": task.name}
     tr = spec.training
     trainer = GRPOTrainer(
         model=model,
         reference=reference,
+        reference_is_base=rl.beta > 0 and spec.lora is not None,
         optimizer=build_optimizer(model, spec.optimizer),
         lr_schedule=LRSchedule(spec.scheduler, spec.optimizer.lr, tr.steps),
         checkpoints=CheckpointManager(run_dir / "checkpoints", spec.checkpointing, env, profile),
@@ -234,6 +233,7 @@ def build_grpo_trainer(spec: RunSpec, run_dir: Path, env: DistEnv) -> GRPOTraine
         rl=rl,
         log_cfg=spec.logging,
         env=env,
+        dims=dims,
         device=device,
         identity=identity,
         task=task,
@@ -244,3 +244,16 @@ def build_grpo_trainer(spec: RunSpec, run_dir: Path, env: DistEnv) -> GRPOTraine
     if latest is not None:
         trainer.resume(latest)
     return trainer
+
+
+def frozen_reference(spec: RunSpec, device: torch.device, env: DistEnv, dims: ParallelDims) -> nn.Module:
+    """The rl reference policy: the run's initial weights, frozen, laid out like the policy (FSDP2 shards
+    it over the same ranks; its forwards run in step on every rank, one per micro-batch; with DDP a full
+    copy per rank, which needs no gradient reduction and so no wrapper)."""
+    cfg, lora, seed = spec.model, spec.lora, spec.training.seed
+    with torch.device("meta"):
+        reference = factory.build_model(cfg, lora, seed)
+    reference = apply_parallelism(reference, dims, dims.build_meshes(device), spec.topology, False)
+    full = factory.initial_state(cfg, lora, seed) if env.is_main or not env.distributed else {}
+    materialize(reference, full, device, env)
+    return reference.requires_grad_(False).eval()

@@ -8,19 +8,29 @@ log-probs under mask k are computed before the round's first update, so each rat
 estimator with itself. training.steps counts optimizer steps (rounds x mu), so the LR schedule, the
 metrics and the checkpoints count them as the supervised trainer does; checkpoints fall between rounds.
 
-All randomness of a round (which prompts, the sampling noise, the prompt masks) comes from one
-generator seeded by training.seed; its state is part of the trainer state.
-Shapes: B completions (N prompts x G), P prompt length, C completion length.
+Over several processes (DDP or FSDP2), each data-parallel rank draws its own N / dp prompts (rank-disjoint:
+one permutation per round, keyed by training.seed and the round, cut into dp slices in rank order),
+samples their G completions locally, so a group never straddles ranks and its advantages are computed
+where it was generated. The loss is normalised by the global count of sequences (the loss is a mean
+over sequences, rl/grpo.py), so dp ranks holding the union of the prompts give the one-process gradient;
+the metrics are gathered over ranks. The sampling noise and the prompt masks come from a generator per
+rank, keyed by training.seed and the rank; every rank's state is in the checkpoint (resume on as many ranks).
+Shapes: B completions (N prompts x G; this rank's), P prompt length, C completion length.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
+import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from dllm.checkpoint.manager import CheckpointManager
 from dllm.config.rl import RLConfig
@@ -28,13 +38,16 @@ from dllm.config.sampler import SamplerConfig
 from dllm.config.training import LoggingConfig, TrainingConfig
 from dllm.errors import CheckpointError
 from dllm.evaluation.tasks import Task
-from dllm.parallel.dims import DistEnv
+from dllm.models.lora import adapters_disabled
+from dllm.parallel.apply import set_grad_sync, unwrap
+from dllm.parallel.dims import DistEnv, ParallelDims, all_reduce_sum
 from dllm.parallel.grad_norm import clip_grad_norm
 from dllm.rl.grpo import group_advantages, grpo_loss
 from dllm.rl.logprob import completion_logprobs, mask_prompt
 from dllm.rl.rewards import Rewards
 from dllm.rl.rollout import Rollouts, rollout
 from dllm.sampling.generate import SpecialIds
+from dllm.seeding import mix_key
 from dllm.tokenization import Tokenizer
 from dllm.training.lr import LRSchedule
 from dllm.training.metrics import MetricsLogger
@@ -59,6 +72,7 @@ class GRPOTrainer:
         *,
         model: nn.Module,
         reference: nn.Module | None,
+        reference_is_base: bool = False,
         optimizer: torch.optim.Optimizer,
         lr_schedule: LRSchedule,
         checkpoints: CheckpointManager,
@@ -67,6 +81,7 @@ class GRPOTrainer:
         rl: RLConfig,
         log_cfg: LoggingConfig,
         env: DistEnv,
+        dims: ParallelDims,
         device: torch.device,
         identity: dict[str, Any],
         task: Task,
@@ -74,47 +89,66 @@ class GRPOTrainer:
         policy: Policy,
     ) -> None:
         self.model, self.reference, self.optimizer, self.lr_schedule = model, reference, optimizer, lr_schedule
+        # with LoRA: the reference is the policy's own base weights, its adapters off (no second copy)
+        self.reference_is_base = reference_is_base
         self.checkpoints, self.metrics, self.cfg, self.rl, self.log_cfg = checkpoints, metrics, cfg, rl, log_cfg
-        self.env, self.device, self.identity = env, device, identity
+        self.env, self.dims, self.device, self.identity = env, dims, device, identity
         self.task, self.rewards, self.policy = task, rewards, policy
-        self.generator = torch.Generator(device=device).manual_seed(cfg.seed)
+        self.dp_rank = dims.dp_index(env.rank)
+        seed = mix_key(cfg.seed, zlib.crc32(b"rl.generate"), self.dp_rank)
+        self.generator = torch.Generator(device=device).manual_seed(seed)
         self.step = 0
 
     # -- resume -----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
+        """A collective: every rank's generator state, in rank order (the main rank writes them all)."""
         return {
             "lr_schedule": self.lr_schedule.state_dict(),
-            "generator": self.generator.get_state().tolist(),
+            "generators": [g.tolist() for g in self._gather(self.generator.get_state().to(self.device))],
             "identity": self.identity,
             "world_size": self.env.world_size,
         }
 
     def resume(self, path: Any) -> None:
         state = self.checkpoints.load(path, self.model, self.optimizer)
+        if state.get("world_size") != self.env.world_size:
+            raise CheckpointError(
+                f"{path}: an rl checkpoint of {state.get('world_size')} processes (one generation RNG each); "
+                f"resume it with --nproc-per-node {state.get('world_size')}, not {self.env.world_size}"
+            )
         try:
             self.lr_schedule.load_state_dict(state["lr_schedule"])
-            self.generator.set_state(torch.tensor(state["generator"], dtype=torch.uint8))
+            self.generator.set_state(torch.tensor(state["generators"][self.env.rank], dtype=torch.uint8))
             self.step = int(state["step"])
-        except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        except (KeyError, TypeError, ValueError, RuntimeError, IndexError) as e:
             raise CheckpointError(f"{path}: not an rl checkpoint or damaged ({type(e).__name__}: {e})") from None
 
     # -- one round --------------------------------------------------------------------------------
     def num_prompts(self) -> int:
-        return self.cfg.global_batch_size // self.rl.group_size
+        """Prompts this rank generates for per round (config/rules.py check_rl: dp divides them)."""
+        return self.cfg.global_batch_size // self.rl.group_size // self.dims.dp
+
+    def draw_prompts(self, round_index: int) -> list:
+        """This rank's prompts of a round: slice `dp_rank` of one permutation keyed by the seed and the
+        round, the same on every rank (so the slices are disjoint and their union is one process's draw)."""
+        g = torch.Generator().manual_seed(mix_key(self.cfg.seed, zlib.crc32(b"rl.prompts"), round_index))
+        order = torch.randperm(len(self.task.examples), generator=g).tolist()
+        n = self.num_prompts()
+        return [self.task.examples[i] for i in order[self.dp_rank * n : (self.dp_rank + 1) * n]]
 
     def run_round(self) -> dict[str, float]:
         """Generate, score, and take rl.inner_updates optimizer steps; returns the round's metrics."""
         t0 = time.perf_counter()
-        order = torch.randperm(len(self.task.examples), generator=self.generator, device=self.device).tolist()
-        examples = [self.task.examples[i] for i in order[: self.num_prompts()]]
+        examples = self.draw_prompts(self.step // self.rl.inner_updates)
         p = self.policy
-        ro = rollout(self.model, examples, self.task, p.tokenizer, p.sampler, p.special, self.rl.group_size,
-                     self.rewards, self.generator)  # fmt: skip
+        with gathered_weights(self.model):  # ranks may stop decoding after different numbers of forwards
+            ro = rollout(unwrap(self.model), examples, self.task, p.tokenizer, p.sampler, p.special,
+                         self.rl.group_size, self.rewards, self.generator)  # fmt: skip
         advantages_B = group_advantages(ro.rewards_B, self.rl.group_size).to(self.device)
         t1 = time.perf_counter()
         noisy = [self._mask_prompts(ro) for _ in range(self.rl.inner_updates)]  # one prompt mask per update
         olds = [self._frozen_logprobs(self.model, ro, n) for n in noisy]
-        refs = [self._frozen_logprobs(self.reference, ro, n) if self._uses_reference() else None for n in noisy]
+        refs = [self._reference_logprobs(ro, n) if self._uses_reference() else None for n in noisy]
         sums: dict[str, float] = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "grad_norm": 0.0}
         lr = 0.0
         for k in range(self.rl.inner_updates):
@@ -124,14 +158,17 @@ class GRPOTrainer:
                 sums[key] += value / self.rl.inner_updates
             self.step += 1
         t2 = time.perf_counter()
-        rewards = ro.rewards_B
+        rewards = torch.cat(self._gather(ro.rewards_B.float().to(self.device)))  # every rank's, in rank order
+        parts = {name: torch.cat(self._gather(v.float().to(self.device))) for name, v in ro.parts.items()}
+        correct = torch.cat(self._gather(ro.correct_B.float().to(self.device)))
+        lengths = torch.cat(self._gather(ro.mask_BC.sum(-1).float()))
         record = {
             **sums,
             "reward_mean": float(rewards.mean()),
             "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
-            **{f"reward_{name}": float(v.mean()) for name, v in ro.parts.items()},
-            "accuracy": float(ro.correct_B.float().mean()),
-            "completion_len": float(ro.mask_BC.sum(-1).float().mean()),
+            **{f"reward_{name}": float(v.mean()) for name, v in parts.items()},
+            "accuracy": float(correct.mean()),
+            "completion_len": float(lengths.mean()),
             "lr": lr,
             "round": self.step // self.rl.inner_updates,
             "nfe": ro.counters.nfe,
@@ -140,8 +177,23 @@ class GRPOTrainer:
         }
         return record
 
+    def _gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's `t` (the same shape on each), in rank order; [t] in one process."""
+        if not self.env.distributed:
+            return [t]
+        out = [torch.empty_like(t) for _ in range(self.env.world_size)]
+        dist.all_gather(out, t.contiguous())
+        return out
+
     def _uses_reference(self) -> bool:
-        return self.rl.beta > 0 and self.reference is not None
+        return self.rl.beta > 0 and (self.reference is not None or self.reference_is_base)
+
+    def _reference_logprobs(self, ro: Rollouts, noisy_BP: torch.Tensor) -> torch.Tensor:
+        """The reference policy's log-probs [B, C]: the frozen copy's, or (LoRA) the policy's with its adapters off."""
+        if not self.reference_is_base:
+            return self._frozen_logprobs(self.reference, ro, noisy_BP)
+        with adapters_disabled(unwrap(self.model)):
+            return self._frozen_logprobs(self.model, ro, noisy_BP)
 
     def _mask_prompts(self, ro: Rollouts) -> torch.Tensor:
         """The prompts with d1's random prompt masking, drawn from the run's generator: one draw per inner
@@ -160,34 +212,44 @@ class GRPOTrainer:
     def _frozen_logprobs(self, model: nn.Module | None, ro: Rollouts, noisy_BP: torch.Tensor) -> torch.Tensor:
         """The old policy's or the reference's log-probs [B, C], micro_batch_size rows per forward."""
         B, mb = ro.completion_BC.shape[0], self.cfg.micro_batch_size
-        return torch.cat([self._logprobs(model, ro, noisy_BP, slice(lo, min(lo + mb, B))) for lo in range(0, B, mb)])
+        out_BC = torch.cat([self._logprobs(model, ro, noisy_BP, slice(lo, min(lo + mb, B))) for lo in range(0, B, mb)])
+        if isinstance(model, FSDPModule):  # FSDP2 keeps the root's weights gathered after a forward (until a backward)
+            model.reshard()
+        return out_BC
 
     def _update(self, ro: Rollouts, noisy_BP: torch.Tensor, old_BC: torch.Tensor, ref_BC: torch.Tensor | None,
                 advantages_B: torch.Tensor) -> dict[str, float]:  # fmt: skip
         """One optimizer step over the round's completions, micro_batch_size rows per forward. The loss
-        is the mean over all B sequences, so each micro-batch's mean is weighted by its share of rows."""
+        is the mean over the sequences of all ranks: each micro-batch's mean weighs its rows / the global
+        row count, times the ranks DDP/FSDP2 average the gradients over (their mean becomes the sum)."""
         B = ro.completion_BC.shape[0]
         mb = self.cfg.micro_batch_size
-        loss_sum, clip_sum, kl_sum, tokens = 0.0, 0.0, 0.0, 0.0
+        rows_t = torch.tensor([float(B)], dtype=torch.float64, device=self.device)
+        global_rows = float(all_reduce_sum(rows_t, self.env).item())
+        scale = self.dims.grad_ranks / global_rows
+        sums = torch.zeros(
+            4, dtype=torch.float64, device=self.device
+        )  # loss x rows, clipped tokens, kl x tokens, tokens
         for lo in range(0, B, mb):
             rows = slice(lo, min(lo + mb, B))
-            logp_BC = self._logprobs(self.model, ro, noisy_BP, rows)
-            out = grpo_loss(logp_BC, old_BC[rows], None if ref_BC is None else ref_BC[rows], advantages_B[rows],
-                            ro.mask_BC[rows], clip_eps=self.rl.clip_eps, beta=self.rl.beta)  # fmt: skip
-            share = (rows.stop - rows.start) / B
-            (out.loss * share).backward()
+            with grad_sync(self.model, rows.stop == B):  # reduce the gradients once, after the last micro-batch
+                logp_BC = self._logprobs(self.model, ro, noisy_BP, rows)
+                ref = None if ref_BC is None else ref_BC[rows]
+                out = grpo_loss(logp_BC, old_BC[rows], ref, advantages_B[rows], ro.mask_BC[rows],
+                                clip_eps=self.rl.clip_eps, beta=self.rl.beta)  # fmt: skip
+                (out.loss * (rows.stop - rows.start) * scale).backward()
             n = float(ro.mask_BC[rows].sum())
-            loss_sum += float(out.loss.detach()) * share
-            clip_sum += float(out.clip_fraction) * n
-            kl_sum += float(out.kl_mean) * n
-            tokens += n
+            stats = (float(out.loss.detach()) * (rows.stop - rows.start), float(out.clip_fraction) * n,
+                     float(out.kl_mean) * n, n)  # fmt: skip
+            sums += torch.tensor(stats, dtype=torch.float64, device=self.device)
         max_norm = self.cfg.grad_clip if self.cfg.grad_clip is not None else float("inf")
         grad_norm = clip_grad_norm(self.model.parameters(), max_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        tokens = max(tokens, 1.0)
-        return {"loss": loss_sum, "clip_fraction": clip_sum / tokens, "kl": kl_sum / tokens,
-                "grad_norm": float(grad_norm)}  # fmt: skip
+        sums = all_reduce_sum(sums, self.env)
+        tokens = max(float(sums[3]), 1.0)
+        return {"loss": float(sums[0]) / global_rows, "clip_fraction": float(sums[1]) / tokens,
+                "kl": float(sums[2]) / tokens, "grad_norm": float(grad_norm)}  # fmt: skip
 
     # -- the loop ---------------------------------------------------------------------------------
     def fit(self) -> list[float]:
@@ -204,8 +266,38 @@ class GRPOTrainer:
                 tokens = self.cfg.global_batch_size * self.policy.sampler.gen_length
                 progress.update(self.step, record["loss"], tokens / step_s, record)
                 self.metrics.log(self.step, {**record, "step_s": round(step_s, 4)})
-                if self.checkpoints.should_save(self.step, self.cfg.steps):
+                if self.checkpoints.should_save(self.step, self.cfg.steps):  # every rank: state_dict gathers
                     self.checkpoints.save(self.step, self.model, self.optimizer, self.state_dict())
         finally:
             progress.close()
         return losses
+
+
+def grad_sync(model: nn.Module, last: bool) -> contextlib.AbstractContextManager:
+    """Gradients reduced over the data-parallel ranks only on the `last` micro-batch (DDP no_sync, FSDP2 flag)."""
+    set_grad_sync(model, last)
+    no_sync = getattr(model, "no_sync", None)  # DDP
+    return contextlib.nullcontext() if last or no_sync is None else no_sync()
+
+
+@contextlib.contextmanager
+def gathered_weights(model: nn.Module) -> Iterator[None]:
+    """FSDP2: the full weights on every rank for the duration (each forward then runs without a collective,
+    so ranks may run different numbers of them, as decoding does when rows stop early); resharded after.
+    Anything else: nothing to do."""
+    if not isinstance(model, FSDPModule):
+        yield
+        return
+    fsdp = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    inner = [m for m in fsdp if m is not model]  # the root's own setting is FSDP2's to keep
+    for m in inner:
+        m.set_reshard_after_forward(False, recurse=False)
+    for m in fsdp:
+        m.unshard()
+    try:
+        yield
+    finally:
+        for m in fsdp:
+            m.reshard()
+        for m in inner:
+            m.set_reshard_after_forward(True, recurse=False)

@@ -140,7 +140,7 @@ def _check_rl(spec: RunSpec, tok) -> list[str]:
     rl = spec.rl
     assert rl is not None and rl.prompts is not None  # check_rl
     Rewards(rl.rewards)
-    task = load_prompts(rl.prompts)
+    task = load_prompts(rl.prompts, tok)
     longest = max(len(tok.encode(e.prompt)) for e in task.examples)
     if longest + rl.sampler.gen_length > spec.model.max_seq_len:
         raise ConfigError(
