@@ -14,11 +14,11 @@ SetOption = typer.Option(None, "--set", help="Override a config field: --set tra
 MODEL_HELP = "A Hugging Face or `dllm convert` model folder, or a hub id org/name[@revision]."
 
 
-def model_folder(text: str | None, flag: str = "--model") -> Path | None:
+def model_folder(text: str | Path | None, flag: str = "--model") -> Path | None:
     """The folder a model argument names: a local folder wins, else a hub id `org/name[@revision]` through
     the Hugging Face cache (HF_HUB_OFFLINE honoured); every failure is one ConfigError naming `flag`."""
-    if text is None:
-        return None
+    if text is None or isinstance(text, Path):
+        return text
     from dllm.config.base import source_of
     from dllm.hub import local_folder
 
@@ -28,11 +28,11 @@ def model_folder(text: str | None, flag: str = "--model") -> Path | None:
         raise ConfigError(f"{flag}: {e}") from None
 
 
-def hub_id(text: str | None) -> str | None:
+def hub_id(text: str | Path | None) -> str | None:
     """`text` when a model argument is read as a hub id (no local folder of that name), else None."""
     from dllm.config.base import source_of
 
-    if text is None:
+    if text is None or isinstance(text, Path):
         return None
     try:
         source = source_of(text, Path(text).expanduser())
