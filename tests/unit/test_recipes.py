@@ -154,6 +154,30 @@ def test_bert_chat_template_starts_from_a_hub_id_without_the_network(tmp_path: P
     assert 1024 <= spec.data.seq_len <= 2048 and spec.optimizer.lr == 1e-4
 
 
+def test_bert_chat_template_documents_a_working_chat_template(tmp_path: Path):
+    """The chat template its prepare.yaml spells out marks the reply and its [SEP] as the only supervised
+    tokens, and ends a generation prompt with the assistant header (checked on a local BPE tokenizer)."""
+    pytest.importorskip("transformers")
+    from transformers import AutoTokenizer
+
+    from dllm.tokenization.hf import HFTokenizer
+    from tests.helpers import save_bpe
+
+    lines = recipe_files("bert-chat-modernbert-large")["prepare.yaml"].splitlines()
+    (jinja,) = [ln.removeprefix("  #   ") for ln in lines if ln.startswith("  #   {%- for m in messages")]
+    tok = AutoTokenizer.from_pretrained(str(save_bpe(tmp_path / "src", eos=False)))
+    tok.add_special_tokens({"sep_token": "[SEP]", "mask_token": "[MASK]"})
+    tok.eos_token, tok.chat_template = "[SEP]", jinja  # what the comment tells to do
+    tok.save_pretrained(str(tmp_path / "chat"))
+    hf = HFTokenizer(tmp_path / "chat", mask_token="[MASK]")
+    turns = [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "2 + 3 = 5."}]
+    enc = hf.apply_chat_template(turns)
+    supervised = [i for i, m in zip(enc.ids, enc.assistant_mask, strict=True) if m]
+    assert hf.decode(supervised, skip_special=False) == "2 + 3 = 5.[SEP]" and supervised[-1] == hf.eos_id
+    prompt = hf.apply_chat_template(turns[:1], add_generation_prompt=True).ids
+    assert hf.decode(prompt) == "<|user|>\nWhat is 2 + 3?\n<|assistant|>\n" and enc.ids[: len(prompt)] == prompt
+
+
 def test_templates_copy_only_their_configs(tmp_path: Path):
     written = copy_recipe("llada-8b-sft", tmp_path / "t")
     assert [p.name for p in written] == ["prepare.yaml", "train.yaml"]
