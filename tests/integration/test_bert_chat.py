@@ -95,6 +95,30 @@ def test_bert_chat_trains_and_answers_under_the_assistant_turn(trained, tmp_path
     assert again == replies and calls[0][0] == prompt
 
 
+def test_bert_chat_from_a_hub_id_offline(trained, tmp_path: Path, monkeypatch, capsys):
+    """The exported chatbot published on the hub and cached (huggingface_hub's on-disk layout), read offline:
+    `dllm chat --model org/name@rev` answers as the folder does."""
+    import shutil
+
+    pytest.importorskip("huggingface_hub")
+    from huggingface_hub import constants  # read by snapshot_download at call time
+
+    run_dir, _ = trained
+    assert dllm(["convert", "--to-hf", str(tmp_path / "bert-chat"), "--run", str(run_dir)]) == 0
+    sha = "89abcdef" * 5
+    repo = tmp_path / "hub" / "models--tiny-org--bert-chat"
+    shutil.copytree(tmp_path / "bert-chat", repo / "snapshots" / sha)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(sha)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    capsys.readouterr()
+    args = ["--gen-length", "16"]
+    want, _ = _chat(["--model", str(tmp_path / "bert-chat"), *args], f"{QUESTION}\n", monkeypatch, capsys)
+    got, _ = _chat(["--model", f"tiny-org/bert-chat@{sha}", *args], f"{QUESTION}\n", monkeypatch, capsys)
+    assert got == want
+
+
 @pytest.mark.slow
 def test_bert_chat_smoke_answers_on_format(tmp_path: Path, monkeypatch, capsys):
     """With the recipe's own settings the chatbot answers a sum question in the trained form `a + b = c.`."""
