@@ -138,3 +138,64 @@ def test_snapshots_never_fetch_pickles_or_code():
              "pytorch_model.bin", "training_args.bin", "model.pt", "modeling_llada.py", "optimizer.pkl"]  # fmt: skip
     kept = set(filter_repo_objects(files, allow_patterns=list(ALLOW_PATTERNS)))
     assert kept == set(files[:9])
+
+
+# ---- --model (and --draft) of the sampling commands ------------------------------------------------
+
+
+def _generate_json(args: list[str], capsys: pytest.CaptureFixture[str]) -> list[dict]:
+    import json
+
+    common = ["generate", "-p", "Hello", "-p", "a b", "--gen-length", "8", "--steps", "8", "--json"]
+    assert dllm(common + args) == 0, capsys.readouterr().err
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    return [{k: v for k, v in r.items() if not k.endswith("_s")} for r in records]  # wall times differ
+
+
+def test_generate_takes_a_pinned_hub_id(offline: Path, hub_cache, capsys: pytest.CaptureFixture[str]):
+    """Offline: the id resolves to the cached snapshot and decodes exactly as the same folder given by path
+    (masked diffusion, and --ar decoding with the KV cache)."""
+    _, folder = hub_cache
+    for extra in ([], ["--ar"]):
+        from_folder = _generate_json(["--model", str(folder), *extra], capsys)
+        assert len(from_folder) == 2 and all(r["completion"] for r in from_folder)
+        assert _generate_json(["--model", f"{REPO}@{SHA}", *extra], capsys) == from_folder
+        assert _generate_json(["--model", REPO, *extra], capsys) == from_folder  # refs/main -> the same snapshot
+
+
+def test_model_hub_id_errors_are_one_line(offline: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    """A missing id (offline), an uncached revision and a malformed id: one line, exit 2, for every command
+    that takes --model (and --draft), before any model is loaded."""
+    cases = [
+        (["generate", "-p", "x", "--model", "tiny-org/not-cached"], "--model: tiny-org/not-cached is no local folder"),
+        (["chat", "--model", f"{REPO}@{'f' * 40}"], f"--model: {REPO}@{'f' * 40} is no local folder"),
+        (["eval", "tasks", "--tasks", "addition", "--model", "tiny-org/x@"], "--model: 'tiny-org/x@' is neither"),
+        (["eval", "likelihood", "--data", str(tmp_path), "--model", "tiny-org/gone"], "--model: tiny-org/gone is no"),
+        (["serve", "--model", "tiny-org/gone", "--port", str(_free_port())], "--model: tiny-org/gone is no local"),
+        (["generate", "-p", "x", "--model", REPO, "--draft", "tiny-org/drafter"], "--draft: tiny-org/drafter is no"),
+    ]
+    for args, message in cases:
+        code = dllm(args)
+        err = capsys.readouterr().err
+        assert code == 2 and err.startswith(f"dllm: error: {message}") and err.count("\n") == 1, (args, err)
+        if "not-cached" in message or "gone" in message:
+            assert "HF_HUB_OFFLINE is set" in err
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_model_arguments_resolve_ids_and_folders(offline: Path, hub_cache):
+    """A folder is itself; an id is its cached snapshot, and it is what `dllm serve` names the model by
+    default (not the snapshot's commit folder)."""
+    from dllm.cli.common import hub_id, model_folder
+
+    _, folder = hub_cache
+    assert hub_id(f"{REPO}@{SHA}") == f"{REPO}@{SHA}" and hub_id(str(folder)) is None and hub_id(None) is None
+    assert model_folder(f"{REPO}@{SHA}") == offline / f"models--{REPO.replace('/', '--')}" / "snapshots" / SHA
+    assert model_folder(str(folder)) == folder

@@ -23,6 +23,7 @@ from dllm.recipes import (
     AR_MODEL_DIR,
     BYTE_VOCAB_SIZE,
     CONFIG_FILES,
+    ENCODER_MODEL_DIR,
     RecipeInfo,
     chat_records,
     copy_recipe,
@@ -58,8 +59,10 @@ def test_index_matches_the_recipe_folders():
     assert len(set(RECIPES)) == len(RECIPES)
     for name in RECIPES:
         assert all((package / name / f).is_file() for f in CONFIG_FILES)
-    smoke = {"mdlm", "sft", "bd3lm", "fast-dllm-v2", "uniform", "a2d-mdlm", "a2d-bd3lm", "ar", "dflash", "grpo"}
-    templates = {"qwen3-0.6b-bd3lm", "llada-8b-sft", "qwen2.5-fast-dllm-v2", "mdlm-small-pretrain", "dflash-qwen3-8b"}
+    smoke = {"mdlm", "sft", "bd3lm", "fast-dllm-v2", "uniform", "a2d-mdlm", "a2d-bd3lm", "ar", "dflash", "grpo",
+             "bert-chat"}  # fmt: skip
+    templates = {"qwen3-0.6b-bd3lm", "llada-8b-sft", "qwen2.5-fast-dllm-v2", "mdlm-small-pretrain", "dflash-qwen3-8b",
+                 "bert-chat-modernbert-large"}  # fmt: skip
     for name in RECIPES:  # a recipe trained first is a smoke recipe listed before
         after = INFO[name].after
         assert after is None or (after in SMOKE and RECIPES.index(after) < RECIPES.index(name)), name
@@ -122,6 +125,9 @@ def test_smoke_recipe_copies_prepares_and_resolves(name: str, tmp_path: Path):
     if INFO[name].ar_model:
         assert spec.model.init_from == (tmp_path / name / AR_MODEL_DIR).absolute()
         assert spec.model.family == "llama" and spec.model.vocab_size == BYTE_VOCAB_SIZE
+    if INFO[name].encoder_model:  # an encoder-only masked LM, imported from the Hugging Face folder `copy` wrote
+        assert spec.model.init_from == (tmp_path / name / ENCODER_MODEL_DIR).absolute()
+        assert spec.model.family == "modernbert" and spec.model.head == "mlm" and not spec.model.shift_logits
 
 
 def test_copy_refuses_unknown_names_and_non_empty_folders(tmp_path: Path):
@@ -137,6 +143,39 @@ def test_copy_refuses_unknown_names_and_non_empty_folders(tmp_path: Path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(UserError, match="is not a folder"):
         copy_recipe("mdlm-smoke", tmp_path / "file", force=True)
+
+
+def test_bert_chat_template_starts_from_a_hub_id_without_the_network(tmp_path: Path):
+    """Validating the template reads no hub: its init_from stays the id; its data trains assistant replies only."""
+    spec, prep = _write_configs("bert-chat-modernbert-large", tmp_path)
+    assert spec.model.init_from == "answerdotai/ModernBERT-large" and spec.model.preset is None
+    assert prep.sources[0].supervision == "assistant_only" and prep.tokenizer.mask_token == "[MASK]"
+    assert spec.training.autocast_dtype == "bfloat16" and spec.topology.data_parallel == "fsdp"
+    assert 1024 <= spec.data.seq_len <= 2048 and spec.optimizer.lr == 1e-4
+
+
+def test_bert_chat_template_documents_a_working_chat_template(tmp_path: Path):
+    """The chat template its prepare.yaml spells out marks the reply and its [SEP] as the only supervised
+    tokens, and ends a generation prompt with the assistant header (checked on a local BPE tokenizer)."""
+    pytest.importorskip("transformers")
+    from transformers import AutoTokenizer
+
+    from dllm.tokenization.hf import HFTokenizer
+    from tests.helpers import save_bpe
+
+    lines = recipe_files("bert-chat-modernbert-large")["prepare.yaml"].splitlines()
+    (jinja,) = [ln.removeprefix("  #   ") for ln in lines if ln.startswith("  #   {%- for m in messages")]
+    tok = AutoTokenizer.from_pretrained(str(save_bpe(tmp_path / "src", eos=False)))
+    tok.add_special_tokens({"sep_token": "[SEP]", "mask_token": "[MASK]"})
+    tok.eos_token, tok.chat_template = "[SEP]", jinja  # what the comment tells to do
+    tok.save_pretrained(str(tmp_path / "chat"))
+    hf = HFTokenizer(tmp_path / "chat", mask_token="[MASK]")
+    turns = [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "2 + 3 = 5."}]
+    enc = hf.apply_chat_template(turns)
+    supervised = [i for i, m in zip(enc.ids, enc.assistant_mask, strict=True) if m]
+    assert hf.decode(supervised, skip_special=False) == "2 + 3 = 5.[SEP]" and supervised[-1] == hf.eos_id
+    prompt = hf.apply_chat_template(turns[:1], add_generation_prompt=True).ids
+    assert hf.decode(prompt) == "<|user|>\nWhat is 2 + 3?\n<|assistant|>\n" and enc.ids[: len(prompt)] == prompt
 
 
 def test_templates_copy_only_their_configs(tmp_path: Path):

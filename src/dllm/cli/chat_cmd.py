@@ -9,7 +9,7 @@ from pathlib import Path
 
 import typer
 
-from dllm.cli.common import info, out
+from dllm.cli.common import MODEL_HELP, info, out
 from dllm.cli.sampling_common import SAMPLER_CONFIG_OPTION, SET_OPTION, setup_sampling
 from dllm.sampling.stops import cut_at_stop, stop_function
 
@@ -35,7 +35,7 @@ def render_canvas(tokenizer, ids: list[int], mask_id: int) -> str:
 def chat(
     run: Path = typer.Option(None, "--run", help="Run folder (its newest checkpoint is used)."),
     checkpoint: Path = typer.Option(None, "--checkpoint", help="One checkpoint folder."),
-    model: Path = typer.Option(None, "--model", help="A Hugging Face or `dllm convert` model folder."),
+    model: str = typer.Option(None, "--model", help=MODEL_HELP),
     sampler_config: Path = SAMPLER_CONFIG_OPTION,
     overrides: list[str] = SET_OPTION,
     gen_length: int = typer.Option(None, "--gen-length", "--max-new-tokens", help="Tokens per reply."),

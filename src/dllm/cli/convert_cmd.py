@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from dllm.cli.common import info
+from dllm.cli.common import info, model_folder
 from dllm.errors import ConfigError
 
 
@@ -42,13 +42,9 @@ def convert(
 
 def _hf_source(text: str) -> Path:
     """The folder --from-hf names: a local folder wins, else a hub id through the hub cache."""
-    from dllm.config.base import source_of
-    from dllm.hub import local_folder
-
-    try:
-        return local_folder(source_of(text, Path(text).expanduser()), "--from-hf")
-    except ValueError as e:
-        raise ConfigError(f"--from-hf: {e}") from None
+    folder = model_folder(text, "--from-hf")
+    assert folder is not None
+    return folder
 
 
 def _import(src: Path, out: Path) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from dllm.cli.common import info, out
+from dllm.cli.common import MODEL_HELP, info, model_folder, out
 from dllm.cli.sampling_common import SAMPLER_CONFIG_OPTION, SET_OPTION, setup_sampling
 from dllm.errors import ConfigError
 from dllm.sampling.stops import cut_at_stop, stop_function
@@ -19,7 +19,7 @@ app = typer.Typer(help="Evaluate a run: likelihood bounds and task accuracy.", n
 def likelihood(
     run: Path = typer.Option(None, "--run", help="Run folder (its newest checkpoint is used)."),
     checkpoint: Path = typer.Option(None, "--checkpoint", help="One checkpoint folder."),
-    model: Path = typer.Option(None, "--model", help="A Hugging Face or `dllm convert` model folder."),
+    model: str = typer.Option(None, "--model", help=MODEL_HELP),
     data: Path = typer.Option(..., "--data", help="A prepared artifact folder (held-out rows)."),
     mc_samples: int = typer.Option(16, "--mc-samples", help="Monte Carlo samples of the bound per row."),
     sampling: str = typer.Option("stratified", "--sampling", help="Time sampling: stratified or plain."),
@@ -42,7 +42,7 @@ def likelihood(
         raise ConfigError(f"--sampling: {sampling!r} is not stratified or plain")
     if device not in ("cpu", "cuda") or (device == "cuda" and not torch.cuda.is_available()):
         raise ConfigError(f"--device: {device!r} is not available here; use cpu")
-    loaded = load_for_inference(run, checkpoint, torch.device(device), model_dir=model)
+    loaded = load_for_inference(run, checkpoint, torch.device(device), model_dir=model_folder(model))
     how = scoring_for(loaded, kind)
     artifact = _scoring_data(data, loaded, how)
     samples = 1 if how.kind == "ar" else mc_samples
@@ -107,7 +107,7 @@ def _score_rows(model, artifact, how, limit, batch_size, num_samples, antithetic
 def tasks(
     run: Path = typer.Option(None, "--run", help="Run folder (its newest checkpoint is used)."),
     checkpoint: Path = typer.Option(None, "--checkpoint", help="One checkpoint folder."),
-    model: Path = typer.Option(None, "--model", help="A Hugging Face or `dllm convert` model folder."),
+    model: str = typer.Option(None, "--model", help=MODEL_HELP),
     task_names: str = typer.Option(
         ..., "--tasks", help="Comma-separated: addition, addition3, copy, pattern, countdown, sudoku4, FILE.jsonl."
     ),

@@ -10,7 +10,7 @@ from typing import Any
 
 import typer
 
-from dllm.cli.common import info, out, warn
+from dllm.cli.common import MODEL_HELP, info, model_folder, out, warn
 from dllm.cli.sampling_common import SAMPLER_CONFIG_OPTION, SET_OPTION, setup_sampling
 from dllm.errors import ConfigError, DataError
 from dllm.sampling.stops import cut_at_stop, stop_function
@@ -50,7 +50,7 @@ def _check_output(output: Path | None) -> None:
 def generate(
     run: Path = typer.Option(None, "--run", help="Run folder (its newest checkpoint is used)."),
     checkpoint: Path = typer.Option(None, "--checkpoint", help="One checkpoint folder (step_XXXXXXXX)."),
-    model: Path = typer.Option(None, "--model", help="A Hugging Face or `dllm convert` model folder."),
+    model: str = typer.Option(None, "--model", help=MODEL_HELP),
     prompt: list[str] = typer.Option(None, "--prompt", "-p", help="Prompt text (repeatable)."),
     prompts_file: Path = typer.Option(None, "--prompts-file", help='JSONL with {"prompt": ...} per line.'),
     chat: bool = typer.Option(False, "--chat", help="Wrap each prompt as a user turn in the chat template."),
@@ -74,7 +74,9 @@ def generate(
     ar: bool = typer.Option(
         False, "--ar", help="Decode a causal model (an ar run, an imported llama/qwen folder) with a KV cache."
     ),
-    draft: Path = typer.Option(None, "--draft", help="Speculative decoding of a causal target with this drafter."),
+    draft: str = typer.Option(
+        None, "--draft", help="Speculative decoding of a causal target with this drafter (a folder or hub id)."
+    ),
     draft_block_size: int = typer.Option(None, "--draft-block-size", help="The drafter's block size (checked)."),
 ) -> None:
     """Generate continuations of prompts with any sampler configuration."""
@@ -145,7 +147,7 @@ def _write_records(records: list[dict[str, Any]], output: Path | None, as_json: 
             out(f"{r['prompt']}{r['completion']}")
 
 
-def _decode_causal(s, texts: list[str], chat: bool, batch_size: int, draft: Path | None,
+def _decode_causal(s, texts: list[str], chat: bool, batch_size: int, draft: str | None,
                    draft_block_size: int | None, output: Path | None, as_json: bool) -> None:  # fmt: skip
     """`--ar` / `--draft`: AR decoding with the KV cache, or speculative decoding with a drafter, of a
     causal target (its decode profile says attention causal, or it is an AR family folder never trained
@@ -165,7 +167,7 @@ def _decode_causal(s, texts: list[str], chat: bool, batch_size: int, draft: Path
         )
     drafter = None
     if draft is not None:
-        drafter = load_drafter(draft, loaded.model, loaded)
+        drafter = load_drafter(model_folder(draft, "--draft"), loaded.model, loaded)
         check_drafter(drafter, loaded.model, draft_block_size)
     tok = loaded.tokenizer
     decoding = Decoding(max_new_tokens=cfg.gen_length, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,

@@ -9,6 +9,7 @@ from typing import Any
 
 import typer
 
+from dllm.cli.common import model_folder
 from dllm.errors import ConfigError
 
 
@@ -32,7 +33,7 @@ def sampler_values(flags: dict[str, Any]) -> dict[str, Any]:
 def setup_sampling(
     run: Path | None,
     checkpoint: Path | None,
-    model: Path | None,
+    model: str | None,
     device: str,
     sampler_config: Path | None,
     overrides: list[str] | None,
@@ -40,8 +41,9 @@ def setup_sampling(
     causal: bool = False,
 ) -> SamplingSetup:
     """Load the model and build the sampler: file < flags < --set, then `auto` fields from the run.
-    `causal` (AR / speculative decoding): the sampler's length, temperature, top-k/p, EOS and stop
-    fields are read as they are; nothing is resolved against the diffusion profile."""
+    `model` is a folder or a hub id (cli.common.model_folder). `causal` (AR / speculative decoding): the
+    sampler's length, temperature, top-k/p, EOS and stop fields are read as they are; nothing is resolved
+    against the diffusion profile."""
     import torch
 
     from dllm.checkpoint.inference import load_for_inference
@@ -63,7 +65,7 @@ def setup_sampling(
     cfg = validate_config(SamplerConfig, data, source=source, base_dir=None, node=node, overrides=list(overrides or []))
     if device not in ("cpu", "cuda") or (device == "cuda" and not torch.cuda.is_available()):
         raise ConfigError(f"--device: {device!r} is not available here; use cpu")
-    loaded = load_for_inference(run, checkpoint, torch.device(device), model_dir=model)
+    loaded = load_for_inference(run, checkpoint, torch.device(device), model_dir=model_folder(model))
     cfg = cfg if causal else resolve_sampler(cfg, loaded.profile)
     special = SpecialIds.of(loaded.profile)
     return SamplingSetup(loaded, cfg, special, torch.device(device))

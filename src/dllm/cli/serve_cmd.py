@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from dllm.cli.common import info
+from dllm.cli.common import MODEL_HELP, hub_id, info
 from dllm.cli.sampling_common import SAMPLER_CONFIG_OPTION, SET_OPTION, setup_sampling
 from dllm.errors import ConfigError
 
@@ -17,7 +17,7 @@ API_KEY_ENV = "DLLM_API_KEY"
 def serve(
     run: Path = typer.Option(None, "--run", help="Run folder (its newest checkpoint is used)."),
     checkpoint: Path = typer.Option(None, "--checkpoint", help="One checkpoint folder (step_XXXXXXXX)."),
-    model: Path = typer.Option(None, "--model", help="A Hugging Face or `dllm convert` model folder."),
+    model: str = typer.Option(None, "--model", help=MODEL_HELP),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (loopback by default)."),
     port: int = typer.Option(8000, "--port", help="TCP port."),
     api_key: str = typer.Option(
@@ -46,7 +46,7 @@ def serve(
     _check_port(host, port)  # before the model loads: a busy port is a one-line error, not a log after a wait
     s = setup_sampling(run, checkpoint, model, device, sampler_config, overrides, {})
     key = api_key or os.environ.get(API_KEY_ENV) or None
-    state = make_state(s.loaded, s.cfg, model_id=model_id, api_key=key, max_batch=max_batch,
+    state = make_state(s.loaded, s.cfg, model_id=model_id or hub_id(model), api_key=key, max_batch=max_batch,
                        max_wait_ms=max_wait_ms, max_queue=max_queue)  # fmt: skip
     if host not in ("127.0.0.1", "localhost", "::1") and key is None:
         info(f"dllm: warning: serving on {host} without an API key: anyone who can reach it can use it")

@@ -1,8 +1,9 @@
 """Packaged recipes: ready-made prepare.yaml + train.yaml pairs, listed in index.yaml.
 
 Smoke recipes train on a CPU in under a minute on a corpus that `copy_recipe` generates (and, for the
-AR-to-diffusion ones, a tiny random causal checkpoint to convert); templates carry realistic GPU
-settings and refer to model, tokenizer and data folders that the user provides.
+AR-to-diffusion ones, a tiny random causal checkpoint to convert; for BERT-chat, a small random encoder to
+fine-tune); templates carry realistic GPU settings and refer to model, tokenizer and data folders that the
+user provides.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from dllm.errors import UserError
 CONFIG_FILES = ("prepare.yaml", "train.yaml")
 DATA_FILE = "data/train.jsonl"
 AR_MODEL_DIR = "ar-model"
+ENCODER_MODEL_DIR = "encoder-model"
 NUM_RECORDS = 2000
 # sft-smoke's seq_len 16 holds the longest sum "19 + 19 = 38" and its EOS; `dllm init` uses the same bound
 MAX_OPERAND = 19
@@ -46,6 +48,8 @@ class RecipeInfo(Section):
     """The corpus `copy` generates into data/train.jsonl."""
     ar_model: bool = False
     """`copy` also writes ar-model/, a tiny random causal llama (Hugging Face folder) to convert."""
+    encoder_model: bool = False
+    """`copy` also writes encoder-model/, a small random ModernBERT encoder (Hugging Face folder) to fine-tune."""
     after: str | None = None
     """A recipe to copy and train first, in the sibling folder of that name (a drafter's target run, an rl start)."""
 
@@ -53,7 +57,7 @@ class RecipeInfo(Section):
     def _generated_only_for_smoke(self) -> RecipeInfo:
         if self.kind == "smoke" and self.data == "none":
             raise ValueError(f"recipe {self.name}: a smoke recipe must generate its data")
-        if self.kind == "template" and (self.data != "none" or self.ar_model):
+        if self.kind == "template" and (self.data != "none" or self.ar_model or self.encoder_model):
             raise ValueError(f"recipe {self.name}: a template brings its own data and model")
         return self
 
@@ -98,6 +102,8 @@ def copy_recipe(name: str, dest: Path, force: bool = False) -> list[Path]:
         written.append(write_jsonl(dest / DATA_FILE, GENERATORS[info.data](NUM_RECORDS)))
     if info.ar_model:
         written.append(write_ar_model(dest / AR_MODEL_DIR))
+    if info.encoder_model:
+        written.append(write_encoder_model(dest / ENCODER_MODEL_DIR))
     return written
 
 
@@ -150,16 +156,31 @@ GENERATORS: dict[str, Callable[[int], list[dict[str, Any]]]] = {
 
 def write_ar_model(folder: Path, seed: int = 0) -> Path:
     """A tiny random causal llama as a Hugging Face folder: the 'AR model' an A2D recipe converts."""
+    from dllm.config.model import ModelConfig
+
+    return _write_hf_model(ModelConfig(family="llama", preset="tiny", vocab_size=BYTE_VOCAB_SIZE), folder, seed)
+
+
+def write_encoder_model(folder: Path, seed: int = 0) -> Path:
+    """A small random ModernBERT masked LM (~0.8M parameters) as a Hugging Face folder: the 'pretrained
+    encoder' a BERT-chat recipe fine-tunes. The demo size, not tiny: a 64-wide 2-layer encoder does not learn
+    the answer's form in the smoke run's 150 steps. Multi-head attention: ModernBERT's fused Wqkv has no
+    grouped-query layout."""
+    from dllm.config.model import ModelConfig
+
+    cfg = ModelConfig(family="modernbert", preset="demo", num_kv_heads=4, vocab_size=BYTE_VOCAB_SIZE)
+    return _write_hf_model(cfg, folder, seed)
+
+
+def _write_hf_model(cfg: Any, folder: Path, seed: int) -> Path:
     import torch
 
-    from dllm.config.model import ModelConfig
     from dllm.models import Transformer
     from dllm.models.hf_io import export_hf
 
-    cfg = ModelConfig(family="llama", preset="tiny", vocab_size=BYTE_VOCAB_SIZE)
     model = Transformer(cfg)
     model.init_weights(torch.Generator().manual_seed(seed))
     try:
         return export_hf(model.state_dict(), cfg, folder)
     except ImportError:
-        raise UserError("writing the recipe's ar-model needs safetensors: pip install 'dllm[hf]'") from None
+        raise UserError(f"writing the recipe's {folder.name} needs safetensors: pip install 'dllm[hf]'") from None
