@@ -106,11 +106,13 @@ def tau_offline(target, drafter: DFlashDrafter, prompts: list[list[int]], greedy
         with capture_layers(target, drafter.target_layer_ids) as cap:
             target(seq, torch.arange(L)[None], AttentionMask("causal"))
         feats = cap.features()
-        state = drafter.start(1, L + b)
-        drafter.extend(state, feats, torch.arange(L)[None])  # a position's features never change under greedy
+        state = drafter.start(1, L + 2 * b)
+        drafter.extend(state, feats[:, : P - 1], torch.arange(P - 1)[None])
         p = P - 1  # the anchor: the last prompt token; tokens after it are what the target generates
         while p < L - 1:
             drafts = drafter.propose(state, seq[:, p], torch.tensor([p]))[0].argmax(-1)
+            # as the loop does: the verified positions' features (a position's never change under greedy)
+            drafter.extend(state, feats[:, p : p + b], torch.arange(p, min(p + b, L))[None])
             truth = seq[0, p + 1 : p + b]
             n = int((drafts[: len(truth)] == truth).long().cumprod(0).sum())
             step = min(n + 1, L - 1 - p)
@@ -186,7 +188,8 @@ def main() -> None:
 
 def step_costs(target, drafter, prompt: list[int], mask_id: int, repeats: int = 30) -> dict[str, float]:
     """Seconds of one AR step (1 token against the KV cache), one verify forward (b tokens) and one
-    drafter proposal at batch 1, after a prompt (the fastest of `repeats`; nothing committed, so every
+    drafter round (extend by b verified positions + propose) at batch 1, after a prompt (the fastest of
+    `repeats`; nothing committed, so every
     call sees the same cache). A round costs verify + propose and gains tau tokens, so with nothing else
     to pay speculative decoding reaches at most tau x ar / (verify + propose) of AR's tokens/s: on a CPU
     the verify forward costs about b AR steps (compute-bound, where a GPU step is memory-bound)."""
@@ -200,11 +203,16 @@ def step_costs(target, drafter, prompt: list[int], mask_id: int, repeats: int = 
         runner.commit(torch.tensor([len(prompt)]))
         state = drafter.start(1, len(prompt) + 2 * b)
         drafter.extend(state, features, torch.arange(len(prompt))[None])
+        block_features = features[:, -b:]
         anchor, pos = ids[:, -1], torch.tensor([len(prompt) - 1])
         calls = {
             "ar_step_s": lambda: runner.forward(ids[:, -1:]),
             "verify_s": lambda: runner.forward(ids[:, -1:].expand(1, b).contiguous()),
-            "propose_s": lambda: drafter.propose(state, anchor, pos),
+            # a round's drafter work: the verified block's features, then the proposal (one forward)
+            "propose_s": lambda: (
+                drafter.extend(state, block_features, pos[:, None] + torch.arange(b)),
+                drafter.propose(state, anchor, pos),
+            ),
         }
         best = dict.fromkeys(calls, float("inf"))
         for _ in range(repeats):

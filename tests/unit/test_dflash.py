@@ -176,8 +176,11 @@ def test_the_draft_mask_equals_a_loop_over_anchors(loss):
     torch.testing.assert_close(all_at_once, total, atol=1e-5, rtol=1e-5)
 
 
-def test_cached_decoding_equals_a_recomputation():
-    """extend (with rejected positions rewritten) + propose == the drafter's forward from scratch."""
+@pytest.mark.parametrize("anchors", [(12, 9), (10, 10)])
+def test_cached_decoding_equals_a_recomputation(anchors):
+    """extend (with rejected positions rewritten) + propose == the drafter's forward from scratch: rows at
+    different lengths (a mask), or at one (none); propose's single pass writes the last extend's context,
+    whose positions past a row's anchor (rejected drafts) its block overwrites."""
     target = make_target()
     drafter = make_drafter(target, num_layers=2).eval()
     g = torch.Generator().manual_seed(5)
@@ -189,7 +192,7 @@ def test_cached_decoding_equals_a_recomputation():
     junk = torch.randn(2, 6, feats.shape[-1], generator=g)
     drafter.extend(state, junk, torch.arange(7, 13).expand(2, 6))
     drafter.extend(state, feats[:, 7:12], torch.arange(7, 12).expand(2, 5))
-    anchor_pos = torch.tensor([12, 9])  # per-row lengths: row 1 accepted fewer
+    anchor_pos = torch.tensor(anchors)  # per-row lengths: (12, 9): row 1 accepted fewer
     anchor = tokens.gather(1, anchor_pos[:, None]).squeeze(1)
     logits = drafter.propose(state, anchor, anchor_pos)
     assert logits.shape == (2, 3, V)

@@ -98,6 +98,29 @@ class DraftState:
     k: list[torch.Tensor]
     """Per layer [B, K, T, D]."""
     v: list[torch.Tensor]
+    pending: tuple[torch.Tensor, torch.Tensor] | None = None
+    """Features [B, N, F] and positions [B, N] `extend` was given and the next `propose` writes (in its
+    own forward: one pass per round over the new context and the block)."""
+
+
+class BufferKV:
+    """The decoding drafter's `LayerKV`: a forward over [block (b) ; new context (N)] writes the context's
+    keys/values at their positions, then the block's at its own (anchor_pos + [0, b): the positions the next
+    verification rewrites), in place, and attention reads the buffer [0, end): no copy of the context."""
+
+    def __init__(self, k_BKTD: torch.Tensor, v_BKTD: torch.Tensor, positions_BL: torch.Tensor, b: int, end: int):
+        self.k, self.v, self.positions_BL, self.b, self.end = k_BKTD, v_BKTD, positions_BL, b, end
+
+    def update(self, k_BKLD: torch.Tensor, v_BKLD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        B, K, L, D = k_BKLD.shape
+        index = self.positions_BL[:, None, :, None].expand(B, K, L, D)
+        num_context = L - self.b
+        if num_context > 0:  # the context first: a rejected position it holds is the block's, written after it
+            self.k.scatter_(2, index[:, :, self.b :], k_BKLD[:, :, self.b :])
+            self.v.scatter_(2, index[:, :, self.b :], v_BKLD[:, :, self.b :])
+        self.k.scatter_(2, index[:, :, : self.b], k_BKLD[:, :, : self.b])
+        self.v.scatter_(2, index[:, :, : self.b], v_BKLD[:, :, : self.b])
+        return self.k[:, :, : self.end], self.v[:, :, : self.end]
 
 
 class DFlashDrafter(nn.Module):
@@ -200,7 +223,7 @@ class DFlashDrafter(nn.Module):
         num_context: int,
         context_kv: Callable[[int, nn.Module], PrefixKV],
     ) -> torch.Tensor:
-        """THE drafter pass shared by training and decoding: embed the blocks with the target's
+        """The training pass (decoding: `propose`, tested equal to it): embed the blocks with the target's
         embedding, run the blocks over [context ; blocks] under the draft mask, final norm."""
         B, N = ids_BN.shape
         x = self.target.embed(ids_BN, positions_BN).to(self.fc.weight.dtype)
@@ -223,33 +246,56 @@ class DFlashDrafter(nn.Module):
             [torch.zeros(shape, dtype=w.dtype, device=w.device) for _ in self.layers],
         )
 
-    @torch.no_grad()
     def extend(self, state: DraftState, features_BNF: torch.Tensor, positions_BN: torch.Tensor) -> None:
-        """Write the projected context keys/values of N new positions per row (a later write to a
-        position overwrites an earlier one: rejected drafts are rewritten by the next verification)."""
+        """Context features of N new positions per row, to be written (as each layer's keys/values) at those
+        positions; a later write to a position overwrites an earlier one (rejected drafts are rewritten by
+        the next verification). Deferred to the next `propose`, which runs them with its block in one pass."""
+        if state.pending is not None:
+            self._write_context(state, *state.pending)
+        state.pending = (features_BNF, positions_BN)
+
+    @torch.no_grad()
+    def _write_context(self, state: DraftState, features_BNF: torch.Tensor, positions_BN: torch.Tensor) -> None:
+        """Write the projected context keys/values of N positions per row (without a block)."""
         context_BNE = self.fuse(features_BNF)
         rope = self._rope(positions_BN)
-        rows_B1 = torch.arange(positions_BN.shape[0], device=positions_BN.device)[:, None]
+        index_BN = positions_BN[:, None, :, None]
         for i, layer in enumerate(self.layers):
             k, v = self.context_kv(layer, context_BNE, rope)
-            state.k[i][rows_B1, :, positions_BN] = k.transpose(1, 2)  # [B, N, K, D] at (row, position)
-            state.v[i][rows_B1, :, positions_BN] = v.transpose(1, 2)
+            state.k[i].scatter_(2, index_BN.expand_as(k), k)
+            state.v[i].scatter_(2, index_BN.expand_as(v), v)
+        state.pending = None
 
     @torch.no_grad()
     def propose(self, state: DraftState, anchor_B: torch.Tensor, anchor_pos_B: torch.Tensor) -> torch.Tensor:
         """Logits [B, b-1, V] for positions anchor_pos+1 .. anchor_pos+b-1; row r reads the context
-        of positions [0, anchor_pos_B[r])."""
-        b = self.block_size
-        B = anchor_B.shape[0]
-        C = int(anchor_pos_B.max())
-        ids_Bb = torch.cat([anchor_B[:, None], torch.full((B, b - 1), self.mask_id, device=anchor_B.device)], dim=1)
-        positions_Bb = anchor_pos_B[:, None] + torch.arange(b, device=anchor_B.device)
+        of positions [0, anchor_pos_B[r]).
 
-        def cached_kv(i: int, layer: nn.Module) -> PrefixKV:
-            return PrefixKV(state.k[i][:, :, :C], state.v[i][:, :, :C])
-
-        hidden = self._blocks(ids_Bb, positions_Bb, anchor_pos_B[:, None], C, cached_kv)
-        return self.target.logits(hidden[:, 1:])
+        One forward per round: each layer runs its block rows [anchor, MASK x (b-1)] as queries and, as keys
+        and values only, the rows of the context features `extend` deferred (num_queries = b), so the new
+        context's projections and the block's share the layer's matmuls; both land in the state's buffers
+        (BufferKV), where the block sits at its own positions: row r attends to [0, anchor_pos_B[r] + b)."""
+        b, B, device = self.block_size, anchor_B.shape[0], anchor_B.device
+        lo, hi = torch.stack(torch.aminmax(anchor_pos_B)).tolist()
+        end = hi + b
+        ids_Bb = torch.full((B, b), self.mask_id, dtype=anchor_B.dtype, device=device)
+        ids_Bb[:, 0] = anchor_B
+        positions_BL = anchor_pos_B[:, None] + torch.arange(b, device=device)
+        x = self.target.embed(ids_Bb, positions_BL).to(self.fc.weight.dtype)
+        context_BNE = None
+        if state.pending is not None:
+            features_BNF, context_pos_BN = state.pending
+            state.pending = None
+            context_BNE = self.fuse(features_BNF)
+            positions_BL = torch.cat([positions_BL, context_pos_BN], dim=1)
+        mask_B1bT = None  # rows at one length: every row reads the whole buffer [0, end)
+        if lo != hi:
+            mask_B1bT = (torch.arange(end, device=device) < (anchor_pos_B + b)[:, None])[:, None, None, :]
+        rope = self._rope(positions_BL)
+        for i, layer in enumerate(self.layers):
+            rows = x if context_BNE is None else torch.cat([x, context_BNE], dim=1)
+            x, _ = layer(rows, rope, mask_B1bT, b, BufferKV(state.k[i], state.v[i], positions_BL, b, end))
+        return self.target.logits(self.norm(x[:, 1:]))
 
 
 # -- the target's identity -------------------------------------------------------------------------
