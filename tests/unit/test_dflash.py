@@ -387,3 +387,38 @@ def test_kl_loss_is_the_weighted_kl_to_the_target():
     p = logits[:, :9].log_softmax(-1)
     expected = ((q.exp() * (q - p)).sum(-1) * torch.tensor([1.0, 0.5, 2.0])).sum()
     torch.testing.assert_close(kl_loss(out, inp).loss_sum, expected)
+
+
+def test_flex_block_mask_equals_the_dense_draft_mask(monkeypatch: pytest.MonkeyPatch):
+    """attention_backend flex: the training draft mask is a BlockMask (eager FlexAttention, which runs forward
+    on CPU), and the drafter's output equals the dense-mask SDPA drafter's; with gradients on CPU (no flex
+    backward) it falls back to the dense mask and still trains."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    from dllm.models import dflash
+
+    target = make_target()
+    dense = make_drafter(target, num_layers=2)
+    flex_cfg = dense.dcfg.model_copy(
+        update={"target": target.cfg.model_copy(update={"attention_backend": "flex", "flex_compile": False})}
+    )
+    flex = DFlashDrafter(flex_cfg).attach(target)
+    flex.load_state_dict(dense.state_dict())
+    obj = make_objective(target)
+    inp = obj.prepare(make_batch(), NoiseKeys(0, 4))
+    masks = []
+    create = dflash.create_block_mask
+
+    def spy(*args, **kwargs):
+        masks.append(create(*args, **kwargs))
+        return masks[-1]
+
+    monkeypatch.setattr(dflash, "create_block_mask", spy)
+    with torch.no_grad():
+        got = run_model(flex, inp).hidden_BLE
+        ref = run_model(dense, inp).hidden_BLE
+    assert len(masks) == 1 and isinstance(masks[0], BlockMask)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    loss = obj.loss(run_model(flex, inp), inp).loss_sum  # grad on CPU: the dense mask
+    loss.backward()
+    assert len(masks) == 1 and flex.fc.weight.grad is not None

@@ -34,8 +34,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 import dllm
+from dllm.attention.backends.flex import FlexBackend
 from dllm.attention.masks import MaskMod, dense_mask
 from dllm.config.model import DFlashConfig, ModelConfig
 from dllm.errors import CheckpointError
@@ -86,9 +88,25 @@ def draft_mask_mod(context_len_BA: torch.Tensor, block_size: int, num_context: i
     return mod
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask_B1QK: torch.Tensor | None) -> torch.Tensor:
-    """SDPA with the drafter's dense mask (per-anchor context lengths are not an AttentionMask kind)."""
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask_B1QK, enable_gqa=k.shape[1] != q.shape[1])
+class DraftAttention:
+    """The drafter's attention (per-anchor context lengths are not an AttentionMask kind): SDPA with a dense
+    bool mask [B, 1, Q, K] (or None), or FlexAttention with the same pattern as a BlockMask (`draft_block_mask`),
+    which skips the tiles of other anchors' context and blocks."""
+
+    def __init__(self, flex_compile: bool) -> None:
+        self.flex = FlexBackend(compiled=flex_compile)
+
+    def __call__(self, q, k, v, mask: torch.Tensor | BlockMask | None) -> torch.Tensor:
+        if isinstance(mask, BlockMask):
+            return self.flex.run(q, k, v, mask)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
+
+
+def uses_flex(backend: str, device: torch.device, grad: bool) -> bool:
+    """Whether the training draft mask is a BlockMask: backend `flex` (or `auto` on a GPU), except for a call
+    that needs gradients on CPU, where FlexAttention has no backward (torch 2.13)."""
+    wanted = backend == "flex" or (backend == "auto" and device.type == "cuda")
+    return wanted and not (grad and device.type == "cpu")
 
 
 @dataclass
@@ -137,7 +155,8 @@ class DFlashDrafter(nn.Module):
         E = self.cfg.hidden_size
         self.fc = nn.Linear(cfg.feature_size, E, bias=False)
         self.hidden_norm = make_norm(self.cfg)
-        self.layers = nn.ModuleList(Block(self.cfg, _attend) for _ in range(cfg.num_layers))  # type: ignore[arg-type]
+        attend = DraftAttention(self.cfg.flex_compile)
+        self.layers = nn.ModuleList(Block(self.cfg, attend) for _ in range(cfg.num_layers))  # type: ignore[arg-type]
         self.norm = make_norm(self.cfg)
         self.register_buffer("inv_freq", rope_inv_freq(self.cfg.dim_per_head, self.cfg.rope_theta), persistent=False)
         self._target: tuple[Transformer, ...] = ()  # a tuple: not a submodule, not in state_dict or parameters()
@@ -227,10 +246,14 @@ class DFlashDrafter(nn.Module):
         embedding, run the blocks over [context ; blocks] under the draft mask, final norm."""
         B, N = ids_BN.shape
         x = self.target.embed(ids_BN, positions_BN).to(self.fc.weight.dtype)
-        mask_B1NK = None  # one block that sees the whole context (decoding at batch 1): no mask at all
+        mask_B1NK: torch.Tensor | BlockMask | None = None  # one block that sees the whole context: no mask
         if context_len_BA.shape[1] > 1 or not bool((context_len_BA == num_context).all()):
             mod = draft_mask_mod(context_len_BA, self.block_size, num_context)
-            mask_B1NK = dense_mask(mod, B, N, num_context + N, ids_BN.device)
+            grad = torch.is_grad_enabled() and self.fc.weight.requires_grad
+            if uses_flex(self.cfg.attention_backend, ids_BN.device, grad):
+                mask_B1NK = create_block_mask(mod, B, None, N, num_context + N, device=ids_BN.device)
+            else:
+                mask_B1NK = dense_mask(mod, B, N, num_context + N, ids_BN.device)
         rope = self._rope(positions_BN)
         for i, layer in enumerate(self.layers):
             x, _ = layer(x, rope, mask_B1NK, None, context_kv(i, layer))
