@@ -47,6 +47,7 @@ from dllm.models.transformer import Block, Transformer, apply_rope, make_norm, r
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 MODEL_TYPE = "dflash"
+FLEX_TILE = 128  # FlexAttention's default BlockMask tile
 
 
 @dataclass(frozen=True)
@@ -202,7 +203,12 @@ class DFlashDrafter(nn.Module):
         """Final states [B, N, E] of the draft blocks; row k of a block predicts position anchor + k.
         The attention pattern comes from `tokens.context_len_BA` (`mask` is unused: None)."""
         assert cache is None, "a drafter decodes through start/extend/propose"
-        context_BCE = self.fuse(tokens.context_BCF)
+        context_BCF = tokens.context_BCF
+        grad = torch.is_grad_enabled() and self.fc.weight.requires_grad
+        flex = uses_flex(self.cfg.attention_backend, context_BCF.device, grad)
+        if flex:  # static shapes for the compiled kernel: the context padded to whole tiles (masked: past every anchor)
+            context_BCF = F.pad(context_BCF, (0, 0, 0, -context_BCF.shape[1] % FLEX_TILE))
+        context_BCE = self.fuse(context_BCF)
         C = context_BCE.shape[1]
         ctx_pos = torch.arange(C, device=context_BCE.device).expand(context_BCE.shape[0], C)
         ctx_rope = self._rope(ctx_pos)
@@ -210,7 +216,7 @@ class DFlashDrafter(nn.Module):
         def context_kv(i: int, layer: nn.Module) -> PrefixKV:
             return PrefixKV(*self.context_kv(layer, context_BCE, ctx_rope))
 
-        hidden = self._blocks(tokens.ids_BN, positions_BN, tokens.context_len_BA, C, context_kv)
+        hidden = self._blocks(tokens.ids_BN, positions_BN, tokens.context_len_BA, C, context_kv, flex)
         return ModelOutput(hidden, self.head)
 
     def fuse(self, features_BLF: torch.Tensor) -> torch.Tensor:
@@ -241,16 +247,16 @@ class DFlashDrafter(nn.Module):
         context_len_BA: torch.Tensor,
         num_context: int,
         context_kv: Callable[[int, nn.Module], PrefixKV],
+        flex: bool,
     ) -> torch.Tensor:
         """The training pass (decoding: `propose`, tested equal to it): embed the blocks with the target's
-        embedding, run the blocks over [context ; blocks] under the draft mask, final norm."""
+        embedding, run the blocks over [context ; blocks] under the draft mask (a BlockMask if `flex`), final norm."""
         B, N = ids_BN.shape
         x = self.target.embed(ids_BN, positions_BN).to(self.fc.weight.dtype)
         mask_B1NK: torch.Tensor | BlockMask | None = None  # one block that sees the whole context: no mask
         if context_len_BA.shape[1] > 1 or not bool((context_len_BA == num_context).all()):
             mod = draft_mask_mod(context_len_BA, self.block_size, num_context)
-            grad = torch.is_grad_enabled() and self.fc.weight.requires_grad
-            if uses_flex(self.cfg.attention_backend, ids_BN.device, grad):
+            if flex:
                 mask_B1NK = create_block_mask(mod, B, None, N, num_context + N, device=ids_BN.device)
             else:
                 mask_B1NK = dense_mask(mod, B, N, num_context + N, ids_BN.device)
