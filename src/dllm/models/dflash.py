@@ -11,8 +11,9 @@ anchor + k). The target is held by reference: its weights are neither drafter pa
 
 The same blocks serve training (many anchors per sequence in one forward, each block seeing only
 the context before its anchor: `draft_mask_mod`) and decoding (`start`/`extend`/`propose`, the
-Drafter protocol of the speculative loop: the projected context keys/values are cached per layer,
-so `extend` costs O(new positions) and `propose` is one forward of b tokens).
+Drafter protocol of the speculative loop: the projected context keys/values are cached per layer, and
+one round is one drafter forward: `extend` defers its new positions to `propose`, which runs them as
+key/value rows next to its b block tokens, written in place into the cache: O(new positions + b)).
 
 A drafter folder (`save_drafter`/`load_drafter`): config.json (model_type "dflash", the block size,
 the target layer ids, the drafter and target architectures, the target's identity) and
