@@ -156,8 +156,7 @@ class DFlashDistillationConfig(Section):
     decay: float | None = Field(default=7.0, gt=0)
     """gamma of the weight exp(-(k-1)/gamma) of the k-th proposal (early ones decide acceptance); null: all 1."""
     feature_cache: RelPath | None = None
-    """A folder of the target's precomputed features (built by one target pass over the data when missing,
-    refused if made from another target); null: the target runs on every micro-batch."""
+    """Folder of the target's precomputed features (built by one pass when missing); null: run the target per step."""
 
     def decode_facts(self) -> dict[str, Any]:
         """A drafter's block is bidirectional; it is never sampled alone (only with its target, `--draft`)."""
