@@ -17,7 +17,9 @@ b in --blocks (objective dflash_distillation, the target frozen). Then, on held-
   whether the outputs equal AR's token for token (lossless).
 
 - the CPU's ceiling for the pair (`step_costs`): one AR step, one verify forward of b tokens and one
-  drafter proposal timed alone; tau x AR step / (verify + proposal) bounds the batch-1 speedup.
+  drafter round (extend + proposal) timed alone; tau x AR step / (verify + drafter) bounds the batch-1
+  speedup; and where a batch-1 round's time goes (`phase_profile`: target forwards, drafter, the rest
+  of the loop, microseconds per round).
 
 One JSON line per block size, then a summary line with the targets (tau >= 3 at b = 8; >= 1.8x the
 AR tokens/s at batch 1) and the ceilings.
@@ -106,11 +108,13 @@ def tau_offline(target, drafter: DFlashDrafter, prompts: list[list[int]], greedy
         with capture_layers(target, drafter.target_layer_ids) as cap:
             target(seq, torch.arange(L)[None], AttentionMask("causal"))
         feats = cap.features()
-        state = drafter.start(1, L + b)
-        drafter.extend(state, feats, torch.arange(L)[None])  # a position's features never change under greedy
+        state = drafter.start(1, L + 2 * b)
+        drafter.extend(state, feats[:, : P - 1], torch.arange(P - 1)[None])
         p = P - 1  # the anchor: the last prompt token; tokens after it are what the target generates
         while p < L - 1:
             drafts = drafter.propose(state, seq[:, p], torch.tensor([p]))[0].argmax(-1)
+            # as the loop does: the verified positions' features (a position's never change under greedy)
+            drafter.extend(state, feats[:, p : p + b], torch.arange(p, min(p + b, L))[None])
             truth = seq[0, p + 1 : p + b]
             n = int((drafts[: len(truth)] == truth).long().cumprod(0).sum())
             step = min(n + 1, L - 1 - p)
@@ -140,7 +144,11 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--retrain", action="store_true")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch intra-op threads (default torch's); 1 keeps timings sane on a shared CPU")  # fmt: skip
     args = ap.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     work = args.work_dir.absolute()
     if args.retrain and work.exists():
@@ -186,7 +194,8 @@ def main() -> None:
 
 def step_costs(target, drafter, prompt: list[int], mask_id: int, repeats: int = 30) -> dict[str, float]:
     """Seconds of one AR step (1 token against the KV cache), one verify forward (b tokens) and one
-    drafter proposal at batch 1, after a prompt (the fastest of `repeats`; nothing committed, so every
+    drafter round (extend by b verified positions + propose) at batch 1, after a prompt (the fastest of
+    `repeats`; nothing committed, so every
     call sees the same cache). A round costs verify + propose and gains tau tokens, so with nothing else
     to pay speculative decoding reaches at most tau x ar / (verify + propose) of AR's tokens/s: on a CPU
     the verify forward costs about b AR steps (compute-bound, where a GPU step is memory-bound)."""
@@ -200,11 +209,16 @@ def step_costs(target, drafter, prompt: list[int], mask_id: int, repeats: int = 
         runner.commit(torch.tensor([len(prompt)]))
         state = drafter.start(1, len(prompt) + 2 * b)
         drafter.extend(state, features, torch.arange(len(prompt))[None])
+        block_features = features[:, -b:]
         anchor, pos = ids[:, -1], torch.tensor([len(prompt) - 1])
         calls = {
             "ar_step_s": lambda: runner.forward(ids[:, -1:]),
             "verify_s": lambda: runner.forward(ids[:, -1:].expand(1, b).contiguous()),
-            "propose_s": lambda: drafter.propose(state, anchor, pos),
+            # a round's drafter work: the verified block's features, then the proposal (one forward)
+            "propose_s": lambda: (
+                drafter.extend(state, block_features, pos[:, None] + torch.arange(b)),
+                drafter.propose(state, anchor, pos),
+            ),
         }
         best = dict.fromkeys(calls, float("inf"))
         for _ in range(repeats):
@@ -213,6 +227,58 @@ def step_costs(target, drafter, prompt: list[int], mask_id: int, repeats: int = 
                 fn()
                 best[k] = min(best[k], time.perf_counter() - t0)
     return best
+
+
+def phase_profile(target, drafter, prompts, decoding, mask_id, repeats: int) -> dict[str, float]:
+    """Where a batch-1 round's time goes (every prompt alone, the fastest of `repeats` passes): target
+    forwards (the verify, and the prefill spread over the rounds), the drafter (extend + propose) and the
+    rest of the loop, in microseconds per round, and one AR step's microseconds for scale."""
+    import dllm.sampling.speculative as spec_mod
+    from dllm.sampling.ar import Target
+
+    spent = {"target_forward": 0.0, "drafter": 0.0}
+    rounds = [0]
+
+    def timed_call(fn, key):
+        def call(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[key] += time.perf_counter() - t0
+
+        return call
+
+    class TimedTarget(Target):
+        forward = timed_call(Target.forward, "target_forward")
+
+    propose, extend = drafter.propose, drafter.extend
+
+    def counted_propose(*a):
+        rounds[0] += 1
+        return propose(*a)
+
+    best: dict[str, float] | None = None
+    spec_mod.Target = TimedTarget
+    drafter.propose, drafter.extend = timed_call(counted_propose, "drafter"), timed_call(extend, "drafter")
+    try:
+        for _ in range(repeats):
+            spent.update(target_forward=0.0, drafter=0.0)
+            rounds[0] = 0
+            t0 = time.perf_counter()
+            for p in prompts:
+                spec_mod.speculative_generate(target, drafter, [p], decoding, mask_id=mask_id)
+            total = time.perf_counter() - t0
+            if best is None or total < best["total"]:
+                best = {"total": total, **spent, "rounds": rounds[0]}
+    finally:
+        spec_mod.Target = Target
+        del drafter.propose, drafter.extend
+    assert best is not None
+    n = best["rounds"]
+    out = {f"{k}_us_per_round": round(best[k] / n * 1e6, 1) for k in ("target_forward", "drafter")}
+    out["loop_us_per_round"] = round((best["total"] - best["target_forward"] - best["drafter"]) / n * 1e6, 1)
+    return out
 
 
 def measure(target, drafter, prompts, decoding, mask_id, speculative_generate, repeats: int) -> dict[str, Any]:
@@ -229,6 +295,8 @@ def measure(target, drafter, prompts, decoding, mask_id, speculative_generate, r
     out["propose_over_ar_step"] = round(costs["propose_s"] / costs["ar_step_s"], 2)
     # the CPU's ceiling for this pair: tau tokens per (verify + propose), against one token per AR step
     out["speedup_b1_ceiling"] = round(c["tau"] * costs["ar_step_s"] / (costs["verify_s"] + costs["propose_s"]), 3)
+    out["ar_step_us"] = round(costs["ar_step_s"] * 1e6, 1)
+    out.update(phase_profile(target, drafter, prompts, decoding, mask_id, repeats))
     ones = [speculative_generate(target, drafter, [p], decoding, mask_id=mask_id).counters for p in prompts]
     out["forwards_per_token_b1"] = round(sum(c.target_forwards for c in ones) / sum(c.tokens for c in ones), 4)
     for batch in (1, 8):

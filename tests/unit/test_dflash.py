@@ -176,8 +176,11 @@ def test_the_draft_mask_equals_a_loop_over_anchors(loss):
     torch.testing.assert_close(all_at_once, total, atol=1e-5, rtol=1e-5)
 
 
-def test_cached_decoding_equals_a_recomputation():
-    """extend (with rejected positions rewritten) + propose == the drafter's forward from scratch."""
+@pytest.mark.parametrize("anchors", [(12, 9), (10, 10)])
+def test_cached_decoding_equals_a_recomputation(anchors):
+    """extend (with rejected positions rewritten) + propose == the drafter's forward from scratch: rows at
+    different lengths (a mask), or at one (none); propose's single pass writes the last extend's context,
+    whose positions past a row's anchor (rejected drafts) its block overwrites."""
     target = make_target()
     drafter = make_drafter(target, num_layers=2).eval()
     g = torch.Generator().manual_seed(5)
@@ -189,7 +192,7 @@ def test_cached_decoding_equals_a_recomputation():
     junk = torch.randn(2, 6, feats.shape[-1], generator=g)
     drafter.extend(state, junk, torch.arange(7, 13).expand(2, 6))
     drafter.extend(state, feats[:, 7:12], torch.arange(7, 12).expand(2, 5))
-    anchor_pos = torch.tensor([12, 9])  # per-row lengths: row 1 accepted fewer
+    anchor_pos = torch.tensor(anchors)  # per-row lengths: (12, 9): row 1 accepted fewer
     anchor = tokens.gather(1, anchor_pos[:, None]).squeeze(1)
     logits = drafter.propose(state, anchor, anchor_pos)
     assert logits.shape == (2, 3, V)
@@ -384,3 +387,63 @@ def test_kl_loss_is_the_weighted_kl_to_the_target():
     p = logits[:, :9].log_softmax(-1)
     expected = ((q.exp() * (q - p)).sum(-1) * torch.tensor([1.0, 0.5, 2.0])).sum()
     torch.testing.assert_close(kl_loss(out, inp).loss_sum, expected)
+
+
+def test_flex_block_mask_equals_the_dense_draft_mask(monkeypatch: pytest.MonkeyPatch):
+    """attention_backend flex: the training draft mask is a BlockMask (eager FlexAttention, which runs forward
+    on CPU), and the drafter's output equals the dense-mask SDPA drafter's; with gradients on CPU (no flex
+    backward) it falls back to the dense mask and still trains."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    from dllm.models import dflash
+
+    target = make_target()
+    dense = make_drafter(target, num_layers=2)
+    flex_cfg = dense.dcfg.model_copy(
+        update={"target": target.cfg.model_copy(update={"attention_backend": "flex", "flex_compile": False})}
+    )
+    flex = DFlashDrafter(flex_cfg).attach(target)
+    flex.load_state_dict(dense.state_dict())
+    obj = make_objective(target)
+    inp = obj.prepare(make_batch(), NoiseKeys(0, 4))
+    masks = []
+    create = dflash.create_block_mask
+
+    def spy(*args, **kwargs):
+        masks.append(create(*args, **kwargs))
+        return masks[-1]
+
+    monkeypatch.setattr(dflash, "create_block_mask", spy)
+    with torch.no_grad():
+        got = run_model(flex, inp).hidden_BLE
+        ref = run_model(dense, inp).hidden_BLE
+    assert len(masks) == 1 and isinstance(masks[0], BlockMask)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    loss = obj.loss(run_model(flex, inp), inp).loss_sum  # grad on CPU: the dense mask
+    loss.backward()
+    assert len(masks) == 1 and flex.fc.weight.grad is not None
+
+
+def test_a_dflash_drafter_decodes_ragged_rows_as_each_row_alone():
+    """Speculative decoding with a DFlash drafter over rows of different prompt lengths (propose's masked
+    path over one shared buffer): lossless against AR, and every row's proposals, round by round, equal
+    the ones it gets decoded alone (propose's unmasked batch-1 path)."""
+    from dllm.sampling.ar import Decoding, ar_generate
+    from dllm.sampling.speculative import speculative_generate
+
+    target = make_target()
+    drafter = make_drafter(target, block=4, num_layers=2).eval()
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [20], [30, 31, 32, 33]]
+    decoding = Decoding(max_new_tokens=10)
+    proposals: list[torch.Tensor] = []
+    propose = drafter.propose
+    drafter.propose = lambda *a: proposals.append(x := propose(*a)) or x  # type: ignore[method-assign]
+    batched = speculative_generate(target, drafter, prompts, decoding, mask_id=MASK)
+    assert batched.sequences == ar_generate(target, prompts, decoding, mask_id=MASK).sequences
+    together = list(proposals)
+    for r, prompt in enumerate(prompts):
+        proposals.clear()
+        speculative_generate(target, drafter, [prompt], decoding, mask_id=MASK)
+        assert len(proposals) >= 3
+        for t, alone in enumerate(proposals):
+            torch.testing.assert_close(together[t][r], alone[0], atol=1e-5, rtol=1e-5)

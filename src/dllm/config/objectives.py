@@ -155,6 +155,8 @@ class DFlashDistillationConfig(Section):
     """ce: cross-entropy to the target's greedy next tokens; kl: KL(target || drafter) of next-token distributions."""
     decay: float | None = Field(default=7.0, gt=0)
     """gamma of the weight exp(-(k-1)/gamma) of the k-th proposal (early ones decide acceptance); null: all 1."""
+    feature_cache: RelPath | None = None
+    """Folder of the target's precomputed features (built by one pass when missing); null: run the target per step."""
 
     def decode_facts(self) -> dict[str, Any]:
         """A drafter's block is bidirectional; it is never sampled alone (only with its target, `--draft`)."""

@@ -11,8 +11,9 @@ anchor + k). The target is held by reference: its weights are neither drafter pa
 
 The same blocks serve training (many anchors per sequence in one forward, each block seeing only
 the context before its anchor: `draft_mask_mod`) and decoding (`start`/`extend`/`propose`, the
-Drafter protocol of the speculative loop: the projected context keys/values are cached per layer,
-so `extend` costs O(new positions) and `propose` is one forward of b tokens).
+Drafter protocol of the speculative loop: the projected context keys/values are cached per layer, and
+one round is one drafter forward: `extend` defers its new positions to `propose`, which runs them as
+key/value rows next to its b block tokens, written in place into the cache: O(new positions + b)).
 
 A drafter folder (`save_drafter`/`load_drafter`): config.json (model_type "dflash", the block size,
 the target layer ids, the drafter and target architectures, the target's identity) and
@@ -34,8 +35,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 import dllm
+from dllm.attention.backends.flex import FlexBackend
 from dllm.attention.masks import MaskMod, dense_mask
 from dllm.config.model import DFlashConfig, ModelConfig
 from dllm.errors import CheckpointError
@@ -45,6 +48,7 @@ from dllm.models.transformer import Block, Transformer, apply_rope, make_norm, r
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 MODEL_TYPE = "dflash"
+FLEX_TILE = 128  # FlexAttention's default BlockMask tile
 
 
 @dataclass(frozen=True)
@@ -86,9 +90,25 @@ def draft_mask_mod(context_len_BA: torch.Tensor, block_size: int, num_context: i
     return mod
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask_B1QK: torch.Tensor | None) -> torch.Tensor:
-    """SDPA with the drafter's dense mask (per-anchor context lengths are not an AttentionMask kind)."""
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask_B1QK, enable_gqa=k.shape[1] != q.shape[1])
+class DraftAttention:
+    """The drafter's attention (per-anchor context lengths are not an AttentionMask kind): SDPA with a dense
+    bool mask [B, 1, Q, K] (or None), or FlexAttention with the same pattern as a BlockMask (`draft_block_mask`),
+    which skips the tiles of other anchors' context and blocks."""
+
+    def __init__(self, flex_compile: bool) -> None:
+        self.flex = FlexBackend(compiled=flex_compile)
+
+    def __call__(self, q, k, v, mask: torch.Tensor | BlockMask | None) -> torch.Tensor:
+        if isinstance(mask, BlockMask):
+            return self.flex.run(q, k, v, mask)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
+
+
+def uses_flex(backend: str, device: torch.device, grad: bool) -> bool:
+    """Whether the training draft mask is a BlockMask: backend `flex` (or `auto` on a GPU), except for a call
+    that needs gradients on CPU, where FlexAttention has no backward (torch 2.13)."""
+    wanted = backend == "flex" or (backend == "auto" and device.type == "cuda")
+    return wanted and not (grad and device.type == "cpu")
 
 
 @dataclass
@@ -98,6 +118,29 @@ class DraftState:
     k: list[torch.Tensor]
     """Per layer [B, K, T, D]."""
     v: list[torch.Tensor]
+    pending: tuple[torch.Tensor, torch.Tensor] | None = None
+    """Features [B, N, F] and positions [B, N] `extend` was given and the next `propose` writes (in its
+    own forward: one pass per round over the new context and the block)."""
+
+
+class BufferKV:
+    """The decoding drafter's `LayerKV`: a forward over [block (b) ; new context (N)] writes the context's
+    keys/values at their positions, then the block's at its own (anchor_pos + [0, b): the positions the next
+    verification rewrites), in place, and attention reads the buffer [0, end): no copy of the context."""
+
+    def __init__(self, k_BKTD: torch.Tensor, v_BKTD: torch.Tensor, positions_BL: torch.Tensor, b: int, end: int):
+        self.k, self.v, self.positions_BL, self.b, self.end = k_BKTD, v_BKTD, positions_BL, b, end
+
+    def update(self, k_BKLD: torch.Tensor, v_BKLD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        B, K, L, D = k_BKLD.shape
+        index = self.positions_BL[:, None, :, None].expand(B, K, L, D)
+        num_context = L - self.b
+        if num_context > 0:  # the context first: a rejected position it holds is the block's, written after it
+            self.k.scatter_(2, index[:, :, self.b :], k_BKLD[:, :, self.b :])
+            self.v.scatter_(2, index[:, :, self.b :], v_BKLD[:, :, self.b :])
+        self.k.scatter_(2, index[:, :, : self.b], k_BKLD[:, :, : self.b])
+        self.v.scatter_(2, index[:, :, : self.b], v_BKLD[:, :, : self.b])
+        return self.k[:, :, : self.end], self.v[:, :, : self.end]
 
 
 class DFlashDrafter(nn.Module):
@@ -114,7 +157,8 @@ class DFlashDrafter(nn.Module):
         E = self.cfg.hidden_size
         self.fc = nn.Linear(cfg.feature_size, E, bias=False)
         self.hidden_norm = make_norm(self.cfg)
-        self.layers = nn.ModuleList(Block(self.cfg, _attend) for _ in range(cfg.num_layers))  # type: ignore[arg-type]
+        attend = DraftAttention(self.cfg.flex_compile)
+        self.layers = nn.ModuleList(Block(self.cfg, attend) for _ in range(cfg.num_layers))  # type: ignore[arg-type]
         self.norm = make_norm(self.cfg)
         self.register_buffer("inv_freq", rope_inv_freq(self.cfg.dim_per_head, self.cfg.rope_theta), persistent=False)
         self._target: tuple[Transformer, ...] = ()  # a tuple: not a submodule, not in state_dict or parameters()
@@ -160,7 +204,12 @@ class DFlashDrafter(nn.Module):
         """Final states [B, N, E] of the draft blocks; row k of a block predicts position anchor + k.
         The attention pattern comes from `tokens.context_len_BA` (`mask` is unused: None)."""
         assert cache is None, "a drafter decodes through start/extend/propose"
-        context_BCE = self.fuse(tokens.context_BCF)
+        context_BCF = tokens.context_BCF
+        grad = torch.is_grad_enabled() and self.fc.weight.requires_grad
+        flex = uses_flex(self.cfg.attention_backend, context_BCF.device, grad)
+        if flex:  # static shapes for the compiled kernel: the context padded to whole tiles (masked: past every anchor)
+            context_BCF = F.pad(context_BCF, (0, 0, 0, -context_BCF.shape[1] % FLEX_TILE))
+        context_BCE = self.fuse(context_BCF)
         C = context_BCE.shape[1]
         ctx_pos = torch.arange(C, device=context_BCE.device).expand(context_BCE.shape[0], C)
         ctx_rope = self._rope(ctx_pos)
@@ -168,7 +217,7 @@ class DFlashDrafter(nn.Module):
         def context_kv(i: int, layer: nn.Module) -> PrefixKV:
             return PrefixKV(*self.context_kv(layer, context_BCE, ctx_rope))
 
-        hidden = self._blocks(tokens.ids_BN, positions_BN, tokens.context_len_BA, C, context_kv)
+        hidden = self._blocks(tokens.ids_BN, positions_BN, tokens.context_len_BA, C, context_kv, flex)
         return ModelOutput(hidden, self.head)
 
     def fuse(self, features_BLF: torch.Tensor) -> torch.Tensor:
@@ -199,15 +248,19 @@ class DFlashDrafter(nn.Module):
         context_len_BA: torch.Tensor,
         num_context: int,
         context_kv: Callable[[int, nn.Module], PrefixKV],
+        flex: bool,
     ) -> torch.Tensor:
-        """THE drafter pass shared by training and decoding: embed the blocks with the target's
-        embedding, run the blocks over [context ; blocks] under the draft mask, final norm."""
+        """The training pass (decoding: `propose`, tested equal to it): embed the blocks with the target's
+        embedding, run the blocks over [context ; blocks] under the draft mask (a BlockMask if `flex`), final norm."""
         B, N = ids_BN.shape
         x = self.target.embed(ids_BN, positions_BN).to(self.fc.weight.dtype)
-        mask_B1NK = None  # one block that sees the whole context (decoding at batch 1): no mask at all
+        mask_B1NK: torch.Tensor | BlockMask | None = None  # one block that sees the whole context: no mask
         if context_len_BA.shape[1] > 1 or not bool((context_len_BA == num_context).all()):
             mod = draft_mask_mod(context_len_BA, self.block_size, num_context)
-            mask_B1NK = dense_mask(mod, B, N, num_context + N, ids_BN.device)
+            if flex:
+                mask_B1NK = create_block_mask(mod, B, None, N, num_context + N, device=ids_BN.device)
+            else:
+                mask_B1NK = dense_mask(mod, B, N, num_context + N, ids_BN.device)
         rope = self._rope(positions_BN)
         for i, layer in enumerate(self.layers):
             x, _ = layer(x, rope, mask_B1NK, None, context_kv(i, layer))
@@ -223,33 +276,56 @@ class DFlashDrafter(nn.Module):
             [torch.zeros(shape, dtype=w.dtype, device=w.device) for _ in self.layers],
         )
 
-    @torch.no_grad()
     def extend(self, state: DraftState, features_BNF: torch.Tensor, positions_BN: torch.Tensor) -> None:
-        """Write the projected context keys/values of N new positions per row (a later write to a
-        position overwrites an earlier one: rejected drafts are rewritten by the next verification)."""
+        """Context features of N new positions per row, to be written (as each layer's keys/values) at those
+        positions; a later write to a position overwrites an earlier one (rejected drafts are rewritten by
+        the next verification). Deferred to the next `propose`, which runs them with its block in one pass."""
+        if state.pending is not None:
+            self._write_context(state, *state.pending)
+        state.pending = (features_BNF, positions_BN)
+
+    @torch.no_grad()
+    def _write_context(self, state: DraftState, features_BNF: torch.Tensor, positions_BN: torch.Tensor) -> None:
+        """Write the projected context keys/values of N positions per row (without a block)."""
         context_BNE = self.fuse(features_BNF)
         rope = self._rope(positions_BN)
-        rows_B1 = torch.arange(positions_BN.shape[0], device=positions_BN.device)[:, None]
+        index_BN = positions_BN[:, None, :, None]
         for i, layer in enumerate(self.layers):
             k, v = self.context_kv(layer, context_BNE, rope)
-            state.k[i][rows_B1, :, positions_BN] = k.transpose(1, 2)  # [B, N, K, D] at (row, position)
-            state.v[i][rows_B1, :, positions_BN] = v.transpose(1, 2)
+            state.k[i].scatter_(2, index_BN.expand_as(k), k)
+            state.v[i].scatter_(2, index_BN.expand_as(v), v)
+        state.pending = None
 
     @torch.no_grad()
     def propose(self, state: DraftState, anchor_B: torch.Tensor, anchor_pos_B: torch.Tensor) -> torch.Tensor:
         """Logits [B, b-1, V] for positions anchor_pos+1 .. anchor_pos+b-1; row r reads the context
-        of positions [0, anchor_pos_B[r])."""
-        b = self.block_size
-        B = anchor_B.shape[0]
-        C = int(anchor_pos_B.max())
-        ids_Bb = torch.cat([anchor_B[:, None], torch.full((B, b - 1), self.mask_id, device=anchor_B.device)], dim=1)
-        positions_Bb = anchor_pos_B[:, None] + torch.arange(b, device=anchor_B.device)
+        of positions [0, anchor_pos_B[r]).
 
-        def cached_kv(i: int, layer: nn.Module) -> PrefixKV:
-            return PrefixKV(state.k[i][:, :, :C], state.v[i][:, :, :C])
-
-        hidden = self._blocks(ids_Bb, positions_Bb, anchor_pos_B[:, None], C, cached_kv)
-        return self.target.logits(hidden[:, 1:])
+        One forward per round: each layer runs its block rows [anchor, MASK x (b-1)] as queries and, as keys
+        and values only, the rows of the context features `extend` deferred (num_queries = b), so the new
+        context's projections and the block's share the layer's matmuls; both land in the state's buffers
+        (BufferKV), where the block sits at its own positions: row r attends to [0, anchor_pos_B[r] + b)."""
+        b, B, device = self.block_size, anchor_B.shape[0], anchor_B.device
+        lo, hi = torch.stack(torch.aminmax(anchor_pos_B)).tolist()
+        end = hi + b
+        ids_Bb = torch.full((B, b), self.mask_id, dtype=anchor_B.dtype, device=device)
+        ids_Bb[:, 0] = anchor_B
+        positions_BL = anchor_pos_B[:, None] + torch.arange(b, device=device)
+        x = self.target.embed(ids_Bb, positions_BL).to(self.fc.weight.dtype)
+        context_BNE = None
+        if state.pending is not None:
+            features_BNF, context_pos_BN = state.pending
+            state.pending = None
+            context_BNE = self.fuse(features_BNF)
+            positions_BL = torch.cat([positions_BL, context_pos_BN], dim=1)
+        mask_B1bT = None  # rows at one length: every row reads the whole buffer [0, end)
+        if lo != hi:
+            mask_B1bT = (torch.arange(end, device=device) < (anchor_pos_B + b)[:, None])[:, None, None, :]
+        rope = self._rope(positions_BL)
+        for i, layer in enumerate(self.layers):
+            rows = x if context_BNE is None else torch.cat([x, context_BNE], dim=1)
+            x, _ = layer(rows, rope, mask_B1bT, b, BufferKV(state.k[i], state.v[i], positions_BL, b, end))
+        return self.target.logits(self.norm(x[:, 1:]))
 
 
 # -- the target's identity -------------------------------------------------------------------------

@@ -62,7 +62,8 @@ class Drafter(Protocol):
 
     def propose(self, state: Any, anchor_B: torch.Tensor, anchor_pos_B: torch.Tensor) -> torch.Tensor:
         """Logits [B, b-1, V] for positions anchor_pos+1 .. anchor_pos+b-1, attending to the context features
-        of positions [0, anchor_pos_B) of each row plus its own block."""
+        of positions [0, anchor_pos_B) of each row plus its own block. It may overwrite what `extend` wrote
+        at positions >= anchor_pos_B (the loop extends every verified position before it is read)."""
         ...
 
 
@@ -98,43 +99,51 @@ def speculative_generate(
             drafter.extend(state, _features(features, B, P - 1, device), _positions(torch.zeros_like(lengths_B), P - 1))
         runner.commit(lengths_B - 1)
         anchor_B = tokens_BP.gather(1, (lengths_B - 1)[:, None])[:, 0]
-        out_BN = torch.zeros(B, N + b, dtype=torch.long, device=device)  # a round may overshoot N
+        # a round writes b tokens after a row's num_B (those past its keep_B are rewritten by the next round),
+        # an ended row's up to N + b - 1 + b
+        out_BN = torch.zeros(B, N + 2 * b, dtype=torch.long, device=device)
         num_B = torch.zeros(B, dtype=torch.long, device=device)  # tokens generated per row
         ended_B = torch.zeros(B, dtype=torch.bool, device=device)
-        counters = DecodeCounters()
-        while not bool(ended_B.all()):
-            anchor_pos_B = runner.length_B.clone()
+        rounds_B, accepted_B = torch.zeros_like(num_B), torch.zeros_like(num_B)  # counted per row, summed at the end
+        arange_b = torch.arange(b, device=device)
+        no_mask = torch.tensor([mask_id if mask_id is not None else 0], device=device)
+        while not bool(ended_B.all()):  # the round's one host sync
+            anchor_pos_B = runner.length_B  # commit replaces the tensor: this one stays the round's
             draft_logits = drafter.propose(state, anchor_B, anchor_pos_B)
             if mask_id is not None:
-                draft_logits = draft_logits.index_fill(-1, torch.tensor([mask_id], device=device), float("-inf"))
+                draft_logits = draft_logits.index_fill(-1, no_mask, float("-inf"))
             drafts, q = _draft(draft_logits, decoding, generator)
             logits, features = runner.forward(torch.cat([anchor_B[:, None], drafts], dim=1))
             num_accepted_B, next_B = _verify(drafts, q, logits, decoding, generator)
             live_B = ~ended_B
             keep_B = torch.where(live_B, num_accepted_B + 1, 0)
-            _append(out_BN, num_B, drafts, num_accepted_B, next_B, keep_B)
+            new_Bb = _append(out_BN, num_B, drafts, num_accepted_B, next_B)
             num_B = num_B + keep_B
             runner.commit(keep_B)  # the anchor and the accepted drafts are now cached; the rest rolls back
             anchor_B = torch.where(live_B, next_B, anchor_B)
             # every verified position's features; those past a row's new length are rewritten next round
-            drafter.extend(state, _features(features, B, b, device), _positions(anchor_pos_B, b))
-            counters.rounds += int(live_B.sum())
-            counters.drafted += int(live_B.sum()) * (b - 1)
-            counters.accepted += int(num_accepted_B[live_B].sum())
-            ended_B = ended_B | (num_B >= N) | row_ended(out_BN[:, :N], num_B.clamp_max(N), decoding.eos_id, stop)
+            drafter.extend(state, _features(features, B, b, device), anchor_pos_B[:, None] + arange_b)
+            rounds_B += live_B
+            accepted_B += torch.where(live_B, num_accepted_B, 0)
+            ended_B = ended_B | (num_B >= N)
+            if decoding.eos_id is not None:  # an EOS among the kept new tokens
+                ended_B |= ((new_Bb == decoding.eos_id) & (arange_b < keep_B[:, None])).any(-1)
+            if stop is not None:
+                ended_B = ended_B | row_ended(out_BN[:, :N], num_B.clamp_max(N), decoding.eos_id, stop)
+        counters = DecodeCounters(rounds=int(rounds_B.sum()), accepted=int(accepted_B.sum()))
+        counters.drafted = counters.rounds * (b - 1)
         counters.target_forwards = runner.forwards
         result = finish(out_BN[:, :N], num_B, decoding.eos_id, counters)
     return result
 
 
-def _append(out_BN, num_B, drafts, num_accepted_B, next_B, keep_B) -> None:
-    """Write each row's kept tokens (its accepted drafts, then the target's token: keep_B of them, 0 for
-    an ended row) into `out_BN` after its num_B generated ones."""
-    b = drafts.shape[1] + 1
-    arange_b = torch.arange(b, device=drafts.device)
+def _append(out_BN, num_B, drafts, num_accepted_B, next_B) -> torch.Tensor:
+    """Write each row's round [its accepted drafts, then the target's token, then the rejected drafts] into
+    `out_BN` after its num_B generated tokens, and return it [B, b]: a row keeps the first keep_B of them
+    (0 for an ended row, which writes past its end), the rest the next round overwrites."""
     new_Bb = torch.cat([drafts, drafts[:, :1]], dim=1).scatter_(1, num_accepted_B[:, None], next_B[:, None])
-    index_Bb = torch.where(keep_B > 0, num_B, 0)[:, None] + arange_b  # an ended row writes nothing
-    out_BN.scatter_(1, index_Bb, torch.where(arange_b < keep_B[:, None], new_Bb, out_BN.gather(1, index_Bb)))
+    out_BN.scatter_(1, num_B[:, None] + torch.arange(new_Bb.shape[1], device=drafts.device), new_Bb)
+    return new_Bb
 
 
 def _draft(draft_logits: torch.Tensor, decoding: Decoding, generator: torch.Generator | None):

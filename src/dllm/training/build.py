@@ -126,6 +126,31 @@ def build_drafter(
     return after_materialize(model, meshes, spec.topology)
 
 
+def feature_cache(spec: RunSpec, target: LoadedModel, artifact, env: DistEnv):
+    """dflash_distillation's `objective.feature_cache`: opened (and checked against the target and the data);
+    built first when missing, by one pass of the target over every sequence of the artifact on rank 0."""
+    import numpy as np
+
+    from dllm.diffusion.objectives.dflash_features import MANIFEST, FeatureCache, write_feature_cache
+
+    obj = spec.objective
+    folder = Path(obj.feature_cache)  # type: ignore[union-attr, arg-type]
+    layer_ids = obj.target_layer_ids  # type: ignore[union-attr]
+    if env.is_main and not (folder / MANIFEST).is_file():
+        assert spec.data is not None
+        mb = spec.training.micro_batch_size
+        reader = StepLoader(artifact, global_batch_size=mb, micro_batch_size=mb, shuffle=False,
+                            document_ids=spec.data.document_mask)  # fmt: skip
+        device = next(target.model.parameters()).device
+        batches = (reader.read(np.arange(lo, min(lo + mb, reader.num_rows))).to(device)
+                   for lo in range(0, reader.num_rows, mb))  # fmt: skip
+        write_feature_cache(folder, target.model, layer_ids, batches, artifact_fingerprint=artifact.fingerprint,
+                            target_name=str(obj.target))  # type: ignore[union-attr]  # fmt: skip
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()  # the other ranks wait for rank 0's cache
+    return FeatureCache(folder, target.model, layer_ids, artifact.fingerprint)
+
+
 def _profiler(spec: RunSpec, run_dir: Path, device: torch.device, env: DistEnv) -> StepProfiler:
     assert spec.profiling is not None
     return StepProfiler(spec.profiling, run_dir / "profile", device, env.rank, announce=env.is_main)
@@ -155,6 +180,8 @@ def build_trainer(spec: RunSpec, run_dir: Path, env: DistEnv | None = None) -> T
         model = build_drafter(spec, target, tok, device, env, dims)
     tr = spec.training
     extra: dict[str, Any] = {} if target is None else {"target": target.model}
+    if getattr(spec.objective, "feature_cache", None) is not None:
+        extra["features"] = feature_cache(spec, target, artifact, env)  # type: ignore[arg-type]
     loader = StepLoader(
         artifact,
         global_batch_size=tr.global_batch_size,

@@ -31,13 +31,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dllm.attention.masks import AttentionMask
 from dllm.config.objectives import DFlashDistillationConfig
 from dllm.data.loader import Batch
 from dllm.diffusion.corruption import NoiseKeys
 from dllm.diffusion.objectives.base import LossOutput, ModelInputs, TokenIds
+from dllm.diffusion.objectives.dflash_features import FeatureCache, target_pass
 from dllm.diffusion.objectives.mdlm import weighted_ce
-from dllm.models.capture import capture_layers
 from dllm.models.chunked_ce import linear_cross_entropy, plain_cross_entropy
 from dllm.models.dflash import DraftTokens
 from dllm.models.output import ModelOutput
@@ -69,10 +68,12 @@ class DFlashDistillation:
         chunked_loss: bool = True,
         shift_logits: bool = False,
         target: Transformer | None = None,
+        features: FeatureCache | None = None,
     ) -> None:
         assert target is not None, "training/build.py hands the loaded target to this objective"
         self.cfg, self.ids = cfg, ids
         self.target = target.requires_grad_(False).eval()
+        self.features = features  # the target's pass read from a prepared cache (dflash_features.py); None: run it
         self.cross_entropy = linear_cross_entropy if chunked_loss else plain_cross_entropy
 
     # -- anchors -----------------------------------------------------------------------------------
@@ -112,12 +113,15 @@ class DFlashDistillation:
         B, L = tokens.shape
         anchors_BA, ok_BA = self.pick_anchors(batch, noise)
         A = anchors_BA.shape[1]
-        # the frozen target, once: context features and its next-token predictions
-        with torch.no_grad(), capture_layers(self.target, cfg.target_layer_ids) as captured:
-            positions = torch.arange(L, device=tokens.device).expand(B, L)
-            out = self.target(tokens, positions, AttentionMask("causal", doc_ids_BL=doc))
+        # the frozen target, once (or its pass read from the feature cache): context features and its
+        # final states, whose head gives its next-token predictions
+        if self.features is not None:
+            features_BLF, hidden_BLE = self.features.lookup(batch)
+        else:
+            features_BLF, hidden_BLE = target_pass(self.target, cfg.target_layer_ids, batch)
+        out = ModelOutput(hidden_BLE, self.target.head)
         C = int(anchors_BA.max())  # no block reads context at or after the last anchor
-        context_BCF = captured.features()[:, :C]
+        context_BCF = features_BLF[:, :C]
         # draft blocks: [x_p, MASK x (b-1)] at positions p .. p+b-1
         k_b = torch.arange(b, device=tokens.device)
         pos_BAb = anchors_BA[..., None] + k_b
