@@ -24,11 +24,13 @@ from dllm.recipes import (
     BYTE_VOCAB_SIZE,
     CONFIG_FILES,
     ENCODER_MODEL_DIR,
+    MAX_OPERAND,
     RecipeInfo,
     chat_records,
     copy_recipe,
     list_recipes,
     recipe_files,
+    rl_sums,
 )
 from dllm.training.preflight import resolve_run_spec
 
@@ -191,6 +193,35 @@ def test_chat_records_are_seeded_sums():
     question = user["content"].removeprefix("What is ").removesuffix("?")
     a, b = (int(x) for x in question.split(" + "))
     assert assistant == {"role": "assistant", "content": f"{question} = {a + b}."}
+
+
+def test_rl_sums_leave_out_the_held_out_examples():
+    """grpo-smoke's prompts: every sum up to MAX_OPERAND once, right, and none that `dllm eval tasks
+    --tasks addition --limit 200` scores (seed 0), so that evaluation is on prompts never rewarded."""
+    from dllm.evaluation.tasks import load_task
+
+    records = rl_sums(10_000)
+    held_out = {e.prompt for e in load_task("addition", 200).examples}
+    prompts = [r["prompt"] for r in records]
+    assert len(set(prompts)) == len(prompts) == (MAX_OPERAND + 1) ** 2 - len(held_out)
+    assert not set(prompts) & held_out
+    for r in records:
+        a, b = (int(x) for x in r["prompt"].removesuffix(" =").split(" + "))
+        assert r["answer"] == r["completion"] == f" {a + b}"
+    assert rl_sums(10) == records[:10] and rl_sums(10, seed=1) != records[:10]
+
+
+def test_grpo_smoke_reads_its_copied_sums_as_prompts(tmp_path: Path):
+    """The copied data/train.jsonl is what rl.prompts.path reads: the same prompts, with their answers."""
+    from dllm.rl.prompts import load_prompts
+    from dllm.tokenization.byte import ByteTokenizer
+
+    copy_recipe("grpo-smoke", tmp_path)
+    spec = load_config(RunSpec, tmp_path / "train.yaml")
+    assert spec.rl is not None and spec.rl.prompts is not None
+    task = load_prompts(spec.rl.prompts, ByteTokenizer())
+    records = rl_sums(spec.rl.prompts.num_prompts)
+    assert [(e.prompt, e.answer) for e in task.examples] == [(r["prompt"], r["answer"]) for r in records]
 
 
 def test_index_entries_are_checked():

@@ -29,6 +29,8 @@ ENCODER_MODEL_DIR = "encoder-model"
 NUM_RECORDS = 2000
 # sft-smoke's seq_len 16 holds the longest sum "19 + 19 = 38" and its EOS; `dllm init` uses the same bound
 MAX_OPERAND = 19
+# rl_sums leaves out the prompts of `dllm eval tasks --tasks addition --limit 200` (seed 0): the held-out set
+HELDOUT_LIMIT = 200
 # the byte tokenizer's 260 ids rounded up to a multiple of 64, as `model.vocab_size: null` resolves it
 BYTE_VOCAB_SIZE = 320
 
@@ -44,7 +46,7 @@ class RecipeInfo(Section):
     """smoke: runs on a CPU in under a minute; template: realistic GPU settings to edit."""
     description: str
     """One line for `dllm recipe list`."""
-    data: Literal["demo_text", "demo_sums", "chat", "none"] = "none"
+    data: Literal["demo_text", "demo_sums", "rl_sums", "chat", "none"] = "none"
     """The corpus `copy` generates into data/train.jsonl."""
     ar_model: bool = False
     """`copy` also writes ar-model/, a tiny random causal llama (Hugging Face folder) to convert."""
@@ -132,6 +134,24 @@ def demo_sums(num_records: int, seed: int = 0) -> list[dict[str, Any]]:
     return [addition_example(rng, MAX_OPERAND) for _ in range(num_records)]
 
 
+def rl_sums(num_records: int, seed: int = 0) -> list[dict[str, Any]]:
+    """The sums an rl recipe is rewarded on, {"prompt", "completion", "answer"}: every sum of operands up to
+    MAX_OPERAND (at most `num_records`, in a shuffled order) except the held-out ones that
+    `dllm eval tasks --tasks addition --limit HELDOUT_LIMIT` scores, so that evaluation measures prompts
+    the policy was never rewarded on. `answer` is what rl.prompts.path reads; `completion` what prepare reads."""
+    from dllm.evaluation.tasks import load_task
+
+    held_out = {e.prompt for e in load_task("addition", HELDOUT_LIMIT).examples}
+    pairs = [(a, b) for a in range(MAX_OPERAND + 1) for b in range(MAX_OPERAND + 1)]
+    random.Random(seed).shuffle(pairs)
+    out = []
+    for a, b in pairs:
+        prompt = f"{a} + {b} ="
+        if prompt not in held_out:
+            out.append({"prompt": prompt, "completion": f" {a + b}", "answer": f" {a + b}"})
+    return out[:num_records]
+
+
 def chat_records(num_records: int, seed: int = 0) -> list[dict[str, Any]]:
     """{"messages": [user, assistant]} records: the user asks a sum, the assistant answers it."""
     rng = random.Random(seed)
@@ -150,6 +170,7 @@ def chat_records(num_records: int, seed: int = 0) -> list[dict[str, Any]]:
 GENERATORS: dict[str, Callable[[int], list[dict[str, Any]]]] = {
     "demo_text": demo_text,
     "demo_sums": demo_sums,
+    "rl_sums": rl_sums,
     "chat": chat_records,
 }
 
