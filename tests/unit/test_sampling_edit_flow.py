@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import math
+
+import pytest
 import torch
 
 from dllm.config.model import ModelConfig
+from dllm.diffusion.edit_schedule import cumulative_weight
 from dllm.models import Transformer
 from dllm.models.edit_flow import DELETE, INSERT, SUBSTITUTE
 from dllm.sampling.edit_flow import KEEP, RowEdits, TauLeaping, apply_edits, sample_edit_flow
@@ -27,7 +31,7 @@ def _sample(model, prompts, seeds, num_steps=6, max_new_tokens=10):
 
 def test_zero_rates_step_is_the_identity():
     logp = torch.log_softmax(torch.randn(5, V, dtype=torch.float64), -1)
-    edits = TauLeaping(0.5).step(torch.zeros(5, 3), logp, logp, torch.Generator().manual_seed(0))
+    edits = TauLeaping(2).step(torch.zeros(5, 3), logp, logp, torch.Generator().manual_seed(0), float("inf"))
     assert (edits.kind_N == KEEP).all()
     assert apply_edits([3, 4, 5, 6], edits, max_completion=10) == [3, 4, 5, 6]
 
@@ -52,7 +56,7 @@ def test_apply_edits_by_hand():
 def test_prefix_token_never_deletes_or_substitutes():
     logp = torch.log_softmax(torch.randn(3, V, dtype=torch.float64), -1)
     rates = torch.tensor([[0.0, 50.0, 50.0], [0.0, 50.0, 0.0], [0.0, 0.0, 50.0]])
-    edits = TauLeaping(1.0).step(rates, logp, logp, torch.Generator().manual_seed(0))
+    edits = TauLeaping(1).step(rates, logp, logp, torch.Generator().manual_seed(0), 1.0)
     assert edits.kind_N.tolist() == [KEEP, DELETE, SUBSTITUTE]
 
 
@@ -66,3 +70,31 @@ def test_batched_sampling_equals_per_row_with_fixed_seeds():
     assert batched.nfe == 6 and sum(batched.edits_per_step) > 0
     assert all(len(c) <= 10 for c in batched.completions)
     assert all(0 <= t < V - 3 for c in batched.completions for t in c)
+
+
+@pytest.mark.parametrize("kappa", ["cubic", "linear"])
+def test_fire_probability_is_the_integral_of_the_weight_over_the_step(kappa):
+    """A position with intensity lambda fires in step [t, t + h] with probability 1 - exp(-(K(t+h) - K(t)) lambda),
+    K = -log(1 - kappa): checked on the formula and on the frequency of events over many positions."""
+    policy = TauLeaping(4, kappa, end_time=1.0)
+    h = 0.25
+    for step in range(3):
+        assert policy.weight(step) == pytest.approx(
+            cumulative_weight(kappa, (step + 1) * h) - cumulative_weight(kappa, step * h)
+        )
+    assert policy.weight(3) == float("inf")  # the exact last step: every intensity left fires
+    assert TauLeaping(4, kappa, end_time=0.999).weight(3) == pytest.approx(
+        cumulative_weight(kappa, 0.999) - cumulative_weight(kappa, 0.75 * 0.999)
+    )
+    N, lam = 40000, 0.7
+    logp = torch.log_softmax(torch.zeros(N, V, dtype=torch.float64), -1)
+    rates = torch.tensor([[0.2, 0.3, 0.2]], dtype=torch.float64).expand(N, 3)
+    for step in (1, 2, 3):
+        weight = policy.weight(step)
+        expected = 1.0 - math.exp(-weight * lam)
+        assert float(TauLeaping.fire_probability(weight, torch.tensor([lam]))) == pytest.approx(expected)
+        edits = policy.step(rates, logp, logp, torch.Generator().manual_seed(step), weight)
+        freq = float((edits.kind_N[1:] != KEEP).double().mean())
+        sigma = max(math.sqrt(expected * (1 - expected) / N), 1e-9)
+        assert abs(freq - expected) < 5 * sigma + 1e-12, (step, freq, expected)
+    assert float(TauLeaping.fire_probability(float("inf"), torch.tensor([0.0]))) == 0.0

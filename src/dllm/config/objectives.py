@@ -133,7 +133,7 @@ class EditFlowConfig(Section):
 
     def decode_facts(self) -> dict[str, Any]:
         """Bidirectional edit-flow decoding (tau-leaping over the edit rates), no mask canvas."""
-        return {"attention": "bidirectional", "generation": "edit_flow"}
+        return {"attention": "bidirectional", "generation": "edit_flow", "edit_kappa": self.kappa, "edit_eps": self.eps}
 
 
 class DFlashDistillationConfig(Section):

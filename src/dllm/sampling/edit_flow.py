@@ -2,13 +2,23 @@
 
 A row is `[anchor] + prompt + completion` (the layout the edit_flow objective trains on: the anchor
 is the mask id, and an insertion after the last prefix token starts the completion). The completion
-starts empty and time runs from 0 to 1 in `num_steps` steps of h = 1 / num_steps. Each step is one
-batched forward (rows padded to the longest, padding masked out of attention); then, per editable
-position i with rates (insert after i, delete i, substitute i) and total rate r_i, one event happens
-with probability 1 - exp(-h r_i), of kind chosen in proportion to the rates (at most one event per
-position, so the edits of a step never conflict); inserted and substituted tokens are drawn from
-the head's token distributions. All edits of a step are applied at once, from the rates of the
-sequence before the step. The prompt is never edited; a completion stops growing at `max_new_tokens`.
+starts empty and time runs from 0 to `end_time` in `num_steps` equal steps. Each step is one batched
+forward (rows padded to the longest, padding masked out of attention); then, per editable position i
+with time-free intensities lambda (insert after i, delete i, substitute i) and total lambda_i, one
+event happens with probability 1 - exp(-(K(s) - K(t)) lambda_i), of kind chosen in proportion to
+the intensities (at most one event per position, so the edits of a step never conflict); inserted
+and substituted tokens are drawn from the head's token distributions. All edits of a step are
+applied at once, from the intensities of the sequence before the step. The prompt is never edited;
+a completion stops growing at `max_new_tokens`.
+
+The time: the rate is u = w(t) * lambda with w = kappa' / (1 - kappa) (diffusion/objectives/edit_flow.py),
+and the step [t, s] uses the integral of w over it, K(s) - K(t) with K = -log(1 - kappa)
+(diffusion/edit_schedule.py), not w at the step's start: with lambda held fixed over the step this is
+exact for the factorised rate, where w(t) * h is not (it underestimates the step's weight, badly near
+t = 1, and is 0 for the first step of the cubic schedule). The last step ends at `end_time`, the
+training's 1 - eps, not at 1: K(1) is infinite, so ending at 1 would fire every position whose
+lambda is above 0, and a softplus intensity never is exactly 0 (a finished answer would get one
+spurious edit per position); the model never saw x_t from later than 1 - eps either.
 
 `TauLeaping.step` is the policy (it never calls the model); `sample_edit_flow` owns the loop, the
 model call and the counters (NFE, edits per step). Randomness is one generator per row, so a row's
@@ -24,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dllm.attention.masks import AttentionMask
+from dllm.diffusion.edit_schedule import cumulative_weight
 from dllm.models.edit_flow import DELETE, INSERT, SUBSTITUTE, edit_token_log_probs
 
 KEEP = -1
@@ -41,20 +52,37 @@ class RowEdits:
 
 
 class TauLeaping:
-    """Draws a step's edit events from rates and token distributions (one row at a time)."""
+    """Draws a step's edit events from intensities and token distributions (one row at a time)."""
 
-    def __init__(self, step_size: float) -> None:
-        self.h = step_size
+    def __init__(self, num_steps: int, kappa: str = "cubic", end_time: float = 1.0) -> None:
+        assert num_steps > 0 and 0.0 < end_time <= 1.0
+        self.num_steps, self.kappa, self.end_time = num_steps, kappa, end_time
+
+    def weight(self, step: int) -> float:
+        """K(s) - K(t) of step `step` over [t, s] (inf for a last step that ends at t = 1)."""
+        h = self.end_time / self.num_steps
+        end = self.end_time if step == self.num_steps - 1 else (step + 1) * h
+        return cumulative_weight(self.kappa, end) - cumulative_weight(self.kappa, step * h)
+
+    @staticmethod
+    def fire_probability(weight: float, total_N: torch.Tensor) -> torch.Tensor:
+        """1 - exp(-weight * lambda) per position (float64); with an infinite weight, 1 where lambda > 0."""
+        total_N = total_N.double()
+        if weight == float("inf"):
+            return (total_N > 0).double()
+        return -torch.expm1(-weight * total_N)
 
     def step(
-        self, rates_N3: torch.Tensor, ins_logp_NV: torch.Tensor, sub_logp_NV: torch.Tensor, generator: torch.Generator
-    ) -> RowEdits:
-        """Position 0 is the last prefix token: it may only insert (the prompt is never edited)."""
+        self, rates_N3: torch.Tensor, ins_logp_NV: torch.Tensor, sub_logp_NV: torch.Tensor, generator: torch.Generator,
+        weight: float,
+    ) -> RowEdits:  # fmt: skip
+        """`rates_N3`: the intensities lambda; `weight`: K(s) - K(t) of the step (`self.weight`).
+        Position 0 is the last prefix token: it may only insert (the prompt is never edited)."""
         rates_N3 = rates_N3.clone()
         rates_N3[0, DELETE] = rates_N3[0, SUBSTITUTE] = 0.0
         total_N = rates_N3.sum(-1)
         u_N = torch.rand(total_N.shape, generator=generator, dtype=torch.float64)
-        fires_N = u_N < -torch.expm1(-self.h * total_N.double())
+        fires_N = u_N < self.fire_probability(weight, total_N)
         kind_N = torch.full_like(total_N, KEEP, dtype=torch.long)
         token_N = torch.zeros_like(kind_N)
         idx = fires_N.nonzero(as_tuple=True)[0]
@@ -101,14 +129,18 @@ def sample_edit_flow(
     num_tokens: int,
     max_new_tokens: int,
     generators: list[torch.Generator],
+    kappa: str = "cubic",
+    end_time: float = 1.0 - 1e-3,
 ) -> EditFlowOutput:
-    """Tau-leaping from an empty completion after each prompt; `generators`: one per row."""
+    """Tau-leaping from an empty completion after each prompt, from t = 0 to `end_time` under the
+    training's `kappa` schedule; `generators`: one per row."""
     assert len(generators) == len(prompts) and num_steps > 0
-    policy = TauLeaping(1.0 / num_steps)
+    policy = TauLeaping(num_steps, kappa, end_time)
     completions: list[list[int]] = [[] for _ in prompts]
     result = EditFlowOutput(completions)
     device = next(model.parameters()).device
-    for _ in range(num_steps):
+    for step in range(num_steps):
+        weight = policy.weight(step)
         rows = [[anchor_id, *p, *c] for p, c in zip(prompts, completions, strict=True)]
         tokens_BL, valid_BL = _pad(rows, pad_id, device)
         out = model(tokens_BL, torch.arange(tokens_BL.shape[1], device=device).expand_as(tokens_BL),
@@ -122,7 +154,7 @@ def sample_edit_flow(
             ins_logp = edit_token_log_probs(out.head, ins_NE, num_tokens, anchor_id)
             sub_logp = edit_token_log_probs(out.head, hidden_NE, num_tokens, anchor_id)
             cpu = (t.to("cpu", torch.float64) for t in (rates_N3, ins_logp, sub_logp))  # the generators are CPU ones
-            row_edits = policy.step(*cpu, generators[b])
+            row_edits = policy.step(*cpu, generators[b], weight)
             edits += int((row_edits.kind_N != KEEP).sum())
             completions[b] = apply_edits(completions[b], row_edits, max_new_tokens)
         result.edits_per_step.append(edits)
