@@ -78,6 +78,30 @@ def test_kappa_schedules():
         assert cumulative_weight(name, 0.0) == 0.0 and cumulative_weight(name, 1.0) == float("inf")
 
 
+@pytest.mark.parametrize("kappa", ["cubic", "linear"])
+def test_time_sampling_by_weight_estimates_the_same_loss(kappa):
+    """With t drawn so that K(t) is uniform and every row weighted K(1 - eps) / (1 - eps), the weighted mean
+    of any f(kappa(t)) over a stratified batch matches uniform t weighted by w(t) (both estimate
+    E_{t ~ U[0, 1 - eps]} w(t) f(t)), and the weight is the same for every row."""
+    G, eps = 4096, 1e-3
+    batch = Batch(torch.zeros(G, 4, dtype=torch.long), torch.ones(G, 4, dtype=torch.bool), torch.arange(G))
+    estimates = {}
+    for how in ("weight", "uniform"):
+        obj = EditFlowObjective(EditFlowConfig(kappa=kappa, eps=eps, x0="empty", time_sampling=how), IDS)
+        inp = obj.prepare(batch, NoiseKeys(0, G))
+        keep = (
+            (inp.tokens_BL[:, 1:] != IDS.pad_id).sum(-1).double()
+        )  # x_t: the kept columns of x_1 (4 kappa on average)
+        estimates[how] = float((inp.row_weight_B.double() * (4 - keep)).mean())  # mean of w * remaining edits
+        if how == "weight":
+            assert torch.allclose(inp.row_weight_B, inp.row_weight_B[0]) and float(
+                inp.row_weight_B[0]
+            ) == pytest.approx(cumulative_weight(kappa, 1 - eps) / (1 - eps), rel=1e-5)
+    exact = 4 * ((1 - eps) ** 3 if kappa == "cubic" else 1 - eps) / (1 - eps)
+    assert estimates["weight"] == pytest.approx(exact, rel=0.05)
+    assert estimates["uniform"] == pytest.approx(exact, rel=0.25)  # the same mean, far noisier
+
+
 @pytest.mark.parametrize("x0", ["empty", "uniform"])
 def test_prepare_builds_x_t_and_exactly_the_remaining_edits(x0):
     """Applying every remaining edit to x_t (in the input layout) gives x_1; the prompt is kept."""

@@ -27,3 +27,9 @@ def cumulative_weight(name: str, t: float) -> float:
     """K(t) = -log(1 - kappa(t)), the integral of w from 0 to t (inf at t = 1)."""
     kappa = t**3 if name == "cubic" else t
     return math.inf if kappa >= 1.0 else -math.log1p(-kappa)
+
+
+def time_of_weight(name: str, K_B: torch.Tensor) -> torch.Tensor:
+    """The t with K(t) = K_B (the inverse of `cumulative_weight`): kappa = 1 - exp(-K), t = kappa^(1/3) or kappa."""
+    kappa_B = -torch.expm1(-K_B)
+    return kappa_B.pow(1.0 / 3.0) if name == "cubic" else kappa_B

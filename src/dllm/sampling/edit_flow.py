@@ -7,7 +7,8 @@ forward (rows padded to the longest, padding masked out of attention); then, per
 with time-free intensities lambda (insert after i, delete i, substitute i) and total lambda_i, one
 event happens with probability 1 - exp(-(K(s) - K(t)) lambda_i), of kind chosen in proportion to
 the intensities (at most one event per position, so the edits of a step never conflict); inserted
-and substituted tokens are drawn from the head's token distributions. All edits of a step are
+and substituted tokens are drawn from the head's token distributions (at the sampler's temperature;
+0 takes the most probable token, as the canvas samplers' greedy default does). All edits of a step are
 applied at once, from the intensities of the sequence before the step. The prompt is never edited;
 a completion stops growing at `max_new_tokens`.
 
@@ -54,9 +55,9 @@ class RowEdits:
 class TauLeaping:
     """Draws a step's edit events from intensities and token distributions (one row at a time)."""
 
-    def __init__(self, num_steps: int, kappa: str = "cubic", end_time: float = 1.0) -> None:
-        assert num_steps > 0 and 0.0 < end_time <= 1.0
-        self.num_steps, self.kappa, self.end_time = num_steps, kappa, end_time
+    def __init__(self, num_steps: int, kappa: str = "cubic", end_time: float = 1.0, temperature: float = 1.0) -> None:
+        assert num_steps > 0 and 0.0 < end_time <= 1.0 and temperature >= 0
+        self.num_steps, self.kappa, self.end_time, self.temperature = num_steps, kappa, end_time, temperature
 
     def weight(self, step: int) -> float:
         """K(s) - K(t) of step `step` over [t, s] (inf for a last step that ends at t = 1)."""
@@ -89,7 +90,11 @@ class TauLeaping:
         if idx.numel():
             kind_N[idx] = torch.multinomial(rates_N3[idx].double(), 1, generator=generator)[:, 0]
             logp_NV = torch.where((kind_N[idx] == INSERT)[:, None], ins_logp_NV[idx], sub_logp_NV[idx])
-            token_N[idx] = torch.multinomial(logp_NV.double().exp(), 1, generator=generator)[:, 0]
+            if self.temperature == 0:  # greedy tokens (the events themselves stay random)
+                token_N[idx] = logp_NV.argmax(-1)
+            else:
+                probs_NV = torch.softmax(logp_NV.double() / self.temperature, -1)
+                token_N[idx] = torch.multinomial(probs_NV, 1, generator=generator)[:, 0]
         return RowEdits(kind_N, token_N)
 
 
@@ -131,11 +136,13 @@ def sample_edit_flow(
     generators: list[torch.Generator],
     kappa: str = "cubic",
     end_time: float = 1.0 - 1e-3,
+    temperature: float = 1.0,
 ) -> EditFlowOutput:
     """Tau-leaping from an empty completion after each prompt, from t = 0 to `end_time` under the
-    training's `kappa` schedule; `generators`: one per row."""
+    training's `kappa` schedule; `generators`: one per row. `temperature` applies to the inserted and
+    substituted tokens (0: the most probable one); when and where edits happen is always drawn."""
     assert len(generators) == len(prompts) and num_steps > 0
-    policy = TauLeaping(num_steps, kappa, end_time)
+    policy = TauLeaping(num_steps, kappa, end_time, temperature)
     completions: list[list[int]] = [[] for _ in prompts]
     result = EditFlowOutput(completions)
     device = next(model.parameters()).device

@@ -134,7 +134,7 @@ def _edit_flow(model, prompts, cfg: SamplerConfig, special: SpecialIds, generato
     out = sample_edit_flow(model, prompts, num_steps=cfg.total_steps, anchor_id=special.mask_id, pad_id=special.pad_id,
                            num_tokens=num_tokens, max_new_tokens=cfg.gen_length, generators=gens,
                            kappa=cfg.edit_kappa if cfg.edit_kappa != "auto" else "cubic",
-                           end_time=cfg.edit_end_time or 1.0 - 1e-3)  # fmt: skip
+                           end_time=cfg.edit_end_time or 1.0 - 1e-3, temperature=cfg.temperature)  # fmt: skip
     sequences = [
         c[: c.index(special.eos_id)] if cfg.stop_at_eos and special.eos_id in c else c for c in out.completions
     ]

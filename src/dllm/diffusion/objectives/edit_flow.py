@@ -18,7 +18,13 @@ for an insertion of b after x_t position i, lambda_del(i) for a deletion, lambda
 for a substitution. Substituting u = w * lambda into the paper's loss
 sum u - w * sum log u gives this plus -w(t) * (number of remaining edits) * log w(t), which does not
 depend on the parameters and is dropped (so the loss can be negative or positive like before, and
-its minimiser is unchanged). t ~ U[0, 1 - eps] per row (stratified over the global batch).
+its minimiser is unchanged). The loss is the expectation over t ~ U[0, 1 - eps]; it is estimated
+(stratified over the global batch) either with t drawn uniformly and each row weighted by w(t)
+(`time_sampling: uniform`), or, by default, with t drawn in proportion to w(t) (`time_sampling:
+weight`: K(t) = -log(1 - kappa(t)) uniform on [0, K(1 - eps)], every row weighted by
+K(1 - eps) / (1 - eps)). Both are unbiased for the same loss; the second has no weight variance:
+w grows like 1 / (1 - t), so with uniform t a few rows near t = 1 carry most of the gradient (the
+effective batch is a few per cent of the rows at eps = 1e-3).
 
 Choices, stated once here:
 - x_0 of the completion: empty (`x0: empty`, every edit is an insertion) or uniform random tokens as
@@ -47,7 +53,7 @@ from dllm.config.objectives import EditFlowConfig
 from dllm.data.loader import Batch
 from dllm.diffusion.corruption import NoiseKeys, uniform_token_ids
 from dllm.diffusion.edit_alignment import GAP, align
-from dllm.diffusion.edit_schedule import kappa_and_weight
+from dllm.diffusion.edit_schedule import cumulative_weight, kappa_and_weight, time_of_weight
 from dllm.diffusion.objectives.base import LossOutput, ModelInputs, TokenIds
 from dllm.models.edit_flow import DELETE, INSERT, SUBSTITUTE, edit_token_log_probs
 from dllm.models.output import ModelOutput
@@ -68,9 +74,9 @@ class EditFlowInputs(ModelInputs):
     edit_token_N: torch.Tensor = field(default=None)  # type: ignore[assignment]
     """Token inserted or substituted (0 for a deletion: unused)."""
     edit_weight_N: torch.Tensor = field(default=None)  # type: ignore[assignment]
-    """w(t) = kappa'(t) / (1 - kappa(t)) of the edit's row."""
+    """The loss weight of the edit's row (`row_weight_B`)."""
     row_weight_B: torch.Tensor = field(default=None)  # type: ignore[assignment]
-    """w(t) of each row (it scales the row's rate sum)."""
+    """Loss weight of each row: w(t), or K(1 - eps) / (1 - eps) under time_sampling weight."""
 
 
 class EditFlowObjective:
@@ -97,8 +103,15 @@ class EditFlowObjective:
             x0_BN, len0_B = x.new_zeros(B, 0), torch.zeros_like(len1_B)
         z0_BA, z1_BA, _ = align(x0_BN, len0_B, x1_BL, len1_B)
         A = z0_BA.shape[1]
-        t_B = noise.stratified_time(sids, "edit_flow.t", self.cfg.antithetic) * (1.0 - self.cfg.eps)
-        kappa_B, w_B = kappa_and_weight(self.cfg.kappa, t_B)
+        u_B = noise.stratified_time(sids, "edit_flow.t", self.cfg.antithetic)
+        t_max = 1.0 - self.cfg.eps
+        if self.cfg.time_sampling == "weight":  # K(t) uniform: density w(t) / K(t_max), weight K(t_max) / t_max
+            K_max = cumulative_weight(self.cfg.kappa, t_max)
+            t_B = time_of_weight(self.cfg.kappa, u_B.double() * K_max).to(u_B.dtype).clamp_max(t_max)
+            kappa_B, w_B = kappa_and_weight(self.cfg.kappa, t_B)[0], torch.full_like(t_B, K_max / t_max)
+        else:
+            t_B = u_B * t_max
+            kappa_B, w_B = kappa_and_weight(self.cfg.kappa, t_B)
         keep_BA = noise.uniform(sids, (2 * L,), "edit_flow.keep")[:, :A] < kappa_B[:, None]
         zt_BA = torch.where(keep_BA, z1_BA, z0_BA)
         return self._inputs(x, prompt_B, zt_BA, z1_BA, w_B)
