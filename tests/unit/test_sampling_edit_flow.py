@@ -76,16 +76,22 @@ def test_batched_sampling_equals_per_row_with_fixed_seeds():
 def test_fire_probability_is_the_integral_of_the_weight_over_the_step(kappa):
     """A position with intensity lambda fires in step [t, t + h] with probability 1 - exp(-(K(t+h) - K(t)) lambda),
     K = -log(1 - kappa): checked on the formula and on the frequency of events over many positions."""
-    policy = TauLeaping(4, kappa, end_time=1.0)
+    policy = TauLeaping(4, kappa, end_time=1.0, grid="time")
     h = 0.25
     for step in range(3):
         assert policy.weight(step) == pytest.approx(
             cumulative_weight(kappa, (step + 1) * h) - cumulative_weight(kappa, step * h)
         )
     assert policy.weight(3) == float("inf")  # the exact last step: every intensity left fires
-    assert TauLeaping(4, kappa, end_time=0.999).weight(3) == pytest.approx(
+    assert TauLeaping(4, kappa, end_time=0.999, grid="time").weight(3) == pytest.approx(
         cumulative_weight(kappa, 0.999) - cumulative_weight(kappa, 0.75 * 0.999)
     )
+    equal = TauLeaping(4, kappa, end_time=0.999)  # the default grid: equal shares of K(end_time)
+    assert equal.times[0] == 0.0 and equal.times[-1] == 0.999 and equal.times == sorted(equal.times)
+    for step in range(4):
+        assert equal.weight(step) == pytest.approx(cumulative_weight(kappa, 0.999) / 4)
+        k_t, k_s = (cumulative_weight(kappa, equal.times[step + d]) for d in (0, 1))
+        assert equal.weight(step) == pytest.approx(k_s - k_t)
     N, lam = 40000, 0.7
     logp = torch.log_softmax(torch.zeros(N, V, dtype=torch.float64), -1)
     rates = torch.tensor([[0.2, 0.3, 0.2]], dtype=torch.float64).expand(N, 3)

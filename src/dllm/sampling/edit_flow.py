@@ -2,7 +2,7 @@
 
 A row is `[anchor] + prompt + completion` (the layout the edit_flow objective trains on: the anchor
 is the mask id, and an insertion after the last prefix token starts the completion). The completion
-starts empty and time runs from 0 to `end_time` in `num_steps` equal steps. Each step is one batched
+starts empty and time runs from 0 to `end_time` in `num_steps` steps (the grid: below). Each step is one batched
 forward (rows padded to the longest, padding masked out of attention); then, per editable position i
 with time-free intensities lambda (insert after i, delete i, substitute i) and total lambda_i, one
 event happens with probability 1 - exp(-(K(s) - K(t)) lambda_i), of kind chosen in proportion to
@@ -21,6 +21,13 @@ training's 1 - eps, not at 1: K(1) is infinite, so ending at 1 would fire every 
 lambda is above 0, and a softplus intensity never is exactly 0 (a finished answer would get one
 spurious edit per position); the model never saw x_t from later than 1 - eps either.
 
+The grid (`grid`): by default the steps take equal shares of K(end_time) ("weight": t_k with
+K(t_k) = k / N * K(end_time)), since the intensities are time-free and K is the process's own clock;
+equal steps in t ("time") put most of K into the last steps (K grows like -log(1 - t)), where many
+positions then fire together (with x_0 empty: several insertions into different gaps for the same
+missing token, i.e. overlong answers). The per-step fire probability is 1 - exp(-(K(s) - K(t)) lambda)
+on either grid.
+
 `TauLeaping.step` is the policy (it never calls the model); `sample_edit_flow` owns the loop, the
 model call and the counters (NFE, edits per step). Randomness is one generator per row, so a row's
 result does not depend on its batch mates.
@@ -35,7 +42,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dllm.attention.masks import AttentionMask
-from dllm.diffusion.edit_schedule import cumulative_weight
+from dllm.diffusion.edit_schedule import cumulative_weight, time_of_weight
 from dllm.models.edit_flow import DELETE, INSERT, SUBSTITUTE, edit_token_log_probs
 
 KEEP = -1
@@ -55,15 +62,24 @@ class RowEdits:
 class TauLeaping:
     """Draws a step's edit events from intensities and token distributions (one row at a time)."""
 
-    def __init__(self, num_steps: int, kappa: str = "cubic", end_time: float = 1.0, temperature: float = 1.0) -> None:
-        assert num_steps > 0 and 0.0 < end_time <= 1.0 and temperature >= 0
+    def __init__(
+        self, num_steps: int, kappa: str = "cubic", end_time: float = 1.0, temperature: float = 1.0,
+        grid: str = "weight",
+    ) -> None:  # fmt: skip
+        assert num_steps > 0 and 0.0 < end_time <= 1.0 and temperature >= 0 and grid in ("weight", "time")
         self.num_steps, self.kappa, self.end_time, self.temperature = num_steps, kappa, end_time, temperature
+        k_N = torch.arange(num_steps + 1, dtype=torch.float64) / num_steps
+        if grid == "time" or end_time == 1.0:  # K(1) is infinite: no equal shares of it
+            times = (k_N * end_time).tolist()
+        else:
+            times = time_of_weight(kappa, k_N * cumulative_weight(kappa, end_time)).tolist()
+        self.times = [*times[:-1], end_time]
+        """Step boundaries t_0 = 0 < ... < t_N = end_time."""
 
     def weight(self, step: int) -> float:
         """K(s) - K(t) of step `step` over [t, s] (inf for a last step that ends at t = 1)."""
-        h = self.end_time / self.num_steps
-        end = self.end_time if step == self.num_steps - 1 else (step + 1) * h
-        return cumulative_weight(self.kappa, end) - cumulative_weight(self.kappa, step * h)
+        t, s = self.times[step], self.times[step + 1]
+        return cumulative_weight(self.kappa, s) - cumulative_weight(self.kappa, t)
 
     @staticmethod
     def fire_probability(weight: float, total_N: torch.Tensor) -> torch.Tensor:
@@ -137,12 +153,13 @@ def sample_edit_flow(
     kappa: str = "cubic",
     end_time: float = 1.0 - 1e-3,
     temperature: float = 1.0,
+    grid: str = "weight",
 ) -> EditFlowOutput:
     """Tau-leaping from an empty completion after each prompt, from t = 0 to `end_time` under the
     training's `kappa` schedule; `generators`: one per row. `temperature` applies to the inserted and
     substituted tokens (0: the most probable one); when and where edits happen is always drawn."""
     assert len(generators) == len(prompts) and num_steps > 0
-    policy = TauLeaping(num_steps, kappa, end_time, temperature)
+    policy = TauLeaping(num_steps, kappa, end_time, temperature, grid)
     completions: list[list[int]] = [[] for _ in prompts]
     result = EditFlowOutput(completions)
     device = next(model.parameters()).device
