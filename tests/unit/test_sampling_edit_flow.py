@@ -104,3 +104,27 @@ def test_fire_probability_is_the_integral_of_the_weight_over_the_step(kappa):
         sigma = max(math.sqrt(expected * (1 - expected) / N), 1e-9)
         assert abs(freq - expected) < 5 * sigma + 1e-12, (step, freq, expected)
     assert float(TauLeaping.fire_probability(float("inf"), torch.tensor([0.0]))) == 0.0
+
+
+def test_generate_runs_edit_flows_in_its_loop_with_the_step_callback():
+    """generate() on an edit-flow sampler: one event per step, its edits add up to the counters, the last
+    canvas is the result's, and committed marks only generated positions."""
+    from dllm.config.sampler import SamplerConfig
+    from dllm.sampling.generate import SpecialIds, generate
+
+    model = _model(2)
+    cfg = SamplerConfig(generation="edit_flow", steps=5, gen_length=8, shift="off", attention="bidirectional",
+                        edit_kappa="linear", edit_end_time=0.999, temperature=1.0, stop_at_eos=False)  # fmt: skip
+    events = []
+    res = generate(model, [[1, 2, 3], [4]], cfg, SpecialIds(ANCHOR, PAD, V - 2, V - 3),
+                   generator=torch.Generator().manual_seed(0), callback=lambda e: events.append(e))  # fmt: skip
+    assert len(events) == 5 == res.nfe == res.counters.steps
+    assert sum(e.edits for e in events) == res.counters.edits > 0
+    assert torch.equal(events[-1].canvas_BT, res.canvas_BL) and res.gen_start_B == [4, 2]
+    for e in events:
+        for b, start in enumerate(e.gen_start_B):
+            assert not e.committed_BT[b, :start].any()
+    last = events[-1].canvas_BT.tolist()
+    assert [row[s : s + len(seq)] for row, s, seq in zip(last, res.gen_start_B, res.sequences, strict=True)] == [
+        list(seq) for seq in res.sequences
+    ]

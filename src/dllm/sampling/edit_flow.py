@@ -28,9 +28,10 @@ positions then fire together (with x_0 empty: several insertions into different 
 missing token, i.e. overlong answers). The per-step fire probability is 1 - exp(-(K(s) - K(t)) lambda)
 on either grid.
 
-`TauLeaping.step` is the policy (it never calls the model); `sample_edit_flow` owns the loop, the
-model call and the counters (NFE, edits per step). Randomness is one generator per row, so a row's
-result does not depend on its batch mates.
+`TauLeaping.step` is the policy and `tau_leaping_step` applies it to a batch (neither calls the
+model); the loop, the model call, the counters and the step callback are generate.py's
+(`edit_flow_loop`), as for every other sampler; `sample_edit_flow` calls it with explicit generators.
+Randomness is one generator per row, so a row's result does not depend on its batch mates.
 
 Shapes: B batch, L padded row length, V vocabulary, E hidden.
 """
@@ -41,7 +42,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dllm.attention.masks import AttentionMask
 from dllm.diffusion.edit_schedule import cumulative_weight, time_of_weight
 from dllm.models.edit_flow import DELETE, INSERT, SUBSTITUTE, edit_token_log_probs
 
@@ -139,7 +139,26 @@ class EditFlowOutput:
     """Edits applied in each step, summed over rows."""
 
 
-@torch.no_grad()
+def tau_leaping_step(
+    out, prompts: list[list[int]], completions: list[list[int]], policy: TauLeaping, step: int,
+    generators: list[torch.Generator], *, num_tokens: int, anchor_id: int, max_new_tokens: int,
+) -> tuple[list[list[int]], int]:  # fmt: skip
+    """One step's events for every row from the forward `out` of the rows `[anchor] + prompt + completion`
+    (the policy's part: no model call); the completions after the step and the number of edits."""
+    assert out.edit is not None, "an edit-flow run needs a model built with model.edit_head"
+    weight, edits, new = policy.weight(step), 0, []
+    for b, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
+        hidden_NE = out.hidden_BLE[b, len(prompt) : 1 + len(prompt) + len(completion)]  # the last prefix token on
+        rates_N3, ins_NE = out.edit(hidden_NE)
+        ins_logp = edit_token_log_probs(out.head, ins_NE, num_tokens, anchor_id)
+        sub_logp = edit_token_log_probs(out.head, hidden_NE, num_tokens, anchor_id)
+        cpu = (t.to("cpu", torch.float64) for t in (rates_N3, ins_logp, sub_logp))  # the generators are CPU ones
+        row_edits = policy.step(*cpu, generators[b], weight)
+        edits += int((row_edits.kind_N != KEEP).sum())
+        new.append(apply_edits(completion, row_edits, max_new_tokens))
+    return new, edits
+
+
 def sample_edit_flow(
     model: torch.nn.Module,
     prompts: list[list[int]],
@@ -157,35 +176,22 @@ def sample_edit_flow(
 ) -> EditFlowOutput:
     """Tau-leaping from an empty completion after each prompt, from t = 0 to `end_time` under the
     training's `kappa` schedule; `generators`: one per row. `temperature` applies to the inserted and
-    substituted tokens (0: the most probable one); when and where edits happen is always drawn."""
+    substituted tokens (0: the most probable one); when and where edits happen is always drawn.
+    The loop is generate.py's (`edit_flow_loop`); this is its entry point with explicit generators."""
+    from dllm.sampling.generate import Counters, edit_flow_loop
+
     assert len(generators) == len(prompts) and num_steps > 0
     policy = TauLeaping(num_steps, kappa, end_time, temperature, grid)
-    completions: list[list[int]] = [[] for _ in prompts]
-    result = EditFlowOutput(completions)
-    device = next(model.parameters()).device
-    for step in range(num_steps):
-        weight = policy.weight(step)
-        rows = [[anchor_id, *p, *c] for p, c in zip(prompts, completions, strict=True)]
-        tokens_BL, valid_BL = _pad(rows, pad_id, device)
-        out = model(tokens_BL, torch.arange(tokens_BL.shape[1], device=device).expand_as(tokens_BL),
-                    AttentionMask("bidirectional", key_valid_BL=valid_BL))  # fmt: skip
-        result.nfe += 1
-        assert out.edit is not None, "an edit-flow run needs a model built with model.edit_head"
-        edits = 0
-        for b, prompt in enumerate(prompts):
-            hidden_NE = out.hidden_BLE[b, len(prompt) : len(rows[b])]  # the last prefix token on
-            rates_N3, ins_NE = out.edit(hidden_NE)
-            ins_logp = edit_token_log_probs(out.head, ins_NE, num_tokens, anchor_id)
-            sub_logp = edit_token_log_probs(out.head, hidden_NE, num_tokens, anchor_id)
-            cpu = (t.to("cpu", torch.float64) for t in (rates_N3, ins_logp, sub_logp))  # the generators are CPU ones
-            row_edits = policy.step(*cpu, generators[b], weight)
-            edits += int((row_edits.kind_N != KEEP).sum())
-            completions[b] = apply_edits(completions[b], row_edits, max_new_tokens)
-        result.edits_per_step.append(edits)
-    return result
+    counters, per_step = Counters(), []
+    with torch.no_grad():
+        completions = edit_flow_loop(
+            model, prompts, policy, generators, anchor_id=anchor_id, pad_id=pad_id, num_tokens=num_tokens,
+            max_new_tokens=max_new_tokens, counters=counters, callback=lambda event: per_step.append(event.edits),
+        )  # fmt: skip
+    return EditFlowOutput(completions, counters.nfe, per_step)
 
 
-def _pad(rows: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def pad_rows(rows: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows left-aligned in [B, L] with `pad_id` after each row's end, and which positions are real."""
     L = max(len(r) for r in rows)
     tokens = torch.full((len(rows), L), pad_id, dtype=torch.long, device=device)
