@@ -147,13 +147,13 @@ def tau_leaping_step(
     (the policy's part: no model call); the completions after the step and the number of edits."""
     assert out.edit is not None, "an edit-flow run needs a model built with model.edit_head"
     weight, edits, new = policy.weight(step), 0, []
+    rates_BL3, ins_BLE = out.edit(out.hidden_BLE)  # the heads once for the batch, then one row at a time
+    ins_logp_BLV = edit_token_log_probs(out.head, ins_BLE, num_tokens, anchor_id)
+    sub_logp_BLV = edit_token_log_probs(out.head, out.hidden_BLE, num_tokens, anchor_id)
+    batch = [t.to("cpu", torch.float64) for t in (rates_BL3, ins_logp_BLV, sub_logp_BLV)]  # CPU generators
     for b, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
-        hidden_NE = out.hidden_BLE[b, len(prompt) : 1 + len(prompt) + len(completion)]  # the last prefix token on
-        rates_N3, ins_NE = out.edit(hidden_NE)
-        ins_logp = edit_token_log_probs(out.head, ins_NE, num_tokens, anchor_id)
-        sub_logp = edit_token_log_probs(out.head, hidden_NE, num_tokens, anchor_id)
-        cpu = (t.to("cpu", torch.float64) for t in (rates_N3, ins_logp, sub_logp))  # the generators are CPU ones
-        row_edits = policy.step(*cpu, generators[b], weight)
+        lo, hi = len(prompt), 1 + len(prompt) + len(completion)  # the last prefix token on
+        row_edits = policy.step(*(t[b, lo:hi] for t in batch), generators[b], weight)
         edits += int((row_edits.kind_N != KEEP).sum())
         new.append(apply_edits(completion, row_edits, max_new_tokens))
     return new, edits
