@@ -181,7 +181,7 @@ def _report_tasks(s, results, as_json: bool) -> None:
             f"{r.tokens_per_forward:>9.2f}{r.wall_s:>9.2f}")  # fmt: skip
     if s.cfg.generation == "edit_flow":
         edits = ", ".join(f"{r.name} {r.edits_per_answer:.2f}" for r in results)
-        info(f"{s.loaded.source}: edit_flow/tau_leaping, {s.cfg.total_steps} steps; edits per answer: {edits}")
+        info(f"{s.loaded.source}: edit_flow/tau_leaping (steps = NFE/call); edits per answer: {edits}")
     else:
         info(f"{s.loaded.source}: {s.cfg.policy}/{s.cfg.cache}/{s.cfg.attention}")
 
