@@ -10,8 +10,9 @@ from dllm.config.objectives import EditFlowConfig
 from dllm.config.profile import build_profile
 from dllm.data.loader import Batch
 from dllm.diffusion.corruption import NoiseKeys
+from dllm.diffusion.edit_schedule import cumulative_weight, kappa_and_weight
 from dllm.diffusion.objectives.base import TokenIds
-from dllm.diffusion.objectives.edit_flow import EditFlowObjective, kappa_and_weight
+from dllm.diffusion.objectives.edit_flow import EditFlowObjective
 from dllm.models import Transformer
 from dllm.models.edit_flow import DELETE, INSERT
 from dllm.models.output import ModelOutput
@@ -70,6 +71,35 @@ def test_kappa_schedules():
     torch.testing.assert_close(w, 3 * t**2 / (1 - t**3))
     k, w = kappa_and_weight("linear", t)
     torch.testing.assert_close(w, 1 / (1 - t))
+    for name in ("cubic", "linear"):  # K = -log(1 - kappa) is the integral of w (trapezoid check), inf at 1
+        grid = torch.linspace(0.0, 0.9, 20001, dtype=torch.float64)
+        integral = torch.trapezoid(kappa_and_weight(name, grid)[1], grid)
+        assert abs(float(integral) - cumulative_weight(name, 0.9)) < 1e-6
+        assert cumulative_weight(name, 0.0) == 0.0 and cumulative_weight(name, 1.0) == float("inf")
+
+
+@pytest.mark.parametrize("kappa", ["cubic", "linear"])
+def test_time_sampling_by_weight_estimates_the_same_loss(kappa):
+    """With t drawn so that K(t) is uniform and every row weighted K(1 - eps) / (1 - eps), the weighted mean
+    of any f(kappa(t)) over a stratified batch matches uniform t weighted by w(t) (both estimate
+    E_{t ~ U[0, 1 - eps]} w(t) f(t)), and the weight is the same for every row."""
+    G, eps = 4096, 1e-3
+    batch = Batch(torch.zeros(G, 4, dtype=torch.long), torch.ones(G, 4, dtype=torch.bool), torch.arange(G))
+    estimates = {}
+    for how in ("weight", "uniform"):
+        obj = EditFlowObjective(EditFlowConfig(kappa=kappa, eps=eps, x0="empty", time_sampling=how), IDS)
+        inp = obj.prepare(batch, NoiseKeys(0, G))
+        keep = (
+            (inp.tokens_BL[:, 1:] != IDS.pad_id).sum(-1).double()
+        )  # x_t: the kept columns of x_1 (4 kappa on average)
+        estimates[how] = float((inp.row_weight_B.double() * (4 - keep)).mean())  # mean of w * remaining edits
+        if how == "weight":
+            assert torch.allclose(inp.row_weight_B, inp.row_weight_B[0]) and float(
+                inp.row_weight_B[0]
+            ) == pytest.approx(cumulative_weight(kappa, 1 - eps) / (1 - eps), rel=1e-5)
+    exact = 4 * ((1 - eps) ** 3 if kappa == "cubic" else 1 - eps) / (1 - eps)
+    assert estimates["weight"] == pytest.approx(exact, rel=0.05)
+    assert estimates["uniform"] == pytest.approx(exact, rel=0.25)  # the same mean, far noisier
 
 
 @pytest.mark.parametrize("x0", ["empty", "uniform"])
@@ -136,17 +166,19 @@ def test_batched_loss_equals_one_sequence_at_a_time(x0):
 
 
 def test_loss_matches_a_hand_computation_for_one_insertion_row():
-    """Empty prompt, x_1 = [5, 6]: the loss is the sum of the allowed rates minus, per remaining
-    insertion, w * (log rate + log Q_ins(token)), recomputed here from the model's outputs."""
+    """Empty prompt, x_1 = [5, 6]: the loss is w(t) times the sum of the allowed intensities minus, per
+    remaining insertion, w * (log lambda + log Q_ins(token)), recomputed here from the model's outputs."""
     obj = EditFlowObjective(EditFlowConfig(x0="empty", antithetic=False), IDS)
     batch = Batch(torch.tensor([[5, 6, 0, 0]]), torch.tensor([[True, True, False, False]]), torch.tensor([0]))
     model = _model(torch.float64)
     inp = obj.prepare(batch, NoiseKeys(0, 1))
     out = model(inp.tokens_BL, inp.positions_BL, inp.mask)
     rates, ins = out.edit(out.hidden_BLE)
-    expected = (rates[0] * inp.rate_on_BL3[0].double()).sum()
-    for pos, kind, tok, w in zip(inp.edit_pos_N.tolist(), inp.edit_kind_N.tolist(), inp.edit_token_N.tolist(),
-                                 inp.edit_weight_N.tolist(), strict=True):  # fmt: skip
+    w = float(inp.row_weight_B[0])
+    expected = w * (rates[0] * inp.rate_on_BL3[0].double()).sum()
+    assert inp.edit_weight_N.tolist() == [w] * inp.edit_weight_N.numel() and w > 0
+    for pos, kind, tok in zip(inp.edit_pos_N.tolist(), inp.edit_kind_N.tolist(), inp.edit_token_N.tolist(),
+                              strict=True):  # fmt: skip
         feat = ins[0, pos] if kind == INSERT else out.hidden_BLE[0, pos]
         logits = model.logits(feat[None])[0]
         logits[IDS.mask_id] = float("-inf")
@@ -174,6 +206,15 @@ def test_short_overfit_decreases_the_loss():
 def test_profile_says_edit_flow():
     p = build_profile(EditFlowConfig(), shift_logits=False, max_length=64, mask_id=1, pad_id=2, eos_id=3, num_tokens=V)
     assert p.generation == "edit_flow" and p.objective == "edit_flow" and p.attention == "bidirectional"
+    from dllm.config.sampler import SamplerConfig, resolve_sampler
+
+    p = build_profile(EditFlowConfig(kappa="linear", eps=0.01), shift_logits=False, max_length=64, mask_id=1, pad_id=2,
+                      eos_id=3, num_tokens=V)  # fmt: skip
+    assert (p.edit_kappa, p.edit_eps) == ("linear", 0.01)
+    cfg = resolve_sampler(SamplerConfig(), p)  # tau-leaping follows the training's schedule and ends at 1 - eps
+    assert cfg.edit_kappa == "linear" and cfg.edit_end_time == pytest.approx(0.99)
+    cfg = resolve_sampler(SamplerConfig(edit_kappa="cubic", edit_end_time=1.0), p)
+    assert cfg.edit_kappa == "cubic" and cfg.edit_end_time == 1.0
 
 
 def test_same_noise_keys_same_inputs_and_padding_rows_add_nothing():

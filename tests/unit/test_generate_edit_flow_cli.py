@@ -62,6 +62,11 @@ def test_generate_and_chat_on_an_edit_flow_run(tmp_path, capsys, monkeypatch):
         assert main([*args, *bad]) == 2
         err = capsys.readouterr().err
         assert words in err and err.startswith("dllm: error:") and err.count("\n") == 1
+    assert main(["eval", "tasks", "--run", str(run_dir), "--tasks", "addition", "--limit", "4", "--json",
+                 "--set", "steps=4"]) == 0  # fmt: skip
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["examples"] == 4 and summary["nfe_per_call"] == 4 and summary["edits_per_answer"] > 0
+    assert summary["policy"] == "tau_leaping"
     monkeypatch.setattr("sys.stdin", io.StringIO("hello\n/exit\n"))
     assert main(["chat", "--run", str(run_dir), "--gen-length", "6", "--steps", "5"]) == 0
     err = capsys.readouterr().err

@@ -170,7 +170,8 @@ def _task_sampler(s, task, task_length: bool, gen):
 def _report_tasks(s, results, as_json: bool) -> None:
     if as_json:
         for r in results:
-            record = {"source": str(s.loaded.source), "policy": s.cfg.policy, "cache": s.cfg.cache}
+            policy = "tau_leaping" if s.cfg.generation == "edit_flow" else s.cfg.policy
+            record = {"source": str(s.loaded.source), "policy": policy, "cache": s.cfg.cache}
             out(json.dumps({**record, **r.summary()}))
         return
     header = f"{'task':<16}{'accuracy':>10}{'n':>6}{'NFE/call':>10}{'fwd/answer':>12}{'tok/fwd':>9}{'wall s':>9}"
@@ -178,7 +179,11 @@ def _report_tasks(s, results, as_json: bool) -> None:
     for r in results:
         out(f"{r.name:<16}{r.accuracy:>10.3f}{r.examples:>6}{r.nfe_per_call:>10.1f}{r.forwards_per_answer:>12.2f}"
             f"{r.tokens_per_forward:>9.2f}{r.wall_s:>9.2f}")  # fmt: skip
-    info(f"{s.loaded.source}: {s.cfg.policy}/{s.cfg.cache}/{s.cfg.attention}")
+    if s.cfg.generation == "edit_flow":
+        edits = ", ".join(f"{r.name} {r.edits_per_answer:.2f}" for r in results)
+        info(f"{s.loaded.source}: edit_flow/tau_leaping (steps = NFE/call); edits per answer: {edits}")
+    else:
+        info(f"{s.loaded.source}: {s.cfg.policy}/{s.cfg.cache}/{s.cfg.attention}")
 
 
 def _file_and_set_fields(sampler_config: Path | None, overrides: list[str] | None) -> set[str]:

@@ -130,10 +130,12 @@ class EditFlowConfig(Section):
     """Largest time is 1 - eps: t ~ U[0, 1 - eps] (the weight kappa'/(1 - kappa) diverges at 1)."""
     antithetic: bool = True
     """Stratify t over the global batch."""
+    time_sampling: Literal["uniform", "weight"] = "uniform"
+    """uniform t, rows weighted by w(t) (the paper's), or t drawn in proportion to w(t) (K(t) uniform, equal rows)."""
 
     def decode_facts(self) -> dict[str, Any]:
         """Bidirectional edit-flow decoding (tau-leaping over the edit rates), no mask canvas."""
-        return {"attention": "bidirectional", "generation": "edit_flow"}
+        return {"attention": "bidirectional", "generation": "edit_flow", "edit_kappa": self.kappa, "edit_eps": self.eps}
 
 
 class DFlashDistillationConfig(Section):

@@ -47,6 +47,10 @@ class DecodeProfile(Section):
     """Noise: the mask token (absorbing) or uniformly random tokens (uniform-state models)."""
     generation: Literal["canvas", "edit_flow"] = "canvas"
     """canvas: a policy commits positions of a fixed canvas; edit_flow: insert/delete/substitute edits (tau-leaping)."""
+    edit_kappa: Literal["cubic", "linear"] | None = None
+    """Edit Flows: the coupling schedule kappa(t) the run was trained with (the sampler integrates its weight)."""
+    edit_eps: float | None = Field(default=None, gt=0, lt=1)
+    """Edit Flows: the training's largest time was 1 - edit_eps (tau-leaping ends there); null: not edit_flow."""
     mask_id: int = Field(ge=0)
     """Id of the mask token."""
     pad_id: int = Field(ge=0)

@@ -62,6 +62,10 @@ class SamplerConfig(Section):
     """Seed of the sampling noise (temperature, random orders and the process policies)."""
     generation: Literal["auto", "canvas", "edit_flow"] = "auto"
     """canvas (a policy commits masks) or edit_flow (tau-leaping over edit rates, `steps` steps); auto: from the run."""
+    edit_kappa: Literal["auto", "cubic", "linear"] = "auto"
+    """edit_flow: the schedule whose weight tau-leaping integrates; auto: the run's objective.kappa."""
+    edit_end_time: float | None = Field(default=None, gt=0, le=1)
+    """edit_flow: the time tau-leaping ends at (1 fires every intensity left); null: 1 - the run's objective.eps."""
     compile: bool = False
     """Compile each transformer block in place with torch.compile (dynamic shapes: a new prompt length reuses it)."""
 
@@ -133,6 +137,11 @@ def resolve_sampler(cfg: SamplerConfig, profile: DecodeProfile) -> SamplerConfig
     attention = cfg.attention if cfg.attention != "auto" else profile.attention
     shift = cfg.shift if cfg.shift != "auto" else ("on" if profile.shift else "off")
     values = {**cfg.model_dump(), "attention": attention, "shift": shift, "generation": generation}
+    if generation == "edit_flow":
+        if cfg.edit_kappa == "auto":
+            values["edit_kappa"] = profile.edit_kappa or "cubic"
+        if cfg.edit_end_time is None:
+            values["edit_end_time"] = 1.0 - (profile.edit_eps or 1e-3)
     if attention == "block" and profile.block_size is not None:
         if cfg.block_length is not None and cfg.block_length != profile.block_size:
             raise ConfigError(

@@ -137,6 +137,8 @@ class TaskResult:
     forwards_per_answer: float
     tokens_per_forward: float
     wall_s: float
+    edits_per_answer: float = 0.0
+    """Edit Flows: insertions, deletions and substitutions drawn per answer (0 for the canvas samplers)."""
     outputs: list[dict[str, Any]] = field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:
@@ -151,13 +153,14 @@ def run_task(
 ) -> TaskResult:
     """Generate every prompt (batches of `batch_size`) and score exact matches. `generate_batch`
     returns (decoded outputs cut at the stop strings, the call's Counters)."""
-    outputs, nfe, calls, committed, right = [], 0, 0, 0, 0
+    outputs, nfe, calls, committed, right, edits = [], 0, 0, 0, 0, 0
     t0 = time.perf_counter()
     for i in range(0, len(task.examples), batch_size):
         chunk = task.examples[i : i + batch_size]
         texts, counters = generate_batch([e.prompt for e in chunk])
         nfe += counters.nfe
         committed += counters.tokens_committed
+        edits += getattr(counters, "edits", 0)
         calls += 1
         for ex, out in zip(chunk, texts, strict=True):
             ok = ex.correct(out)
@@ -167,5 +170,6 @@ def run_task(
     n = len(task.examples)
     return TaskResult(
         name=task.name, accuracy=right / n, examples=n, correct=right, nfe_per_call=nfe / calls,
-        forwards_per_answer=nfe / n, tokens_per_forward=committed / max(nfe, 1), wall_s=wall, outputs=outputs,
+        forwards_per_answer=nfe / n, tokens_per_forward=committed / max(nfe, 1), wall_s=wall,
+        edits_per_answer=edits / n, outputs=outputs,
     )  # fmt: skip

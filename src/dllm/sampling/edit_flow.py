@@ -2,17 +2,36 @@
 
 A row is `[anchor] + prompt + completion` (the layout the edit_flow objective trains on: the anchor
 is the mask id, and an insertion after the last prefix token starts the completion). The completion
-starts empty and time runs from 0 to 1 in `num_steps` steps of h = 1 / num_steps. Each step is one
-batched forward (rows padded to the longest, padding masked out of attention); then, per editable
-position i with rates (insert after i, delete i, substitute i) and total rate r_i, one event happens
-with probability 1 - exp(-h r_i), of kind chosen in proportion to the rates (at most one event per
-position, so the edits of a step never conflict); inserted and substituted tokens are drawn from
-the head's token distributions. All edits of a step are applied at once, from the rates of the
-sequence before the step. The prompt is never edited; a completion stops growing at `max_new_tokens`.
+starts empty and time runs from 0 to `end_time` in `num_steps` steps (the grid: below). Each step is one batched
+forward (rows padded to the longest, padding masked out of attention); then, per editable position i
+with time-free intensities lambda (insert after i, delete i, substitute i) and total lambda_i, one
+event happens with probability 1 - exp(-(K(s) - K(t)) lambda_i), of kind chosen in proportion to
+the intensities (at most one event per position, so the edits of a step never conflict); inserted
+and substituted tokens are drawn from the head's token distributions (at the sampler's temperature;
+0 takes the most probable token, as the canvas samplers' greedy default does). All edits of a step are
+applied at once, from the intensities of the sequence before the step. The prompt is never edited;
+a completion stops growing at `max_new_tokens`.
 
-`TauLeaping.step` is the policy (it never calls the model); `sample_edit_flow` owns the loop, the
-model call and the counters (NFE, edits per step). Randomness is one generator per row, so a row's
-result does not depend on its batch mates.
+The time: the rate is u = w(t) * lambda with w = kappa' / (1 - kappa) (diffusion/objectives/edit_flow.py),
+and the step [t, s] uses the integral of w over it, K(s) - K(t) with K = -log(1 - kappa)
+(diffusion/edit_schedule.py), not w at the step's start: with lambda held fixed over the step this is
+exact for the factorised rate, where w(t) * h is not (it underestimates the step's weight, badly near
+t = 1, and is 0 for the first step of the cubic schedule). The last step ends at `end_time`, the
+training's 1 - eps, not at 1: K(1) is infinite, so ending at 1 would fire every position whose
+lambda is above 0, and a softplus intensity never is exactly 0 (a finished answer would get one
+spurious edit per position); the model never saw x_t from later than 1 - eps either.
+
+The grid (`grid`): by default the steps take equal shares of K(end_time) ("weight": t_k with
+K(t_k) = k / N * K(end_time)), since the intensities are time-free and K is the process's own clock;
+equal steps in t ("time") put most of K into the last steps (K grows like -log(1 - t)), where many
+positions then fire together (with x_0 empty: several insertions into different gaps for the same
+missing token, i.e. overlong answers). The per-step fire probability is 1 - exp(-(K(s) - K(t)) lambda)
+on either grid.
+
+`TauLeaping.step` is the policy and `tau_leaping_step` applies it to a batch (neither calls the
+model); the loop, the model call, the counters and the step callback are generate.py's
+(`edit_flow_loop`), as for every other sampler; `sample_edit_flow` calls it with explicit generators.
+Randomness is one generator per row, so a row's result does not depend on its batch mates.
 
 Shapes: B batch, L padded row length, V vocabulary, E hidden.
 """
@@ -23,7 +42,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dllm.attention.masks import AttentionMask
+from dllm.diffusion.edit_schedule import cumulative_weight, time_of_weight
 from dllm.models.edit_flow import DELETE, INSERT, SUBSTITUTE, edit_token_log_probs
 
 KEEP = -1
@@ -41,27 +60,57 @@ class RowEdits:
 
 
 class TauLeaping:
-    """Draws a step's edit events from rates and token distributions (one row at a time)."""
+    """Draws a step's edit events from intensities and token distributions (one row at a time)."""
 
-    def __init__(self, step_size: float) -> None:
-        self.h = step_size
+    def __init__(
+        self, num_steps: int, kappa: str = "cubic", end_time: float = 1.0, temperature: float = 1.0,
+        grid: str = "weight",
+    ) -> None:  # fmt: skip
+        assert num_steps > 0 and 0.0 < end_time <= 1.0 and temperature >= 0 and grid in ("weight", "time")
+        self.num_steps, self.kappa, self.end_time, self.temperature = num_steps, kappa, end_time, temperature
+        k_N = torch.arange(num_steps + 1, dtype=torch.float64) / num_steps
+        if grid == "time" or end_time == 1.0:  # K(1) is infinite: no equal shares of it
+            times = (k_N * end_time).tolist()
+        else:
+            times = time_of_weight(kappa, k_N * cumulative_weight(kappa, end_time)).tolist()
+        self.times = [*times[:-1], end_time]
+        """Step boundaries t_0 = 0 < ... < t_N = end_time."""
+
+    def weight(self, step: int) -> float:
+        """K(s) - K(t) of step `step` over [t, s] (inf for a last step that ends at t = 1)."""
+        t, s = self.times[step], self.times[step + 1]
+        return cumulative_weight(self.kappa, s) - cumulative_weight(self.kappa, t)
+
+    @staticmethod
+    def fire_probability(weight: float, total_N: torch.Tensor) -> torch.Tensor:
+        """1 - exp(-weight * lambda) per position (float64); with an infinite weight, 1 where lambda > 0."""
+        total_N = total_N.double()
+        if weight == float("inf"):
+            return (total_N > 0).double()
+        return -torch.expm1(-weight * total_N)
 
     def step(
-        self, rates_N3: torch.Tensor, ins_logp_NV: torch.Tensor, sub_logp_NV: torch.Tensor, generator: torch.Generator
-    ) -> RowEdits:
-        """Position 0 is the last prefix token: it may only insert (the prompt is never edited)."""
+        self, rates_N3: torch.Tensor, ins_logp_NV: torch.Tensor, sub_logp_NV: torch.Tensor, generator: torch.Generator,
+        weight: float,
+    ) -> RowEdits:  # fmt: skip
+        """`rates_N3`: the intensities lambda; `weight`: K(s) - K(t) of the step (`self.weight`).
+        Position 0 is the last prefix token: it may only insert (the prompt is never edited)."""
         rates_N3 = rates_N3.clone()
         rates_N3[0, DELETE] = rates_N3[0, SUBSTITUTE] = 0.0
         total_N = rates_N3.sum(-1)
         u_N = torch.rand(total_N.shape, generator=generator, dtype=torch.float64)
-        fires_N = u_N < -torch.expm1(-self.h * total_N.double())
+        fires_N = u_N < self.fire_probability(weight, total_N)
         kind_N = torch.full_like(total_N, KEEP, dtype=torch.long)
         token_N = torch.zeros_like(kind_N)
         idx = fires_N.nonzero(as_tuple=True)[0]
         if idx.numel():
             kind_N[idx] = torch.multinomial(rates_N3[idx].double(), 1, generator=generator)[:, 0]
             logp_NV = torch.where((kind_N[idx] == INSERT)[:, None], ins_logp_NV[idx], sub_logp_NV[idx])
-            token_N[idx] = torch.multinomial(logp_NV.double().exp(), 1, generator=generator)[:, 0]
+            if self.temperature == 0:  # greedy tokens (the events themselves stay random)
+                token_N[idx] = logp_NV.argmax(-1)
+            else:
+                probs_NV = torch.softmax(logp_NV.double() / self.temperature, -1)
+                token_N[idx] = torch.multinomial(probs_NV, 1, generator=generator)[:, 0]
         return RowEdits(kind_N, token_N)
 
 
@@ -90,7 +139,26 @@ class EditFlowOutput:
     """Edits applied in each step, summed over rows."""
 
 
-@torch.no_grad()
+def tau_leaping_step(
+    out, prompts: list[list[int]], completions: list[list[int]], policy: TauLeaping, step: int,
+    generators: list[torch.Generator], *, num_tokens: int, anchor_id: int, max_new_tokens: int,
+) -> tuple[list[list[int]], int]:  # fmt: skip
+    """One step's events for every row from the forward `out` of the rows `[anchor] + prompt + completion`
+    (the policy's part: no model call); the completions after the step and the number of edits."""
+    assert out.edit is not None, "an edit-flow run needs a model built with model.edit_head"
+    weight, edits, new = policy.weight(step), 0, []
+    rates_BL3, ins_BLE = out.edit(out.hidden_BLE)  # the heads once for the batch, then one row at a time
+    ins_logp_BLV = edit_token_log_probs(out.head, ins_BLE, num_tokens, anchor_id)
+    sub_logp_BLV = edit_token_log_probs(out.head, out.hidden_BLE, num_tokens, anchor_id)
+    batch = [t.to("cpu", torch.float64) for t in (rates_BL3, ins_logp_BLV, sub_logp_BLV)]  # CPU generators
+    for b, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
+        lo, hi = len(prompt), 1 + len(prompt) + len(completion)  # the last prefix token on
+        row_edits = policy.step(*(t[b, lo:hi] for t in batch), generators[b], weight)
+        edits += int((row_edits.kind_N != KEEP).sum())
+        new.append(apply_edits(completion, row_edits, max_new_tokens))
+    return new, edits
+
+
 def sample_edit_flow(
     model: torch.nn.Module,
     prompts: list[list[int]],
@@ -101,35 +169,29 @@ def sample_edit_flow(
     num_tokens: int,
     max_new_tokens: int,
     generators: list[torch.Generator],
+    kappa: str = "cubic",
+    end_time: float = 1.0 - 1e-3,
+    temperature: float = 1.0,
+    grid: str = "weight",
 ) -> EditFlowOutput:
-    """Tau-leaping from an empty completion after each prompt; `generators`: one per row."""
+    """Tau-leaping from an empty completion after each prompt, from t = 0 to `end_time` under the
+    training's `kappa` schedule; `generators`: one per row. `temperature` applies to the inserted and
+    substituted tokens (0: the most probable one); when and where edits happen is always drawn.
+    The loop is generate.py's (`edit_flow_loop`); this is its entry point with explicit generators."""
+    from dllm.sampling.generate import Counters, edit_flow_loop
+
     assert len(generators) == len(prompts) and num_steps > 0
-    policy = TauLeaping(1.0 / num_steps)
-    completions: list[list[int]] = [[] for _ in prompts]
-    result = EditFlowOutput(completions)
-    device = next(model.parameters()).device
-    for _ in range(num_steps):
-        rows = [[anchor_id, *p, *c] for p, c in zip(prompts, completions, strict=True)]
-        tokens_BL, valid_BL = _pad(rows, pad_id, device)
-        out = model(tokens_BL, torch.arange(tokens_BL.shape[1], device=device).expand_as(tokens_BL),
-                    AttentionMask("bidirectional", key_valid_BL=valid_BL))  # fmt: skip
-        result.nfe += 1
-        assert out.edit is not None, "an edit-flow run needs a model built with model.edit_head"
-        edits = 0
-        for b, prompt in enumerate(prompts):
-            hidden_NE = out.hidden_BLE[b, len(prompt) : len(rows[b])]  # the last prefix token on
-            rates_N3, ins_NE = out.edit(hidden_NE)
-            ins_logp = edit_token_log_probs(out.head, ins_NE, num_tokens, anchor_id)
-            sub_logp = edit_token_log_probs(out.head, hidden_NE, num_tokens, anchor_id)
-            cpu = (t.to("cpu", torch.float64) for t in (rates_N3, ins_logp, sub_logp))  # the generators are CPU ones
-            row_edits = policy.step(*cpu, generators[b])
-            edits += int((row_edits.kind_N != KEEP).sum())
-            completions[b] = apply_edits(completions[b], row_edits, max_new_tokens)
-        result.edits_per_step.append(edits)
-    return result
+    policy = TauLeaping(num_steps, kappa, end_time, temperature, grid)
+    counters, per_step = Counters(), []
+    with torch.no_grad():
+        completions = edit_flow_loop(
+            model, prompts, policy, generators, anchor_id=anchor_id, pad_id=pad_id, num_tokens=num_tokens,
+            max_new_tokens=max_new_tokens, counters=counters, callback=lambda event: per_step.append(event.edits),
+        )  # fmt: skip
+    return EditFlowOutput(completions, counters.nfe, per_step)
 
 
-def _pad(rows: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def pad_rows(rows: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows left-aligned in [B, L] with `pad_id` after each row's end, and which positions are real."""
     L = max(len(r) for r in rows)
     tokens = torch.full((len(rows), L), pad_id, dtype=torch.long, device=device)

@@ -21,10 +21,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dllm.attention.masks import AttentionMask
 from dllm.config.sampler import SamplerConfig
 from dllm.sampling.canvas import Canvas, SpecialIds, left_pad
 from dllm.sampling.compiled import compile_blocks
-from dllm.sampling.edit_flow import sample_edit_flow
+from dllm.sampling.edit_flow import TauLeaping, pad_rows, tau_leaping_step
 from dllm.sampling.policies import Commit, StepState, make_policy
 from dllm.sampling.proposals import commit_schedule, filter_logits, full_proposal, propose
 from dllm.sampling.runner import Runner
@@ -97,6 +98,8 @@ class StepEvent:
     step: int
     gen_start_B: list[int]
     mask_id: int
+    edits: int = 0
+    """Edit Flows: edits applied at this step, over all rows (the canvas is then each row's new sequence)."""
 
 
 def generate(
@@ -117,32 +120,84 @@ def generate(
     The loop runs under `torch.inference_mode` (less dispatch work per op than `no_grad`: ~10% of a
     small model's forward); the returned canvas is an ordinary tensor, usable in autograd later."""
     if cfg.generation == "edit_flow":  # no canvas: tau-leaping over edit rates (sampling/edit_flow.py)
-        return _edit_flow(model, prompts, cfg, special, generator)
+        with torch.inference_mode():
+            result = _edit_flow(model, prompts, cfg, special, generator, callback)
+        result.canvas_BL = result.canvas_BL.clone()
+        return result
     with torch.inference_mode():
         result = Loop(model, prompts, cfg, special, generator, callback, stop).run()
     result.canvas_BL = result.canvas_BL.clone()  # inference tensors cannot enter autograd
     return result
 
 
-def _edit_flow(model, prompts, cfg: SamplerConfig, special: SpecialIds, generator) -> GenerationResult:
+def _edit_flow(model, prompts, cfg: SamplerConfig, special: SpecialIds, generator, callback) -> GenerationResult:
     """An Edit Flows run: `steps` tau-leaping steps, up to gen_length new tokens; one generator per
-    row, seeded from `generator`, so a row's output does not depend on its batch mates."""
+    row, seeded from `generator`, so a row's output does not depend on its batch mates. `stop` does
+    not end it early: until the last step any row can still change."""
+    if not prompts:
+        raise ValueError("generate needs at least one prompt")
     seeds = torch.randint(0, 2**62, (len(prompts),), generator=generator).tolist()
-    device = next(model.parameters()).device
     gens = [torch.Generator(device="cpu").manual_seed(s) for s in seeds]
-    num_tokens = special.num_tokens or model.cfg.vocab_size
-    out = sample_edit_flow(model, prompts, num_steps=cfg.total_steps, anchor_id=special.mask_id, pad_id=special.pad_id,
-                           num_tokens=num_tokens, max_new_tokens=cfg.gen_length, generators=gens)  # fmt: skip
-    sequences = [
-        c[: c.index(special.eos_id)] if cfg.stop_at_eos and special.eos_id in c else c for c in out.completions
-    ]
-    rows = [[special.mask_id, *p, *c] for p, c in zip(prompts, out.completions, strict=True)]
-    canvas = torch.full((len(rows), max(map(len, rows))), special.pad_id, dtype=torch.long, device=device)
-    for b, r in enumerate(rows):
-        canvas[b, : len(r)] = torch.tensor(r, device=device)
-    counters = Counters(nfe=out.nfe, steps=out.nfe, edits=sum(out.edits_per_step),
-                        tokens_committed=sum(map(len, sequences)))  # fmt: skip
+    if cfg.compile:
+        compile_blocks(model)
+    policy = TauLeaping(cfg.total_steps, cfg.edit_kappa if cfg.edit_kappa != "auto" else "cubic",
+                        cfg.edit_end_time or 1.0 - 1e-3, cfg.temperature)  # fmt: skip
+    counters = Counters()
+    completions = edit_flow_loop(model, prompts, policy, gens, anchor_id=special.mask_id, pad_id=special.pad_id,
+                                 num_tokens=special.num_tokens or model.cfg.vocab_size, max_new_tokens=cfg.gen_length,
+                                 counters=counters, callback=callback)  # fmt: skip
+    sequences = [c[: c.index(special.eos_id)] if cfg.stop_at_eos and special.eos_id in c else c for c in completions]
+    device = next(model.parameters()).device
+    canvas, _ = pad_rows([[special.mask_id, *p, *c] for p, c in zip(prompts, completions, strict=True)],
+                         special.pad_id, device)  # fmt: skip
+    counters.tokens_committed = sum(map(len, sequences))
     return GenerationResult(sequences, canvas, counters, [1 + len(p) for p in prompts])
+
+
+def edit_flow_loop(
+    model: torch.nn.Module, prompts: list[list[int]], policy: TauLeaping, generators: list[torch.Generator], *,
+    anchor_id: int, pad_id: int, num_tokens: int, max_new_tokens: int, counters: Counters,
+    callback: Callable[[StepEvent], None] | None = None,
+) -> list[list[int]]:  # fmt: skip
+    """The loop of an Edit Flows run: per step one batched forward of the rows `[anchor] + prompt +
+    completion` (padded, padding masked out of attention), the policy's events (sampling/edit_flow.py),
+    the counters and the step callback (the new rows as the canvas, the inserted or substituted
+    positions as committed). Returns each row's completion."""
+    device = next(model.parameters()).device
+    completions: list[list[int]] = [[] for _ in prompts]
+    gen_start = [1 + len(p) for p in prompts]
+    for step in range(policy.num_steps):
+        tokens_BL, valid_BL = pad_rows([[anchor_id, *p, *c] for p, c in zip(prompts, completions, strict=True)],
+                                       pad_id, device)  # fmt: skip
+        positions = torch.arange(tokens_BL.shape[1], device=device).expand_as(tokens_BL)
+        out = model(tokens_BL, positions, AttentionMask("bidirectional", key_valid_BL=valid_BL))
+        counters.nfe, counters.steps = counters.nfe + 1, counters.steps + 1
+        counters.query_tokens += int(valid_BL.sum())
+        before = completions
+        completions, edits = tau_leaping_step(out, prompts, completions, policy, step, generators,
+                                              num_tokens=num_tokens, anchor_id=anchor_id,
+                                              max_new_tokens=max_new_tokens)  # fmt: skip
+        counters.edits += edits
+        if callback is not None:
+            rows = [[anchor_id, *p, *c] for p, c in zip(prompts, completions, strict=True)]
+            canvas, _ = pad_rows(rows, pad_id, device)
+            committed = torch.zeros_like(canvas, dtype=torch.bool)
+            for b, (old, new) in enumerate(zip(before, completions, strict=True)):
+                for i in _changed(old, new):
+                    committed[b, gen_start[b] + i] = True
+            callback(StepEvent(canvas, committed, 0, step, gen_start, anchor_id, edits))
+    return completions
+
+
+def _changed(old: list[int], new: list[int]) -> list[int]:
+    """Positions of `new` not carried over from `old` (a greedy left-to-right match: inserted or substituted)."""
+    out, j = [], 0
+    for i, tok in enumerate(new):
+        if j < len(old) and old[j] == tok:
+            j += 1
+        else:
+            out.append(i)
+    return out
 
 
 class Loop:

@@ -5,13 +5,28 @@ insert a token after position i, delete i, substitute i. Training uses the auxil
 x_0 and x_1 are aligned (diffusion/edit_alignment.py: an optimal Levenshtein alignment z_0, z_1
 with gaps), each aligned column shows its x_1 side with probability kappa(t) and its x_0 side
 otherwise (z_t), and x_t is z_t without gaps. The loss is the Bregman-divergence flow-matching loss
-(the paper's training objective over the aligned space):
+(the paper's training objective over the aligned space) with the scheduler factored out of the rate,
+as time-agnostic MDLM factors 1/t out of its denoiser: the rate the sampler uses is
+u(x_t, t) = w(t) * lambda(x_t), w(t) = kappa'(t) / (1 - kappa(t)) (diffusion/edit_schedule.py), and
+the network gives the time-free lambda (the model contract has no t): the intensity of the edits
+still to do at each position, which it reads off x_t itself. Per row,
 
-    L = sum_{positions} sum_{kinds} rate  -  kappa'(t) / (1 - kappa(t)) * sum_{remaining edits} log u(edit)
+    L = w(t) * [ sum_{positions} sum_{kinds} lambda  -  sum_{remaining edits} log lambda(edit) ]
 
-where a remaining edit is a column with z_t != z_1, and u(edit) is lambda_ins(i) Q_ins(i, b) for an
-insertion of b after x_t position i, lambda_del(i) for a deletion, lambda_sub(i) Q_sub(i, b) for a
-substitution. t ~ U[0, 1 - eps] per row (stratified over the global batch).
+where a remaining edit is a column with z_t != z_1, and lambda(edit) is lambda_ins(i) Q_ins(i, b)
+for an insertion of b after x_t position i, lambda_del(i) for a deletion, lambda_sub(i) Q_sub(i, b)
+for a substitution. Substituting u = w * lambda into the paper's loss
+sum u - w * sum log u gives this plus -w(t) * (number of remaining edits) * log w(t), which does not
+depend on the parameters and is dropped (so the loss can be negative or positive like before, and
+its minimiser is unchanged). The loss is the expectation over t ~ U[0, 1 - eps]; it is estimated
+(stratified over the global batch) either with t drawn uniformly and each row weighted by w(t)
+(`time_sampling: uniform`, the paper's), or with t drawn in proportion to w(t) (`time_sampling:
+weight`: K(t) = -log(1 - kappa(t)) uniform on [0, K(1 - eps)], every row weighted by
+K(1 - eps) / (1 - eps)). Both are unbiased for the same loss. The second has no weight variance,
+but most of its rows are close to x_1 and carry few remaining edits; in one short comparison on the
+editflow-smoke sums (cubic kappa, 600 steps) it did not help (neither run learnt the sums), and with
+linear kappa the uniform estimator already weighs each remaining edit's log term by
+w(t) (1 - kappa) = kappa' = 1.
 
 Choices, stated once here:
 - x_0 of the completion: empty (`x0: empty`, every edit is an insertion) or uniform random tokens as
@@ -40,16 +55,10 @@ from dllm.config.objectives import EditFlowConfig
 from dllm.data.loader import Batch
 from dllm.diffusion.corruption import NoiseKeys, uniform_token_ids
 from dllm.diffusion.edit_alignment import GAP, align
+from dllm.diffusion.edit_schedule import cumulative_weight, kappa_and_weight, time_of_weight
 from dllm.diffusion.objectives.base import LossOutput, ModelInputs, TokenIds
 from dllm.models.edit_flow import DELETE, INSERT, SUBSTITUTE, edit_token_log_probs
 from dllm.models.output import ModelOutput
-
-
-def kappa_and_weight(name: str, t_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """kappa(t) and the loss weight kappa'(t) / (1 - kappa(t)) of the cubic (t^3) or linear (t) schedule."""
-    if name == "cubic":
-        return t_B**3, 3.0 * t_B**2 / (1.0 - t_B**3)
-    return t_B, 1.0 / (1.0 - t_B)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,7 +76,9 @@ class EditFlowInputs(ModelInputs):
     edit_token_N: torch.Tensor = field(default=None)  # type: ignore[assignment]
     """Token inserted or substituted (0 for a deletion: unused)."""
     edit_weight_N: torch.Tensor = field(default=None)  # type: ignore[assignment]
-    """kappa'(t) / (1 - kappa(t)) of the edit's row."""
+    """The loss weight of the edit's row (`row_weight_B`)."""
+    row_weight_B: torch.Tensor = field(default=None)  # type: ignore[assignment]
+    """Loss weight of each row: w(t), or K(1 - eps) / (1 - eps) under time_sampling weight."""
 
 
 class EditFlowObjective:
@@ -94,8 +105,15 @@ class EditFlowObjective:
             x0_BN, len0_B = x.new_zeros(B, 0), torch.zeros_like(len1_B)
         z0_BA, z1_BA, _ = align(x0_BN, len0_B, x1_BL, len1_B)
         A = z0_BA.shape[1]
-        t_B = noise.stratified_time(sids, "edit_flow.t", self.cfg.antithetic) * (1.0 - self.cfg.eps)
-        kappa_B, w_B = kappa_and_weight(self.cfg.kappa, t_B)
+        u_B = noise.stratified_time(sids, "edit_flow.t", self.cfg.antithetic)
+        t_max = 1.0 - self.cfg.eps
+        if self.cfg.time_sampling == "weight":  # K(t) uniform: density w(t) / K(t_max), weight K(t_max) / t_max
+            K_max = cumulative_weight(self.cfg.kappa, t_max)
+            t_B = time_of_weight(self.cfg.kappa, u_B.double() * K_max).to(u_B.dtype).clamp_max(t_max)
+            kappa_B, w_B = kappa_and_weight(self.cfg.kappa, t_B)[0], torch.full_like(t_B, K_max / t_max)
+        else:
+            t_B = u_B * t_max
+            kappa_B, w_B = kappa_and_weight(self.cfg.kappa, t_B)
         keep_BA = noise.uniform(sids, (2 * L,), "edit_flow.keep")[:, :A] < kappa_B[:, None]
         zt_BA = torch.where(keep_BA, z1_BA, z0_BA)
         return self._inputs(x, prompt_B, zt_BA, z1_BA, w_B)
@@ -133,13 +151,14 @@ class EditFlowObjective:
         return EditFlowInputs(
             tokens, col_BL, mask, tokens, rate_on.amax(-1),
             rate_on_BL3=rate_on, edit_row_N=r, edit_pos_N=pos_BA[r, c], edit_kind_N=kind_BA[r, c],
-            edit_token_N=z1_BA[r, c].clamp_min(0), edit_weight_N=w_B[r],
+            edit_token_N=z1_BA[r, c].clamp_min(0), edit_weight_N=w_B[r], row_weight_B=w_B,
         )  # fmt: skip
 
     def loss(self, out: ModelOutput, inputs: ModelInputs) -> LossOutput:
         assert isinstance(inputs, EditFlowInputs) and out.edit is not None, "edit_flow needs model.edit_head"
         rates_BL3, ins_features_BLE = out.edit(out.hidden_BLE)
-        rate_sum = (rates_BL3 * inputs.rate_on_BL3.to(rates_BL3.dtype)).sum()
+        on_BL3 = inputs.rate_on_BL3.to(rates_BL3.dtype)
+        rate_sum = (rates_BL3 * on_BL3 * inputs.row_weight_B.to(rates_BL3.dtype)[:, None, None]).sum()
         r, p, k = inputs.edit_row_N, inputs.edit_pos_N, inputs.edit_kind_N
         log_rate_N = rates_BL3[r, p, k].clamp_min(1e-30).log()
         features_NE = torch.where((k == INSERT)[:, None], ins_features_BLE[r, p], out.hidden_BLE[r, p])
@@ -147,5 +166,8 @@ class EditFlowObjective:
         log_q_N = log_q_NV.gather(1, inputs.edit_token_N[:, None])[:, 0]
         log_u_N = log_rate_N + torch.where(k == DELETE, torch.zeros_like(log_q_N), log_q_N.to(log_rate_N.dtype))
         edit_term = (inputs.edit_weight_N.to(log_u_N.dtype) * log_u_N).sum()
-        metrics = {"rate_sum": rate_sum.detach(), "num_edits": torch.tensor(r.numel(), device=r.device)}
+        metrics = {
+            "rate_sum": (rates_BL3 * on_BL3).sum().detach(),
+            "num_edits": torch.tensor(r.numel(), device=r.device),
+        }
         return LossOutput(loss_sum=rate_sum - edit_term, metrics=metrics)
