@@ -44,6 +44,8 @@ def apply_parallelism(
     if compile:
         if dims.tp > 1:
             model.embed_tokens.register_forward_hook(_fresh_output)
+        if dims.tp > 1 or plan is not None or (meshes is not None and meshes.ep is not None):
+            _no_autograd_cache()
         for block in model.layers:
             block.compile()  # in place: parameter names (and checkpoints) stay the same
     if meshes is not None and cfg.data_parallel == "fsdp" and dims.grad_ranks > 1:
@@ -54,6 +56,16 @@ def apply_parallelism(
             fully_shard(block, mesh=meshes.fsdp)
         fully_shard(model, mesh=meshes.fsdp)
     return model
+
+
+def _no_autograd_cache() -> None:
+    """Turns off AOTAutograd's on-disk cache in this process when the compiled blocks hold collectives
+    (tensor, expert or context parallel). Its key does not see the process group a collective runs on,
+    while the cached code names the group: a later run whose groups are named otherwise loads it and
+    fails with "Could not resolve the process group registered under the name N" (measured, torch
+    2.13: the TP parity tests pass with a cold cache and fail when rerun with the same cache).
+    Inductor's own FX graph cache, which keys on the code with the group names in it, stays on."""
+    torch._functorch.config.enable_autograd_cache = False
 
 
 def _fresh_output(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
