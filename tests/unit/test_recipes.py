@@ -24,13 +24,15 @@ from dllm.recipes import (
     BYTE_VOCAB_SIZE,
     CONFIG_FILES,
     ENCODER_MODEL_DIR,
-    MAX_OPERAND,
+    HELDOUT_MAX_OPERAND,
     RecipeInfo,
     chat_records,
     copy_recipe,
+    held_out_sums,
     list_recipes,
     recipe_files,
     rl_sums,
+    sft_sums,
 )
 from dllm.training.preflight import resolve_run_spec
 
@@ -196,19 +198,42 @@ def test_chat_records_are_seeded_sums():
 
 
 def test_rl_sums_leave_out_the_held_out_examples():
-    """grpo-smoke's prompts: every sum up to MAX_OPERAND once, right, and none that `dllm eval tasks
+    """grpo-smoke's prompts: every sum up to HELDOUT_MAX_OPERAND once, right, and none that `dllm eval tasks
     --tasks addition --limit 200` scores (seed 0), so that evaluation is on prompts never rewarded."""
     from dllm.evaluation.tasks import load_task
 
     records = rl_sums(10_000)
     held_out = {e.prompt for e in load_task("addition", 200).examples}
+    assert held_out_sums() == held_out and len(held_out) == 154  # distinct prompts among the 200 examples
     prompts = [r["prompt"] for r in records]
-    assert len(set(prompts)) == len(prompts) == (MAX_OPERAND + 1) ** 2 - len(held_out)
+    assert len(set(prompts)) == len(prompts) == (HELDOUT_MAX_OPERAND + 1) ** 2 - len(held_out) == 746
     assert not set(prompts) & held_out
     for r in records:
         a, b = (int(x) for x in r["prompt"].removesuffix(" =").split(" + "))
         assert r["answer"] == r["completion"] == f" {a + b}"
     assert rl_sums(10) == records[:10] and rl_sums(10, seed=1) != records[:10]
+
+
+def test_sft_start_data_leaves_out_the_held_out_examples(tmp_path: Path):
+    """sft-start's copied corpus (sft_sums): right sums of operands up to HELDOUT_MAX_OPERAND, none of them a
+    prompt that `dllm eval tasks --tasks addition --limit 200` scores, and the same trainable sums rl_sums has."""
+    import json
+
+    from dllm.evaluation.tasks import load_task
+
+    assert INFO["sft-start"].data == "sft_sums" and INFO["grpo-smoke"].data == "rl_sums"
+    copy_recipe("sft-start", tmp_path)
+    records = [json.loads(line) for line in (tmp_path / "data/train.jsonl").read_text().splitlines()]
+    assert records == sft_sums(len(records)) and len(records) == 2000
+    held_out = {e.prompt for e in load_task("addition", 200).examples}
+    prompts = {r["prompt"] for r in records}
+    assert not prompts & held_out
+    assert prompts <= {r["prompt"] for r in rl_sums(10_000)} and len(prompts) > 600  # most of the 746 drawn
+    for r in records:
+        a, b = (int(x) for x in r["prompt"].removesuffix(" =").split(" + "))
+        assert r["completion"] == f" {a + b}" and max(a, b) <= HELDOUT_MAX_OPERAND
+    assert max(max(int(x) for x in p.removesuffix(" =").split(" + ")) for p in prompts) == HELDOUT_MAX_OPERAND
+    assert sft_sums(5, seed=1) != records[:5]
 
 
 def test_grpo_smoke_reads_its_copied_sums_as_prompts(tmp_path: Path):

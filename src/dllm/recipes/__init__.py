@@ -29,8 +29,12 @@ ENCODER_MODEL_DIR = "encoder-model"
 NUM_RECORDS = 2000
 # sft-smoke's seq_len 16 holds the longest sum "19 + 19 = 38" and its EOS; `dllm init` uses the same bound
 MAX_OPERAND = 19
-# rl_sums leaves out the prompts of `dllm eval tasks --tasks addition --limit 200` (seed 0): the held-out set
+# sft_sums and rl_sums leave out the prompts of `dllm eval tasks --tasks addition --limit 200` (seed 0): the
+# held-out set
 HELDOUT_LIMIT = 200
+# their operands reach past the eval's 0..19, so the held-out sums share digit patterns with more trained
+# ones ("29 + 29 = 58" still fits seq_len 16): 746 sums are left to train on
+HELDOUT_MAX_OPERAND = 29
 # the byte tokenizer's 260 ids rounded up to a multiple of 64, as `model.vocab_size: null` resolves it
 BYTE_VOCAB_SIZE = 320
 
@@ -46,7 +50,7 @@ class RecipeInfo(Section):
     """smoke: runs on a CPU in under a minute; template: realistic GPU settings to edit."""
     description: str
     """One line for `dllm recipe list`."""
-    data: Literal["demo_text", "demo_sums", "rl_sums", "chat", "none"] = "none"
+    data: Literal["demo_text", "demo_sums", "sft_sums", "rl_sums", "chat", "none"] = "none"
     """The corpus `copy` generates into data/train.jsonl."""
     ar_model: bool = False
     """`copy` also writes ar-model/, a tiny random causal llama (Hugging Face folder) to convert."""
@@ -134,15 +138,39 @@ def demo_sums(num_records: int, seed: int = 0) -> list[dict[str, Any]]:
     return [addition_example(rng, MAX_OPERAND) for _ in range(num_records)]
 
 
-def rl_sums(num_records: int, seed: int = 0) -> list[dict[str, Any]]:
-    """The sums an rl recipe is rewarded on, {"prompt", "completion", "answer"}: every sum of operands up to
-    MAX_OPERAND (at most `num_records`, in a shuffled order) except the held-out ones that
-    `dllm eval tasks --tasks addition --limit HELDOUT_LIMIT` scores, so that evaluation measures prompts
-    the policy was never rewarded on. `answer` is what rl.prompts.path reads; `completion` what prepare reads."""
+def held_out_sums() -> set[str]:
+    """The prompts `dllm eval tasks --tasks addition --limit HELDOUT_LIMIT` scores (seed 0), "12 + 7 =" each."""
     from dllm.evaluation.tasks import load_task
 
-    held_out = {e.prompt for e in load_task("addition", HELDOUT_LIMIT).examples}
-    pairs = [(a, b) for a in range(MAX_OPERAND + 1) for b in range(MAX_OPERAND + 1)]
+    return {e.prompt for e in load_task("addition", HELDOUT_LIMIT).examples}
+
+
+def _trainable_sums() -> list[tuple[int, int]]:
+    """Every operand pair up to HELDOUT_MAX_OPERAND whose prompt is not held out, in order."""
+    held_out = held_out_sums()
+    pairs = [(a, b) for a in range(HELDOUT_MAX_OPERAND + 1) for b in range(HELDOUT_MAX_OPERAND + 1)]
+    return [(a, b) for a, b in pairs if f"{a} + {b} =" not in held_out]
+
+
+def sft_sums(num_records: int, seed: int = 0) -> list[dict[str, Any]]:
+    """{"prompt": "12 + 7 =", "completion": " 19"} records drawn (with repeats) from the sums of operands up to
+    HELDOUT_MAX_OPERAND except the held-out ones (held_out_sums): an SFT start that `dllm eval tasks --tasks
+    addition --limit HELDOUT_LIMIT` then scores only on sums it never saw."""
+    rng = random.Random(seed)
+    pairs = _trainable_sums()
+    return [
+        {"prompt": f"{a} + {b} =", "completion": f" {a + b}"}
+        for a, b in (rng.choice(pairs) for _ in range(num_records))
+    ]
+
+
+def rl_sums(num_records: int, seed: int = 0) -> list[dict[str, Any]]:
+    """The sums an rl recipe is rewarded on, {"prompt", "completion", "answer"}: every sum of operands up to
+    HELDOUT_MAX_OPERAND (at most `num_records`, in a shuffled order) except the held-out ones
+    (held_out_sums), so that evaluation measures prompts the policy was never rewarded on (nor, from
+    sft_sums, trained on). `answer` is what rl.prompts.path reads; `completion` what prepare reads."""
+    held_out = held_out_sums()
+    pairs = [(a, b) for a in range(HELDOUT_MAX_OPERAND + 1) for b in range(HELDOUT_MAX_OPERAND + 1)]
     random.Random(seed).shuffle(pairs)
     out = []
     for a, b in pairs:
@@ -170,6 +198,7 @@ def chat_records(num_records: int, seed: int = 0) -> list[dict[str, Any]]:
 GENERATORS: dict[str, Callable[[int], list[dict[str, Any]]]] = {
     "demo_text": demo_text,
     "demo_sums": demo_sums,
+    "sft_sums": sft_sums,
     "rl_sums": rl_sums,
     "chat": chat_records,
 }
