@@ -290,7 +290,9 @@ def measure(target, drafter, prompts, decoding, mask_id, speculative_generate, r
     out.update(tau=round(c["tau"], 3), forwards_per_token_one_batch=round(c["forwards_per_token"], 4),
                acceptance_rate=round(c["acceptance_rate"], 3),
                lossless=spec_all.sequences == ar_all.sequences)  # fmt: skip
-    costs = step_costs(target, drafter, prompts[0] + ar_all.sequences[0][:16], mask_id)
+    # timed after the longest row's prompt and first 16 tokens: at least b positions of context to draft from
+    longest = max(range(len(prompts)), key=lambda i: len(prompts[i]) + len(ar_all.sequences[i]))
+    costs = step_costs(target, drafter, prompts[longest] + ar_all.sequences[longest][:16], mask_id)
     out["verify_over_ar_step"] = round(costs["verify_s"] / costs["ar_step_s"], 2)
     out["propose_over_ar_step"] = round(costs["propose_s"] / costs["ar_step_s"], 2)
     # the CPU's ceiling for this pair: tau tokens per (verify + propose), against one token per AR step

@@ -68,7 +68,7 @@ def test_index_matches_the_recipe_folders():
     smoke = {"mdlm", "sft", "bd3lm", "fast-dllm-v2", "uniform", "a2d-mdlm", "a2d-bd3lm", "ar", "dflash", "grpo",
              "bert-chat", "editflow"}  # fmt: skip
     templates = {"qwen3-0.6b-bd3lm", "llada-8b-sft", "qwen2.5-fast-dllm-v2", "mdlm-small-pretrain", "dflash-qwen3-8b",
-                 "bert-chat-modernbert-large", "editflow-small-sft"}  # fmt: skip
+                 "bert-chat-modernbert-large", "editflow-small-sft", "grpo-llada-8b-gsm8k"}  # fmt: skip
     for name in RECIPES:  # a recipe trained first is a smoke recipe listed before
         after = INFO[name].after
         assert after is None or (after in SMOKE and RECIPES.index(after) < RECIPES.index(name)), name
@@ -83,7 +83,11 @@ def test_recipe_configs_validate_and_agree(name: str, tmp_path: Path):
     assert spec.objective.name == INFO[name].objective
     assert spec.tokenizer == prep.tokenizer, "train.yaml must use the tokenizer that prepared the data"
     if spec.rl is not None:  # an rl run generates its batches from rl.prompts
-        assert spec.data is None and spec.rl.prompts is not None and INFO[name].after is not None
+        assert spec.data is None and spec.rl.prompts is not None
+        assert INFO[name].after is not None or INFO[name].kind == "template"  # a start model: trained first, or yours
+        from dllm.config.rules import check_rl
+
+        check_rl(spec)  # rounds, checkpoints and groups per rank agree (no model folder needed)
     else:
         assert spec.data.path == prep.output and spec.data.seq_len == prep.seq_len
     check_topology(spec, spec.topology.world_size)

@@ -7,7 +7,11 @@ Built-in tasks are generated from a seed, so every run scores the same examples:
 - `pattern`: a cycle of 2-3 words shown twice and cut, "-> " the next three words;
 - `countdown`, `sudoku4`: puzzles with many right answers or rule-checked ones (evaluation/puzzles.py),
   each example carrying its exact verifier.
-A user task is a JSONL file of {"prompt": ..., "answer": ...} records.
+A user task is a JSONL file of {"prompt": ..., "answer": ...} records, or of GSM8K-format records
+{"question": ..., "answer": "<worked solution> #### <number>"}: the question is the prompt, the number
+after "####" the reference, and an output is right when its final number (after its own last "####",
+else in its last \\boxed{...}, else its last number; thousands commas dropped) equals it; such a task
+has no stop string (solutions span lines) and 256 new tokens by default.
 
 An output is right when the generated text, cut at the first stop string (a newline by default) and
 EOS, equals the answer after stripping surrounding whitespace on both, or, for an example with a
@@ -17,6 +21,7 @@ verifier, when the verifier accepts it.
 from __future__ import annotations
 
 import random
+import re
 import string
 import time
 from collections.abc import Callable
@@ -104,16 +109,58 @@ def load_task(name_or_path: str, limit: int, seed: int = 0) -> Task:
 
     examples = []
     for rec in jsonl_records(path):
-        prompt, answer = rec.data.get("prompt"), rec.data.get("answer")
-        if not isinstance(prompt, str) or not isinstance(answer, str):
-            raise DataError(f'{rec.where}: expected {{"prompt": "...", "answer": "..."}}')
-        examples.append(Example(prompt, answer))
+        if "question" in rec.data and "prompt" not in rec.data:
+            examples.append(_gsm8k_example(rec.data, rec.where))
+        else:
+            prompt, answer = rec.data.get("prompt"), rec.data.get("answer")
+            if not isinstance(prompt, str) or not isinstance(answer, str):
+                raise DataError(
+                    f'{rec.where}: expected {{"prompt": "...", "answer": "..."}} (or GSM8K\'s {{"question", "answer"}})'
+                )
+            examples.append(Example(prompt, answer))
         if len(examples) >= limit:
             break
     if not examples:
         raise DataError(f"{path}: no records")
+    if any(e.verify is not None for e in examples):  # GSM8K-format: worked solutions over several lines
+        return Task(path.stem, examples, GSM8K_NEW_TOKENS, stop_strings=())
     longest = max(len(e.answer) for e in examples)
     return Task(path.stem, examples, max(8, longest + 4))
+
+
+GSM8K_NEW_TOKENS = 256
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+_BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
+
+
+def final_number(text: str) -> str | None:
+    """The final answer of a worked solution: the first number after its last "####", else the last number
+    in its last \\boxed{...}, else its last number; thousands commas dropped; None when it has none."""
+    if "####" in text:
+        found = _NUMBER.findall(text.rsplit("####", 1)[1])
+        return found[0].replace(",", "") if found else None
+    boxed = _BOXED.findall(text)
+    found = _NUMBER.findall(boxed[-1] if boxed else text)
+    return found[-1].replace(",", "") if found else None
+
+
+def same_number(output: str, reference: str) -> bool:
+    """Whether `output`'s final number equals the number `reference` (numerically: 72 == 72.0)."""
+    got = final_number(output)
+    if got is None:
+        return False
+    try:
+        return float(got) == float(reference)
+    except ValueError:
+        return False
+
+
+def _gsm8k_example(data: dict[str, Any], where: str) -> Example:
+    question, solution = data.get("question"), data.get("answer")
+    reference = final_number(solution) if isinstance(solution, str) and "####" in solution else None
+    if not isinstance(question, str) or reference is None:
+        raise DataError(f'{where}: a GSM8K record needs "question" and an "answer" that ends with "#### <number>"')
+    return Example(question, reference, verify=partial(same_number, reference=reference))
 
 
 def is_correct(output: str, answer: str) -> bool:
