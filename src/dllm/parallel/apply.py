@@ -7,6 +7,8 @@ activation checkpointing -> compile (per block) -> FSDP2 (on the meta device, be
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -90,6 +92,14 @@ def after_materialize(model: nn.Module, meshes: Meshes | None, cfg: TopologyConf
 def unwrap(model: nn.Module) -> nn.Module:
     """The user's module under a DDP wrapper (FSDP2 modifies modules in place)."""
     return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def grad_sync(model: nn.Module, last: bool) -> contextlib.AbstractContextManager:
+    """A micro-batch's context: gradients are reduced over the data-parallel ranks only on the `last`
+    micro-batch of an accumulation (FSDP2's flag; DDP's `no_sync` around the others)."""
+    set_grad_sync(model, last)
+    no_sync = getattr(model, "no_sync", None)  # DDP
+    return contextlib.nullcontext() if last or no_sync is None else no_sync()
 
 
 def set_grad_sync(model: nn.Module, enabled: bool) -> None:

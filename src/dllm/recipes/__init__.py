@@ -145,10 +145,13 @@ def held_out_sums() -> set[str]:
     return {e.prompt for e in load_task("addition", HELDOUT_LIMIT).examples}
 
 
-def _trainable_sums() -> list[tuple[int, int]]:
-    """Every operand pair up to HELDOUT_MAX_OPERAND whose prompt is not held out, in order."""
+def _trainable_sums(seed: int | None = None) -> list[tuple[int, int]]:
+    """Every operand pair up to HELDOUT_MAX_OPERAND whose prompt is not held out: in order, or in the
+    order of a shuffle of all pairs by `seed`."""
     held_out = held_out_sums()
     pairs = [(a, b) for a in range(HELDOUT_MAX_OPERAND + 1) for b in range(HELDOUT_MAX_OPERAND + 1)]
+    if seed is not None:
+        random.Random(seed).shuffle(pairs)
     return [(a, b) for a, b in pairs if f"{a} + {b} =" not in held_out]
 
 
@@ -169,15 +172,8 @@ def rl_sums(num_records: int, seed: int = 0) -> list[dict[str, Any]]:
     HELDOUT_MAX_OPERAND (at most `num_records`, in a shuffled order) except the held-out ones
     (held_out_sums), so that evaluation measures prompts the policy was never rewarded on (nor, from
     sft_sums, trained on). `answer` is what rl.prompts.path reads; `completion` what prepare reads."""
-    held_out = held_out_sums()
-    pairs = [(a, b) for a in range(HELDOUT_MAX_OPERAND + 1) for b in range(HELDOUT_MAX_OPERAND + 1)]
-    random.Random(seed).shuffle(pairs)
-    out = []
-    for a, b in pairs:
-        prompt = f"{a} + {b} ="
-        if prompt not in held_out:
-            out.append({"prompt": prompt, "completion": f" {a + b}", "answer": f" {a + b}"})
-    return out[:num_records]
+    pairs = _trainable_sums(seed)[:num_records]
+    return [{"prompt": f"{a} + {b} =", "completion": f" {a + b}", "answer": f" {a + b}"} for a, b in pairs]
 
 
 def chat_records(num_records: int, seed: int = 0) -> list[dict[str, Any]]:

@@ -119,13 +119,11 @@ def generate(
 
     The loop runs under `torch.inference_mode` (less dispatch work per op than `no_grad`: ~10% of a
     small model's forward); the returned canvas is an ordinary tensor, usable in autograd later."""
-    if cfg.generation == "edit_flow":  # no canvas: tau-leaping over edit rates (sampling/edit_flow.py)
-        with torch.inference_mode():
-            result = _edit_flow(model, prompts, cfg, special, generator, callback)
-        result.canvas_BL = result.canvas_BL.clone()
-        return result
     with torch.inference_mode():
-        result = Loop(model, prompts, cfg, special, generator, callback, stop).run()
+        if cfg.generation == "edit_flow":  # no canvas: tau-leaping over edit rates (sampling/edit_flow.py)
+            result = _edit_flow(model, prompts, cfg, special, generator, callback)
+        else:
+            result = Loop(model, prompts, cfg, special, generator, callback, stop).run()
     result.canvas_BL = result.canvas_BL.clone()  # inference tensors cannot enter autograd
     return result
 

@@ -39,7 +39,7 @@ from dllm.config.training import LoggingConfig, TrainingConfig
 from dllm.errors import CheckpointError
 from dllm.evaluation.tasks import Task
 from dllm.models.lora import adapters_disabled
-from dllm.parallel.apply import set_grad_sync, unwrap
+from dllm.parallel.apply import grad_sync, unwrap
 from dllm.parallel.dims import DistEnv, ParallelDims, all_reduce_sum
 from dllm.parallel.grad_norm import clip_grad_norm
 from dllm.rl.grpo import group_advantages, grpo_loss
@@ -271,13 +271,6 @@ class GRPOTrainer:
         finally:
             progress.close()
         return losses
-
-
-def grad_sync(model: nn.Module, last: bool) -> contextlib.AbstractContextManager:
-    """Gradients reduced over the data-parallel ranks only on the `last` micro-batch (DDP no_sync, FSDP2 flag)."""
-    set_grad_sync(model, last)
-    no_sync = getattr(model, "no_sync", None)  # DDP
-    return contextlib.nullcontext() if last or no_sync is None else no_sync()
 
 
 @contextlib.contextmanager

@@ -28,7 +28,7 @@ from dllm.diffusion.corruption import NoiseKeys
 from dllm.diffusion.objectives.base import ModelInputs, Objective
 from dllm.errors import CheckpointError, TrainingError
 from dllm.models.output import ModelOutput, SelfConditioned
-from dllm.parallel.apply import set_grad_sync
+from dllm.parallel.apply import grad_sync
 from dllm.parallel.context import ShardPlan
 from dllm.parallel.dims import DistEnv, ParallelDims, all_reduce_sum
 from dllm.parallel.grad_norm import clip_grad_norm
@@ -127,11 +127,6 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
-    def _no_sync(self, last: bool) -> contextlib.AbstractContextManager:
-        set_grad_sync(self.model, last)
-        no_sync = getattr(self.model, "no_sync", None)  # DDP
-        return contextlib.nullcontext() if last or no_sync is None else no_sync()
-
     def train_step(self, micro_batches: list[Batch]) -> StepStats:
         times = {"forward": 0.0, "backward": 0.0}
         local_targets = sum(self.objective.normalizer(b) for b in micro_batches)
@@ -151,7 +146,7 @@ class Trainer:
         lr = self.lr_schedule.apply(self.optimizer, self.step)
         for i, batch in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
-            with self._no_sync(last):
+            with grad_sync(self.model, last):
                 t0 = time.perf_counter()
                 inputs = self.objective.prepare(batch.to(self.device), self.noise)
                 if self.plan is not None:
