@@ -243,25 +243,49 @@ def test_ragged_cache_verification_matches_the_no_cache_reference(target):
 
 
 def test_the_drafter_gets_the_target_features_of_every_kept_position(target):
-    """The features a drafter holds at the end equal a full no-cache pass of the target over the final
-    sequence, at every position before the last anchor (written by the prefill or by verify rounds,
-    rejected ones rewritten)."""
+    """Whenever the drafter proposes, the features it holds before each row's anchor equal a full no-cache
+    pass of the target over the final sequence (written by the prefill or by verify rounds, the positions
+    of rejected drafts rewritten)."""
     N, b, ids = 12, 4, (0, 1)
     prompts = random_prompts(5, seed=15)
     drafter = FeatureProbeDrafter(ids, 64, b, seed=1)
-    states: list[ProbeState] = []
-    start = drafter.start
-    drafter.start = lambda B, T: states.append(start(B, T)) or states[-1]  # type: ignore[method-assign]
+    seen: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    propose = drafter.propose
+
+    def probe(state: ProbeState, anchor_B, anchor_pos_B):
+        seen.append((state.features_BTF.clone(), state.written_BT.clone(), anchor_pos_B.clone()))
+        return propose(state, anchor_B, anchor_pos_B)
+
+    drafter.propose = probe  # type: ignore[method-assign]
     out = speculative_generate(target, drafter, prompts, Decoding(max_new_tokens=N), mask_id=MASK_ID)
     assert out.counters.accepted > 0  # the head over real features proposes something the target accepts
-    state = states[0]
+    assert len(seen) > 3
     for row, (p, s) in enumerate(zip(prompts, out.sequences, strict=True)):
         seq = torch.tensor([p + s])[:, :-1]  # every position but the last token's was run by the target
         with capture_layers(target, ids) as cap:
             target(seq, torch.arange(seq.shape[1])[None], AttentionMask("causal"))
-        got = state.features_BTF[row, : seq.shape[1]]
-        torch.testing.assert_close(got, cap.features()[0], atol=1e-10, rtol=0)
-        assert bool(state.written_BT[row, : seq.shape[1]].all())
+        for features_BTF, written_BT, anchor_pos_B in seen:
+            end = min(int(anchor_pos_B[row]), seq.shape[1])  # the context this proposal read
+            torch.testing.assert_close(features_BTF[row, :end], cap.features()[0, :end], atol=1e-10, rtol=0)
+            assert bool(written_BT[row, :end].all())
+
+
+def test_the_capture_hooks_live_for_one_call(target):
+    """The target's feature hooks are registered once per call (not per forward) and gone after it."""
+    ids = (0, 1)
+    drafter = FeatureProbeDrafter(ids, 64, 4, seed=1)
+    registered: list[list[int]] = []
+    propose = drafter.propose
+
+    def probe(state, anchor_B, anchor_pos_B):
+        registered.append([len(layer._forward_hooks) for layer in target.layers])
+        return propose(state, anchor_B, anchor_pos_B)
+
+    drafter.propose = probe  # type: ignore[method-assign]
+    speculative_generate(target, drafter, random_prompts(3, seed=2), Decoding(max_new_tokens=8), mask_id=MASK_ID)
+    expected = [1 if i in ids else 0 for i in range(len(target.layers))]
+    assert len(registered) > 1 and all(r == expected for r in registered)
+    assert all(not layer._forward_hooks for layer in target.layers)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -20,7 +20,8 @@ length, N new tokens, V vocabulary, F captured target features.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -30,7 +31,7 @@ from torch import nn
 from dllm.attention.masks import AttentionMask
 from dllm.config.profile import DecodeProfile
 from dllm.config.registries import FAMILIES
-from dllm.models.capture import capture_layers
+from dllm.models.capture import CapturedLayers, capture_layers
 from dllm.sampling.proposals import filter_logits
 
 # ---------------------------------------------------------------------------------------------------
@@ -102,6 +103,18 @@ class Target:
         self.capacity = capacity
         self.forwards = 0
         self.cache = RaggedKVCache(capacity, self.length_B)
+        self._captured: CapturedLayers | None = None  # open while `capturing()` is
+
+    @contextmanager
+    def capturing(self) -> Iterator[Target]:
+        """Keep the hooks that capture `layer_ids` registered over many forwards (a decoding call) rather
+        than registering and removing them in every forward."""
+        with capture_layers(self.model, self.layer_ids) as captured:
+            self._captured = captured
+            try:
+                yield self
+            finally:
+                self._captured = None
 
     def forward(
         self, tokens_BQ: torch.Tensor, logit_rows_BR: torch.Tensor | None = None
@@ -118,10 +131,12 @@ class Target:
     def _run(self, tokens_BL, positions_BL, mask, cache, rows_BQ, logit_rows_BR):
         """The one model call: features at rows `rows_BQ` of its output (None: all rows) and logits at
         `logit_rows_BR` of those (None: all), the mask token excluded."""
+        if self.layer_ids and self._captured is None:  # a forward outside `capturing()`: hooks for it alone
+            with self.capturing():
+                return self._run(tokens_BL, positions_BL, mask, cache, rows_BQ, logit_rows_BR)
         self.forwards += 1
-        with capture_layers(self.model, self.layer_ids) as captured:
-            out = self.model(tokens_BL, positions_BL, mask, cache=cache)
-            features = captured.features() if self.layer_ids else None
+        out = self.model(tokens_BL, positions_BL, mask, cache=cache)
+        features = self._captured.features() if self._captured is not None and self.layer_ids else None
         hidden = out.hidden_BLE if rows_BQ is None else _rows(out.hidden_BLE, rows_BQ)
         if features is not None and rows_BQ is not None:
             features = _rows(features, rows_BQ)

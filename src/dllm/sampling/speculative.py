@@ -94,11 +94,6 @@ def speculative_generate(
         capacity = P + N + 2 * b
         runner = (Target if use_cache else Recompute)(target, B, capacity, drafter.target_layer_ids, mask_id)
         state = drafter.start(B, capacity)
-        if P > 1:  # the context before each anchor: the prompt but its last token
-            _, features = runner.forward(tokens_BP[:, : P - 1], torch.zeros(B, 0, dtype=torch.long, device=device))
-            drafter.extend(state, _features(features, B, P - 1, device), _positions(torch.zeros_like(lengths_B), P - 1))
-        runner.commit(lengths_B - 1)
-        anchor_B = tokens_BP.gather(1, (lengths_B - 1)[:, None])[:, 0]
         # a round writes b tokens after a row's num_B (those past its keep_B are rewritten by the next round),
         # an ended row's up to N + b - 1 + b
         out_BN = torch.zeros(B, N + 2 * b, dtype=torch.long, device=device)
@@ -107,29 +102,42 @@ def speculative_generate(
         rounds_B, accepted_B = torch.zeros_like(num_B), torch.zeros_like(num_B)  # counted per row, summed at the end
         arange_b = torch.arange(b, device=device)
         no_mask = torch.tensor([mask_id if mask_id is not None else 0], device=device)
-        while not bool(ended_B.all()):  # the round's one host sync
-            anchor_pos_B = runner.length_B  # commit replaces the tensor: this one stays the round's
-            draft_logits = drafter.propose(state, anchor_B, anchor_pos_B)
-            if mask_id is not None:
-                draft_logits = draft_logits.index_fill(-1, no_mask, float("-inf"))
-            drafts, q = _draft(draft_logits, decoding, generator)
-            logits, features = runner.forward(torch.cat([anchor_B[:, None], drafts], dim=1))
-            num_accepted_B, next_B = _verify(drafts, q, logits, decoding, generator)
-            live_B = ~ended_B
-            keep_B = torch.where(live_B, num_accepted_B + 1, 0)
-            new_Bb = _append(out_BN, num_B, drafts, num_accepted_B, next_B)
-            num_B = num_B + keep_B
-            runner.commit(keep_B)  # the anchor and the accepted drafts are now cached; the rest rolls back
-            anchor_B = torch.where(live_B, next_B, anchor_B)
-            # every verified position's features; those past a row's new length are rewritten next round
-            drafter.extend(state, _features(features, B, b, device), anchor_pos_B[:, None] + arange_b)
-            rounds_B += live_B
-            accepted_B += torch.where(live_B, num_accepted_B, 0)
-            ended_B = ended_B | (num_B >= N)
-            if decoding.eos_id is not None:  # an EOS among the kept new tokens
-                ended_B |= ((new_Bb == decoding.eos_id) & (arange_b < keep_B[:, None])).any(-1)
-            if stop is not None:
-                ended_B = ended_B | row_ended(out_BN[:, :N], num_B.clamp_max(N), decoding.eos_id, stop)
+        with runner.capturing():  # the feature hooks stay registered for the call
+            if P > 1:  # the context before each anchor: the prompt but its last token
+                _, features = runner.forward(tokens_BP[:, : P - 1], torch.zeros(B, 0, dtype=torch.long, device=device))
+                drafter.extend(
+                    state, _features(features, B, P - 1, device), _positions(torch.zeros_like(lengths_B), P - 1)
+                )
+            runner.commit(lengths_B - 1)
+            anchor_B = tokens_BP.gather(1, (lengths_B - 1)[:, None])[:, 0]
+            running = True
+            while running:
+                anchor_pos_B = runner.length_B  # commit replaces the tensor: this one stays the round's
+                draft_logits = drafter.propose(state, anchor_B, anchor_pos_B)
+                if mask_id is not None:
+                    draft_logits = draft_logits.index_fill(-1, no_mask, float("-inf"))
+                drafts, q = _draft(draft_logits, decoding, generator)
+                logits, features = runner.forward(torch.cat([anchor_B[:, None], drafts], dim=1))
+                num_accepted_B, next_B = _verify(drafts, q, logits, decoding, generator)
+                live_B = ~ended_B
+                keep_B = torch.where(live_B, num_accepted_B + 1, 0)
+                new_Bb = _append(out_BN, num_B, drafts, num_accepted_B, next_B)
+                num_B = num_B + keep_B
+                runner.commit(keep_B)  # the anchor and the accepted drafts are now cached; the rest rolls back
+                anchor_B = torch.where(live_B, next_B, anchor_B)
+                rounds_B += live_B
+                accepted_B += torch.where(live_B, num_accepted_B, 0)
+                ended_B = ended_B | (num_B >= N)
+                if decoding.eos_id is not None:  # an EOS among the kept new tokens
+                    ended_B |= ((new_Bb == decoding.eos_id) & (arange_b < keep_B[:, None])).any(-1)
+                if stop is not None:
+                    ended_B = ended_B | row_ended(out_BN[:, :N], num_B.clamp_max(N), decoding.eos_id, stop)
+                # the round's host sync: whether a row runs on, and the most verified positions a row keeps
+                num_running, kept = torch.stack([(~ended_B).sum(), keep_B.max()]).tolist()
+                running = num_running > 0
+                if running:  # the kept positions' features (a row's past its new length are rewritten next round)
+                    features_Bk = _features(features, B, b, device)[:, :kept]
+                    drafter.extend(state, features_Bk, anchor_pos_B[:, None] + arange_b[:kept])
         counters = DecodeCounters(rounds=int(rounds_B.sum()), accepted=int(accepted_B.sum()))
         counters.drafted = counters.rounds * (b - 1)
         counters.target_forwards = runner.forwards
