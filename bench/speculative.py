@@ -155,8 +155,8 @@ def tau_offline(target, drafter: DFlashDrafter, prompts: list[list[int]], greedy
             target(seq, torch.arange(L)[None], AttentionMask("causal"))
         feats = cap.features()
         state = drafter.start(1, L + 2 * b)
-        drafter.extend(state, feats[:, : P - 1], torch.arange(P - 1)[None])
-        p = P - 1  # the anchor: the last prompt token; tokens after it are what the target generates
+        drafter.extend(state, feats[:, :P], torch.arange(P)[None])
+        p = P  # the anchor: the first generated token (the prefill's); the tokens after it come from rounds
         while p < L - 1:
             drafts = drafter.propose(state, seq[:, p], torch.tensor([p]))[0].argmax(-1)
             # as the loop does: the verified positions' features (a position's never change under greedy)

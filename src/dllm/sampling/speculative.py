@@ -10,10 +10,12 @@ probability min(1, p_i(d_i) / q_i(d_i)); at the first rejection draw from norm(m
 every output token is distributed exactly as the target's own sampling. Rows keep different numbers
 of tokens: the cache's per-row length is set past the kept ones (rejected positions are rolled back).
 
-The first anchor is each prompt's last token, so every generated token, the first included, comes
-out of a verify forward. DFlash drafters (Chen et al. 2025) condition on target hidden states: the
-target's blocks `drafter.target_layer_ids` are captured during every target forward
-(models/capture.py) and handed to `drafter.extend` at their positions.
+The prompts run once (prefill), and their last logits give the first token, as in AR decoding: the
+target's own choice, greedy or sampled. It is the first anchor, so the first proposal already reads
+the features of every prompt position (the last one included, the most telling about what comes
+next). DFlash drafters (Chen et al. 2025) condition on target hidden states: the target's blocks
+`drafter.target_layer_ids` are captured during every target forward (models/capture.py) and handed to
+`drafter.extend` at their positions.
 
 Shapes: B batch, b block size (anchor + b - 1 drafts), P prompt length, N new tokens, V vocabulary,
 F captured target features.
@@ -103,14 +105,15 @@ def speculative_generate(
         arange_b = torch.arange(b, device=device)
         no_mask = torch.tensor([mask_id if mask_id is not None else 0], device=device)
         with runner.capturing():  # the feature hooks stay registered for the call
-            if P > 1:  # the context before each anchor: the prompt but its last token
-                _, features = runner.forward(tokens_BP[:, : P - 1], torch.zeros(B, 0, dtype=torch.long, device=device))
-                drafter.extend(
-                    state, _features(features, B, P - 1, device), _positions(torch.zeros_like(lengths_B), P - 1)
-                )
-            runner.commit(lengths_B - 1)
-            anchor_B = tokens_BP.gather(1, (lengths_B - 1)[:, None])[:, 0]
-            running = True
+            # the prefill: every prompt position's features, and the first token from the last one's logits
+            logits_B1V, features = runner.forward(tokens_BP, (lengths_B - 1)[:, None])
+            runner.commit(lengths_B)
+            drafter.extend(state, _features(features, B, P, device), _positions(torch.zeros_like(lengths_B), P))
+            anchor_B = decoding.choose(logits_B1V[:, 0], generator)
+            out_BN[:, 0] = anchor_B
+            num_B = num_B + 1
+            ended_B = row_ended(out_BN[:, :1], num_B, decoding.eos_id, stop) | (num_B >= N)
+            running = not bool(ended_B.all())
             while running:
                 anchor_pos_B = runner.length_B  # commit replaces the tensor: this one stays the round's
                 draft_logits = drafter.propose(state, anchor_B, anchor_pos_B)
