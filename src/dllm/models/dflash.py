@@ -121,6 +121,17 @@ class DraftState:
     pending: tuple[torch.Tensor, torch.Tensor] | None = None
     """Features [B, N, F] and positions [B, N] `extend` was given and the next `propose` writes (in its
     own forward: one pass per round over the new context and the block)."""
+    rope_TD: tuple[torch.Tensor, torch.Tensor] | None = None
+    """RoPE's cos and signed sin of every position [0, T), computed once per call (None: no RoPE)."""
+    arange_b: torch.Tensor | None = None
+    """[0, b): the offsets of propose's block rows from its anchor's position."""
+
+    def rope(self, positions_BL: torch.Tensor) -> tuple | None:
+        """The RoPE tables [B, 1, L, D] of these positions (rows of the per-call table)."""
+        if self.rope_TD is None:
+            return None
+        cos_TD, sin_TD = self.rope_TD
+        return cos_TD[positions_BL][:, None], sin_TD[positions_BL][:, None]
 
 
 class BufferKV:
@@ -271,9 +282,12 @@ class DFlashDrafter(nn.Module):
         """Fresh per-call state: zeroed key/value buffers of `max_length` context positions per layer."""
         w = self.fc.weight
         shape = (batch_size, self.cfg.kv_heads, max_length, self.cfg.dim_per_head)
+        rope = self._rope(torch.arange(max_length, device=w.device)[None])
         return DraftState(
             [torch.zeros(shape, dtype=w.dtype, device=w.device) for _ in self.layers],
             [torch.zeros(shape, dtype=w.dtype, device=w.device) for _ in self.layers],
+            rope_TD=None if rope is None else (rope[0][0, 0], rope[1][0, 0]),
+            arange_b=torch.arange(self.block_size, device=w.device),
         )
 
     def extend(self, state: DraftState, features_BNF: torch.Tensor, positions_BN: torch.Tensor) -> None:
@@ -288,7 +302,7 @@ class DFlashDrafter(nn.Module):
     def _write_context(self, state: DraftState, features_BNF: torch.Tensor, positions_BN: torch.Tensor) -> None:
         """Write the projected context keys/values of N positions per row (without a block)."""
         context_BNE = self.fuse(features_BNF)
-        rope = self._rope(positions_BN)
+        rope = state.rope(positions_BN)
         index_BN = positions_BN[:, None, :, None]
         for i, layer in enumerate(self.layers):
             k, v = self.context_kv(layer, context_BNE, rope)
@@ -306,11 +320,12 @@ class DFlashDrafter(nn.Module):
         context's projections and the block's share the layer's matmuls; both land in the state's buffers
         (BufferKV), where the block sits at its own positions: row r attends to [0, anchor_pos_B[r] + b)."""
         b, B, device = self.block_size, anchor_B.shape[0], anchor_B.device
-        lo, hi = torch.stack(torch.aminmax(anchor_pos_B)).tolist()
+        host_pos = anchor_pos_B.tolist()
+        lo, hi = min(host_pos), max(host_pos)
         end = hi + b
         ids_Bb = torch.full((B, b), self.mask_id, dtype=anchor_B.dtype, device=device)
         ids_Bb[:, 0] = anchor_B
-        positions_BL = anchor_pos_B[:, None] + torch.arange(b, device=device)
+        positions_BL = anchor_pos_B[:, None] + state.arange_b
         x = self.target.embed(ids_Bb, positions_BL).to(self.fc.weight.dtype)
         context_BNE = None
         if state.pending is not None:
@@ -321,7 +336,7 @@ class DFlashDrafter(nn.Module):
         mask_B1bT = None  # rows at one length: every row reads the whole buffer [0, end)
         if lo != hi:
             mask_B1bT = (torch.arange(end, device=device) < (anchor_pos_B + b)[:, None])[:, None, None, :]
-        rope = self._rope(positions_BL)
+        rope = state.rope(positions_BL)
         for i, layer in enumerate(self.layers):
             rows = x if context_BNE is None else torch.cat([x, context_BNE], dim=1)
             x, _ = layer(rows, rope, mask_B1bT, b, BufferKV(state.k[i], state.v[i], positions_BL, b, end))

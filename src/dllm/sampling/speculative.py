@@ -101,7 +101,7 @@ def speculative_generate(
         out_BN = torch.zeros(B, N + 2 * b, dtype=torch.long, device=device)
         num_B = torch.zeros(B, dtype=torch.long, device=device)  # tokens generated per row
         ended_B = torch.zeros(B, dtype=torch.bool, device=device)
-        rounds_B, accepted_B = torch.zeros_like(num_B), torch.zeros_like(num_B)  # counted per row, summed at the end
+        rounds_B = torch.zeros_like(num_B)  # verify rounds per row while it runs
         arange_b = torch.arange(b, device=device)
         no_mask = torch.tensor([mask_id if mask_id is not None else 0], device=device)
         with runner.capturing():  # the feature hooks stay registered for the call
@@ -129,19 +129,20 @@ def speculative_generate(
                 runner.commit(keep_B)  # the anchor and the accepted drafts are now cached; the rest rolls back
                 anchor_B = torch.where(live_B, next_B, anchor_B)
                 rounds_B += live_B
-                accepted_B += torch.where(live_B, num_accepted_B, 0)
                 ended_B = ended_B | (num_B >= N)
                 if decoding.eos_id is not None:  # an EOS among the kept new tokens
                     ended_B |= ((new_Bb == decoding.eos_id) & (arange_b < keep_B[:, None])).any(-1)
                 if stop is not None:
                     ended_B = ended_B | row_ended(out_BN[:, :N], num_B.clamp_max(N), decoding.eos_id, stop)
                 # the round's host sync: whether a row runs on, and the most verified positions a row keeps
-                num_running, kept = torch.stack([(~ended_B).sum(), keep_B.max()]).tolist()
-                running = num_running > 0
+                host = torch.cat([keep_B, ended_B]).tolist()
+                kept, running = max(host[:B]), not all(host[B:])
                 if running:  # the kept positions' features (a row's past its new length are rewritten next round)
                     features_Bk = _features(features, B, b, device)[:, :kept]
                     drafter.extend(state, features_Bk, anchor_pos_B[:, None] + arange_b[:kept])
-        counters = DecodeCounters(rounds=int(rounds_B.sum()), accepted=int(accepted_B.sum()))
+        # a running row's round keeps its accepted drafts + 1: after the prefill's token, num = rounds + accepted
+        rounds, generated = torch.stack([rounds_B.sum(), num_B.sum()]).tolist()
+        counters = DecodeCounters(rounds=rounds, accepted=generated - B - rounds)
         counters.drafted = counters.rounds * (b - 1)
         counters.target_forwards = runner.forwards
         result = finish(out_BN[:, :N], num_B, decoding.eos_id, counters)
