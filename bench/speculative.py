@@ -135,6 +135,27 @@ def train(work: Path, name: str, objective: dict[str, Any], steps: int, lr: floa
     return run
 
 
+def train_drafter(work: Path, target_run: Path, b: int, args: argparse.Namespace) -> Path:
+    """The 1-layer DFlash drafter of block size b (trained once, then reused from the work folder)."""
+    data, suffix = "prepared", f"-a{args.anchors}"
+    if args.drafter_data == "regenerated":  # as DFlash trains: on what the target itself writes
+        data, suffix = regenerate(work, target_run, args.regen_records).name, f"-regen{args.regen_records}"
+    objective = {"name": "dflash_distillation", "target": str(target_run), "target_layer_ids": TARGET_LAYERS,
+                 "block_size": b, "num_layers": 1, "num_anchors": args.anchors, "loss": args.loss}  # fmt: skip
+    name = f"drafter-b{b}-s{args.drafter_steps}-{args.loss}{suffix}"
+    return train(work, name, objective, args.drafter_steps, 3e-3, None, data=data)
+
+
+def add_drafter_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--drafter-steps", type=int, default=1200)
+    ap.add_argument("--anchors", type=int, default=64, help="objective.num_anchors of the drafters")
+    ap.add_argument("--loss", choices=["ce", "kl"], default="kl", help="objective.loss of the drafters")
+    ap.add_argument("--drafter-data", choices=["regenerated", "corpus"], default="regenerated",
+                    help="the drafters' training text: the target's own greedy continuations of corpus prefixes "
+                         "(as DFlash trains), or the corpus itself")  # fmt: skip
+    ap.add_argument("--regen-records", type=int, default=20000, help="corpus records the target continues")
+
+
 def prompts_of(tok, n: int) -> list[list[int]]:
     """Held-out records (another seed), cut after their first word."""
     texts = [r["text"] for r in demo_text(n, seed=12345)]
@@ -149,18 +170,18 @@ def tau_offline(target, drafter: DFlashDrafter, prompts: list[list[int]], greedy
     b = drafter.block_size
     rounds = gained = 0
     for prompt, cont in zip(prompts, greedy, strict=True):
-        seq = torch.tensor([prompt + cont + ([eos] if len(cont) < max_new else [])])
+        seq = torch.tensor([prompt + cont + ([eos] if len(cont) < max_new else [])], device=DEVICE)
         P, L = len(prompt), seq.shape[1]
         with capture_layers(target, drafter.target_layer_ids) as cap:
-            target(seq, torch.arange(L)[None], AttentionMask("causal"))
+            target(seq, torch.arange(L, device=DEVICE)[None], AttentionMask("causal"))
         feats = cap.features()
         state = drafter.start(1, L + 2 * b)
-        drafter.extend(state, feats[:, :P], torch.arange(P)[None])
+        drafter.extend(state, feats[:, :P], torch.arange(P, device=DEVICE)[None])
         p = P  # the anchor: the first generated token (the prefill's); the tokens after it come from rounds
         while p < L - 1:
-            drafts = drafter.propose(state, seq[:, p], torch.tensor([p]))[0].argmax(-1)
+            drafts = drafter.propose(state, seq[:, p], torch.tensor([p], device=DEVICE))[0].argmax(-1)
             # as the loop does: the verified positions' features (a position's never change under greedy)
-            drafter.extend(state, feats[:, p : p + b], torch.arange(p, min(p + b, L))[None])
+            drafter.extend(state, feats[:, p : p + b], torch.arange(p, min(p + b, L), device=DEVICE)[None])
             truth = seq[0, p + 1 : p + b]
             n = int((drafts[: len(truth)] == truth).long().cumprod(0).sum())
             step = min(n + 1, L - 1 - p)
@@ -185,13 +206,7 @@ def main() -> None:
     ap.add_argument("--work-dir", type=Path, default=Path("/tmp/dllm-bench-speculative"))
     ap.add_argument("--blocks", type=int, nargs="+", default=[4, 8, 16])
     ap.add_argument("--target-steps", type=int, default=450)
-    ap.add_argument("--drafter-steps", type=int, default=1200)
-    ap.add_argument("--anchors", type=int, default=64, help="objective.num_anchors of the drafters")
-    ap.add_argument("--loss", choices=["ce", "kl"], default="kl", help="objective.loss of the drafters")
-    ap.add_argument("--drafter-data", choices=["regenerated", "corpus"], default="regenerated",
-                    help="the drafters' training text: the target's own greedy continuations of corpus prefixes "
-                         "(as DFlash trains), or the corpus itself")  # fmt: skip
-    ap.add_argument("--regen-records", type=int, default=20000, help="corpus records the target continues")
+    add_drafter_args(ap)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=5)
@@ -212,18 +227,9 @@ def main() -> None:
     build_data(work)
     arch = {"hidden_size": 256, "num_layers": 4, "num_heads": 4, "num_kv_heads": 4, "max_seq_len": 512}
     target_run = train(work, "target", {"name": "ar"}, args.target_steps, 2e-3, arch)
-    data, suffix = "prepared", ""
-    if args.drafter_data == "regenerated":  # as DFlash trains: on what the target itself writes
-        data, suffix = regenerate(work, target_run, args.regen_records).name, f"-regen{args.regen_records}"
-    drafter_runs = {}
-    for b in args.blocks:
-        objective = {"name": "dflash_distillation", "target": str(target_run), "target_layer_ids": TARGET_LAYERS,
-                     "block_size": b, "num_layers": 1, "num_anchors": args.anchors, "loss": args.loss}  # fmt: skip
-        name = f"drafter-b{b}-s{args.drafter_steps}-{args.loss}" + (suffix or f"-a{args.anchors}")
-        drafter_runs[b] = train(work, name, objective, args.drafter_steps, 3e-3, None, data=data)
+    drafter_runs = {b: train_drafter(work, target_run, b, args) for b in args.blocks}
     loaded = load_for_inference(run=target_run, device=DEVICE)
     target, tok = loaded.model, loaded.tokenizer
-    torch.set_default_device(DEVICE)  # the bench's own tensors (prompts, positions) beside the models
     prompts = prompts_of(tok, args.prompts)
     # rows end at EOS, as real decoding does: past it a target writes text unlike its corpus
     decoding = Decoding(max_new_tokens=args.new_tokens, eos_id=tok.eos_id)
@@ -271,21 +277,21 @@ def step_costs(target, drafter, prompt: list[int], mask_id: int, kept: int, repe
     b = drafter.block_size
     ar = Target(target, 1, len(prompt) + 2 * b, (), mask_id)
     runner = Target(target, 1, len(prompt) + 2 * b, drafter.target_layer_ids, mask_id)
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=DEVICE)
     with torch.no_grad(), runner.capturing():
         ar.forward(ids)
-        ar.commit(torch.tensor([len(prompt)]))
+        ar.commit(torch.tensor([len(prompt)], device=DEVICE))
         _, features = runner.forward(ids)
-        runner.commit(torch.tensor([len(prompt)]))
+        runner.commit(torch.tensor([len(prompt)], device=DEVICE))
         state = drafter.start(1, len(prompt) + 2 * b)
-        drafter.extend(state, features, torch.arange(len(prompt))[None])
+        drafter.extend(state, features, torch.arange(len(prompt), device=DEVICE)[None])
         block_features = features[:, -kept:]
-        anchor, pos = ids[:, -1], torch.tensor([len(prompt) - 1])
+        anchor, pos = ids[:, -1], torch.tensor([len(prompt) - 1], device=DEVICE)
         calls = {
             "ar_step_s": lambda: ar.forward(ids[:, -1:]),
             "verify_s": lambda: runner.forward(ids[:, -1:].expand(1, b).contiguous()),
             "propose_s": lambda: (
-                drafter.extend(state, block_features, pos[:, None] + torch.arange(kept)),
+                drafter.extend(state, block_features, pos[:, None] + torch.arange(kept, device=DEVICE)),
                 drafter.propose(state, anchor, pos),
             ),
         }

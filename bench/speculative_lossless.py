@@ -32,6 +32,7 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, nargs="+", default=[4, 8, 16])
     ap.add_argument("--prompts", type=int, default=200)
     ap.add_argument("--new-tokens", type=int, default=64)
+    bench.add_drafter_args(ap)  # the same drafters as bench/speculative.py's (its flags and defaults)
     args = ap.parse_args()
     torch.manual_seed(0)
     work = args.work_dir.absolute()
@@ -43,14 +44,12 @@ def main() -> None:
     target, tok = loaded.model, loaded.tokenizer
     prompts = bench.prompts_of(tok, args.prompts)
     decoding = Decoding(max_new_tokens=args.new_tokens, eos_id=tok.eos_id)
-    result: dict[str, Any] = {"bench": "speculative_lossless", "prompts": len(prompts),
-                              "target": "ar 4x256", "new_tokens": args.new_tokens}  # fmt: skip
+    result: dict[str, Any] = {"bench": "speculative_lossless", "prompts": len(prompts), "target": "ar 4x256",
+                              "new_tokens": args.new_tokens, "drafter_data": args.drafter_data,
+                              "drafter_steps": args.drafter_steps}  # fmt: skip
     every = True
     for b in args.blocks:
-        objective = {"name": "dflash_distillation", "target": str(target_run), "target_layer_ids": bench.TARGET_LAYERS,
-                     "block_size": b, "num_layers": 1, "num_anchors": 64, "loss": "ce"}  # fmt: skip
-        run = bench.train(work, f"drafter-b{b}", objective, 400, 3e-3, None)
-        drafter, _, _ = load_drafter_run(run=run, device=torch.device("cpu"))
+        drafter, _, _ = load_drafter_run(run=bench.train_drafter(work, target_run, b, args), device=torch.device("cpu"))
         drafter.attach(target)
         for batch in (1, 8):
             equal = tokens = 0
