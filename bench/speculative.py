@@ -20,6 +20,8 @@ Then, on held-out corpus prompts
   (`sampling.ar.ar_generate`) at batch 1 and 8 (the best of --repeats interleaved rounds), plus
   whether the outputs equal AR's token for token (lossless).
 
+- the same timing with a perfect drafter at the real one's cost (`speedup_b1_oracle_drafter`: every
+  draft right, the drafter's forward still paid): the most any drafter of this size gains here.
 - the CPU's ceiling for the pair (`step_costs`): one AR step, one verify forward of b tokens and one
   drafter round (extend + proposal) timed alone; tau x AR step / (verify + drafter) bounds the batch-1
   speedup; and where a batch-1 round's time goes (`phase_profile`: target forwards, drafter, the rest
@@ -253,6 +255,7 @@ def main() -> None:
         if "speedup_b1" in line:
             summary[f"speedup_b1_b{b}"], summary[f"speedup_b8_b{b}"] = line["speedup_b1"], line["speedup_b8"]
             summary[f"ceiling_b{b}"] = line["speedup_b1_ceiling"]
+            summary[f"speedup_b1_oracle_drafter_b{b}"] = line["speedup_b1_oracle_drafter"]
     if 8 in args.blocks:
         summary["tau_b8_target_3"] = summary["tau_b8"] >= 3
     speedups = {b: summary[f"speedup_b1_b{b}"] for b in args.blocks if f"speedup_b1_b{b}" in summary}
@@ -391,7 +394,39 @@ def measure(target, drafter, prompts, decoding, mask_id, speculative_generate, r
         out[f"ar_tokens_per_s_b{batch}"] = round(tokens / best["ar"], 1)
         out[f"spec_tokens_per_s_b{batch}"] = round(tokens / best["spec"], 1)
         out[f"speedup_b{batch}"] = round(best["ar"] / best["spec"], 3)
+    # the bound of a perfect drafter at the same cost: every draft right, everything else paid as measured
+    oracle = [OracleDrafter(drafter, p + s + [decoding.eos_id]) for p, s in zip(prompts, ar_all.sequences, strict=True)]
+    best = timed({
+        "ar": lambda: [ar_generate(target, [p], decoding, mask_id=mask_id) for p in prompts],
+        "oracle": lambda: [speculative_generate(target, o, [p], decoding, mask_id=mask_id)
+                           for o, p in zip(oracle, prompts, strict=True)],
+    }, repeats)  # fmt: skip
+    counters = [speculative_generate(target, o, [p], decoding, mask_id=mask_id).counters
+                for o, p in zip(oracle, prompts, strict=True)]  # fmt: skip
+    out["tau_oracle_drafter"] = round(sum(c.rounds + c.accepted for c in counters) / sum(c.rounds for c in counters), 3)
+    out["speedup_b1_oracle_drafter"] = round(best["ar"] / best["oracle"], 3)
     return out
+
+
+class OracleDrafter:
+    """A perfect drafter for one prompt at the real drafter's cost: runs the drafter's extend/propose (paying
+    for them) and proposes the target's own greedy continuation instead of what the drafter said."""
+
+    def __init__(self, drafter, sequence: list[int]) -> None:
+        self.drafter, self.block_size, self.target_layer_ids = drafter, drafter.block_size, drafter.target_layer_ids
+        self.sequence = torch.tensor(sequence + [sequence[-1]] * drafter.block_size, device=DEVICE)
+
+    def start(self, batch_size: int, max_length: int):
+        return self.drafter.start(batch_size, max_length)
+
+    def extend(self, state, features_BNF, positions_BN) -> None:
+        self.drafter.extend(state, features_BNF, positions_BN)
+
+    def propose(self, state, anchor_B, anchor_pos_B):
+        logits = self.drafter.propose(state, anchor_B, anchor_pos_B)
+        at = anchor_pos_B[:, None] + 1 + torch.arange(self.block_size - 1, device=DEVICE)
+        right = self.sequence[at.clamp_max(len(self.sequence) - 1)]
+        return torch.full_like(logits, -1e4).scatter_(-1, right[..., None], 0.0)
 
 
 if __name__ == "__main__":
