@@ -5,7 +5,7 @@ demo-style corpus (sentences and sums, packed rows), and one 1-layer DFlash draf
 b in --blocks (objective dflash_distillation, the target frozen). As DFlash trains its drafters, their
 text is what the target itself writes (--drafter-data regenerated): each corpus record cut after a
 random number of words, continued by the target's greedy decoding to its EOS (the corpus itself, where
-the target's greedy sums differ from the data's, costs about one accepted token per round at b = 8).
+the target's greedy sums differ from the data's, costs 0.6-0.8 accepted tokens per round at b = 8).
 Then, on held-out corpus prompts
 (a record's first word), greedy decoding of up to --new-tokens tokens, a row ending at its EOS:
 
