@@ -98,3 +98,16 @@ def test_a_stop_during_a_checkpoint_save_stays_a_stop():
     assert _interruption(wrapped) is stop and _interruption(stop) is stop
     assert _interruption(CheckpointException("x", {0: _wrap_exception(OSError(28, "full"))})) is None
     assert _interruption(ValueError("bad")) is None
+    # the stop lands inside torch.save's zip writer, whose exit then fails on the half-written file
+    # (seen in CI: "unexpected pos 64 vs 0"): the writer's error carries the stop as its context
+    try:
+        try:
+            raise stop
+        finally:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0")
+    except RuntimeError as writer_error:
+        mid_write = writer_error
+    assert _interruption(CheckpointException("save failed", {0: _wrap_exception(mid_write)})) is stop
+    unrelated = RuntimeError("disk")
+    unrelated.__context__ = ValueError("earlier")
+    assert _interruption(unrelated) is None

@@ -295,14 +295,20 @@ def load_model_weights(path: Path, model: nn.Module, verify: bool = True) -> Non
     set_model_state_dict(model, sd["model"], options=options)
 
 
-def _interruption(err: BaseException) -> BaseException | None:
+def _interruption(err: BaseException, seen: set[int] | None = None) -> BaseException | None:
     """The stop request (KeyboardInterrupt or the launcher's Stopped: a BaseException that is not an
-    Exception) behind a failed save, also when DCP wrapped it into a CheckpointException."""
+    Exception) behind a failed save, also when DCP wrapped it into a CheckpointException, or when it was
+    raised inside a writer whose cleanup then failed (torch.save's zip writer, interrupted mid-file, raises
+    its own RuntimeError on exit: the stop is that error's __context__)."""
+    seen = set() if seen is None else seen
+    if id(err) in seen:
+        return None
+    seen.add(id(err))
     if not isinstance(err, Exception) and not isinstance(err, CheckpointException):
         return err
-    if isinstance(err, CheckpointException):
-        for inner, _trace in err.failures.values():
-            found = _interruption(inner)
-            if found is not None:
-                return found
+    inner = [e for e, _trace in err.failures.values()] if isinstance(err, CheckpointException) else []
+    for linked in [*inner, err.__cause__, err.__context__]:
+        found = None if linked is None else _interruption(linked, seen)
+        if found is not None:
+            return found
     return None
