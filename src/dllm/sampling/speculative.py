@@ -108,7 +108,7 @@ def speculative_generate(
             # the prefill: every prompt position's features, and the first token from the last one's logits
             logits_B1V, features = runner.forward(tokens_BP, (lengths_B - 1)[:, None])
             runner.commit(lengths_B)
-            drafter.extend(state, _features(features, B, P, device), _positions(torch.zeros_like(lengths_B), P))
+            drafter.extend(state, _features(features, B, P, device), torch.arange(P, device=device).expand(B, P))
             anchor_B = decoding.choose(logits_B1V[:, 0], generator)
             out_BN[:, 0] = anchor_B
             num_B = num_B + 1
@@ -192,10 +192,6 @@ def _verify(
 def _features(features: torch.Tensor | None, B: int, n: int, device: torch.device) -> torch.Tensor:
     """The captured features [B, n, F]; an empty F for a drafter that reads none."""
     return features if features is not None else torch.zeros(B, n, 0, device=device)
-
-
-def _positions(start_B: torch.Tensor, n: int) -> torch.Tensor:
-    return start_B[:, None] + torch.arange(n, device=start_B.device)
 
 
 # ---------------------------------------------------------------------------------------------------
