@@ -74,9 +74,11 @@ def make_drafter(target: Transformer, block: int, backend: str) -> DFlashDrafter
     return drafter.to(CUDA).attach(target)
 
 
-def test_drafter_block_mask_equals_the_dense_draft_mask_with_gradients():
+@pytest.mark.parametrize("documents", [False, True])
+def test_drafter_block_mask_equals_the_dense_draft_mask_with_gradients(documents):
     """Training: `auto` on CUDA builds the draft mask as a BlockMask (compiled FlexAttention, with a
-    backward on GPU); its states and gradients equal the dense-mask SDPA drafter's."""
+    backward on GPU); its states and gradients equal the dense-mask SDPA drafter's (also with packed
+    documents: each block reads context from its document's start)."""
     target = make_target()
     b, A, B, C = 4, 6, 2, 40
     g = torch.Generator().manual_seed(2)
@@ -85,7 +87,8 @@ def test_drafter_block_mask_equals_the_dense_draft_mask_with_gradients():
     ids = torch.full((B, A * b), MASK, device=CUDA)
     ids[:, ::b] = torch.randint(0, V - 1, (B, A), generator=g).to(CUDA)
     positions = (lens[:, :, None] + torch.arange(b, device=CUDA)).reshape(B, A * b)
-    tokens = DraftTokens(ids, context, lens)
+    starts = (lens * torch.rand(B, A, generator=g).to(CUDA)).long() if documents else None  # in [0, len)
+    tokens = DraftTokens(ids, context, lens, starts)
     flex, dense = make_drafter(target, b, "auto"), make_drafter(target, b, "sdpa")
     dense.load_state_dict(flex.state_dict())
     results = []

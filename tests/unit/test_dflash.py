@@ -176,6 +176,39 @@ def test_the_draft_mask_equals_a_loop_over_anchors(loss):
     torch.testing.assert_close(all_at_once, total, atol=1e-5, rtol=1e-5)
 
 
+def test_a_packed_rows_blocks_read_only_their_own_document():
+    """Two documents packed in one row (document ids): every draft block equals the drafter run on its
+    document alone (what decoding sees: one prompt), and no anchor sits on a document's first token."""
+    target = make_target()
+    drafter = make_drafter(target, num_layers=2)
+    obj = make_objective(target, num_anchors=12)
+    g = torch.Generator().manual_seed(4)
+    docs = [torch.randint(2, 60, (1, 10), generator=g), torch.randint(2, 60, (1, 14), generator=g)]
+    tokens = torch.cat(docs, dim=1)
+    doc_ids = torch.tensor([[0] * 10 + [1] * 14])
+    batch = Batch(tokens, torch.ones(1, 24, dtype=torch.bool), torch.arange(1), doc_ids)
+    inp = obj.prepare(batch, NoiseKeys(0, 3))
+    anchors = inp.tokens_BL.context_len_BA[0].tolist()
+    ok = (inp.weights_BL.view(12, 4) > 0).any(-1).tolist()
+    assert inp.tokens_BL.context_start_BA[0].tolist() == [0 if a < 10 else 10 for a in anchors]
+    assert 0 not in anchors and 10 not in anchors and any(a > 10 for a in anchors)
+    with torch.no_grad():
+        packed = run_model(drafter, inp).hidden_BLE
+        alone_feats = [target_features(target, d) for d in docs]
+        leaky = dataclasses.replace(inp.tokens_BL, context_start_BA=None)  # the mask without documents
+        leaked = drafter(leaky, inp.positions_BL).hidden_BLE
+        for a, (p, used) in enumerate(zip(anchors, ok, strict=True)):
+            if not used:
+                continue
+            d, start = (0, 0) if p < 10 else (1, 10)
+            ids = inp.tokens_BL.ids_BN[:, 4 * a : 4 * a + 4]
+            alone = DraftTokens(ids, alone_feats[d][:, : p - start], torch.tensor([[p - start]]))
+            ref = drafter(alone, (p - start) + torch.arange(4)[None]).hidden_BLE
+            torch.testing.assert_close(packed[:, 4 * a : 4 * a + 4], ref, atol=1e-5, rtol=1e-5)
+            if d == 1:  # without the document bound the block would read the other document
+                assert not torch.allclose(leaked[:, 4 * a : 4 * a + 4], ref, atol=1e-3)
+
+
 @pytest.mark.parametrize("anchors", [(12, 9), (10, 10)])
 def test_cached_decoding_equals_a_recomputation(anchors):
     """extend (with rejected positions rewritten) + propose == the drafter's forward from scratch: rows at
@@ -358,7 +391,8 @@ def test_anchors_and_targets_stay_inside_a_document():
     batch = Batch(tokens, torch.ones(1, 24, dtype=torch.bool), torch.arange(1), doc)
     valid = obj.valid_anchors(batch)[0]
     assert not bool(valid[11])  # its next token starts the next document
-    assert bool(valid[10]) and bool(valid[12])
+    assert not bool(valid[12])  # a document's first token: no context of its own to draft from
+    assert bool(valid[10]) and bool(valid[13])
     inp = obj.prepare(batch, NoiseKeys(0, 1))
     pos, anchors = inp.positions_BL.view(20, 4), inp.tokens_BL.context_len_BA[0]
     w = inp.weights_BL.view(20, 4)
@@ -389,10 +423,11 @@ def test_kl_loss_is_the_weighted_kl_to_the_target():
     torch.testing.assert_close(kl_loss(out, inp).loss_sum, expected)
 
 
-def test_flex_block_mask_equals_the_dense_draft_mask(monkeypatch: pytest.MonkeyPatch):
+@pytest.mark.parametrize("documents", [False, True])
+def test_flex_block_mask_equals_the_dense_draft_mask(monkeypatch: pytest.MonkeyPatch, documents: bool):
     """attention_backend flex: the training draft mask is a BlockMask (eager FlexAttention, which runs forward
-    on CPU), and the drafter's output equals the dense-mask SDPA drafter's; with gradients on CPU (no flex
-    backward) it falls back to the dense mask and still trains."""
+    on CPU), and the drafter's output equals the dense-mask SDPA drafter's (also over packed documents); with
+    gradients on CPU (no flex backward) it falls back to the dense mask and still trains."""
     from torch.nn.attention.flex_attention import BlockMask
 
     from dllm.models import dflash
@@ -405,7 +440,11 @@ def test_flex_block_mask_equals_the_dense_draft_mask(monkeypatch: pytest.MonkeyP
     flex = DFlashDrafter(flex_cfg).attach(target)
     flex.load_state_dict(dense.state_dict())
     obj = make_objective(target)
-    inp = obj.prepare(make_batch(), NoiseKeys(0, 4))
+    batch = make_batch()
+    if documents:  # two documents per row
+        batch = dataclasses.replace(batch, doc_ids_BL=torch.tensor([[0] * 10 + [1] * 14] * 3))
+    inp = obj.prepare(batch, NoiseKeys(0, 4))
+    assert (inp.tokens_BL.context_start_BA is not None) == documents
     masks = []
     create = dflash.create_block_mask
 

@@ -61,7 +61,10 @@ class DraftTokens:
     context_BCF: torch.Tensor
     """Target features at positions 0..C-1 (captured block outputs, in target_layer_ids order)."""
     context_len_BA: torch.Tensor
-    """Block a of row r reads context positions [0, context_len_BA[r, a]) (its anchor's position)."""
+    """Block a of row r reads context positions [context_start_BA[r, a], context_len_BA[r, a]) (up to its
+    anchor's position)."""
+    context_start_BA: torch.Tensor | None = None
+    """Where its anchor's document starts in a packed row (decoding reads one document's context); None: 0."""
 
 
 class PrefixKV:
@@ -75,15 +78,19 @@ class PrefixKV:
         return torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2)
 
 
-def draft_mask_mod(context_len_BA: torch.Tensor, block_size: int, num_context: int) -> MaskMod:
+def draft_mask_mod(
+    context_len_BA: torch.Tensor, block_size: int, num_context: int, context_start_BA: torch.Tensor | None = None
+) -> MaskMod:
     """Keys [context (C) ; draft blocks (N)], queries the N draft tokens: query q of block a = q // b
-    sees context key kv iff kv < context_len[a] (features before its anchor) and block key kv iff it
-    is in the same block (bidirectional inside it); never another block."""
+    sees context key kv iff context_start[a] <= kv < context_len[a] (features of its document before its
+    anchor) and block key kv iff it is in the same block (bidirectional inside it); never another block."""
 
     def mod(b, h, q, kv):
         block = q // block_size
         in_context = kv < num_context
         before_anchor = kv < context_len_BA[b, block]
+        if context_start_BA is not None:
+            before_anchor = before_anchor & (kv >= context_start_BA[b, block])
         same_block = (kv - num_context).clamp_min(0) // block_size == block
         return (in_context & before_anchor) | (~in_context & same_block)
 
@@ -228,7 +235,9 @@ class DFlashDrafter(nn.Module):
         def context_kv(i: int, layer: nn.Module) -> PrefixKV:
             return PrefixKV(*self.context_kv(layer, context_BCE, ctx_rope))
 
-        hidden = self._blocks(tokens.ids_BN, positions_BN, tokens.context_len_BA, C, context_kv, flex)
+        hidden = self._blocks(
+            tokens.ids_BN, positions_BN, tokens.context_len_BA, tokens.context_start_BA, C, context_kv, flex
+        )
         return ModelOutput(hidden, self.head)
 
     def fuse(self, features_BLF: torch.Tensor) -> torch.Tensor:
@@ -257,6 +266,7 @@ class DFlashDrafter(nn.Module):
         ids_BN: torch.Tensor,
         positions_BN: torch.Tensor,
         context_len_BA: torch.Tensor,
+        context_start_BA: torch.Tensor | None,
         num_context: int,
         context_kv: Callable[[int, nn.Module], PrefixKV],
         flex: bool,
@@ -266,8 +276,14 @@ class DFlashDrafter(nn.Module):
         B, N = ids_BN.shape
         x = self.target.embed(ids_BN, positions_BN).to(self.fc.weight.dtype)
         mask_B1NK: torch.Tensor | BlockMask | None = None  # one block that sees the whole context: no mask
-        if context_len_BA.shape[1] > 1 or not bool((context_len_BA == num_context).all()):
-            mod = draft_mask_mod(context_len_BA, self.block_size, num_context)
+        if context_start_BA is not None and not bool(context_start_BA.any()):
+            context_start_BA = None  # every document starts its row
+        if (
+            context_len_BA.shape[1] > 1
+            or context_start_BA is not None
+            or not bool((context_len_BA == num_context).all())
+        ):
+            mod = draft_mask_mod(context_len_BA, self.block_size, num_context, context_start_BA)
             if flex:
                 mask_B1NK = create_block_mask(mod, B, None, N, num_context + N, device=ids_BN.device)
             else:

@@ -7,10 +7,12 @@ objective holds (training/build.py loads it from `objective.target`). For each m
    `target_layer_ids` are the context features, and its own next-token predictions (hidden i
    predicts token i + 1) are the labels: its greedy tokens (`loss: ce`) or its distribution (`kl`);
 2. `num_anchors` anchors p are drawn per sequence (keyed by sample id, so every rank and resume
-   draws the same) among positions 1 .. L - b whose next token is supervised;
+   draws the same) among positions 1 .. L - b whose next token is supervised (in a packed row: in
+   the anchor's document, after its first token);
 3. every anchor's draft block [x_p, MASK x (b-1)] (positions p .. p+b-1) goes into ONE drafter
    forward, concatenated; the drafter's mask lets block a see the context features of positions
-   < p_a and its own block, nothing else (a mask, not a loop over anchors);
+   < p_a and its own block, nothing else (a mask, not a loop over anchors); in a packed row only its
+   own document's positions (the target's pass keeps to documents too), as decoding sees one prompt;
 4. block row k (k = 1 .. b-1) is supervised where position p + k is, with weight
    exp(-(k - 1) / gamma) (`decay`: the first proposals decide how many are accepted).
 
@@ -52,6 +54,15 @@ class DraftInputs(ModelInputs):
     teacher_logits_MV: torch.Tensor | None = None
 
 
+def doc_starts(doc_ids_BL: torch.Tensor) -> torch.Tensor:
+    """[B, L]: the position where each token's document starts in its row (documents are contiguous)."""
+    L = doc_ids_BL.shape[1]
+    p = torch.arange(L, device=doc_ids_BL.device).expand_as(doc_ids_BL)
+    first = torch.ones_like(doc_ids_BL, dtype=torch.bool)
+    first[:, 1:] = doc_ids_BL[:, 1:] != doc_ids_BL[:, :-1]
+    return torch.where(first, p, torch.zeros_like(p)).cummax(dim=1).values
+
+
 def position_weights(block_size: int, decay: float | None) -> torch.Tensor:
     """[b]: 0 for the anchor row, exp(-(k - 1) / gamma) for proposal k = 1 .. b-1 (1 without decay)."""
     k = torch.arange(block_size, dtype=torch.float32)
@@ -88,6 +99,7 @@ class DFlashDistillation:
         if batch.doc_ids_BL is not None:
             doc = batch.doc_ids_BL
             nxt = nxt & torch.cat([doc[:, 1:] == doc[:, :-1], torch.zeros_like(sup[:, :1])], dim=1)
+            ok = ok & (p > doc_starts(doc))  # at least one context position of its own document, as in decoding
         return ok & nxt
 
     def normalizer(self, batch: Batch) -> int:
@@ -130,7 +142,9 @@ class DFlashDistillation:
         # block row k predicts position p + k from the target's state at p + k - 1
         pos_BN = pos_BAb.reshape(B, A * b)
         same_doc = torch.ones_like(pos_BAb, dtype=torch.bool)
+        context_start_BA = None  # packed rows: a block reads its own document's context only, as in decoding
         if doc is not None:
+            context_start_BA = doc_starts(doc).gather(1, anchors_BA)
             same_doc = (doc.gather(1, pos_BN) == doc.gather(1, anchors_BA).repeat_interleave(b, 1)).view(B, A, b)
         weights_BAb = position_weights(b, cfg.decay).to(tokens.device) * (
             sup.gather(1, pos_BN).view(B, A, b) & same_doc & ok_BA[..., None]
@@ -141,7 +155,7 @@ class DFlashDistillation:
         targets_BN = torch.zeros_like(pos_BN)
         targets_BN[sel_BN] = teacher_MV.argmax(-1)
         return DraftInputs(
-            tokens_BL=DraftTokens(ids_BAb.reshape(B, A * b), context_BCF, anchors_BA),  # type: ignore[arg-type]
+            tokens_BL=DraftTokens(ids_BAb.reshape(B, A * b), context_BCF, anchors_BA, context_start_BA),  # type: ignore[arg-type]
             positions_BL=pos_BN,
             mask=None,  # type: ignore[arg-type]  # the drafter's pattern comes from the anchors
             targets_BL=targets_BN,
