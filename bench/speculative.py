@@ -2,7 +2,8 @@
 
 Trains (or reuses from --work-dir) a causal target, 4 layers x 256 wide (objective ar), on the
 demo-style corpus (sentences and sums, packed rows), and one 1-layer DFlash drafter per block size
-b in --blocks (objective dflash_distillation, the target frozen). As DFlash trains its drafters, their
+b in --blocks (objective dflash_distillation, the target frozen; loss ce by default: the target's
+greedy tokens, which greedy verification checks). As DFlash trains its drafters, their
 text is what the target itself writes (--drafter-data regenerated): each corpus record cut after a
 random number of words, continued by the target's greedy decoding to its EOS (the corpus itself, where
 the target's greedy sums differ from the data's, costs 0.6-0.8 accepted tokens per round at b = 8).
@@ -32,7 +33,7 @@ Then, on held-out corpus prompts
 One JSON line per block size, then a summary line with the targets (tau >= 3 at b = 8; >= 1.8x the
 AR tokens/s at batch 1) and the ceilings.
 
-    python bench/speculative.py [--work-dir /tmp/dllm-bench-speculative] [--blocks 4 8 16] [--retrain]
+    python bench/speculative.py [--work-dir /tmp/dllm-bench-speculative] [--blocks 4 8 12 16] [--retrain]
 """
 
 from __future__ import annotations
@@ -152,9 +153,11 @@ def train_drafter(work: Path, target_run: Path, b: int, args: argparse.Namespace
 
 
 def add_drafter_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--drafter-steps", type=int, default=1200)
+    ap.add_argument("--drafter-steps", type=int, default=2000)
     ap.add_argument("--anchors", type=int, default=64, help="objective.num_anchors of the drafters")
-    ap.add_argument("--loss", choices=["ce", "kl"], default="kl", help="objective.loss of the drafters")
+    ap.add_argument("--loss", choices=["ce", "kl"], default="ce",
+                    help="objective.loss of the drafters: ce (the target's greedy tokens) for greedy decoding, as "
+                         "here; kl (its distribution) for sampled decoding")  # fmt: skip
     ap.add_argument("--drafter-data", choices=["regenerated", "corpus"], default="regenerated",
                     help="the drafters' training text: the target's own greedy continuations of corpus prefixes "
                          "(as DFlash trains), or the corpus itself")  # fmt: skip
@@ -218,7 +221,7 @@ def ratios(samples: dict[str, list[float]], base: str, other: str) -> tuple[floa
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work-dir", type=Path, default=Path("/tmp/dllm-bench-speculative"))
-    ap.add_argument("--blocks", type=int, nargs="+", default=[4, 8, 16])
+    ap.add_argument("--blocks", type=int, nargs="+", default=[4, 8, 12, 16])
     ap.add_argument("--target-steps", type=int, default=450)
     add_drafter_args(ap)
     ap.add_argument("--new-tokens", type=int, default=64)

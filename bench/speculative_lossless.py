@@ -3,7 +3,7 @@ target and the 1-layer DFlash drafters that bench/speculative.py trains (reused 
 trained there when missing), greedy speculative decoding against the target's own greedy AR decoding
 with the KV cache, token for token, over held-out prompts, at batch 1 and batch 8, per block size.
 
-    python bench/speculative_lossless.py [--prompts 200] [--blocks 4 8 16]
+    python bench/speculative_lossless.py [--prompts 200] [--blocks 4 8 12 16]
 
 Prints one JSON line: per block size and batch, the rows compared, the rows equal, the tokens
 compared, and `lossless` (every row equal). Correctness, not speed: it needs no quiet machine.
@@ -29,7 +29,7 @@ from dllm.sampling.speculative import speculative_generate  # noqa: E402
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--work-dir", type=Path, default=Path("/tmp/dllm-bench-speculative"))
-    ap.add_argument("--blocks", type=int, nargs="+", default=[4, 8, 16])
+    ap.add_argument("--blocks", type=int, nargs="+", default=[4, 8, 12, 16])
     ap.add_argument("--prompts", type=int, default=200)
     ap.add_argument("--new-tokens", type=int, default=64)
     bench.add_drafter_args(ap)  # the same drafters as bench/speculative.py's (its flags and defaults)
