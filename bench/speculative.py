@@ -314,15 +314,7 @@ def step_costs(target, drafter, prompt: list[int], mask_id: int, kept: int, repe
                 drafter.propose(state, anchor, pos),
             ),
         }
-        best = dict.fromkeys(calls, float("inf"))
-        for _ in range(repeats):
-            for k, fn in calls.items():
-                sync()
-                t0 = time.perf_counter()
-                fn()
-                sync()
-                best[k] = min(best[k], time.perf_counter() - t0)
-    return best
+        return {k: min(v) for k, v in timed(calls, repeats).items()}
 
 
 def phase_profile(target, drafter, prompts, decoding, mask_id, repeats: int) -> dict[str, float]:
@@ -398,30 +390,30 @@ def measure(target, drafter, prompts, decoding, mask_id, speculative_generate, r
     out.update(phase_profile(target, drafter, prompts, decoding, mask_id, repeats))
     ones = [speculative_generate(target, drafter, [p], decoding, mask_id=mask_id).counters for p in prompts]
     out["forwards_per_token_b1"] = round(sum(c.target_forwards for c in ones) / sum(c.tokens for c in ones), 4)
+    # the bound of a perfect drafter at the same cost: every draft right, everything else paid as measured
+    oracle = [OracleDrafter(drafter, p + s + [decoding.eos_id]) for p, s in zip(prompts, ar_all.sequences, strict=True)]
     for batch in (1, 8):
         chunks = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
-        samples = timed({
+        calls = {
             "ar": lambda chunks=chunks: [ar_generate(target, ch, decoding, mask_id=mask_id) for ch in chunks],
             "spec": lambda chunks=chunks: [
                 speculative_generate(target, drafter, ch, decoding, mask_id=mask_id) for ch in chunks
             ],
-        }, repeats)  # fmt: skip
+        }
+        if batch == 1:  # the perfect drafter in the same rounds, against the same AR calls
+            calls["oracle"] = lambda: [speculative_generate(target, o, [p], decoding, mask_id=mask_id)
+                                       for o, p in zip(oracle, prompts, strict=True)]  # fmt: skip
+        samples = timed(calls, repeats)
         tokens = ar_all.counters.tokens  # the same for both: lossless
         out[f"ar_tokens_per_s_b{batch}"] = round(tokens / min(samples["ar"]), 1)
         out[f"spec_tokens_per_s_b{batch}"] = round(tokens / min(samples["spec"]), 1)
         best, median = ratios(samples, "ar", "spec")
         out[f"speedup_b{batch}"], out[f"speedup_b{batch}_median"] = round(best, 3), round(median, 3)
-    # the bound of a perfect drafter at the same cost: every draft right, everything else paid as measured
-    oracle = [OracleDrafter(drafter, p + s + [decoding.eos_id]) for p, s in zip(prompts, ar_all.sequences, strict=True)]
-    samples = timed({
-        "ar": lambda: [ar_generate(target, [p], decoding, mask_id=mask_id) for p in prompts],
-        "oracle": lambda: [speculative_generate(target, o, [p], decoding, mask_id=mask_id)
-                           for o, p in zip(oracle, prompts, strict=True)],
-    }, repeats)  # fmt: skip
+        if batch == 1:
+            out["speedup_b1_oracle_drafter"] = round(ratios(samples, "ar", "oracle")[0], 3)
     counters = [speculative_generate(target, o, [p], decoding, mask_id=mask_id).counters
                 for o, p in zip(oracle, prompts, strict=True)]  # fmt: skip
     out["tau_oracle_drafter"] = round(sum(c.rounds + c.accepted for c in counters) / sum(c.rounds for c in counters), 3)
-    out["speedup_b1_oracle_drafter"] = round(ratios(samples, "ar", "oracle")[0], 3)
     return out
 
 

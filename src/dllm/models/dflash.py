@@ -276,12 +276,10 @@ class DFlashDrafter(nn.Module):
         B, N = ids_BN.shape
         x = self.target.embed(ids_BN, positions_BN).to(self.fc.weight.dtype)
         mask_B1NK: torch.Tensor | BlockMask | None = None  # one block that sees the whole context: no mask
-        if context_start_BA is not None and not bool(context_start_BA.any()):
-            context_start_BA = None  # every document starts its row
         if (
             context_len_BA.shape[1] > 1
-            or context_start_BA is not None
             or not bool((context_len_BA == num_context).all())
+            or (context_start_BA is not None and bool(context_start_BA.any()))
         ):
             mod = draft_mask_mod(context_len_BA, self.block_size, num_context, context_start_BA)
             if flex:
