@@ -7,7 +7,8 @@ variant decodes the same prompts; rounds interleave the variants (A B A B ...) a
 median wall time over --repeats rounds gives its tokens/s. One JSON line: per batch size, tokens/s of
 every variant, target forwards per token, and the ratio of each variant to `ar_recompute`.
 
-Variants are entries of VARIANTS: `(target, prompts, args) -> DecodeResult`. Speculative decoding with
+Variants are entries of VARIANTS: `(target, prompts, args) -> GenerationResult`, both the causal loop of
+sampling/speculative.py without a drafter (with the ragged cache, or recomputing). Speculative decoding with
 trained DFlash drafters against `ar_cache` is bench/speculative.py (it needs a trained target and
 drafters; this one needs no training).
 
@@ -25,18 +26,26 @@ from collections.abc import Callable
 import torch
 
 from dllm.config.model import ModelConfig
+from dllm.config.sampler import SamplerConfig
 from dllm.models import Transformer
-from dllm.sampling.ar import DecodeResult, Decoding, ar_generate
+from dllm.sampling.canvas import SpecialIds
+from dllm.sampling.results import GenerationResult
+from dllm.sampling.speculative import causal_generate
 
-Variant = Callable[[torch.nn.Module, list[list[int]], argparse.Namespace], DecodeResult]
+Variant = Callable[[torch.nn.Module, list[list[int]], argparse.Namespace], GenerationResult]
+SPECIAL = SpecialIds(mask_id=319, pad_id=0, eos_id=0)  # no EOS (stop_at_eos off): every row runs --gen tokens
 
 
-def ar_cache(target: torch.nn.Module, prompts: list[list[int]], args: argparse.Namespace) -> DecodeResult:
-    return ar_generate(target, prompts, Decoding(max_new_tokens=args.gen))
+def greedy(args: argparse.Namespace) -> SamplerConfig:
+    return SamplerConfig(generation="causal", gen_length=args.gen, stop_at_eos=False)
 
 
-def ar_recompute(target: torch.nn.Module, prompts: list[list[int]], args: argparse.Namespace) -> DecodeResult:
-    return ar_generate(target, prompts, Decoding(max_new_tokens=args.gen), use_cache=False)
+def ar_cache(target: torch.nn.Module, prompts: list[list[int]], args: argparse.Namespace) -> GenerationResult:
+    return causal_generate(target, prompts, greedy(args), SPECIAL)
+
+
+def ar_recompute(target: torch.nn.Module, prompts: list[list[int]], args: argparse.Namespace) -> GenerationResult:
+    return causal_generate(target, prompts, greedy(args), SPECIAL, use_cache=False)
 
 
 VARIANTS: dict[str, Variant] = {"ar_cache": ar_cache, "ar_recompute": ar_recompute}
@@ -67,7 +76,7 @@ def measure(target: torch.nn.Module, batch: int, args: argparse.Namespace) -> di
             result = fn(target, prompts, args)
             sync()
             walls[name].append(time.perf_counter() - t0)
-            assert result.counters.tokens == batch * args.gen, (name, result.counters.tokens)
+            assert result.counters.tokens_committed == batch * args.gen, (name, result.counters.tokens_committed)
     out: dict[str, float] = {}
     base = statistics.median(walls[BASELINE])
     for name in VARIANTS:

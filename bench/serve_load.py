@@ -214,7 +214,8 @@ def sampler_ceiling(model_dir: Path, args: argparse.Namespace) -> float:
 
     from dllm.checkpoint.inference import load_for_inference
     from dllm.config.sampler import SamplerConfig, resolve_sampler
-    from dllm.sampling.generate import SpecialIds, generate
+    from dllm.sampling.canvas import SpecialIds
+    from dllm.sampling.generate import generate
 
     torch.set_num_threads(args.threads)
     loaded = load_for_inference(model_dir=model_dir)

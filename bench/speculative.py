@@ -15,10 +15,10 @@ Then, on held-out corpus prompts
   context of S before the anchor (extend/propose, its cached decoding path) and keeps the longest
   prefix equal to S, plus the target's token. Under greedy decoding this is exactly what the
   speculative loop accepts, so it cross-checks the loop's tau.
-- with the speculative loop (`dllm.sampling.speculative.speculative_generate`, when present): tau,
+- with the causal loop (`dllm.sampling.generate` with a drafter, generation causal): tau,
   target forwards per generated token (`forwards_per_token_b1`: one prompt per call; `..._one_batch`:
   all prompts in one call, a forward counted once for its rows), and wall time against AR decoding with the KV cache
-  (`sampling.ar.ar_generate`) at batch 1 and 8: `speedup_b1` from the fastest call of each of
+  (the same loop without a drafter) at batch 1 and 8: `speedup_b1` from the fastest call of each of
   --repeats interleaved rounds (the machine's quiet moments), `speedup_b1_median` the median of the
   per-round ratios (what a busy shared machine sees), plus whether the outputs equal AR's token for
   token (lossless).
@@ -52,12 +52,16 @@ from dllm.attention.masks import AttentionMask
 from dllm.checkpoint.inference import load_drafter_run, load_for_inference
 from dllm.config.loading import validate_config
 from dllm.config.prepare import PrepareSpec
+from dllm.config.sampler import SamplerConfig
 from dllm.config.spec import RunSpec
 from dllm.data.prepare import prepare
 from dllm.models.capture import capture_layers
 from dllm.models.dflash import DFlashDrafter
 from dllm.recipes import demo_text, write_jsonl
-from dllm.sampling.ar import Decoding, ar_generate
+from dllm.sampling.canvas import SpecialIds
+from dllm.sampling.causal import Target
+from dllm.sampling.generate import generate
+from dllm.sampling.results import Counters, GenerationResult
 from dllm.training.preflight import resolve_run_spec
 from dllm.training.run import prepare_run_dir, train_from_run_dir
 
@@ -68,6 +72,18 @@ DEVICE = torch.device("cpu")  # --device: where the pair trains and decodes (tim
 def sync() -> None:
     if DEVICE.type == "cuda":
         torch.cuda.synchronize()
+
+
+def causal_sampler(tok, new_tokens: int) -> tuple[SamplerConfig, SpecialIds]:
+    """Greedy causal decoding of up to `new_tokens` per row, a row ending at its EOS."""
+    return SamplerConfig(generation="causal", gen_length=new_tokens), SpecialIds(tok.mask_id, tok.pad_id, tok.eos_id)
+
+
+def decode(
+    target, prompts: list[list[int]], decoding: tuple[SamplerConfig, SpecialIds], drafter=None
+) -> GenerationResult:
+    """AR decoding (no drafter) or speculative decoding through the one causal loop."""
+    return generate(target, prompts, *decoding, drafter=drafter)
 
 
 TARGET_LAYERS = [0, 1, 2, 3]
@@ -100,11 +116,11 @@ def regenerate(work: Path, target_run: Path, num_records: int, max_new: int = 64
         prefixes.append(" ".join(words[: rng.randint(1, max(1, len(words) - 1))]) + " ")
     order = sorted(range(len(prefixes)), key=lambda i: len(prefixes[i]))  # batches of similar lengths
     texts = [""] * len(prefixes)
-    decoding = Decoding(max_new_tokens=max_new, eos_id=tok.eos_id)
+    decoding = causal_sampler(tok, max_new)
     t0 = time.perf_counter()
     for i in range(0, len(order), batch):
         rows = order[i : i + batch]
-        result = ar_generate(target, [tok.encode(prefixes[j]) for j in rows], decoding, mask_id=tok.mask_id)
+        result = decode(target, [tok.encode(prefixes[j]) for j in rows], decoding)
         for j, seq in zip(rows, result.sequences, strict=True):
             texts[j] = prefixes[j] + tok.decode(seq)
     print(f"# regenerated {len(texts)} records with the target in {time.perf_counter() - t0:.0f}s", file=sys.stderr)
@@ -249,22 +265,16 @@ def main() -> None:
     target, tok = loaded.model, loaded.tokenizer
     prompts = prompts_of(tok, args.prompts)
     # rows end at EOS, as real decoding does: past it a target writes text unlike its corpus
-    decoding = Decoding(max_new_tokens=args.new_tokens, eos_id=tok.eos_id)
-    greedy = ar_generate(target, prompts, decoding, mask_id=tok.mask_id).sequences
-    try:
-        from dllm.sampling.speculative import speculative_generate
-    except ImportError:
-        speculative_generate = None
-    summary: dict[str, Any] = {"bench": "speculative_summary", "device": str(DEVICE),
-                               "speculative_loop": speculative_generate is not None}  # fmt: skip
+    decoding = causal_sampler(tok, args.new_tokens)
+    greedy = decode(target, prompts, decoding).sequences
+    summary: dict[str, Any] = {"bench": "speculative_summary", "device": str(DEVICE)}
     for b in args.blocks:
         drafter, _, _ = load_drafter_run(run=drafter_runs[b], device=DEVICE)
         drafter.attach(target)  # the very module the AR baseline runs
         line: dict[str, Any] = {"bench": "speculative", "block_size": b, "new_tokens": args.new_tokens,
                                 "prompts": len(prompts)}  # fmt: skip
         line.update(tau_offline(target, drafter, prompts, greedy, tok.eos_id, args.new_tokens))
-        if speculative_generate is not None:
-            line.update(measure(target, drafter, prompts, decoding, tok.mask_id, speculative_generate, args.repeats))
+        line.update(measure(target, drafter, prompts, decoding, tok.mask_id, args.repeats))
         print(json.dumps(line), flush=True)
         summary[f"tau_b{b}"] = line.get("tau", line["tau_offline"])
         if "speedup_b1" in line:
@@ -284,18 +294,16 @@ def main() -> None:
 
 
 def step_costs(target, drafter, prompt: list[int], mask_id: int, kept: int, repeats: int = 30) -> dict[str, float]:
-    """Seconds of one AR step (1 token against the KV cache, as ar_generate runs it), one verify forward
+    """Seconds of one AR step (1 token against the KV cache, as AR decoding runs it), one verify forward
     (b tokens, capturing the drafter's target layers) and one drafter round (the `kept` verified
     positions' features, then the proposal: one forward) at batch 1, after a prompt (the fastest of
     `repeats`; nothing committed, so every call sees the same cache). A round costs verify + propose and
     gains tau tokens, so with nothing else to pay speculative decoding reaches at most tau x ar / (verify +
     propose) of AR's tokens/s. On a CPU an AR step streams the weights for one token (memory-bound) and a
     verify forward of b tokens adds their compute (b = 8: about 1.6-1.9 AR steps)."""
-    from dllm.sampling.ar import Target
-
     b = drafter.block_size
-    ar = Target(target, 1, len(prompt) + 2 * b, (), mask_id)
-    runner = Target(target, 1, len(prompt) + 2 * b, drafter.target_layer_ids, mask_id)
+    ar = Target(target, 1, len(prompt) + 2 * b, Counters(), (), mask_id)
+    runner = Target(target, 1, len(prompt) + 2 * b, Counters(), drafter.target_layer_ids, mask_id)
     ids = torch.tensor([prompt], device=DEVICE)
     with torch.no_grad(), runner.capturing():
         ar.forward(ids)
@@ -317,12 +325,11 @@ def step_costs(target, drafter, prompt: list[int], mask_id: int, kept: int, repe
         return {k: min(v) for k, v in timed(calls, repeats).items()}
 
 
-def phase_profile(target, drafter, prompts, decoding, mask_id, repeats: int) -> dict[str, float]:
+def phase_profile(target, drafter, prompts, decoding, repeats: int) -> dict[str, float]:
     """Where a batch-1 round's time goes (every prompt alone, the fastest of `repeats` passes): target
     forwards (the verify, and the prefill spread over the rounds), the drafter (extend + propose) and the
     rest of the loop, in microseconds per round, and one AR step's microseconds for scale."""
     import dllm.sampling.speculative as spec_mod
-    from dllm.sampling.ar import Target
 
     spent = {"target_forward": 0.0, "drafter": 0.0}
     rounds = [0]
@@ -355,7 +362,7 @@ def phase_profile(target, drafter, prompts, decoding, mask_id, repeats: int) -> 
             rounds[0] = 0
             t0 = time.perf_counter()
             for p in prompts:
-                spec_mod.speculative_generate(target, drafter, [p], decoding, mask_id=mask_id)
+                decode(target, [p], decoding, drafter)
             total = time.perf_counter() - t0
             if best is None or total < best["total"]:
                 best = {"total": total, **spent, "rounds": rounds[0]}
@@ -369,11 +376,11 @@ def phase_profile(target, drafter, prompts, decoding, mask_id, repeats: int) -> 
     return out
 
 
-def measure(target, drafter, prompts, decoding, mask_id, speculative_generate, repeats: int) -> dict[str, Any]:
+def measure(target, drafter, prompts, decoding, mask_id, repeats: int) -> dict[str, Any]:
     """tau, forwards per token, losslessness and tokens/s vs AR with the KV cache at batch 1 and 8."""
     out: dict[str, Any] = {}
-    spec_all = speculative_generate(target, drafter, prompts, decoding, mask_id=mask_id)
-    ar_all = ar_generate(target, prompts, decoding, mask_id=mask_id)
+    spec_all = decode(target, prompts, decoding, drafter)
+    ar_all = decode(target, prompts, decoding)
     c = spec_all.counters.as_dict()
     out.update(tau=round(c["tau"], 3), forwards_per_token_one_batch=round(c["forwards_per_token"], 4),
                acceptance_rate=round(c["acceptance_rate"], 3),
@@ -387,32 +394,29 @@ def measure(target, drafter, prompts, decoding, mask_id, speculative_generate, r
     # the CPU's ceiling for this pair: tau tokens per (verify + propose), against one token per AR step
     out["speedup_b1_ceiling"] = round(c["tau"] * costs["ar_step_s"] / (costs["verify_s"] + costs["propose_s"]), 3)
     out["ar_step_us"] = round(costs["ar_step_s"] * 1e6, 1)
-    out.update(phase_profile(target, drafter, prompts, decoding, mask_id, repeats))
-    ones = [speculative_generate(target, drafter, [p], decoding, mask_id=mask_id).counters for p in prompts]
-    out["forwards_per_token_b1"] = round(sum(c.target_forwards for c in ones) / sum(c.tokens for c in ones), 4)
+    out.update(phase_profile(target, drafter, prompts, decoding, repeats))
+    ones = [decode(target, [p], decoding, drafter).counters for p in prompts]
+    out["forwards_per_token_b1"] = round(sum(c.nfe for c in ones) / sum(c.tokens_committed for c in ones), 4)
     # the bound of a perfect drafter at the same cost: every draft right, everything else paid as measured
-    oracle = [OracleDrafter(drafter, p + s + [decoding.eos_id]) for p, s in zip(prompts, ar_all.sequences, strict=True)]
+    eos_id = decoding[1].eos_id
+    oracle = [OracleDrafter(drafter, p + s + [eos_id]) for p, s in zip(prompts, ar_all.sequences, strict=True)]
     for batch in (1, 8):
         chunks = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
         calls = {
-            "ar": lambda chunks=chunks: [ar_generate(target, ch, decoding, mask_id=mask_id) for ch in chunks],
-            "spec": lambda chunks=chunks: [
-                speculative_generate(target, drafter, ch, decoding, mask_id=mask_id) for ch in chunks
-            ],
+            "ar": lambda chunks=chunks: [decode(target, ch, decoding) for ch in chunks],
+            "spec": lambda chunks=chunks: [decode(target, ch, decoding, drafter) for ch in chunks],
         }
         if batch == 1:  # the perfect drafter in the same rounds, against the same AR calls
-            calls["oracle"] = lambda: [speculative_generate(target, o, [p], decoding, mask_id=mask_id)
-                                       for o, p in zip(oracle, prompts, strict=True)]  # fmt: skip
+            calls["oracle"] = lambda: [decode(target, [p], decoding, o) for o, p in zip(oracle, prompts, strict=True)]
         samples = timed(calls, repeats)
-        tokens = ar_all.counters.tokens  # the same for both: lossless
+        tokens = ar_all.counters.tokens_committed  # the same for both: lossless
         out[f"ar_tokens_per_s_b{batch}"] = round(tokens / min(samples["ar"]), 1)
         out[f"spec_tokens_per_s_b{batch}"] = round(tokens / min(samples["spec"]), 1)
         best, median = ratios(samples, "ar", "spec")
         out[f"speedup_b{batch}"], out[f"speedup_b{batch}_median"] = round(best, 3), round(median, 3)
         if batch == 1:
             out["speedup_b1_oracle_drafter"] = round(ratios(samples, "ar", "oracle")[0], 3)
-    counters = [speculative_generate(target, o, [p], decoding, mask_id=mask_id).counters
-                for o, p in zip(oracle, prompts, strict=True)]  # fmt: skip
+    counters = [decode(target, [p], decoding, o).counters for o, p in zip(oracle, prompts, strict=True)]
     out["tau_oracle_drafter"] = round(sum(c.rounds + c.accepted for c in counters) / sum(c.rounds for c in counters), 3)
     return out
 

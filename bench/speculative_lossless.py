@@ -1,4 +1,4 @@
-"""Losslessness on the bench's larger pair (issue 18's "the note on a larger one"): the 4 x 256 `ar`
+"""Losslessness on the bench's larger pair: the 4 x 256 `ar`
 target and the 1-layer DFlash drafters that bench/speculative.py trains (reused from its work folder,
 trained there when missing), greedy speculative decoding against the target's own greedy AR decoding
 with the KV cache, token for token, over held-out prompts, at batch 1 and batch 8, per block size.
@@ -22,8 +22,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 import speculative as bench  # noqa: E402  (the pair's training lives there)
 from dllm.checkpoint.inference import load_drafter_run, load_for_inference  # noqa: E402
-from dllm.sampling.ar import Decoding, ar_generate  # noqa: E402
-from dllm.sampling.speculative import speculative_generate  # noqa: E402
 
 
 def main() -> None:
@@ -43,7 +41,7 @@ def main() -> None:
     loaded = load_for_inference(run=target_run, device=torch.device("cpu"))
     target, tok = loaded.model, loaded.tokenizer
     prompts = bench.prompts_of(tok, args.prompts)
-    decoding = Decoding(max_new_tokens=args.new_tokens, eos_id=tok.eos_id)
+    decoding = bench.causal_sampler(tok, args.new_tokens)
     result: dict[str, Any] = {"bench": "speculative_lossless", "prompts": len(prompts), "target": "ar 4x256",
                               "new_tokens": args.new_tokens, "drafter_data": args.drafter_data,
                               "drafter_steps": args.drafter_steps}  # fmt: skip
@@ -55,8 +53,8 @@ def main() -> None:
             equal = tokens = 0
             for i in range(0, len(prompts), batch):
                 chunk = prompts[i : i + batch]
-                ar = ar_generate(target, chunk, decoding, mask_id=tok.mask_id)
-                spec = speculative_generate(target, drafter, chunk, decoding, mask_id=tok.mask_id)
+                ar = bench.decode(target, chunk, decoding)
+                spec = bench.decode(target, chunk, decoding, drafter)
                 equal += sum(a == s for a, s in zip(ar.sequences, spec.sequences, strict=True))
                 tokens += sum(len(a) for a in ar.sequences)
             ok = equal == len(prompts)

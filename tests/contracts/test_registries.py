@@ -50,8 +50,9 @@ from dllm.diffusion.corruption import NoiseKeys
 from dllm.diffusion.objectives import LossOutput, ModelInputs, TokenIds
 from dllm.models import Transformer
 from dllm.registry import Registry, entry
-from dllm.sampling.generate import SpecialIds, commit_schedule
+from dllm.sampling.canvas import SpecialIds
 from dllm.sampling.policies import Parallel, Proposal, Scheduled, StepState, make_policy, select_topk
+from dllm.sampling.proposals import commit_schedule
 from tests.helpers import output_of_logits
 
 REGISTRIES: dict[str, Registry] = ALL

@@ -20,7 +20,8 @@ from torch.distributed.tensor import DTensor
 from dllm.parallel.dims import DistEnv
 from dllm.rl.grpo import completion_mask
 from dllm.rl.rollout import Rollouts
-from dllm.sampling.generate import Counters, left_pad
+from dllm.sampling.canvas import left_pad
+from dllm.sampling.results import Counters
 from dllm.training import grpo as grpo_mod
 from dllm.training.build import build_trainer
 from dllm.training.preflight import resolve_run_spec

@@ -15,8 +15,12 @@ from dllm.attention.backends.flex import FlexBackend
 from dllm.attention.backends.sdpa import sdpa_attention
 from dllm.attention.masks import AttentionMask
 from dllm.config.model import DFlashConfig, ModelConfig
+from dllm.config.sampler import SamplerConfig
 from dllm.models.dflash import DFlashDrafter, DraftTokens
 from dllm.models.transformer import Transformer
+from dllm.sampling.canvas import SpecialIds
+from dllm.sampling.generate import generate
+from dllm.sampling.speculative import causal_generate
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 CUDA = torch.device("cuda")
@@ -105,28 +109,30 @@ def test_drafter_block_mask_equals_the_dense_draft_mask_with_gradients(documents
 def test_speculative_decoding_on_cuda_is_lossless(batch: int):
     """Greedy speculative decoding with a (random) DFlash drafter on CUDA equals the target's own greedy AR
     decoding token for token, over rows of different prompt lengths."""
-    from dllm.sampling.ar import Decoding, ar_generate
-    from dllm.sampling.speculative import speculative_generate
-
     target = make_target()
     drafter = make_drafter(target, 4, "auto").eval()
     g = torch.Generator().manual_seed(3)
     lengths = torch.randint(1, 12, (batch,), generator=g).tolist()
     prompts = [torch.randint(0, V - 1, (n,), generator=g).tolist() for n in lengths]
-    decoding = Decoding(max_new_tokens=24)
-    spec = speculative_generate(target, drafter, prompts, decoding, mask_id=MASK)
-    assert spec.sequences == ar_generate(target, prompts, decoding, mask_id=MASK).sequences
-    assert spec.counters.target_forwards <= decoding.max_new_tokens + 1  # a random drafter may never be right
+    cfg, special = causal_sampler(24)
+    spec = generate(target, prompts, cfg, special, drafter=drafter)
+    assert spec.sequences == generate(target, prompts, cfg, special).sequences
+    assert spec.counters.nfe <= cfg.gen_length + 1  # a random drafter may never be right
 
 
 def test_cached_ar_decoding_on_cuda_equals_recomputation():
-    from dllm.sampling.ar import Decoding, ar_generate
-
     target = make_target()
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9], [10]]
-    decoding = Decoding(max_new_tokens=16)
-    cached = ar_generate(target, prompts, decoding, mask_id=MASK)
-    assert cached.sequences == ar_generate(target, prompts, decoding, mask_id=MASK, use_cache=False).sequences
+    cfg, special = causal_sampler(16)
+    cached = generate(target, prompts, cfg, special)
+    with torch.inference_mode():
+        plain = causal_generate(target, prompts, cfg, special, use_cache=False)
+    assert cached.sequences == plain.sequences
+
+
+def causal_sampler(n: int) -> tuple[SamplerConfig, SpecialIds]:
+    """Greedy causal decoding of n tokens, no EOS (every row runs n tokens)."""
+    return SamplerConfig(generation="causal", gen_length=n, stop_at_eos=False), SpecialIds(MASK, 0, 0)
 
 
 def test_compiled_training_step_equals_eager_on_cuda():

@@ -467,22 +467,23 @@ def test_a_dflash_drafter_decodes_ragged_rows_as_each_row_alone():
     """Speculative decoding with a DFlash drafter over rows of different prompt lengths (propose's masked
     path over one shared buffer): lossless against AR, and every row's proposals, round by round, equal
     the ones it gets decoded alone (propose's unmasked batch-1 path)."""
-    from dllm.sampling.ar import Decoding, ar_generate
-    from dllm.sampling.speculative import speculative_generate
+    from dllm.config.sampler import SamplerConfig
+    from dllm.sampling.canvas import SpecialIds
+    from dllm.sampling.generate import generate
 
     target = make_target()
     drafter = make_drafter(target, block=4, num_layers=2).eval()
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [20], [30, 31, 32, 33]]
-    decoding = Decoding(max_new_tokens=10)
+    cfg, special = SamplerConfig(generation="causal", gen_length=10, stop_at_eos=False), SpecialIds(MASK, 0, 0)
     proposals: list[torch.Tensor] = []
     propose = drafter.propose
     drafter.propose = lambda *a: proposals.append(x := propose(*a)) or x  # type: ignore[method-assign]
-    batched = speculative_generate(target, drafter, prompts, decoding, mask_id=MASK)
-    assert batched.sequences == ar_generate(target, prompts, decoding, mask_id=MASK).sequences
+    batched = generate(target, prompts, cfg, special, drafter=drafter)
+    assert batched.sequences == generate(target, prompts, cfg, special).sequences
     together = list(proposals)
     for r, prompt in enumerate(prompts):
         proposals.clear()
-        speculative_generate(target, drafter, [prompt], decoding, mask_id=MASK)
+        generate(target, [prompt], cfg, special, drafter=drafter)
         assert len(proposals) >= 3
         for t, alone in enumerate(proposals):
             torch.testing.assert_close(together[t][r], alone[0], atol=1e-5, rtol=1e-5)

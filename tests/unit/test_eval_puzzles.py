@@ -16,7 +16,7 @@ from dllm.evaluation.puzzles import (
     sudoku4_correct,
 )
 from dllm.evaluation.tasks import Example, Task, extract_answer, load_task, run_task
-from dllm.sampling.generate import Counters
+from dllm.sampling.results import Counters
 
 
 def test_expression_parser_is_exact_and_refuses_anything_else():

@@ -9,7 +9,7 @@ import pytest
 
 from dllm.errors import DataError
 from dllm.evaluation.tasks import BUILTIN, is_correct, load_task, run_task
-from dllm.sampling.generate import Counters
+from dllm.sampling.results import Counters
 
 
 @pytest.mark.parametrize("name", sorted(BUILTIN))

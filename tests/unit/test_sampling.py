@@ -15,8 +15,10 @@ from dllm.config.model import ModelConfig
 from dllm.config.registries import POLICIES
 from dllm.config.sampler import SamplerConfig
 from dllm.models.transformer import Transformer
-from dllm.sampling.generate import SpecialIds, commit_schedule, generate, left_pad, propose
+from dllm.sampling.canvas import SpecialIds, left_pad
+from dllm.sampling.generate import generate
 from dllm.sampling.policies import LowConfidence, Proposal, RandomOrder, select_topk
+from dllm.sampling.proposals import commit_schedule, propose
 from tests.helpers import output_of_logits
 
 V = 32

@@ -1,5 +1,6 @@
-"""AR decoding of causal models (sampling/ar.py): the ragged KV cache against the no-cache reference,
-batched rows against single rows, EOS / stop handling, seeded sampling, and which models are causal.
+"""AR decoding of causal models (the causal loop of sampling/speculative.py without a drafter, over the
+ragged KV cache of sampling/causal.py): the ragged cache against the no-cache reference, batched rows
+against single rows, EOS / stop handling, seeded sampling, and which models are causal.
 
 Shapes: B batch, N new tokens, V vocabulary.
 """
@@ -11,8 +12,14 @@ import torch
 
 from dllm.config.model import ModelConfig
 from dllm.config.profile import DecodeProfile
+from dllm.config.sampler import SamplerConfig
 from dllm.models import Transformer
-from dllm.sampling.ar import Decoding, ar_generate, is_causal_model, sample
+from dllm.sampling.canvas import SpecialIds
+from dllm.sampling.causal import is_causal_model
+from dllm.sampling.generate import generate
+from dllm.sampling.proposals import draw
+from dllm.sampling.results import GenerationResult
+from dllm.sampling.speculative import Drafter, causal_generate
 
 V = 48
 MASK_ID = V - 1
@@ -27,6 +34,27 @@ def causal_model(seed: int = 0, layers: int = 2, width: int = 64, dtype: torch.d
     return model.to(dtype)
 
 
+def decode(
+    model: torch.nn.Module, prompts: list[list[int]], n: int, *, drafter: Drafter | None = None,
+    eos_id: int | None = None, temperature: float = 0.0, top_k: int | None = None,
+    generator: torch.Generator | None = None, stop=None, use_cache: bool = True, return_logits: bool = False,
+) -> GenerationResult:  # fmt: skip
+    """The causal loop on `n` new tokens per prompt (EOS only when `eos_id` is given; the mask id never a token)."""
+    cfg = SamplerConfig(generation="causal", gen_length=n, temperature=temperature, top_k=top_k,
+                        stop_at_eos=eos_id is not None)  # fmt: skip
+    special = SpecialIds(MASK_ID, 0, eos_id if eos_id is not None else 0, V)
+    if use_cache and not return_logits:
+        return generate(model, prompts, cfg, special, drafter=drafter, generator=generator, stop=stop)
+    with torch.inference_mode():
+        return causal_generate(model, prompts, cfg, special, drafter=drafter, generator=generator, stop=stop,
+                               use_cache=use_cache, return_logits=return_logits)  # fmt: skip
+
+
+def new_tokens(result: GenerationResult, n: int) -> torch.Tensor:
+    """The n positions after each row's prompt [B, n] (after a row's end: the EOS id)."""
+    return torch.stack([result.canvas_BL[b, g : g + n] for b, g in enumerate(result.gen_start_B)])
+
+
 def random_prompts(n: int, seed: int, max_len: int = 9) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(1, max_len + 1, (n,), generator=g).tolist()
@@ -38,23 +66,21 @@ def test_ragged_cache_matches_the_no_cache_reference():
     recomputation of every row at every step."""
     model = causal_model()
     prompts = random_prompts(6, seed=1)
-    dec = Decoding(max_new_tokens=12)
-    cached = ar_generate(model, prompts, dec, mask_id=MASK_ID, return_logits=True)
-    plain = ar_generate(model, prompts, dec, mask_id=MASK_ID, return_logits=True, use_cache=False)
+    cached = decode(model, prompts, 12, return_logits=True)
+    plain = decode(model, prompts, 12, return_logits=True, use_cache=False)
     assert cached.sequences == plain.sequences and all(len(s) == 12 for s in cached.sequences)
     torch.testing.assert_close(cached.logits_BNV, plain.logits_BNV, atol=1e-5, rtol=0)
-    assert bool((cached.tokens_BN != MASK_ID).all())
+    assert bool((new_tokens(cached, 12) != MASK_ID).all())
     c = cached.counters.as_dict()
-    assert c["target_forwards"] == 12 and c["tokens"] == 6 * 12 and c["tau"] == 1.0  # a prefill + 11 steps
+    assert c["nfe"] == 12 and c["tokens_committed"] == 6 * 12 and c["tau"] == 1.0  # a prefill + 11 steps
 
 
 def test_a_batch_decodes_each_row_as_it_would_alone():
     model = causal_model(seed=2)
     prompts = random_prompts(5, seed=3)
-    dec = Decoding(max_new_tokens=8)
-    together = ar_generate(model, prompts, dec, return_logits=True)
+    together = decode(model, prompts, 8, return_logits=True)
     for b, p in enumerate(prompts):
-        alone = ar_generate(model, [p], dec, return_logits=True)
+        alone = decode(model, [p], 8, return_logits=True)
         assert alone.sequences[0] == together.sequences[b]
         torch.testing.assert_close(alone.logits_BNV[0], together.logits_BNV[b], atol=1e-5, rtol=0)
 
@@ -62,37 +88,37 @@ def test_a_batch_decodes_each_row_as_it_would_alone():
 def test_eos_ends_a_row_and_stop_functions_are_honoured():
     model = causal_model(seed=4)
     prompts = random_prompts(3, seed=5)
-    free = ar_generate(model, prompts, Decoding(max_new_tokens=10))
+    free = decode(model, prompts, 10)
     eos = free.sequences[1][3]  # row 1 emits this token at step 3 (maybe earlier too)
-    ended = ar_generate(model, prompts, Decoding(max_new_tokens=10, eos_id=eos))
+    ended = decode(model, prompts, 10, eos_id=eos)
     for row, out in zip(free.sequences, ended.sequences, strict=True):
         expect = row[: row.index(eos)] if eos in row else row
         assert out == expect
-    assert ended.counters.tokens == sum(len(s) + (len(s) < 10) for s in ended.sequences)
-    stopped = ar_generate(model, prompts, Decoding(max_new_tokens=10), stop=lambda ids: len(ids) >= 4)
-    assert stopped.counters.target_forwards == 4  # every row stops after 4 tokens: prefill + 3 steps
+    assert ended.counters.tokens_committed == sum(len(s) + (len(s) < 10) for s in ended.sequences)
+    stopped = decode(model, prompts, 10, stop=lambda ids: len(ids) >= 4)
+    assert stopped.counters.nfe == 4  # every row stops after 4 tokens: prefill + 3 steps
     assert [s[:4] for s in stopped.sequences] == [s[:4] for s in free.sequences]
 
 
 def test_sampling_is_seeded_and_respects_top_k():
     model = causal_model(seed=6, dtype=torch.float64)
     prompts = random_prompts(4, seed=7)
-    dec = Decoding(max_new_tokens=10, temperature=1.0, top_k=3)
 
     def run(seed: int, use_cache: bool = True):
         gen = torch.Generator().manual_seed(seed)
-        return ar_generate(model, prompts, dec, generator=gen, return_logits=True, use_cache=use_cache)
+        return decode(model, prompts, 10, temperature=1.0, top_k=3, generator=gen, return_logits=True,
+                      use_cache=use_cache)  # fmt: skip
 
     a, b, c = run(0), run(0), run(1)
     assert a.sequences == b.sequences != c.sequences
     assert a.sequences == run(0, use_cache=False).sequences  # float64: the reference draws the same tokens
     top3 = a.logits_BNV.topk(3, dim=-1).indices
-    assert bool((top3 == a.tokens_BN[..., None]).any(-1).all())
+    assert bool((top3 == new_tokens(a, 10)[..., None]).any(-1).all())
 
 
 def test_sample_inverts_the_cdf_and_never_draws_zero_probability():
     probs = torch.tensor([[0.0, 0.5, 0.0, 0.5], [0.0, 0.0, 1.0, 0.0]], dtype=torch.float64)
-    draws = sample(probs.repeat(500, 1), torch.Generator().manual_seed(0)).view(500, 2)
+    draws = draw(probs.repeat(500, 1), torch.Generator().manual_seed(0)).view(500, 2)
     assert set(draws[:, 0].tolist()) == {1, 3} and set(draws[:, 1].tolist()) == {2}
 
 
@@ -108,6 +134,6 @@ def test_which_models_decode_causally():
 def test_bad_arguments_raise():
     model = causal_model()
     with pytest.raises(ValueError, match="at least one token"):
-        ar_generate(model, [[1], []], Decoding())
-    with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
-        Decoding(max_new_tokens=0)
+        decode(model, [[1], []], 4)
+    with pytest.raises(ValueError, match="gen_length"):
+        decode(model, [[1]], 0)

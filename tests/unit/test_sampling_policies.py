@@ -14,8 +14,11 @@ import torch
 from dllm.config.model import ModelConfig
 from dllm.config.sampler import SamplerConfig
 from dllm.models.transformer import Transformer
-from dllm.sampling.generate import SpecialIds, StepEvent, filter_logits, full_proposal, generate
+from dllm.sampling.canvas import SpecialIds
+from dllm.sampling.generate import generate
 from dllm.sampling.policies import Entropy, Factor, Margin, Proposal, Threshold, make_policy
+from dllm.sampling.proposals import filter_logits, full_proposal
+from dllm.sampling.results import StepEvent
 from tests.unit.test_sampling import FakeModel, prefer
 
 V = 32

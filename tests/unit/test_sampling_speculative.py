@@ -1,4 +1,4 @@
-"""Speculative decoding (sampling/speculative.py) with simple drafters that implement the Drafter
+"""Speculative decoding (the causal loop of sampling/speculative.py) with simple drafters that implement the Drafter
 protocol: a second causal model, random proposals, the target's own continuation replayed with
 errors, and a linear head over the target features (the feature plumbing).
 
@@ -21,9 +21,9 @@ import torch
 from dllm.attention.masks import AttentionMask
 from dllm.errors import CheckpointError, ConfigError
 from dllm.models.capture import capture_layers
-from dllm.sampling.ar import Decoding, ar_generate
-from dllm.sampling.speculative import Drafter, check_drafter, load_drafter, speculative_generate
-from tests.unit.test_sampling_ar import MASK_ID, V, causal_model, random_prompts
+from dllm.sampling.proposals import token_probs
+from dllm.sampling.speculative import Drafter, check_drafter, load_drafter
+from tests.unit.test_sampling_ar import MASK_ID, V, causal_model, decode, new_tokens, random_prompts
 
 F64 = torch.float64
 
@@ -147,7 +147,7 @@ class FeatureProbeDrafter:
 
 
 def greedy_reference(target, prompts: list[list[int]], N: int, eos_id: int | None = None):
-    return ar_generate(target, prompts, Decoding(max_new_tokens=N, eos_id=eos_id), mask_id=MASK_ID)
+    return decode(target, prompts, N, eos_id=eos_id)
 
 
 def full_sequences(prompts: list[list[int]], sequences: list[list[int]], length: int) -> torch.Tensor:
@@ -176,7 +176,7 @@ def test_greedy_is_lossless_at_batch_8_with_rows_accepting_different_lengths(tar
         chunk = prompts[i : i + 8]
         ref = greedy_reference(target, chunk, N + b)  # the replay reaches past N in a row's last round
         drafter = ReplayDrafter(full_sequences(chunk, ref.sequences, 9 + N + b), b, error=0.25, seed=i)
-        out = speculative_generate(target, drafter, chunk, Decoding(max_new_tokens=N), mask_id=MASK_ID)
+        out = decode(target, chunk, N, drafter=drafter)
         assert out.sequences == [s[:N] for s in ref.sequences]
         gains = torch.stack(drafter.anchor_positions).diff(dim=0)
         assert len(set(gains[0].tolist())) > 1 or len(set(gains[1].tolist())) > 1  # rows advance differently
@@ -200,10 +200,10 @@ def test_greedy_is_lossless_at_batch_1(target, kind):
             drafter = RandomDrafter(b, seed=len(p))
         else:
             drafter = ReplayDrafter(full_sequences([p], ref.sequences, 9 + N + b), b, error=0.3)
-        out = speculative_generate(target, drafter, [p], Decoding(max_new_tokens=N), mask_id=MASK_ID)
+        out = decode(target, [p], N, drafter=drafter)
         assert out.sequences == [ref.sequences[0][:N]]
         c = out.counters.as_dict()
-        assert c["tokens"] == N and c["rounds"] == c["target_forwards"] - 1  # + the prefill
+        assert c["tokens_committed"] == N and c["rounds"] == c["nfe"] - 1  # + the prefill
         assert c["drafted"] == (b - 1) * c["rounds"] and c["tau"] == (c["accepted"] + c["rounds"]) / c["rounds"]
 
 
@@ -212,15 +212,15 @@ def test_a_perfect_drafter_is_accepted_in_full_and_eos_ends_rows(target):
     prompts = random_prompts(8, seed=13)
     ref = greedy_reference(target, prompts, N + b)
     drafter = ReplayDrafter(full_sequences(prompts, ref.sequences, 9 + N + b), b, error=0.0)
-    out = speculative_generate(target, drafter, prompts, Decoding(max_new_tokens=N), mask_id=MASK_ID)
+    out = decode(target, prompts, N, drafter=drafter)
     c = out.counters.as_dict()
-    assert c["acceptance_rate"] == 1.0 and c["tau"] == b and c["target_forwards"] == 1 + N // b
+    assert c["acceptance_rate"] == 1.0 and c["tau"] == b and c["nfe"] == 1 + N // b
     eos = ref.sequences[2][5]
     with_eos = greedy_reference(target, prompts, N, eos_id=eos)
     drafter = ReplayDrafter(full_sequences(prompts, ref.sequences, 9 + N + b), b, error=0.2)
-    out = speculative_generate(target, drafter, prompts, Decoding(max_new_tokens=N, eos_id=eos), mask_id=MASK_ID)
+    out = decode(target, prompts, N, drafter=drafter, eos_id=eos)
     assert out.sequences == with_eos.sequences and len(out.sequences[2]) <= 5
-    assert out.counters.tokens == with_eos.counters.tokens
+    assert out.counters.tokens_committed == with_eos.counters.tokens_committed
 
 
 def test_ragged_cache_verification_matches_the_no_cache_reference(target):
@@ -228,18 +228,14 @@ def test_ragged_cache_verification_matches_the_no_cache_reference(target):
     prompts = random_prompts(6, seed=14)
     draft_model = causal_model(seed=4, dtype=F64)
     runs = [
-        speculative_generate(
-            target,
-            ModelDrafter(draft_model, prompts, 3),
-            prompts,
-            Decoding(max_new_tokens=12),
-            mask_id=MASK_ID,
-            use_cache=use_cache,
-        )  # fmt: skip
+        decode(target, prompts, 12, drafter=ModelDrafter(draft_model, prompts, 3), use_cache=use_cache)
         for use_cache in (True, False)
     ]
     assert runs[0].sequences == runs[1].sequences
-    assert runs[0].counters.as_dict() == runs[1].counters.as_dict()
+    cached, plain = (r.counters.as_dict() for r in runs)
+    work = ("query_tokens", "cached_tokens")  # what the cache saves: the only counters that differ
+    assert {k: v for k, v in cached.items() if k not in work} == {k: v for k, v in plain.items() if k not in work}
+    assert plain["cached_tokens"] == 0 < cached["cached_tokens"] and cached["query_tokens"] < plain["query_tokens"]
 
 
 def test_the_drafter_gets_the_target_features_of_every_kept_position(target):
@@ -257,7 +253,7 @@ def test_the_drafter_gets_the_target_features_of_every_kept_position(target):
         return propose(state, anchor_B, anchor_pos_B)
 
     drafter.propose = probe  # type: ignore[method-assign]
-    out = speculative_generate(target, drafter, prompts, Decoding(max_new_tokens=N), mask_id=MASK_ID)
+    out = decode(target, prompts, N, drafter=drafter)
     assert out.counters.accepted > 0  # the head over real features proposes something the target accepts
     assert len(seen) > 3
     for row, (p, s) in enumerate(zip(prompts, out.sequences, strict=True)):
@@ -282,7 +278,7 @@ def test_the_capture_hooks_live_for_one_call(target):
         return propose(state, anchor_B, anchor_pos_B)
 
     drafter.propose = probe  # type: ignore[method-assign]
-    speculative_generate(target, drafter, random_prompts(3, seed=2), Decoding(max_new_tokens=8), mask_id=MASK_ID)
+    decode(target, random_prompts(3, seed=2), 8, drafter=drafter)
     expected = [1 if i in ids else 0 for i in range(len(target.layers))]
     assert len(registered) > 1 and all(r == expected for r in registered)
     assert all(not layer._forward_hooks for layer in target.layers)
@@ -315,31 +311,30 @@ def test_generated_tokens_follow_the_target_softmax(target, drafter_kind):
     without a drafter; the drafter's own distribution q is rejected by the same test (the test has power)."""
     R, b = 20_000, 4
     prompt = [5]
-    dec = Decoding(max_new_tokens=2, temperature=1.0)
     gen = torch.Generator().manual_seed(17)
     with torch.no_grad():
         logits = target(torch.tensor([prompt]), torch.zeros(1, 1, dtype=torch.long), AttentionMask("causal")).logits()
         logits[..., MASK_ID] = float("-inf")
-        p_first = dec.probs(logits[0, 0])
+        p_first = token_probs(logits[0, 0], 1.0, None, None)
         pairs = torch.tensor([[prompt[0], t] for t in range(V)])  # every first token, then its next-token softmax
         second = target(pairs, torch.arange(2).expand(V, 2), AttentionMask("causal")).logits()[:, 1]
         second[..., MASK_ID] = float("-inf")
-        p_second = (p_first[:, None] * dec.probs(second)).sum(0)
+        p_second = (p_first[:, None] * token_probs(second, 1.0, None, None)).sum(0)
     if drafter_kind == "none":
-        out = ar_generate(target, [prompt] * R, dec, mask_id=MASK_ID, generator=gen)
+        out = decode(target, [prompt] * R, 2, temperature=1.0, generator=gen)
     else:
         drafter = RandomDrafter(b, seed=2) if drafter_kind == "random" else ModelDrafter(
             causal_model(seed=5, dtype=F64), [prompt] * R, b)  # fmt: skip
         q_first: list[torch.Tensor] = []
         propose = drafter.propose
         drafter.propose = lambda *a: q_first.append(x := propose(*a)) or x  # type: ignore[method-assign]
-        out = speculative_generate(target, drafter, [prompt] * R, dec, mask_id=MASK_ID, generator=gen)
+        out = decode(target, [prompt] * R, 2, drafter=drafter, temperature=1.0, generator=gen)
         assert out.counters.rounds == R and 0 < out.counters.accepted < out.counters.drafted
         q = torch.softmax(q_first[0][:, 0].masked_fill(torch.arange(V) == MASK_ID, float("-inf")), -1)
         drafted = torch.bincount(torch.multinomial(q, 1, generator=gen)[:, 0], minlength=V)
         assert chi_square_p(drafted, p_second) < 1e-6
     for position, probs in ((0, p_first), (1, p_second)):
-        counts = torch.bincount(out.tokens_BN[:, position], minlength=V)
+        counts = torch.bincount(new_tokens(out, 2)[:, position], minlength=V)
         assert counts[MASK_ID] == 0
         assert chi_square_p(counts, probs) > 0.01, position
 
@@ -356,17 +351,18 @@ def test_bad_drafters_and_folders_are_refused(target, tmp_path):
         check_drafter(FeatureProbeDrafter((1, 5), 64, 4), target)
     with pytest.raises(CheckpointError, match="is not a drafter folder"):
         load_drafter(tmp_path, target)
-    with pytest.raises(ValueError, match="block_size - 1 >= 1"):
-        speculative_generate(target, RandomDrafter(1), [[1]], Decoding())
+    prompts = random_prompts(4, seed=19)  # a drafter of block size 1 proposes nothing: AR decoding
+    assert (
+        decode(target, prompts, 6, drafter=RandomDrafter(1)).sequences == greedy_reference(target, prompts, 6).sequences
+    )
 
 
 def test_sampling_keeps_to_the_targets_top_k_and_stops(target):
     """With top_k the target's distribution is zero outside its k best: a draft there is always rejected
     and the residual never draws it, so every token is in the target's top-k at its position."""
     prompts = random_prompts(16, seed=18)
-    dec = Decoding(max_new_tokens=10, temperature=1.0, top_k=3)
-    out = speculative_generate(target, RandomDrafter(4, seed=3), prompts, dec, mask_id=MASK_ID,
-                               generator=torch.Generator().manual_seed(0))  # fmt: skip
+    out = decode(target, prompts, 10, drafter=RandomDrafter(4, seed=3), temperature=1.0, top_k=3,
+                 generator=torch.Generator().manual_seed(0))  # fmt: skip
     for p, s in zip(prompts, out.sequences, strict=True):
         seq = torch.tensor([p + s])
         with torch.no_grad():
@@ -375,7 +371,6 @@ def test_sampling_keeps_to_the_targets_top_k_and_stops(target):
         top3 = logits[len(p) - 1 : -1].topk(3, dim=-1).indices
         assert bool((top3 == torch.tensor(s)[:, None]).any(-1).all())
     ref = greedy_reference(target, prompts, 10)
-    stopped = speculative_generate(target, RandomDrafter(4), prompts, Decoding(max_new_tokens=10), mask_id=MASK_ID,
-                                   stop=lambda ids: len(ids) >= 4)  # fmt: skip
+    stopped = decode(target, prompts, 10, drafter=RandomDrafter(4), stop=lambda ids: len(ids) >= 4)
     assert [s[:4] for s in stopped.sequences] == [s[:4] for s in ref.sequences]
     assert all(4 <= len(s) < 4 + 4 for s in stopped.sequences)  # a round adds at most the block size

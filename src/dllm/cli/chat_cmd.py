@@ -6,12 +6,16 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
 from dllm.cli.common import MODEL_HELP, info, out
 from dllm.cli.sampling_common import SAMPLER_CONFIG_OPTION, SET_OPTION, setup_sampling
 from dllm.sampling.stops import cut_at_stop, stop_function
+
+if TYPE_CHECKING:
+    from dllm.checkpoint.inference import SamplingSetup
 
 MASK_GLYPH = "_"
 
@@ -46,54 +50,63 @@ def chat(
     temperature: float = typer.Option(None, "--temperature", help="0 = greedy."),
     system: str = typer.Option(None, "--system", help="A system message opening the conversation."),
     live: bool = typer.Option(False, "--live", help="Show the reply being unmasked, step by step."),
+    ar: bool = typer.Option(False, "--ar", help="Decode a causal model (an ar run, an imported llama/qwen folder)."),
+    draft: str = typer.Option(None, "--draft", help="Speculative decoding of a causal model with this drafter."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
 ) -> None:
     """Chat with a model: type a message, get a reply; /reset clears the history, /exit (or EOF) quits."""
     import torch
 
-    from dllm.sampling.generate import generate as sample
-
     flags = {"gen_length": gen_length, "block_length": block_length, "steps": steps, "policy": policy,
              "cache": cache, "temperature": temperature}  # fmt: skip
-    s = setup_sampling(run, checkpoint, model, device, sampler_config, overrides, flags)
-    tok, cfg = s.loaded.tokenizer, s.cfg
+    if ar or draft is not None:
+        flags["generation"] = "causal"
+    s = setup_sampling(run, checkpoint, model, device, sampler_config, overrides, flags, draft=draft,
+                       causal_option="--draft" if draft is not None else "--ar")  # fmt: skip
+    cfg = s.sampler
     gen = torch.Generator(device=s.device).manual_seed(cfg.seed)
     history: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
-    stop_fn = stop_function(tok, cfg.stop_strings)
     interactive = sys.stdin.isatty()
-    how = "edit_flow, tau_leaping" if cfg.generation == "edit_flow" else f"{cfg.policy}, cache {cfg.cache}"
-    info(f"{s.loaded.source}: chatting ({how}); /reset, /exit")
-    while True:
-        if interactive:
-            sys.stderr.write("you> ")
-            sys.stderr.flush()
-        line = sys.stdin.readline()
-        if not line:
-            break
-        text = line.rstrip("\n")
+    how = {"edit_flow": "edit_flow, tau_leaping", "causal": "causal" + (", speculative" if s.drafter else "")}
+    info(f"{s.loaded.source}: chatting ({how.get(cfg.generation, f'{cfg.policy}, cache {cfg.cache}')}); /reset, /exit")
+    while (text := _read_turn(interactive)) is not None:
         if text.strip() == "/exit":
             break
         if text.strip() == "/reset":
             history = history[:1] if system else []
             info("(history cleared)")
-            continue
-        if not text.strip():
-            continue
-        history.append({"role": "user", "content": text})
-        ids = tok.apply_chat_template(history, add_generation_prompt=True).ids
+        elif text.strip():
+            history.append({"role": "user", "content": text})
+            history.append({"role": "assistant", "content": _reply(s, history, gen, live)})
 
-        def show(event, _start=len(ids)) -> None:
-            row = event.canvas_BT[0].tolist()
-            g = event.gen_start_B[0]
-            sys.stderr.write("\r\033[K" + render_canvas(tok, row[g : g + cfg.gen_length], event.mask_id)[-200:])
-            sys.stderr.flush()
 
-        t0 = time.perf_counter()
-        result = sample(s.loaded.model, [ids], cfg, s.special, generator=gen, callback=show if live else None,
-                        stop=stop_fn)  # fmt: skip
-        if live:
-            sys.stderr.write("\r\033[K")
-        reply = cut_at_stop(tok.decode(result.sequences[0]), cfg.stop_strings).strip()
-        history.append({"role": "assistant", "content": reply})
-        out(reply)
-        info(f"[NFE {result.nfe}, {result.tokens_per_forward:.2f} tokens/forward, {time.perf_counter() - t0:.2f}s]")
+def _read_turn(interactive: bool) -> str | None:
+    """The user's next line (None at EOF)."""
+    if interactive:
+        sys.stderr.write("you> ")
+        sys.stderr.flush()
+    line = sys.stdin.readline()
+    return line.rstrip("\n") if line else None
+
+
+def _reply(s: SamplingSetup, history: list[dict[str, str]], gen, live: bool) -> str:
+    """Decode the assistant's reply to `history`, print it (and, `live`, the canvas after every step)."""
+    from dllm.sampling.generate import generate as sample
+
+    tok, cfg = s.loaded.tokenizer, s.sampler
+    ids = tok.apply_chat_template(history, add_generation_prompt=True).ids
+
+    def show(event) -> None:
+        row, g = event.canvas_BT[0].tolist(), event.gen_start_B[0]
+        sys.stderr.write("\r\033[K" + render_canvas(tok, row[g : g + cfg.gen_length], event.mask_id)[-200:])
+        sys.stderr.flush()
+
+    t0 = time.perf_counter()
+    result = sample(s.loaded.model, [ids], cfg, s.special, generator=gen, callback=show if live else None,
+                    stop=stop_function(tok, cfg.stop_strings), drafter=s.drafter)  # fmt: skip
+    if live:
+        sys.stderr.write("\r\033[K")
+    reply = cut_at_stop(tok.decode(result.sequences[0]), cfg.stop_strings).strip()
+    out(reply)
+    info(f"[NFE {result.nfe}, {result.tokens_per_forward:.2f} tokens/forward, {time.perf_counter() - t0:.2f}s]")
+    return reply

@@ -137,7 +137,7 @@ def tasks(
     flags = {"policy": policy, "cache": cache, "gen_length": gen_length}
     s = setup_sampling(run, checkpoint, model, device, sampler_config, overrides, flags)
     task_length = gen_length is None and "gen_length" not in _file_and_set_fields(sampler_config, overrides)
-    gen = torch.Generator(device=s.device).manual_seed(s.cfg.seed)
+    gen = torch.Generator(device=s.device).manual_seed(s.sampler.seed)
     results = [run_task(task, _task_sampler(s, task, task_length, gen), batch_size) for task in loaded_tasks]
     if output is not None:
         tmp = output.with_name(output.name + ".tmp")
@@ -152,7 +152,7 @@ def _task_sampler(s, task, task_length: bool, gen):
     from dllm.config.sampler import resolve_sampler
     from dllm.sampling.generate import generate as sample
 
-    cfg, tok = s.cfg, s.loaded.tokenizer
+    cfg, tok = s.sampler, s.loaded.tokenizer
     if task_length:
         block = cfg.block_length or task.max_new_tokens
         n = -(-task.max_new_tokens // block) * block
@@ -170,8 +170,8 @@ def _task_sampler(s, task, task_length: bool, gen):
 def _report_tasks(s, results, as_json: bool) -> None:
     if as_json:
         for r in results:
-            policy = "tau_leaping" if s.cfg.generation == "edit_flow" else s.cfg.policy
-            record = {"source": str(s.loaded.source), "policy": policy, "cache": s.cfg.cache}
+            policy = "tau_leaping" if s.sampler.generation == "edit_flow" else s.sampler.policy
+            record = {"source": str(s.loaded.source), "policy": policy, "cache": s.sampler.cache}
             out(json.dumps({**record, **r.summary()}))
         return
     header = f"{'task':<16}{'accuracy':>10}{'n':>6}{'NFE/call':>10}{'fwd/answer':>12}{'tok/fwd':>9}{'wall s':>9}"
@@ -179,11 +179,11 @@ def _report_tasks(s, results, as_json: bool) -> None:
     for r in results:
         out(f"{r.name:<16}{r.accuracy:>10.3f}{r.examples:>6}{r.nfe_per_call:>10.1f}{r.forwards_per_answer:>12.2f}"
             f"{r.tokens_per_forward:>9.2f}{r.wall_s:>9.2f}")  # fmt: skip
-    if s.cfg.generation == "edit_flow":
+    if s.sampler.generation == "edit_flow":
         edits = ", ".join(f"{r.name} {r.edits_per_answer:.2f}" for r in results)
         info(f"{s.loaded.source}: edit_flow/tau_leaping (steps = NFE/call); edits per answer: {edits}")
     else:
-        info(f"{s.loaded.source}: {s.cfg.policy}/{s.cfg.cache}/{s.cfg.attention}")
+        info(f"{s.loaded.source}: {s.sampler.policy}/{s.sampler.cache}/{s.sampler.attention}")
 
 
 def _file_and_set_fields(sampler_config: Path | None, overrides: list[str] | None) -> set[str]:

@@ -1,25 +1,23 @@
-"""What `dllm generate` and `dllm chat` share: the sampler config from a file, flags and overrides,
-resolved against the run it samples from. The stop-string helpers live in `dllm.sampling.stops`."""
+"""What `dllm generate`, `chat`, `eval` and `serve` share: the sampler config from a file, flags and
+overrides, the model loaded and checked for it (`checkpoint.inference.setup_sampling`), and the batch
+loop over prompts. The stop-string helpers live in `dllm.sampling.stops`."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 
 from dllm.cli.common import model_folder
 from dllm.errors import ConfigError
 
-
-@dataclass
-class SamplingSetup:
-    loaded: Any  # checkpoint.inference.LoadedModel
-    cfg: Any  # config.spec.SamplerConfig, resolved
-    special: Any  # sampling.generate.SpecialIds
-    device: Any
-
+if TYPE_CHECKING:  # torch and the model stack load with the command, not with the CLI
+    from dllm.checkpoint.inference import SamplingSetup
+    from dllm.sampling.results import Counters
 
 SAMPLER_CONFIG_OPTION = typer.Option(None, "--sampler-config", help="YAML file of sampler settings (SamplerConfig).")
 SET_OPTION = typer.Option(None, "--set", help="Override a sampler field: --set cache=dual (repeatable).")
@@ -38,18 +36,18 @@ def setup_sampling(
     sampler_config: Path | None,
     overrides: list[str] | None,
     flags: dict[str, Any],
-    causal: bool = False,
+    *,
+    draft: str | None = None,
+    draft_block_size: int | None = None,
+    causal_option: str = "--ar",
 ) -> SamplingSetup:
-    """Load the model and build the sampler: file < flags < --set, then `auto` fields from the run.
-    `model` is a folder or a hub id (cli.common.model_folder). `causal` (AR / speculative decoding): the
-    sampler's length, temperature, top-k/p, EOS and stop fields are read as they are; nothing is resolved
-    against the diffusion profile."""
+    """Build the sampler (file < flags < --set), load the model and resolve the sampler against it.
+    `model` and `draft` are folders or hub ids (cli.common.model_folder)."""
     import torch
 
-    from dllm.checkpoint.inference import load_for_inference
+    from dllm.checkpoint.inference import setup_sampling as load_and_resolve
     from dllm.config.loading import apply_overrides, read_yaml, validate_config
-    from dllm.config.sampler import SamplerConfig, resolve_sampler
-    from dllm.sampling.generate import SpecialIds
+    from dllm.config.sampler import SamplerConfig
 
     data: dict[str, Any] = {}
     source, node = "sampler options", None
@@ -65,7 +63,43 @@ def setup_sampling(
     cfg = validate_config(SamplerConfig, data, source=source, base_dir=None, node=node, overrides=list(overrides or []))
     if device not in ("cpu", "cuda") or (device == "cuda" and not torch.cuda.is_available()):
         raise ConfigError(f"--device: {device!r} is not available here; use cpu")
-    loaded = load_for_inference(run, checkpoint, torch.device(device), model_dir=model_folder(model))
-    cfg = cfg if causal else resolve_sampler(cfg, loaded.profile)
-    special = SpecialIds.of(loaded.profile)
-    return SamplingSetup(loaded, cfg, special, torch.device(device))
+    drafter_dir = model_folder(draft, "--draft") if draft is not None else None
+    return load_and_resolve(cfg, torch.device(device), run=run, checkpoint=checkpoint, model_dir=model_folder(model),
+                            drafter_dir=drafter_dir, draft_block_size=draft_block_size,
+                            causal_option=causal_option)  # fmt: skip
+
+
+@dataclass
+class Decoded:
+    """The outputs of `decode_batches`: a record per prompt, the counters summed over the batches, the wall time."""
+
+    total: Counters
+    records: list[dict[str, Any]] = field(default_factory=list)
+    elapsed_s: float = 0.0
+
+
+def decode_batches(s: SamplingSetup, prompts: list[str], encode: Callable[[str], list[int]], batch_size: int,
+                   generator: Any) -> Decoded:  # fmt: skip
+    """Decode `prompts` `batch_size` at a time with the setup's sampler (and drafter): per prompt a record
+    {prompt, completion (cut at the stop strings), batch_wall_s, the batch's counters}."""
+    from dllm.sampling.generate import generate
+    from dllm.sampling.results import Counters
+    from dllm.sampling.stops import cut_at_stop, stop_function
+
+    tok, cfg = s.loaded.tokenizer, s.sampler
+    stop_fn = stop_function(tok, cfg.stop_strings)
+    out = Decoded(Counters())
+    t0 = time.perf_counter()
+    for i in range(0, len(prompts), batch_size):
+        chunk = prompts[i : i + batch_size]
+        ids = [encode(t) for t in chunk]
+        tb = time.perf_counter()
+        result = generate(s.loaded.model, ids, cfg, s.special, generator=generator, stop=stop_fn, drafter=s.drafter)
+        wall = time.perf_counter() - tb
+        counters = result.counters.as_dict()
+        out.total.add(result.counters)
+        for text, seq in zip(chunk, result.sequences, strict=True):
+            completion = cut_at_stop(tok.decode(seq), cfg.stop_strings)
+            out.records.append({"prompt": text, "completion": completion, "batch_wall_s": round(wall, 4), **counters})
+    out.elapsed_s = time.perf_counter() - t0
+    return out

@@ -46,7 +46,7 @@ def serve(
     _check_port(host, port)  # before the model loads: a busy port is a one-line error, not a log after a wait
     s = setup_sampling(run, checkpoint, model, device, sampler_config, overrides, {})
     key = api_key or os.environ.get(API_KEY_ENV) or None
-    state = make_state(s.loaded, s.cfg, model_id=model_id or hub_id(model), api_key=key, max_batch=max_batch,
+    state = make_state(s.loaded, s.sampler, model_id=model_id or hub_id(model), api_key=key, max_batch=max_batch,
                        max_wait_ms=max_wait_ms, max_queue=max_queue)  # fmt: skip
     if host not in ("127.0.0.1", "localhost", "::1") and key is None:
         info(f"dllm: warning: serving on {host} without an API key: anyone who can reach it can use it")

@@ -60,8 +60,8 @@ class SamplerConfig(Section):
     """Cut each output at the first of these strings, and stop early once every row has one."""
     seed: int = 0
     """Seed of the sampling noise (temperature, random orders and the process policies)."""
-    generation: Literal["auto", "canvas", "edit_flow"] = "auto"
-    """canvas (a policy commits masks) or edit_flow (tau-leaping over edit rates, `steps` steps); auto: from the run."""
+    generation: Literal["auto", "canvas", "edit_flow", "causal"] = "auto"
+    """canvas (a policy commits masks), edit_flow (tau-leaping), causal (AR; with --draft speculative); auto: by run."""
     edit_kappa: Literal["auto", "cubic", "linear"] = "auto"
     """edit_flow: the schedule whose weight tau-leaping integrates; auto: the run's objective.kappa."""
     edit_end_time: float | None = Field(default=None, gt=0, le=1)
@@ -114,7 +114,12 @@ class SamplerConfig(Section):
 
 def resolve_sampler(cfg: SamplerConfig, profile: DecodeProfile) -> SamplerConfig:
     """Fill `attention`, `shift`, the block and sub-block lengths from the model's decode profile, and
-    refuse a sampler the model was not trained for."""
+    refuse a sampler the model was not trained for. Causal decoding reads only the length, temperature,
+    top-k/p, EOS and stop fields as they are (whether the model is causal is the loader's to say:
+    `sampling.causal.is_causal_model` also knows the model family)."""
+    if cfg.generation == "causal":
+        _check_length(cfg, profile)
+        return cfg
     if profile.attention == "causal":
         raise ConfigError(
             f"this model is autoregressive (trained with {profile.objective or 'a causal objective'}: attention causal "
@@ -129,11 +134,7 @@ def resolve_sampler(cfg: SamplerConfig, profile: DecodeProfile) -> SamplerConfig
     if profile.corruption != "uniform" and cfg.policy == "uniform":
         raise ConfigError(f"sampler.policy: uniform decodes uniform-state models; {trained}")
     generation = _check_generation(cfg, profile, trained)
-    if cfg.gen_length > profile.max_length:
-        raise ConfigError(
-            f"sampler.gen_length: {cfg.gen_length} exceeds the {profile.max_length} positions the model covers "
-            "(prompt + generation); lower it"
-        )
+    _check_length(cfg, profile)
     attention = cfg.attention if cfg.attention != "auto" else profile.attention
     shift = cfg.shift if cfg.shift != "auto" else ("on" if profile.shift else "off")
     values = {**cfg.model_dump(), "attention": attention, "shift": shift, "generation": generation}
@@ -158,6 +159,14 @@ def resolve_sampler(cfg: SamplerConfig, profile: DecodeProfile) -> SamplerConfig
     except ValidationError as e:  # a combination that only became invalid once auto was resolved
         msg = str(e.errors()[0]["msg"]).removeprefix("Value error, ")
         raise ConfigError(f"sampler: {msg} (attention resolved to {attention} from the run)") from None
+
+
+def _check_length(cfg: SamplerConfig, profile: DecodeProfile) -> None:
+    if cfg.gen_length > profile.max_length:
+        raise ConfigError(
+            f"sampler.gen_length: {cfg.gen_length} exceeds the {profile.max_length} positions the model covers "
+            "(prompt + generation); lower it"
+        )
 
 
 def _check_generation(cfg: SamplerConfig, profile: DecodeProfile, trained: str) -> str:

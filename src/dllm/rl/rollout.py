@@ -17,7 +17,9 @@ from dllm.config.sampler import SamplerConfig
 from dllm.evaluation.tasks import Example, Task, extract_answer
 from dllm.rl.grpo import completion_mask
 from dllm.rl.rewards import Rewards, Sample
-from dllm.sampling.generate import Counters, SpecialIds, generate, left_pad
+from dllm.sampling.canvas import SpecialIds, left_pad
+from dllm.sampling.generate import generate
+from dllm.sampling.results import Counters
 from dllm.tokenization import Tokenizer
 
 

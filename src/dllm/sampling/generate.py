@@ -1,11 +1,17 @@
-"""THE sampling loop: one loop for every policy and cache of masked, block and uniform-state diffusion.
+"""THE entry point of decoding, `generate`, and the canvas loop of masked, block and uniform-state diffusion.
+
+`generate` runs one of three loops by the sampler's resolved `generation`: the canvas loop here (every
+policy and cache of diffusion), tau-leaping over edit rates (edit_flow.py), or the causal loop
+(speculative.py: AR decoding, with a drafter speculative decoding). All three return the same
+`GenerationResult`, count with the same `Counters` and show their steps with the same `StepEvent`
+(results.py).
 
 The canvas (canvas.py) is [prompt ; gen_length masks] per row. Blocks are decoded left to right (LLaDA's
 semi-autoregressive schedule, Nie et al. 2025; block diffusion, Arriola et al. 2025), each in regions
 (sub-blocks, Fast-dLLM v2; else the whole block). Each step of a region runs the model (runner.py, or
 reuses the last forward when nothing was written since: the same input gives the same logits),
-proposes a token per position (proposals.py) and lets the policy (policies.py) say what to write. This
-module owns the loop, the counters, the step callback and the early exits.
+proposes a token per position (proposals.py) and lets the policy (policies.py) say what to write. The
+loop owns the counters, the step callback and the early exits.
 
 The loop never returns a mask: a region that is not done after its step budget keeps going, one step
 at a time (counted in `overrun_steps`). The budget is steps / (gen_length / block_length) per canvas
@@ -17,89 +23,18 @@ Shapes: B batch, T canvas, V vocabulary, R region.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
-from dllm.attention.masks import AttentionMask
 from dllm.config.sampler import SamplerConfig
-from dllm.sampling.canvas import Canvas, SpecialIds, left_pad
+from dllm.sampling.canvas import Canvas, SpecialIds
 from dllm.sampling.compiled import compile_blocks
-from dllm.sampling.edit_flow import TauLeaping, pad_rows, tau_leaping_step
+from dllm.sampling.edit_flow import edit_flow_generate
 from dllm.sampling.policies import Commit, StepState, make_policy
-from dllm.sampling.proposals import commit_schedule, filter_logits, full_proposal, propose
+from dllm.sampling.proposals import commit_schedule, full_proposal
+from dllm.sampling.results import Counters, GenerationResult, StepEvent
 from dllm.sampling.runner import Runner
-
-__all__ = [
-    "Counters", "GenerationResult", "SpecialIds", "StepEvent", "commit_schedule", "filter_logits",
-    "full_proposal", "generate", "left_pad", "propose",
-]  # fmt: skip
-
-
-@dataclass
-class Counters:
-    """What a call cost. Query and cached tokens count rows x positions (padding included)."""
-
-    nfe: int = 0
-    """Model forward calls (a classifier-free-guidance pair runs as one batched call)."""
-    query_tokens: int = 0
-    """Positions run through the model as queries."""
-    cached_tokens: int = 0
-    """Key positions read from the KV cache instead of being recomputed (cache hits)."""
-    tokens_committed: int = 0
-    """Masked positions decoded, over all rows."""
-    steps: int = 0
-    """Decoding steps (a reused forward counts a step but no NFE)."""
-    reused_forwards: int = 0
-    """Steps answered from the previous forward because no token changed (ancestral)."""
-    overrun_steps: int = 0
-    """Steps past a block's budget, taken instead of leaving a mask."""
-    edits: int = 0
-    """Edit Flows: insertions, deletions and substitutions drawn, over all rows."""
-
-    def as_dict(self) -> dict[str, float]:
-        d: dict[str, float] = dict(self.__dict__)
-        d["tokens_per_forward"] = self.tokens_committed / max(self.nfe, 1)
-        return d
-
-
-@dataclass
-class GenerationResult:
-    sequences: list[list[int]]
-    """Generated ids per prompt (cut at the first EOS when stop_at_eos)."""
-    canvas_BL: torch.Tensor
-    """The whole final canvas, prompts and padding included."""
-    counters: Counters
-    gen_start_B: list[int] = field(default_factory=list)
-    """Canvas index of each row's first generated token."""
-
-    @property
-    def nfe(self) -> int:
-        return self.counters.nfe
-
-    @property
-    def tokens_committed(self) -> int:
-        return self.counters.tokens_committed
-
-    @property
-    def tokens_per_forward(self) -> float:
-        return self.counters.tokens_committed / max(self.counters.nfe, 1)
-
-
-@dataclass(frozen=True)
-class StepEvent:
-    """Passed to the per-step callback (streaming, live views): the canvas after the step."""
-
-    canvas_BT: torch.Tensor
-    """The loop's own canvas (updated in place by later steps: clone it to keep it)."""
-    committed_BT: torch.Tensor
-    """Positions decoded at this step."""
-    block: int
-    step: int
-    gen_start_B: list[int]
-    mask_id: int
-    edits: int = 0
-    """Edit Flows: edits applied at this step, over all rows (the canvas is then each row's new sequence)."""
+from dllm.sampling.speculative import Drafter, causal_generate
 
 
 def generate(
@@ -111,91 +46,32 @@ def generate(
     generator: torch.Generator | None = None,
     callback: Callable[[StepEvent], None] | None = None,
     stop: Callable[[list[int]], bool] | None = None,
+    drafter: Drafter | None = None,
 ) -> GenerationResult:
     """Decode `gen_length` tokens after each prompt. `stop(row_ids)` says whether a row's decided
     prefix already ends the row (stop strings); `callback` sees the canvas after every step. `cfg`
-    must be resolved (`config.rules.resolve_sampler`): its shift is on or off, never auto.
+    must be resolved (`config.sampler.resolve_sampler`): its shift is on or off, never auto.
     `cfg.compile` compiles the model's blocks in place (sampling.compiled), once; later calls reuse them.
+    `drafter` proposes tokens for causal decoding (`cfg.generation == "causal"`; None: AR decoding).
 
     The loop runs under `torch.inference_mode` (less dispatch work per op than `no_grad`: ~10% of a
-    small model's forward); the returned canvas is an ordinary tensor, usable in autograd later."""
+    small model's forward); the returned tensors are ordinary ones, usable in autograd later."""
+    if not prompts:
+        raise ValueError("generate needs at least one prompt")
+    if drafter is not None and cfg.generation != "causal":
+        raise ValueError(f"a drafter proposes tokens for causal decoding, not for generation {cfg.generation}")
     with torch.inference_mode():
-        if cfg.generation == "edit_flow":  # no canvas: tau-leaping over edit rates (sampling/edit_flow.py)
-            result = _edit_flow(model, prompts, cfg, special, generator, callback)
+        if cfg.generation == "causal":  # AR, or speculative with a drafter (sampling/speculative.py)
+            result = causal_generate(model, prompts, cfg, special, drafter=drafter, generator=generator,
+                                     callback=callback, stop=stop)  # fmt: skip
+        elif cfg.generation == "edit_flow":  # no canvas: tau-leaping over edit rates (sampling/edit_flow.py)
+            result = edit_flow_generate(model, prompts, cfg, special, generator, callback)
         else:
             result = Loop(model, prompts, cfg, special, generator, callback, stop).run()
     result.canvas_BL = result.canvas_BL.clone()  # inference tensors cannot enter autograd
+    if result.logits_BNV is not None:
+        result.logits_BNV = result.logits_BNV.clone()
     return result
-
-
-def _edit_flow(model, prompts, cfg: SamplerConfig, special: SpecialIds, generator, callback) -> GenerationResult:
-    """An Edit Flows run: `steps` tau-leaping steps, up to gen_length new tokens; one generator per
-    row, seeded from `generator`, so a row's output does not depend on its batch mates. `stop` does
-    not end it early: until the last step any row can still change."""
-    if not prompts:
-        raise ValueError("generate needs at least one prompt")
-    seeds = torch.randint(0, 2**62, (len(prompts),), generator=generator).tolist()
-    gens = [torch.Generator(device="cpu").manual_seed(s) for s in seeds]
-    if cfg.compile:
-        compile_blocks(model)
-    policy = TauLeaping(cfg.total_steps, cfg.edit_kappa if cfg.edit_kappa != "auto" else "cubic",
-                        cfg.edit_end_time or 1.0 - 1e-3, cfg.temperature)  # fmt: skip
-    counters = Counters()
-    completions = edit_flow_loop(model, prompts, policy, gens, anchor_id=special.mask_id, pad_id=special.pad_id,
-                                 num_tokens=special.num_tokens or model.cfg.vocab_size, max_new_tokens=cfg.gen_length,
-                                 counters=counters, callback=callback)  # fmt: skip
-    sequences = [c[: c.index(special.eos_id)] if cfg.stop_at_eos and special.eos_id in c else c for c in completions]
-    device = next(model.parameters()).device
-    canvas, _ = pad_rows([[special.mask_id, *p, *c] for p, c in zip(prompts, completions, strict=True)],
-                         special.pad_id, device)  # fmt: skip
-    counters.tokens_committed = sum(map(len, sequences))
-    return GenerationResult(sequences, canvas, counters, [1 + len(p) for p in prompts])
-
-
-def edit_flow_loop(
-    model: torch.nn.Module, prompts: list[list[int]], policy: TauLeaping, generators: list[torch.Generator], *,
-    anchor_id: int, pad_id: int, num_tokens: int, max_new_tokens: int, counters: Counters,
-    callback: Callable[[StepEvent], None] | None = None,
-) -> list[list[int]]:  # fmt: skip
-    """The loop of an Edit Flows run: per step one batched forward of the rows `[anchor] + prompt +
-    completion` (padded, padding masked out of attention), the policy's events (sampling/edit_flow.py),
-    the counters and the step callback (the new rows as the canvas, the inserted or substituted
-    positions as committed). Returns each row's completion."""
-    device = next(model.parameters()).device
-    completions: list[list[int]] = [[] for _ in prompts]
-    gen_start = [1 + len(p) for p in prompts]
-    for step in range(policy.num_steps):
-        tokens_BL, valid_BL = pad_rows([[anchor_id, *p, *c] for p, c in zip(prompts, completions, strict=True)],
-                                       pad_id, device)  # fmt: skip
-        positions = torch.arange(tokens_BL.shape[1], device=device).expand_as(tokens_BL)
-        out = model(tokens_BL, positions, AttentionMask("bidirectional", key_valid_BL=valid_BL))
-        counters.nfe, counters.steps = counters.nfe + 1, counters.steps + 1
-        counters.query_tokens += int(valid_BL.sum())
-        before = completions
-        completions, edits = tau_leaping_step(out, prompts, completions, policy, step, generators,
-                                              num_tokens=num_tokens, anchor_id=anchor_id,
-                                              max_new_tokens=max_new_tokens)  # fmt: skip
-        counters.edits += edits
-        if callback is not None:
-            rows = [[anchor_id, *p, *c] for p, c in zip(prompts, completions, strict=True)]
-            canvas, _ = pad_rows(rows, pad_id, device)
-            committed = torch.zeros_like(canvas, dtype=torch.bool)
-            for b, (old, new) in enumerate(zip(before, completions, strict=True)):
-                for i in _changed(old, new):
-                    committed[b, gen_start[b] + i] = True
-            callback(StepEvent(canvas, committed, 0, step, gen_start, anchor_id, edits))
-    return completions
-
-
-def _changed(old: list[int], new: list[int]) -> list[int]:
-    """Positions of `new` not carried over from `old` (a greedy left-to-right match: inserted or substituted)."""
-    out, j = [], 0
-    for i, tok in enumerate(new):
-        if j < len(old) and old[j] == tok:
-            j += 1
-        else:
-            out.append(i)
-    return out
 
 
 class Loop:
@@ -203,8 +79,6 @@ class Loop:
 
     def __init__(self, model: torch.nn.Module, prompts: list[list[int]], cfg: SamplerConfig, special: SpecialIds,
                  generator, callback, stop) -> None:  # fmt: skip
-        if not prompts:
-            raise ValueError("generate needs at least one prompt")
         if cfg.shift == "auto":
             raise ValueError("sampler.shift is auto: resolve the sampler first (config.rules.resolve_sampler)")
         shift = cfg.shift == "on"

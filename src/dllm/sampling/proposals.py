@@ -83,3 +83,18 @@ def propose(
     """(token, its probability) per position: the two fields of `full_proposal` most callers need."""
     prop = full_proposal(logits_BRV, temperature, generator, top_k, top_p)
     return prop.tokens_BR, prop.prob_BR
+
+
+def token_probs(logits_XV: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None) -> torch.Tensor:
+    """The sampling distribution (float64) of causal decoding: top-k / top-p on the logits, then the
+    temperature, as `full_proposal` samples (temperature > 0)."""
+    return torch.softmax(filter_logits(logits_XV.double(), top_k, top_p) / temperature, dim=-1)
+
+
+def draw(probs_XV: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One draw per row of a (not necessarily normalised) distribution, by inverting its CDF with one
+    seeded uniform per row; a zero-probability token is never drawn. (Speculative verification needs the
+    probabilities themselves, so causal decoding draws from them rather than by Gumbel-max.)"""
+    cdf_XV = probs_XV.cumsum(-1)
+    u_X1 = torch.rand(cdf_XV.shape[:-1], generator=generator, device=cdf_XV.device, dtype=cdf_XV.dtype)[..., None]
+    return torch.searchsorted(cdf_XV, u_X1 * cdf_XV[..., -1:], right=True).squeeze(-1).clamp_max(cdf_XV.shape[-1] - 1)

@@ -12,8 +12,6 @@ Shapes: B batch, T canvas, V vocabulary, Q query rows.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from dllm.attention.masks import AttentionMask
@@ -21,9 +19,7 @@ from dllm.config.registries import CACHES
 from dllm.config.sampler import SamplerConfig
 from dllm.sampling.cache import CacheMode, KVCache
 from dllm.sampling.canvas import Canvas, SpecialIds
-
-if TYPE_CHECKING:
-    from dllm.sampling.generate import Counters
+from dllm.sampling.results import Counters
 
 
 class Runner:

@@ -1,46 +1,49 @@
-"""Lossless speculative decoding: a drafter proposes a block, the causal target verifies it in one forward.
+"""THE causal loop: speculative decoding, of which AR decoding is the case with a drafter that proposes nothing.
 
 Each round, per row: the drafter proposes b - 1 tokens after the anchor (the last token the target
 has not yet run); the target runs [anchor, d_1 .. d_{b-1}] in one forward against its ragged KV cache
-(sampling/ar.py) and keeps the longest prefix it agrees with, plus one token of its own (at the first
+(causal.py) and keeps the longest prefix it agrees with, plus one token of its own (at the first
 disagreement, or the bonus token after a fully accepted block). Greedy: d_i is kept while it equals
 the target's argmax. Temperature > 0: the speculative rejection-sampling rule (Leviathan et al. 2023,
 "Fast inference from transformers via speculative decoding", Alg. 1; Chen et al. 2023): keep d_i with
 probability min(1, p_i(d_i) / q_i(d_i)); at the first rejection draw from norm(max(p_i - q_i, 0)); so
 every output token is distributed exactly as the target's own sampling. Rows keep different numbers
 of tokens: the cache's per-row length is set past the kept ones (rejected positions are rolled back).
+With `NoDrafter` (b = 1) a round runs the anchor alone and keeps the target's token: AR decoding.
 
-The prompts run once (prefill), and their last logits give the first token, as in AR decoding: the
-target's own choice, greedy or sampled. It is the first anchor, so the first proposal already reads
-the features of every prompt position (the last one included, the most telling about what comes
-next). DFlash drafters (Chen et al. 2025) condition on target hidden states: the target's blocks
-`drafter.target_layer_ids` are captured during every target forward (models/capture.py) and handed to
-`drafter.extend` at their positions.
+The prompts run once (prefill), and their last logits give the first token: the target's own choice,
+greedy or sampled. It is the first anchor, so the first proposal already reads the features of every
+prompt position (the last one included, the most telling about what comes next). DFlash drafters
+(Chen et al. 2025) condition on target hidden states: the target's blocks `drafter.target_layer_ids`
+are captured during every target forward (models/capture.py) and handed to `drafter.extend` at their
+positions.
 
-Shapes: B batch, b block size (anchor + b - 1 drafts), P prompt length, N new tokens, V vocabulary,
-F captured target features.
+The canvas of a row is its prompt, then its decided tokens, then masks (a row's position = its canvas
+index), so the step callback and the result look like the diffusion loop's.
+
+Shapes: B batch, b block size (anchor + b - 1 drafts), P prompt length, N new tokens, T canvas,
+V vocabulary, F captured target features.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+from pydantic import ValidationError
 from torch import nn
 
-from dllm.sampling.ar import (
-    DecodeCounters,
-    DecodeResult,
-    Decoding,
-    Recompute,
-    Target,
-    finish,
-    right_pad,
-    row_ended,
-    sample,
-)
+from dllm.config.model import DrafterKind
+from dllm.config.registries import DRAFTERS
+from dllm.config.sampler import SamplerConfig
+from dllm.errors import CheckpointError, ConfigError
+from dllm.sampling.canvas import SpecialIds
+from dllm.sampling.causal import Recompute, Target, right_pad
+from dllm.sampling.proposals import draw, token_probs
+from dllm.sampling.results import Counters, GenerationResult, StepEvent
 
 
 @runtime_checkable
@@ -69,124 +72,245 @@ class Drafter(Protocol):
         ...
 
 
-def speculative_generate(
-    target: nn.Module,
-    drafter: Drafter,
+class NoDrafter:
+    """The drafter of AR decoding: proposes nothing (b = 1), reads no target features."""
+
+    block_size = 1
+    target_layer_ids: tuple[int, ...] = ()
+
+    def start(self, batch_size: int, max_length: int) -> None:
+        return None
+
+    def extend(self, state: Any, features_BNF: torch.Tensor, positions_BN: torch.Tensor) -> None:
+        return None
+
+    def propose(self, state: Any, anchor_B: torch.Tensor, anchor_pos_B: torch.Tensor) -> torch.Tensor:
+        return torch.empty(anchor_B.shape[0], 0, 0, device=anchor_B.device)
+
+
+def causal_generate(
+    model: nn.Module,
     prompts: Sequence[Sequence[int]],
-    decoding: Decoding,
+    cfg: SamplerConfig,
+    special: SpecialIds,
     *,
-    mask_id: int | None = None,
+    drafter: Drafter | None = None,
     generator: torch.Generator | None = None,
+    callback: Callable[[StepEvent], None] | None = None,
     stop: Callable[[list[int]], bool] | None = None,
     use_cache: bool = True,
-) -> DecodeResult:
-    """Decode up to `max_new_tokens` per prompt with the drafter's proposals, verified by the target:
-    the output is the target's own (greedy: token for token; sampled: in distribution).
+    return_logits: bool = False,
+) -> GenerationResult:
+    """Decode up to `cfg.gen_length` tokens per prompt with the target `model` (greedy or sampled at
+    `cfg.temperature`, `top_k`, `top_p`), one token per round, or more with a drafter's proposals: the
+    output is the target's own (greedy: token for token; sampled: in distribution). A row ends at its
+    first EOS (`cfg.stop_at_eos`) or once `stop(row_ids)` holds; ended rows ride along without advancing.
+    `use_cache=False` runs each row's whole sequence every round (the reference of the ragged cache);
+    `return_logits` keeps the logits each token was chosen from. `sampling.generate` calls this for
+    `cfg.generation == "causal"` (under inference mode)."""
+    loop = CausalLoop(model, prompts, cfg, special, drafter or NoDrafter(), generator, callback, stop, use_cache,
+                      return_logits)  # fmt: skip
+    with loop.target.capturing():  # the feature hooks stay registered for the call
+        running = loop.prefill()
+        while running:
+            running = loop.round()
+    return loop.result()
 
-    Rows that have ended keep riding along in the batch without advancing. `use_cache=False` verifies
-    by recomputing each row's whole sequence (the reference of the ragged cache)."""
-    b = drafter.block_size
-    if b < 2:
-        raise ValueError(f"a drafter proposes block_size - 1 >= 1 tokens per round; block_size is {b}")
-    with torch.inference_mode():
-        device = next(target.parameters()).device
-        tokens_BP, lengths_B = right_pad(prompts, device)
-        B, P, N = len(prompts), tokens_BP.shape[1], decoding.max_new_tokens
+
+class CausalLoop:
+    """One causal decoding call: the target over its ragged cache, the drafter's state, the canvas, the counters."""
+
+    def __init__(
+        self, model: nn.Module, prompts: Sequence[Sequence[int]], cfg: SamplerConfig, special: SpecialIds,
+        drafter: Drafter, generator, callback, stop, use_cache: bool, return_logits: bool,
+    ) -> None:  # fmt: skip
+        self.cfg, self.special, self.drafter, self.generator = cfg, special, drafter, generator
+        self.callback, self.stop = callback, stop
+        self.device = device = next(model.parameters()).device
+        self.tokens_BP, self.len_B = right_pad(prompts, device)
+        B, P, N, b = len(prompts), self.tokens_BP.shape[1], cfg.gen_length, drafter.block_size
+        self.eos_id = special.eos_id if cfg.stop_at_eos else None
+        self.counters = Counters(loop="causal")
         # a row's last round may end b - 1 tokens past its N-th, and an ended row still runs a block there
         capacity = P + N + 2 * b
-        runner = (Target if use_cache else Recompute)(target, B, capacity, drafter.target_layer_ids, mask_id)
-        state = drafter.start(B, capacity)
-        # a round writes b tokens after a row's num_B (those past its keep_B are rewritten by the next round),
-        # an ended row's up to N + b - 1 + b
-        out_BN = torch.zeros(B, N + 2 * b, dtype=torch.long, device=device)
-        num_B = torch.zeros(B, dtype=torch.long, device=device)  # tokens generated per row
-        ended_B = torch.zeros(B, dtype=torch.bool, device=device)
-        rounds_B = torch.zeros_like(num_B)  # verify rounds per row while it runs
-        arange_b = torch.arange(b, device=device)
-        no_mask = torch.tensor([mask_id if mask_id is not None else 0], device=device)
-        with runner.capturing():  # the feature hooks stay registered for the call
-            # the prefill: every prompt position's features, and the first token from the last one's logits
-            logits_B1V, features = runner.forward(tokens_BP, (lengths_B - 1)[:, None])
-            runner.commit(lengths_B)
-            drafter.extend(state, _features(features, B, P, device), torch.arange(P, device=device).expand(B, P))
-            anchor_B = decoding.choose(logits_B1V[:, 0], generator)
-            out_BN[:, 0] = anchor_B
-            num_B = num_B + 1
-            ended_B = row_ended(out_BN[:, :1], num_B, decoding.eos_id, stop) | (num_B >= N)
-            running = not bool(ended_B.all())
-            while running:
-                anchor_pos_B = runner.length_B  # commit replaces the tensor: this one stays the round's
-                draft_logits = drafter.propose(state, anchor_B, anchor_pos_B)
-                if mask_id is not None:
-                    draft_logits = draft_logits.index_fill(-1, no_mask, float("-inf"))
-                drafts, q = _draft(draft_logits, decoding, generator)
-                logits, features = runner.forward(torch.cat([anchor_B[:, None], drafts], dim=1))
-                num_accepted_B, next_B = _verify(drafts, q, logits, decoding, generator)
-                live_B = ~ended_B
-                keep_B = torch.where(live_B, num_accepted_B + 1, 0)
-                new_Bb = _append(out_BN, num_B, drafts, num_accepted_B, next_B)
-                num_B = num_B + keep_B
-                runner.commit(keep_B)  # the anchor and the accepted drafts are now cached; the rest rolls back
-                anchor_B = torch.where(live_B, next_B, anchor_B)
-                rounds_B += live_B
-                ended_B = ended_B | (num_B >= N)
-                if decoding.eos_id is not None:  # an EOS among the kept new tokens
-                    ended_B |= ((new_Bb == decoding.eos_id) & (arange_b < keep_B[:, None])).any(-1)
-                if stop is not None:
-                    ended_B = ended_B | row_ended(out_BN[:, :N], num_B.clamp_max(N), decoding.eos_id, stop)
-                # the round's host sync: whether a row runs on, and the most verified positions a row keeps
-                host = torch.cat([keep_B, ended_B]).tolist()
-                kept, running = max(host[:B]), not all(host[B:])
-                if running:  # the kept positions' features (a row's past its new length are rewritten next round)
-                    features_Bk = _features(features, B, b, device)[:, :kept]
-                    drafter.extend(state, features_Bk, anchor_pos_B[:, None] + arange_b[:kept])
+        self.target = (Target if use_cache else Recompute)(model, B, capacity, self.counters,
+                                                           drafter.target_layer_ids, special.mask_id)  # fmt: skip
+        self.state = drafter.start(B, capacity)
+        self.drafting = b > 1
+        arange_T = torch.arange(capacity, device=device)
+        prompt_BT = arange_T < self.len_B[:, None]
+        self.canvas_BT = torch.full((B, capacity), special.mask_id, dtype=torch.long, device=device)
+        self.canvas_BT[:, :P] = torch.where(prompt_BT[:, :P], self.tokens_BP, special.mask_id)
+        self.num_B = torch.zeros(B, dtype=torch.long, device=device)  # tokens generated per row
+        self.ended_B = torch.zeros(B, dtype=torch.bool, device=device)
+        self.live_rows = B  # rows not ended (read on the host once per round)
+        self.arange_b, self.arange_N, self.after_b = arange_T[:b], arange_T[:N], arange_T[1 : b + 1]
+        self.no_mask = torch.tensor([special.mask_id], device=device)
+        self.logits_BTV: torch.Tensor | None = None  # with return_logits: at each token's canvas index
+        self.return_logits = return_logits
+        self.anchor_B = self.len_B  # each row's anchor, the last token the target has not run (set by prefill)
+
+    def prefill(self) -> bool:
+        """Every prompt position's features, and the first token from the last one's logits; whether a row runs on."""
+        B, P = self.tokens_BP.shape
+        logits_B1V, features = self.target.forward(self.tokens_BP, (self.len_B - 1)[:, None])
+        self.target.commit(self.len_B)
+        if self.drafting:
+            positions_BP = torch.arange(P, device=self.device).expand(B, P)
+            self.drafter.extend(self.state, _features(features, B, P, self.device), positions_BP)
+        self.anchor_B = self.choose(logits_B1V[:, 0])
+        self.canvas_BT.scatter_(1, self.len_B[:, None], self.anchor_B[:, None])
+        ones_B = torch.ones_like(self.len_B)
+        self.keep_logits(logits_B1V, self.len_B, ones_B)
+        self.num_B = ones_B
+        self.ended_B = self.row_ended(self.anchor_B[:, None], ones_B[:, None].bool())
+        self.show(self.len_B, ones_B)
+        self.live_rows = self.ended_B.tolist().count(False)
+        return self.live_rows > 0
+
+    def round(self) -> bool:
+        """Propose, verify, keep: one target forward for every row; whether a row runs on. Ended rows ride
+        along (their tokens are neither kept nor shown)."""
+        B = self.num_B.shape[0]
+        anchor_pos_B = self.target.length_B  # commit replaces the tensor: this one stays the round's
+        drafts_Bd, q = self.draft(anchor_pos_B)
+        block_Bb = torch.cat([self.anchor_B[:, None], drafts_Bd], dim=1) if self.drafting else self.anchor_B[:, None]
+        logits_BbV, features = self.target.forward(block_Bb)
+        num_accepted_B, next_B = self.verify(drafts_Bd, q, logits_BbV)
+        live_B = ~self.ended_B
+        if num_accepted_B is None:  # AR: the round's token is the target's own
+            keep_B, new_Bb, kept_Bb = live_B.long(), next_B[:, None], live_B[:, None]
+        else:  # the accepted drafts, then the target's own token (the rest is overwritten by masks below)
+            keep_B = torch.where(live_B, num_accepted_B + 1, 0)
+            new_Bb = torch.cat([drafts_Bd, next_B[:, None]], dim=1).scatter_(
+                1, num_accepted_B[:, None], next_B[:, None]
+            )
+            kept_Bb = self.arange_b < keep_B[:, None]
+        new_Bb = torch.where(kept_Bb, new_Bb, self.special.mask_id)
+        self.canvas_BT.scatter_(1, anchor_pos_B[:, None] + self.after_b, new_Bb)
+        self.keep_logits(logits_BbV, anchor_pos_B + 1, keep_B)
+        self.target.commit(keep_B)  # the anchor and the accepted drafts are now cached; the rest rolls back
+        self.num_B = self.num_B + keep_B
+        self.anchor_B = next_B  # (an ended row's is never kept)
+        self.counters.steps, self.counters.rounds = self.counters.steps + 1, self.counters.rounds + self.live_rows
+        self.ended_B = self.ended_B | self.row_ended(new_Bb, kept_Bb)
+        self.show(anchor_pos_B + 1, keep_B)
+        if not self.drafting:
+            self.live_rows = self.ended_B.tolist().count(False)  # the round's host sync
+            return self.live_rows > 0
+        # the round's host sync: which rows run on, and the most verified positions a row keeps
+        host = torch.cat([keep_B, self.ended_B]).tolist()
+        self.live_rows = host[B:].count(False)
+        if self.live_rows:  # the kept positions' features (a row's past its new length are rewritten next round)
+            kept = max(host[:B])
+            features_Bk = _features(features, B, self.drafter.block_size, self.device)[:, :kept]
+            self.drafter.extend(self.state, features_Bk, anchor_pos_B[:, None] + self.arange_b[:kept])
+        return self.live_rows > 0
+
+    def choose(self, logits_BV: torch.Tensor) -> torch.Tensor:
+        """The target's own token: the argmax when greedy, else a draw from its sampling distribution."""
+        if self.cfg.temperature == 0:
+            return logits_BV.argmax(-1)
+        return draw(self.probs(logits_BV), self.generator)
+
+    def probs(self, logits_XV: torch.Tensor) -> torch.Tensor:
+        return token_probs(logits_XV, self.cfg.temperature, self.cfg.top_k, self.cfg.top_p)
+
+    def draft(self, anchor_pos_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The drafted tokens [B, b-1] and, when sampling, the draft distribution q [B, b-1, V] they came from."""
+        if not self.drafting:
+            return self.anchor_B.new_zeros(self.anchor_B.shape[0], 0), None
+        logits_BdV = self.drafter.propose(self.state, self.anchor_B, anchor_pos_B)
+        logits_BdV = logits_BdV.index_fill(-1, self.no_mask, float("-inf"))  # the mask token is never a proposal
+        if self.cfg.temperature == 0:
+            return logits_BdV.argmax(-1), None
+        q = self.probs(logits_BdV)
+        return draw(q, self.generator), q
+
+    def verify(
+        self, drafts_Bd: torch.Tensor, q: torch.Tensor | None, logits_BbV: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(accepted drafts per row [B], the target's own next token [B]) from the verify logits [B, b, V]:
+        row i of the logits is the target's prediction after the anchor and the first i drafts. Nothing
+        proposed (AR decoding): (None, the target's own token)."""
+        B, d = drafts_Bd.shape
+        if d == 0:
+            return None, self.choose(logits_BbV[:, 0])
+        if q is None:  # greedy: keep drafts while they equal the target's argmax; then the target's argmax
+            choice = logits_BbV.argmax(-1)
+            num = (drafts_Bd == choice[:, :-1]).long().cumprod(-1).sum(-1)
+            return num, choice.gather(1, num[:, None])[:, 0]
+        p = self.probs(logits_BbV)  # [B, b, V]
+        p_d = p[:, :-1].gather(-1, drafts_Bd[..., None])[..., 0]
+        q_d = q.gather(-1, drafts_Bd[..., None])[..., 0]
+        u = torch.rand(B, d, generator=self.generator, device=drafts_Bd.device, dtype=p.dtype)
+        num = (u * q_d < p_d).long().cumprod(-1).sum(-1)  # accept d_i with probability min(1, p/q)
+        p_n = p.gather(1, num[:, None, None].expand(B, 1, p.shape[-1]))[:, 0]
+        q_n = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1).gather(1, num[:, None, None].expand(B, 1, q.shape[-1]))
+        residual = (p_n - q_n[:, 0]).clamp_min(0)  # after a full block q_n is 0: the bonus token from p
+        # p == q on the rejected position cannot reject (probability 0); guard the empty residual anyway
+        residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_n)
+        return num, draw(residual, self.generator)
+
+    def row_ended(self, new_BQ: torch.Tensor, kept_BQ: torch.Tensor) -> torch.Tensor:
+        """Rows that end with this round's kept tokens (`new_BQ` where `kept_BQ`): an EOS among them, N tokens,
+        or (`stop`) a stop string in the decided text."""
+        ended_B = self.num_B >= self.cfg.gen_length
+        if self.eos_id is not None:
+            ended_B |= ((new_BQ == self.eos_id) & kept_BQ).any(-1)
+        if self.stop is not None:
+            ended_B |= torch.tensor([self.stop(ids) for ids in self.sequences()], device=self.device)
+        return ended_B
+
+    def keep_logits(self, logits_BQV: torch.Tensor, start_B: torch.Tensor, keep_B: torch.Tensor) -> None:
+        """With return_logits: the logits of the kept tokens at their canvas indices [start, start + keep)
+        (the rest go to index 0, a prompt position, never read)."""
+        if not self.return_logits:
+            return
+        if self.logits_BTV is None:
+            B, T = self.canvas_BT.shape
+            self.logits_BTV = logits_BQV.new_zeros(B, T, logits_BQV.shape[-1])
+        arange_Q = self.arange_b[: logits_BQV.shape[1]]
+        at_BQ = torch.where(arange_Q < keep_B[:, None], start_B[:, None] + arange_Q, 0)
+        self.logits_BTV.scatter_(1, at_BQ[..., None].expand_as(logits_BQV), logits_BQV)
+
+    def show(self, start_B: torch.Tensor, keep_B: torch.Tensor) -> None:
+        """The step callback: the canvas and the positions [start, start + keep) decided this round."""
+        if self.callback is None:
+            return
+        arange_T = torch.arange(self.canvas_BT.shape[1], device=self.device)
+        committed_BT = (arange_T >= start_B[:, None]) & (arange_T < (start_B + keep_B)[:, None])
+        gen_start = self.len_B.tolist()
+        self.callback(StepEvent(self.canvas_BT, committed_BT, 0, self.counters.steps, gen_start, self.special.mask_id))
+
+    def sequences(self) -> list[list[int]]:
+        """Each row's decided tokens (at most N), cut before its first EOS."""
+        N = self.cfg.gen_length
+        gen_BN = self.canvas_BT.gather(1, self.len_B[:, None] + self.arange_N)
+        rows = [r[:n] for r, n in zip(gen_BN.tolist(), self.num_B.clamp_max(N).tolist(), strict=True)]
+        eos = self.eos_id
+        return [r[: r.index(eos)] if eos is not None and eos in r else r for r in rows]
+
+    def result(self) -> GenerationResult:
+        """Sequences, the canvas [B, P + N] (undecided positions of a row's N hold the EOS, past them padding)."""
+        B, P = self.tokens_BP.shape
+        N, c = self.cfg.gen_length, self.counters
+        sequences = self.sequences()
         # a running row's round keeps its accepted drafts + 1: after the prefill's token, num = rounds + accepted
-        rounds, generated = torch.stack([rounds_B.sum(), num_B.sum()]).tolist()
-        counters = DecodeCounters(rounds=rounds, accepted=generated - B - rounds)
-        counters.drafted = counters.rounds * (b - 1)
-        counters.target_forwards = runner.forwards
-        result = finish(out_BN[:, :N], num_B, decoding.eos_id, counters)
-    return result
-
-
-def _append(out_BN, num_B, drafts, num_accepted_B, next_B) -> torch.Tensor:
-    """Write each row's round [its accepted drafts, then the target's token, then the rejected drafts] into
-    `out_BN` after its num_B generated tokens, and return it [B, b]: a row keeps the first keep_B of them
-    (0 for an ended row, which writes past its end), the rest the next round overwrites."""
-    new_Bb = torch.cat([drafts, drafts[:, :1]], dim=1).scatter_(1, num_accepted_B[:, None], next_B[:, None])
-    out_BN.scatter_(1, num_B[:, None] + torch.arange(new_Bb.shape[1], device=drafts.device), new_Bb)
-    return new_Bb
-
-
-def _draft(draft_logits: torch.Tensor, decoding: Decoding, generator: torch.Generator | None):
-    """The drafted tokens [B, b-1] and, when sampling, the draft distribution q [B, b-1, V] they came from."""
-    if decoding.temperature == 0:
-        return draft_logits.argmax(-1), None
-    q = decoding.probs(draft_logits)
-    return sample(q, generator), q
-
-
-def _verify(
-    drafts: torch.Tensor, q: torch.Tensor | None, logits: torch.Tensor, decoding: Decoding, generator
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(accepted drafts per row [B], the target's own next token [B]) from the verify logits [B, b, V]:
-    row i of the logits is the target's prediction after the anchor and the first i drafts."""
-    B, b1 = drafts.shape
-    if q is None:  # greedy: keep drafts while they equal the target's argmax; then the target's argmax
-        choice = logits.argmax(-1)
-        num = (drafts == choice[:, :-1]).long().cumprod(-1).sum(-1)
-        return num, choice.gather(1, num[:, None])[:, 0]
-    p = decoding.probs(logits)  # [B, b, V]
-    p_d = p[:, :-1].gather(-1, drafts[..., None])[..., 0]
-    q_d = q.gather(-1, drafts[..., None])[..., 0]
-    u = torch.rand(B, b1, generator=generator, device=drafts.device, dtype=p.dtype)
-    num = (u * q_d < p_d).long().cumprod(-1).sum(-1)  # accept d_i with probability min(1, p/q)
-    p_n = p.gather(1, num[:, None, None].expand(B, 1, p.shape[-1]))[:, 0]
-    q_n = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1).gather(1, num[:, None, None].expand(B, 1, q.shape[-1]))
-    residual = (p_n - q_n[:, 0]).clamp_min(0)  # after a full block q_n is 0: the bonus token from p
-    # p == q on the rejected position cannot reject (probability 0); guard the empty residual anyway
-    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_n)
-    return num, sample(residual, generator)
+        c.accepted = int(self.num_B.sum()) - B - c.rounds
+        c.drafted = c.rounds * (self.drafter.block_size - 1)
+        num = self.num_B.clamp_max(N).tolist()
+        c.tokens_committed = sum(min(len(s) + 1, n) for s, n in zip(sequences, num, strict=True))  # EOS included
+        arange_L = torch.arange(P + N, device=self.device)
+        canvas_BL = self.canvas_BT[:, : P + N]
+        gen_BL = (arange_L >= self.len_B[:, None]) & (arange_L < (self.len_B + N)[:, None])
+        canvas_BL = torch.where(gen_BL & (canvas_BL == self.special.mask_id), self.special.eos_id, canvas_BL)
+        canvas_BL = torch.where(arange_L >= (self.len_B + N)[:, None], self.special.pad_id, canvas_BL)
+        logits = None
+        if self.logits_BTV is not None:
+            at_BN = self.len_B[:, None] + self.arange_N
+            logits = self.logits_BTV.gather(1, at_BN[..., None].expand(B, N, self.logits_BTV.shape[-1]))
+        return GenerationResult(sequences, canvas_BL, c, self.len_B.tolist(), logits)
 
 
 def _features(features: torch.Tensor | None, B: int, n: int, device: torch.device) -> torch.Tensor:
@@ -198,19 +322,10 @@ def _features(features: torch.Tensor | None, B: int, n: int, device: torch.devic
 # loading a drafter folder: the seam a drafter family fills
 
 
-def load_drafter(path: Path, target: nn.Module, loaded: Any = None) -> Drafter:
-    """The drafter saved in folder `path` for `target` (`loaded`: the target's checkpoint.inference
-    LoadedModel, for its identity). A drafter family (issue 18 part B: DFlash) fills this seam: its
+def load_drafter(path: Path, target: nn.Module) -> Drafter:
+    """The drafter saved in folder `path` for `target`. A drafter family (DFlash) fills this seam: its
     entry in config/registries.py, chosen by the folder's config.json, loads the weights and refuses a
     drafter trained for another target."""
-    import json
-
-    from pydantic import ValidationError
-
-    from dllm.config.model import DrafterKind
-    from dllm.config.registries import DRAFTERS
-    from dllm.errors import CheckpointError
-
     path = Path(path)
     if not (path / "config.json").is_file():
         raise CheckpointError(f"--draft: {path} is not a drafter folder (no config.json)")
@@ -228,8 +343,6 @@ def load_drafter(path: Path, target: nn.Module, loaded: Any = None) -> Drafter:
 def check_drafter(drafter: Drafter, target: nn.Module, block_size: int | None = None) -> None:
     """Refuse a drafter that cannot serve `target`: a block size it was not trained for (`block_size`, the
     one asked for), or target layers the target does not have."""
-    from dllm.errors import ConfigError
-
     if block_size is not None and block_size != drafter.block_size:
         raise ConfigError(
             f"--draft-block-size: the drafter was trained with blocks of {drafter.block_size}, not {block_size}; "

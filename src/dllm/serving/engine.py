@@ -28,10 +28,13 @@ from typing import Any
 
 import torch
 
-from dllm.sampling.generate import GenerationResult, SpecialIds, StepEvent, generate
+from dllm.sampling.canvas import SpecialIds
+from dllm.sampling.generate import generate
+from dllm.sampling.results import GenerationResult, StepEvent
 from dllm.sampling.stops import cut_at_stop, stop_function
 from dllm.serving.metrics import Metrics
 from dllm.serving.protocol import ApiError, Settings
+from dllm.tokenization import Tokenizer
 
 MASK = None  # a masked position in a denoising frame
 
@@ -78,8 +81,10 @@ def batch_key(settings: Settings) -> str:
 class Engine:
     """Holds the model and the worker. `submit` is called from the server's event loop."""
 
-    def __init__(self, model: torch.nn.Module, tokenizer: Any, special: SpecialIds, metrics: Metrics | None = None,
-                 *, max_batch: int = 8, max_wait_ms: float = 10.0, max_queue: int = 256) -> None:  # fmt: skip
+    def __init__(
+        self, model: torch.nn.Module, tokenizer: Tokenizer, special: SpecialIds, metrics: Metrics | None = None, *,
+        max_batch: int = 8, max_wait_ms: float = 10.0, max_queue: int = 256,
+    ) -> None:  # fmt: skip
         self.model, self.tokenizer, self.special = model, tokenizer, special
         self.max_batch, self.max_wait_s, self.max_queue = max_batch, max_wait_ms / 1000, max_queue
         self.metrics = metrics or Metrics(lambda: len(self.queue))

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
 
+from dllm.checkpoint.inference import LoadedModel
 from dllm.config.sampler import SamplerConfig
 from dllm.errors import ConfigError
 from dllm.sampling.canvas import SpecialIds
@@ -22,7 +22,7 @@ NOT_SERVED_YET = {
 }
 
 
-def make_state(loaded: Any, cfg: SamplerConfig, *, model_id: str | None = None, api_key: str | None = None,
+def make_state(loaded: LoadedModel, cfg: SamplerConfig, *, model_id: str | None = None, api_key: str | None = None,
                max_batch: int = 8, max_wait_ms: float = 10.0, max_queue: int = 256) -> ServeState:  # fmt: skip
     """A server's state over a `checkpoint.inference.LoadedModel` and the resolved default sampler."""
     objective = loaded.profile.objective
@@ -41,11 +41,10 @@ def make_state(loaded: Any, cfg: SamplerConfig, *, model_id: str | None = None, 
     return ServeState(engine, cfg, loaded.profile, name, api_key)
 
 
-def _model_name(loaded: Any) -> str:
+def _model_name(loaded: LoadedModel) -> str:
     """The run's name, else the model folder's name."""
-    spec = getattr(loaded, "spec", None)
-    if spec is not None and getattr(spec.run, "name", None):
-        return str(spec.run.name)
+    if loaded.spec is not None and loaded.spec.run.name:
+        return str(loaded.spec.run.name)
     return loaded.source.resolve().name
 
 

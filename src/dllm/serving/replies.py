@@ -1,0 +1,104 @@
+"""The OpenAI shapes of one request's answer: a whole completion or chat completion, or the chunks of
+its server-sent-event stream (text deltas, denoising frames, the closing chunks with usage)."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from dllm.serving.engine import RowResult
+from dllm.serving.protocol import ChatRequest, CompletionRequest, Settings
+
+
+def from_json(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+@dataclass
+class Reply:
+    """The OpenAI shapes of one request's answer: whole, or as stream chunks."""
+
+    kind: str  # completion, chat or denoise
+    chat: bool
+    model_id: str
+    prompts: list[list[int]]
+    req: CompletionRequest | ChatRequest
+    settings: Settings
+
+    def __post_init__(self) -> None:
+        self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model_id}
+
+    def usage(self, rows: list[RowResult]) -> dict[str, int]:
+        prompt = sum(len(p) for p in self.prompts)
+        completion = sum(r.completion_tokens for r in rows)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def final(self, rows: list[RowResult], counters: dict) -> dict[str, Any]:
+        if self.chat:
+            choices = [{"index": i, "message": {"role": "assistant", "content": r.text}, "finish_reason":
+                        r.finish_reason, "logprobs": None} for i, r in enumerate(rows)]  # fmt: skip
+            body = {**self._head("chat.completion"), "choices": choices}
+        else:
+            choices = [{"index": i, "text": r.text, "finish_reason": r.finish_reason, "logprobs": None}
+                       for i, r in enumerate(rows)]  # fmt: skip
+            body = {**self._head("text_completion"), "choices": choices}
+        return {**body, "usage": self.usage(rows), "dllm": _sampler_counters(counters)}
+
+    def opening(self) -> dict[str, Any]:
+        """The first event: the chat role, or the canvas size of a denoising stream."""
+        if self.kind == "denoise":
+            return {**self._head("denoise.start"), "max_tokens": self.settings.max_tokens, "n": len(self.prompts) *
+                    self.req.n, "steps": self.settings.cfg.total_steps}  # fmt: skip
+        if self.chat:
+            choices = [{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                       for i in range(len(self.prompts) * self.req.n)]  # fmt: skip
+            return {**self._head("chat.completion.chunk"), "choices": choices}
+        choices = [{"index": i, "text": "", "finish_reason": None, "logprobs": None}
+                   for i in range(len(self.prompts) * self.req.n)]  # fmt: skip
+        return {**self._head("text_completion"), "choices": choices}
+
+    def delta(self, index: int, text: str) -> dict[str, Any]:
+        if self.chat:
+            return {**self._head("chat.completion.chunk"),
+                    "choices": [{"index": index, "delta": {"content": text}, "finish_reason": None}]}  # fmt: skip
+        return {**self._head("text_completion"),
+                "choices": [{"index": index, "text": text, "finish_reason": None, "logprobs": None}]}  # fmt: skip
+
+    def frame(self, frame: dict[str, Any]) -> dict[str, Any]:
+        masked = sum(t is None for row in frame["rows"] for t in row)
+        choices = [{"index": i, "tokens": row} for i, row in enumerate(frame["rows"])]
+        return {**self._head("denoise.frame"), "step": frame["step"], "block": frame["block"],
+                "committed": frame["committed"], "masked": masked, "final": frame["last"], "nfe": frame["nfe"],
+                "choices": choices}  # fmt: skip
+
+    def closing(self, rows: list[RowResult], counters: dict) -> list[dict[str, Any]]:
+        if self.kind == "denoise":  # one shape for prompts and conversations: the text of each row
+            choices = [{"index": i, "text": r.text, "finish_reason": r.finish_reason} for i, r in enumerate(rows)]
+            return [{**self._head("denoise.done"), "choices": choices, "usage": self.usage(rows),
+                     "dllm": _sampler_counters(counters)}]  # fmt: skip
+        if self.chat:
+            choices = [{"index": i, "delta": {}, "finish_reason": r.finish_reason} for i, r in enumerate(rows)]
+            out = [{**self._head("chat.completion.chunk"), "choices": choices}]
+        else:
+            choices = [{"index": i, "text": "", "finish_reason": r.finish_reason, "logprobs": None}
+                       for i, r in enumerate(rows)]  # fmt: skip
+            out = [{**self._head("text_completion"), "choices": choices}]
+        opts = (self.req.model_extra or {}).get("stream_options") or {}
+        if isinstance(opts, dict) and opts.get("include_usage"):
+            obj = "chat.completion.chunk" if self.chat else "text_completion"
+            out.append({**self._head(obj), "choices": [], "usage": self.usage(rows)})
+        out[-1]["dllm"] = _sampler_counters(counters)
+        return out
+
+
+def _sampler_counters(counters: dict) -> dict[str, Any]:
+    """What the sampler call that answered spent (shared by the whole batch)."""
+    keys = ("nfe", "steps", "tokens_committed", "tokens_per_forward", "batch_rows")
+    return {k: counters[k] for k in keys if k in counters}
