@@ -179,7 +179,9 @@ def module_cycles(root: Path) -> list[list[str]]:
     return [cycle[::-1] for cycle in cycles if cycle]  # graphlib walks the edges backwards
 
 
-def unused_edges(allowed: dict[str, set[str]], edges: list[Edge], planned: set[str] = frozenset()) -> list[str]:
+def unused_edges(
+    allowed: dict[str, set[str]], edges: list[Edge], planned: frozenset[str] | set[str] = frozenset()
+) -> list[str]:
     """The allowed edges ("part -> part") no import or registry resolution uses (parts that are planned aside)."""
     used = {(e.source, e.target) for e in edges}
     return [
