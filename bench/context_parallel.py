@@ -7,8 +7,8 @@ compared at the SAME CP size, 4, and the same number of ranks):
 - `sent_bytes`: the bytes each rank SENDS per step per layer (forward all-gather of the shared K/V,
   backward reduce-scatter of their gradients), MEASURED in a real gloo run: `--world` CPU processes
   train one step of a 2-layer Transformer (hidden 32, 2 query heads, 1 K/V head, head width 16,
-  fp32) through `ContextParallelAttention`, with `dllm.parallel.context`'s two collectives wrapped
-  by counters. A collective's sent bytes are what any bandwidth-optimal algorithm (ring, direct,
+  fp32) through `ContextParallelAttention`, with `dllm.parallel.context_attention`'s two collectives
+  wrapped by counters. A collective's sent bytes are what any bandwidth-optimal algorithm (ring, direct,
   recursive doubling) puts on the wire per rank: all-gather (n-1) x its input, reduce-scatter
   (n-1)/n x its input; the counters record every call's tensors and group size.
 - `transport: ring` rows (`*_ring`: CP over 2L, CSBP at cp = bp, MDLM CP): the same step with the
@@ -60,8 +60,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dllm.attention.masks import AttentionMask, mask_mod
-from dllm.parallel import context
-from dllm.parallel.context import allowed_pairs, apply_context_parallel, build_plan, cp_group_ranks
+from dllm.parallel import context_attention
+from dllm.parallel.context import allowed_pairs, build_plan, cp_group_ranks
+from dllm.parallel.context_attention import apply_context_parallel
 
 GiB = 2**30
 BATCH = 1
@@ -181,7 +182,7 @@ def projection() -> dict[str, object]:
 
 
 class Counters:
-    """Wraps the two collectives and the ring's batch_isend_irecv that context.py calls; records
+    """Wraps the two collectives and the ring's batch_isend_irecv that context_attention.py calls; records
     (phase, kind, group size, sent bytes), and the attention calls' shapes."""
 
     def __init__(self) -> None:
@@ -190,8 +191,9 @@ class Counters:
         self.attention: list[dict[str, int]] = []
 
     def install(self) -> None:
-        gather, scatter, attend = context._ALL_GATHER, context._REDUCE_SCATTER, context.sharded_attention
-        p2p, partial = context._BATCH_ISEND_IRECV, context.partial_attention
+        gather, scatter = context_attention._ALL_GATHER, context_attention._REDUCE_SCATTER
+        attend, partial = context_attention.sharded_attention, context_attention.partial_attention
+        p2p = context_attention._BATCH_ISEND_IRECV
 
         def batch_isend_irecv(ops):
             sent = sum(op.tensor.numel() * op.tensor.element_size() for op in ops if op.op is dist.isend)
@@ -218,9 +220,9 @@ class Counters:
             self.attention.append({"B": B, "H": H, "K": k_BKSD.shape[1], "Q": Q, "S": k_BKSD.shape[2], "D": D})
             return attend(q_BHQD, k_BKSD, *args, **kw)
 
-        context._ALL_GATHER, context._REDUCE_SCATTER = all_gather, reduce_scatter
-        context.sharded_attention = sharded_attention
-        context._BATCH_ISEND_IRECV, context.partial_attention = batch_isend_irecv, partial_attention
+        context_attention._ALL_GATHER, context_attention._REDUCE_SCATTER = all_gather, reduce_scatter
+        context_attention.sharded_attention = sharded_attention
+        context_attention._BATCH_ISEND_IRECV, context_attention.partial_attention = batch_isend_irecv, partial_attention
 
     def reset(self) -> None:
         self.phase, self.records, self.attention = "forward", [], []

@@ -1,7 +1,7 @@
-"""Losslessness on the bench's larger pair: the 4 x 256 `ar`
-target and the 1-layer DFlash drafters that bench/speculative.py trains (reused from its work folder,
-trained there when missing), greedy speculative decoding against the target's own greedy AR decoding
-with the KV cache, token for token, over held-out prompts, at batch 1 and batch 8, per block size.
+"""Losslessness on the bench's larger pair: the 4 x 256 `ar` target and the 1-layer DFlash drafters
+that bench/speculative.py trains (reused from its work folder, trained there when missing), greedy
+speculative decoding against the target's own greedy AR decoding with the KV cache, token for token,
+over held-out prompts, at batch 1 and batch 8, per block size.
 
     python bench/speculative_lossless.py [--prompts 200] [--blocks 4 8 12 16]
 

@@ -4,12 +4,12 @@ one torch.compile per block), and where a step's time goes.
 All four variants are built in this one process and measured interleaved (A B C D A B ...) so that
 machine jitter hits them alike; the JSON line reports medians, the time shares, the 512/128 ratio,
 each compiled variant's compile time (its first step's forward + backward) and compiled/eager tokens/s.
-TARGET_SPEEDUP is the issue's target at seq 512; the line says whether this machine reached it, and
-what this CPU allows at most: compile fuses the elementwise work, norms, RoPE and the optimizer's
-small ops, but a compiled graph calls the same matmul and flash-attention kernels as eager. The bench
-records those calls of one eager seq-512 step (shapes, from the profiler), replays them alone on
-random inputs without the profiler, interleaved with the measured steps, and reports
-eager step time / replay time as the ceiling of any compiled speedup here.
+TARGET_SPEEDUP is the compiled/eager speedup asked for at seq 512; the line says whether this machine
+reached it, and what this CPU allows at most: compile fuses the elementwise work, norms, RoPE and the
+optimizer's small ops, but a compiled graph calls the same matmul and flash-attention kernels as eager.
+The bench records those calls of one eager seq-512 step (shapes, from the profiler), replays them alone
+on random inputs without the profiler, interleaved with the measured steps, and reports eager step
+time / replay time as the ceiling of any compiled speedup here.
 
     python bench/train_throughput.py [--rounds 8] [--preset demo]
 """

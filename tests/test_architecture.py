@@ -1,9 +1,13 @@
-"""Layering: every import between the parts of src/dllm is an edge that src/dllm/ARCHITECTURE.toml allows.
+"""Layering: every import between the parts of src/dllm is an edge that src/dllm/ARCHITECTURE.toml allows,
+every edge it allows is used, the modules of one part import each other without a cycle, and no source
+file grows past MAX_LINES.
 
 The checker reads the source with `ast` (nothing is imported): `import x` and `from x import y`, at
 module level and inside functions, relative imports resolved, `if TYPE_CHECKING:` imports included
 (a type-only dependency is still a dependency), and `importlib.import_module("dllm....")` with a
-literal name.
+literal name. `from package import name` imports the module `package.name` when that is a file (or a
+package) of its own, else the package's __init__.py; the parent packages Python also runs on the way
+are not counted as imports of the file.
 """
 
 from __future__ import annotations
@@ -26,6 +30,16 @@ REPO = Path(__file__).resolve().parents[1]
 SRC = REPO / "src" / "dllm"
 RULES = SRC / "ARCHITECTURE.toml"
 ROOT = "dllm"  # the part name of the package root, src/dllm/__init__.py
+MAX_LINES = 500  # a longer file holds more than one thing: split it by meaning
+
+
+@dataclass(frozen=True)
+class Import:
+    file: Path
+    line: int
+    statement: str  # the import as written (ast.unparse)
+    module: str  # the importing module, dotted (a package is its __init__.py)
+    target: str  # the imported module, dotted
 
 
 @dataclass(frozen=True)
@@ -80,9 +94,9 @@ def _imported_modules(node: ast.AST, module: list[str], is_package: bool, root: 
             dotted = node.module.split(".") if node.module else []
         if not dotted or dotted[0] != ROOT:
             return []
-        if len(dotted) == 1:  # `from dllm import x`: x is a part, or a name of the root (__version__)
-            return [[ROOT, a.name] if _is_part(root, a.name) else [ROOT] for a in node.names]
-        return [dotted]
+        # `from package import x`: x is a module of its own (`from dllm import diffusion`), or a name the
+        # package defines (`from dllm import __version__`)
+        return [[*dotted, a.name] if _is_module(root, [*dotted, a.name]) else dotted for a in node.names]
     if isinstance(node, ast.Call):  # importlib.import_module("dllm.x") / __import__("dllm.x")
         func = node.func
         name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
@@ -93,23 +107,33 @@ def _imported_modules(node: ast.AST, module: list[str], is_package: bool, root: 
     return []
 
 
-def _is_part(root: Path, name: str) -> bool:
-    return (root / name).is_dir() or (root / f"{name}.py").is_file()
+def _is_module(root: Path, dotted: list[str]) -> bool:
+    """Whether a dotted name under the package is a module or a package of its own."""
+    path = root.joinpath(*dotted[1:])
+    return path.is_dir() or path.with_suffix(".py").is_file()
+
+
+def read_imports(root: Path) -> list[Import]:
+    """Every import of a dllm module by a file of the package under `root`, in file and line order."""
+    imports = []
+    for file in sorted(root.rglob("*.py")):
+        module, is_package = _module_name(root, file)
+        tree = ast.parse(file.read_text(), filename=str(file))
+        for node in ast.walk(tree):
+            targets = {".".join(dotted) for dotted in _imported_modules(node, module, is_package, root)}
+            for target in sorted(targets):
+                imports.append(Import(file, node.lineno, ast.unparse(node), ".".join(module), target))
+    return sorted(imports, key=lambda i: (str(i.file), i.line))
 
 
 def import_edges(root: Path) -> list[Edge]:
-    """Every import from one part of the package under `root` into another part."""
-    edges = []
-    for file in sorted(root.rglob("*.py")):
-        module, is_package = _module_name(root, file)
-        source = _part_of(root, module)
-        tree = ast.parse(file.read_text(), filename=str(file))
-        for node in ast.walk(tree):
-            for dotted in _imported_modules(node, module, is_package, root):
-                target = _part_of(root, dotted)
-                if target != source:
-                    edges.append(Edge(file, node.lineno, ast.unparse(node), source, target))
-    return sorted(edges, key=lambda e: (str(e.file), e.line))
+    """Every import from one part of the package under `root` into another part (one per statement and part)."""
+    edges = {}
+    for imp in read_imports(root):
+        source, target = _part_of(root, imp.module.split(".")), _part_of(root, imp.target.split("."))
+        if target != source:
+            edges[imp.file, imp.line, target] = Edge(imp.file, imp.line, imp.statement, source, target)
+    return list(edges.values())
 
 
 def registry_edges(root: Path, registries: dict[str, str]) -> list[Edge]:
@@ -142,6 +166,32 @@ def find_cycle(allowed: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+def module_cycles(root: Path) -> list[list[str]]:
+    """An import cycle between the modules of one part, for each part that has one: the modules in import
+    order, returning to the first."""
+    modules = {".".join(_module_name(root, file)[0]) for file in root.rglob("*.py")}
+    by_part: dict[str, dict[str, set[str]]] = {}
+    for imp in read_imports(root):
+        part = _part_of(root, imp.module.split("."))
+        if imp.target in modules and imp.target != imp.module and _part_of(root, imp.target.split(".")) == part:
+            by_part.setdefault(part, {}).setdefault(imp.module, set()).add(imp.target)
+    cycles = [find_cycle(graph) for _, graph in sorted(by_part.items())]
+    return [cycle[::-1] for cycle in cycles if cycle]  # graphlib walks the edges backwards
+
+
+def unused_edges(
+    allowed: dict[str, set[str]], edges: list[Edge], planned: frozenset[str] | set[str] = frozenset()
+) -> list[str]:
+    """The allowed edges ("part -> part") no import or registry resolution uses (parts that are planned aside)."""
+    used = {(e.source, e.target) for e in edges}
+    return [
+        f"{source} -> {target}"
+        for source, targets in sorted(allowed.items())
+        for target in sorted(targets)
+        if (source, target) not in used and not {source, target} & planned
+    ]
+
+
 def violations(root: Path, allowed: dict[str, set[str]], registries: dict[str, str] | None = None) -> list[str]:
     """One message per import (or registry resolution) that `allowed` does not permit, naming the file, the
     line and the statement."""
@@ -168,6 +218,29 @@ def test_every_import_follows_architecture_toml():
     found = violations(SRC, allowed, real_registries())
     if found:
         pytest.fail("imports that break the layering:\n" + "\n".join(found), pytrace=False)
+
+
+def test_every_allowed_edge_is_used():
+    allowed, planned = load_rules()
+    unused = unused_edges(allowed, import_edges(SRC) + registry_edges(SRC, real_registries()), planned)
+    if unused:
+        found = "\n".join(unused)
+        pytest.fail(f"ARCHITECTURE.toml allows edges that no file of the importing part uses (drop them):\n{found}",
+                    pytrace=False)  # fmt: skip
+
+
+def test_no_import_cycle_inside_a_part():
+    cycles = module_cycles(SRC)
+    if cycles:
+        found = "\n".join(" -> ".join(cycle) for cycle in cycles)
+        pytest.fail(f"modules of one part import each other in a cycle (move the shared piece below them):\n{found}",
+                    pytrace=False)  # fmt: skip
+
+
+def test_no_source_file_is_too_long():
+    lengths = {file: len(file.read_text().splitlines()) for file in sorted(SRC.rglob("*.py"))}
+    long = [f"{file.relative_to(REPO)}: {n} lines" for file, n in lengths.items() if n > MAX_LINES]
+    assert not long, f"files over {MAX_LINES} lines (split each by meaning):\n" + "\n".join(long)
 
 
 def test_checker_sees_the_real_imports():
@@ -294,3 +367,31 @@ def test_checker_reports_a_registry_resolution_across_the_layering(tmp_path: Pat
         "dllm/models/layers.py:2: `OBJECTIVES.resolve(name)` makes models import diffusion"
     ), found
     assert violations(root, allowed, {"OBJECTIVES": "models"}) == []  # resolving inside its own part
+
+
+def test_checker_reports_an_import_cycle_inside_a_part(tmp_path: Path):
+    """A cycle through a function-level, a relative and a TYPE_CHECKING import; an import from another
+    part, or of a name a package defines, is no step of a cycle unless the package's __init__ closes one."""
+    root = tmp_path / "dllm"
+    _write(root, "__init__.py", "")
+    _write(root, "errors.py", "from dllm.sampling import loop\n")  # another part: not a cycle of sampling
+    _write(root, "sampling/__init__.py", "TIMEOUT_S = 1\n")
+    _write(root, "sampling/loop.py", "import dllm.errors\n\n\ndef run():\n    from .runner import call\n")
+    _write(root, "sampling/runner.py", "import typing\n\nif typing.TYPE_CHECKING:\n    from . import stats\n")
+    _write(root, "sampling/stats.py", "from dllm.sampling import loop\n")
+    cycle = ["dllm.sampling.loop", "dllm.sampling.runner", "dllm.sampling.stats", "dllm.sampling.loop"]
+    assert module_cycles(root) == [cycle]
+    _write(root, "sampling/stats.py", "from dllm.sampling import TIMEOUT_S\n")  # the package's name: no module
+    assert module_cycles(root) == []
+    _write(root, "sampling/__init__.py", "from dllm.sampling.loop import run\nTIMEOUT_S = 1\n")
+    assert module_cycles(root) == [["dllm.sampling", *cycle[:-1], "dllm.sampling"]]
+
+
+def test_checker_reports_unused_allowed_edges(tmp_path: Path):
+    root = tmp_path / "dllm"
+    _write(root, "__init__.py", "")
+    _write(root, "errors.py", "")
+    _write(root, "config/__init__.py", "from dllm import errors\n")
+    allowed = {ROOT: set(), "errors": set(), "config": {"errors", ROOT}, "hub": {"config"}}
+    assert unused_edges(allowed, import_edges(root)) == ["config -> dllm", "hub -> config"]
+    assert unused_edges(allowed, import_edges(root), planned={"hub"}) == ["config -> dllm"]

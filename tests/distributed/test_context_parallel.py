@@ -29,7 +29,8 @@ from dllm.diffusion.corruption import NoiseKeys
 from dllm.diffusion.objectives import BD3LMObjective, MDLMObjective, TokenIds
 from dllm.models import Transformer
 from dllm.parallel.checkpointing import apply_activation_checkpointing
-from dllm.parallel.context import apply_context_parallel, build_plan, cp_group_ranks
+from dllm.parallel.context import build_plan, cp_group_ranks
+from dllm.parallel.context_attention import apply_context_parallel
 from dllm.training.trainer import run_model
 from tests.distributed.harness import run_cases
 

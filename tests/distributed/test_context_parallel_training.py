@@ -1,4 +1,4 @@
-"""Context and block parallelism through the real Trainer and `dllm launch` (issue 16, increment 2):
+"""Context and block parallelism through the real Trainer and `dllm launch`:
 gloo processes reproduce the one-process run on the same global batch (losses, gradient norms and
 the parameters after the steps), and a CSBP checkpoint resumes on another CSBP size and on one process.
 
@@ -118,7 +118,7 @@ CASES = {
     "csbp-cp2-bp2-ring": ("bd3lm", 2, _context("csbp", 2, 2, "ring")),  # clean K/V shards passed around a ring
     "cp2-mdlm": ("mdlm", 2, _context("cp", 2)),
     "bp2": ("bd3lm", 2, _context("bp", 1, 2)),
-    # DP2 x CSBP(CP2, BP2): a CSBP group has bp ranks, so 4 processes (the issue's 8 counted cp x bp)
+    # DP2 x CSBP(CP2, BP2): a CSBP group has bp ranks (its CP groups split them), so 4 processes, not 2 x 2 x 2
     "dp2-x-csbp-cp2-bp2": ("bd3lm", 4, _context("csbp", 2, 2)),
 }
 SLOW = {"dp2-x-csbp-cp2-bp2"}  # 4 processes on 2 cores: ~15-20 s

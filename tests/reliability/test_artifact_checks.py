@@ -1,4 +1,4 @@
-"""Issue 23 item 6: `launch` (and `data validate`) check the artifact instead of trusting it.
+"""Reliability hardening, artifacts: `launch` (and `data validate`) check the artifact instead of trusting it.
 
 Each corruption is one line naming the file, exit 2, no traceback; none trains silently. The launch
 check reads the maxima the manifest records; a file changed after preparation is caught by the

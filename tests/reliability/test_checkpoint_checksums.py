@@ -1,4 +1,4 @@
-"""Item 5 of issue 23: checksummed checkpoints, damaged checkpoints as one line, and a NaN/Inf guard.
+"""Reliability hardening, checkpoints: checksummed checkpoints, damaged checkpoints as one line, and a NaN/Inf guard.
 
 Every published checkpoint carries manifest.json (size + SHA-256 of each file); loading checks it, so
 each kind of damage is one line naming the damaged file, on the inference path, on resume and from

@@ -1,4 +1,4 @@
-"""Item 1 of issue 23: loading a checkpoint must not run code planted in it.
+"""Security hardening: loading a checkpoint must not run code planted in it.
 
 A payload is a harmless reduce that creates a file (and then hands back the real object, so that a
 vulnerable loader carries on normally). It is planted in `.metadata` (DCP unpickles it) and in a

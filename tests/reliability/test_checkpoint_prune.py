@@ -1,4 +1,4 @@
-"""Item 9 of issue 23: pruning must never delete the checkpoint just published or `latest`'s target.
+"""Reliability hardening, pruning: pruning must never delete the checkpoint just published or `latest`'s target.
 
 Pruning used to sort every `step_*` folder and keep the last `keep_last_n`: an orphan folder of a
 later step (left by an interrupted timeline or copied in) made it delete the checkpoint it had just

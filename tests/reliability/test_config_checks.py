@@ -1,4 +1,4 @@
-"""Issue 23 item 7: config mistakes a hostile or careless user makes, each refused in one line (or warned).
+"""Reliability hardening, configs: mistakes a hostile or careless user makes, each refused in one line (or warned).
 
 Each test reproduces a case that passed silently, hung or gave a traceback before the checks existed.
 """

@@ -1,4 +1,4 @@
-"""Issue 23 item 8: `dllm convert --from-hf` with a config.json or weights that do not belong together.
+"""Reliability hardening, convert: `dllm convert --from-hf` with a config.json or weights that do not belong together.
 
 Every case ends in one line `dllm: error: ...`, exit code 2, and no output folder; before the checks they
 gave tracebacks, tried to allocate terabytes, or wrote a broken model folder.

@@ -1,4 +1,4 @@
-"""Item 10 of issue 23: a full disk while saving is one line, and leaves nothing half-written.
+"""Reliability hardening, a full disk: a full disk while saving is one line, and leaves nothing half-written.
 
 The disk is simulated, never filled: every file opened for writing under the run folder shares a
 byte budget, and the write that exceeds it writes what fits and raises OSError(ENOSPC), as a real

@@ -1,4 +1,4 @@
-"""Issue 23 fuzz test: malformed train.yaml, prepare.yaml and data files, generated from a fixed seed.
+"""Reliability hardening, the fuzz test: malformed train.yaml, prepare.yaml and data files, generated from a fixed seed.
 
 Every case must end the way a user mistake ends: exit code 2, exactly one line on stderr starting
 `dllm: error:`, no traceback, and nothing new (or changed) in the project folder. Each mutation is chosen

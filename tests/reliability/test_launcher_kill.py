@@ -1,4 +1,4 @@
-"""Issue 23, the kill test: SIGKILL the launcher of a two-process gloo run at random points (a fixed
+"""Reliability hardening, the kill test: SIGKILL the launcher of a two-process gloo run at random points (a fixed
 seed), from startup to checkpoint publishing. No worker may survive it, `latest` must stay loadable,
 the run folder's lock must be free again, and the resumed runs must log every step once."""
 

@@ -1,4 +1,4 @@
-"""Issue 23 item 3: the workers end with `dllm launch`. SIGKILL of the launcher used to leave
+"""Reliability hardening, signals: the workers end with `dllm launch`. SIGKILL of the launcher used to leave
 torchrun and both workers training (and publishing checkpoints); SIGTERM ended the launcher alone,
 without a word."""
 

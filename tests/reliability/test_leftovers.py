@@ -1,4 +1,4 @@
-"""Issue 23 item 13: what a failed or killed command leaves behind, and checking before working.
+"""Reliability hardening, leftovers: what a failed or killed command leaves behind, and checking before working.
 
 - a killed prepare left `.NAME.tmp-PID` staging folders forever: the next prepare of that output
   removes those of dead processes (only our name pattern, only a dead PID, only our files);

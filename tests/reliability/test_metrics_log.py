@@ -1,4 +1,4 @@
-"""Issue 23 item 11: metrics.jsonl is crash-consistent. A line torn by a kill used to crash the
+"""Reliability hardening, the metrics log: metrics.jsonl is crash-consistent. A line torn by a kill used to crash the
 resume; a run killed before its first checkpoint, or restarted with `resume: never`, appended a
 second copy of its steps. Now a torn line is skipped, the log is cut back to the step a run starts
 from, and a start from scratch keeps the old log aside (metrics.jsonl.1), never deleting it."""

@@ -1,4 +1,4 @@
-"""Issue 23 item 12: hostile or careless data files.
+"""Reliability hardening, data files: hostile or careless inputs to `dllm data prepare`.
 
 A UTF-8 BOM is stripped; a chat with nothing to train on is a bad record; recursive globs do not
 follow symlink loops; JSON booleans are not token ids; deep nesting, huge integers, an unwritable

@@ -1,4 +1,4 @@
-"""Issue 23 item 2: `dllm data prepare --overwrite` only ever replaces a previous artifact.
+"""Reliability hardening, overwriting: `dllm data prepare --overwrite` only ever replaces a previous artifact.
 
 Before, `output: .` deleted the whole config folder and `output: data` deleted the inputs. Now an
 output that is not an artifact, that holds an input or the config, or is an ancestor of either, is

@@ -1,4 +1,4 @@
-"""Issue 23 item 4: one launch per run folder. Two launches into one run used to race (a traceback
+"""Reliability hardening, the run lock: one launch per run folder. Two launches into one run used to race (a traceback
 from pruning, metrics.jsonl cut, a stray step_N.tmp); now the second one gets one line naming the
 holder, and a lock left by a dead launch is taken over."""
 

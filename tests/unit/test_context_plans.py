@@ -24,14 +24,8 @@ from dllm.data.loader import Batch
 from dllm.diffusion.corruption import NoiseKeys
 from dllm.diffusion.objectives import BD3LMObjective, MDLMObjective, TokenIds
 from dllm.models import Transformer
-from dllm.parallel.context import (
-    ContextParallelAttention,
-    ShardPlan,
-    allowed_pairs,
-    apply_context_parallel,
-    build_plan,
-    cp_group_ranks,
-)
+from dllm.parallel.context import ShardPlan, allowed_pairs, build_plan, cp_group_ranks
+from dllm.parallel.context_attention import ContextParallelAttention, apply_context_parallel
 
 V = 40
 IDS = TokenIds(mask_id=V - 1, eos_id=V - 2, pad_id=V - 3, num_tokens=V)

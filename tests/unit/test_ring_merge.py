@@ -77,7 +77,8 @@ def test_lse_is_the_log_sum_exp_of_the_allowed_scores():
 
 def test_transport_is_configurable_and_checked():
     from dllm.config.training import ContextParallelConfig
-    from dllm.parallel.context import ContextParallelAttention, build_plan
+    from dllm.parallel.context import build_plan
+    from dllm.parallel.context_attention import ContextParallelAttention
 
     assert ContextParallelConfig(mode="csbp", cp_size=2, bp_size=2, transport="ring").transport == "ring"
     assert ContextParallelConfig().transport == "collective"  # the default stays the all-gather

@@ -108,7 +108,7 @@ def _export_adapter(out: Path, run: Path | None, checkpoint: Path | None) -> Non
     """A PEFT adapter folder whose module paths are those of the family's Hugging Face model."""
     from dllm.checkpoint.inference import load_for_inference
     from dllm.config.registries import FAMILIES
-    from dllm.models.families import module_path_to_hf
+    from dllm.models.families.base import module_path_to_hf
     from dllm.models.lora import save_adapter
 
     loaded = load_for_inference(run, checkpoint, merge=False)

@@ -24,7 +24,7 @@ from dllm.config.model import ModelConfig
 from dllm.config.registries import FAMILIES
 from dllm.errors import ConfigError
 from dllm.models import sizing
-from dllm.models.families import Family, StateDict, native_to_hf_name, state_from_hf, state_to_hf
+from dllm.models.families.base import Family, StateDict, native_to_hf_name, state_from_hf, state_to_hf
 from dllm.models.sizing import count_params, format_bytes
 
 TOKENIZER_FILES = (

@@ -18,7 +18,7 @@ from dllm.config.loading import read_yaml, validate_config
 from dllm.config.model import ModelConfig
 from dllm.errors import ConfigError
 from dllm.hub import local_folder
-from dllm.models.families import StateDict
+from dllm.models.families.base import StateDict
 from dllm.models.hf_io import (
     TOKENIZER_FILES,
     check_weight_shapes,

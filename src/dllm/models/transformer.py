@@ -3,7 +3,7 @@
 A family (llama, qwen2/3, qwen3_moe, olmoe, llada, llada_moe, dream, gpt2, bert, modernbert) is a set of
 layout fields on ModelConfig (norm kind and position, positions, MLP kind, biases, head, local attention
 layers), not a copy of this file;
-`families.py` maps each family's Hugging Face weight names onto these modules. The model is used
+`families/` maps each family's Hugging Face weight names onto these modules. The model is used
 with whatever attention pattern the objective asks for and knows nothing about meshes, objectives or
 samplers; parallelism is applied from outside (dllm.parallel.apply).
 

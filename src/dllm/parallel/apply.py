@@ -17,7 +17,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from dllm.config.training import TopologyConfig
 from dllm.parallel.checkpointing import apply_activation_checkpointing
-from dllm.parallel.context import ShardPlan, apply_context_parallel
+from dllm.parallel.context import ShardPlan
+from dllm.parallel.context_attention import apply_context_parallel
 from dllm.parallel.dims import Meshes, ParallelDims
 from dllm.parallel.expert import apply_expert_parallel, shard_experts
 from dllm.parallel.tensor import align_grad_layouts, apply_tensor_parallel

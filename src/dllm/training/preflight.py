@@ -1,4 +1,5 @@
-"""Preflight of a RunSpec, run before any worker starts (`dllm launch`, `dllm config check`, ...).
+"""Preflight of a RunSpec, run before any worker starts: `dllm launch`, `dllm config validate`, and
+`dllm data validate --config` (an artifact checked against a training config).
 
 `resolve_run_spec` fills values that depend on other sections (the vocabulary size from the
 tokenizer, the architecture of `model.init_from`) and raises ConfigError naming the field for

@@ -44,11 +44,11 @@ import math
 
 import torch
 
+from dllm.attention.backends.spans import Span, chunk_spans
 from dllm.attention.masks import AttentionMask, MaskMod, depends_on_batch, layout_length, mask_mod
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
-Span = tuple[int, int]
 
 
 def supports(q_BHQD: torch.Tensor, k_BKSD: torch.Tensor, mask: AttentionMask) -> bool:
@@ -78,8 +78,6 @@ class Plan:
     def __init__(
         self, mask: AttentionMask, batch: int, seq_len: int, q_len: int, num_chunks: int, group: int, dtype, device
     ):
-        from dllm.attention.backends.blockwise import chunk_spans
-
         assert mask.block_size is not None
         self.seq_len, self.block_size, self.noisy_only = seq_len, mask.block_size, q_len == seq_len
         self.group = 1 if self.noisy_only else group

@@ -46,12 +46,11 @@ import torch.nn.functional as F
 
 from dllm.attention.backends import bd_split
 from dllm.attention.backends.sdpa import sdpa_attention
+from dllm.attention.backends.spans import Span, chunk_spans
 from dllm.attention.masks import BLOCK_KINDS, AttentionMask, MaskMod, depends_on_batch, layout_length, mask_mod
 
 DEFAULT_NUM_CHUNKS = 8
 """Query chunks per call (capped at the number of blocks); measured with bench/attention.py."""
-
-Span = tuple[int, int]  # [start, end) along the sequence
 
 
 @dataclass(frozen=True)
@@ -121,18 +120,6 @@ def chunk_plan(mask: AttentionMask, q_len: int, kv_len: int, num_chunks: int) ->
             for s, e in spans
         )  # fmt: skip
     return tuple(Chunk(((s, e),), ((max(0, s - reach), e),)) for s, e in spans)
-
-
-def chunk_spans(seq_len: int, block_size: int, num_chunks: int) -> list[Span]:
-    """Block-aligned [s, e) splitting L into min(num_chunks, blocks) chunks of (nearly) equal block counts.
-
-    Equal chunks minimise the scored pairs: L*L + 3*sum(Lc^2) for block diffusion, (L*L + sum(Lc^2)) / 2
-    for block_causal.
-    """
-    num_blocks = -(-seq_len // block_size)  # block_causal allows a partial last block
-    n = min(num_chunks, num_blocks)
-    edges = [min(seq_len, (i * num_blocks // n) * block_size) for i in range(n + 1)]
-    return list(zip(edges[:-1], edges[1:], strict=True))
 
 
 def chunk_masks(

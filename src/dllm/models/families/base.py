@@ -1,0 +1,107 @@
+"""The Family record and the weight-name maps every family is read and written through.
+
+A family is data: its config.json keys -> ModelConfig fields, and a weight-name map (with the few
+tensor transforms some layouts need: GPT-2's transposed Conv1D and fused qkv, BERT's token-type
+embedding, ModernBERT's fused qkv and gate/up). Import and export use the same map in both directions,
+so a round trip is exact. The families themselves live next to this file, one module per group of
+checkpoint layouts; hf_io.py reads and writes Hugging Face folders through these functions.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dllm.config.model import ModelConfig
+from dllm.errors import ConfigError
+
+StateDict = dict[str, torch.Tensor]
+ConfigMap = Callable[[dict[str, Any]], dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    model_types: tuple[str, ...]
+    """config.json `model_type` values read as this family (the first is written on export)."""
+    architecture: str
+    """config.json `architectures` entry written on export."""
+    causal_lm: bool
+    """Loadable with transformers' AutoModelForCausalLM (an autoregressive family)."""
+    config_from_hf: Callable[[dict[str, Any]], dict[str, Any]]
+    config_to_hf: Callable[[ModelConfig], dict[str, Any]]
+    renames: tuple[tuple[str, str], ...]
+    """(native regex, HF template) pairs, applied in order; `{i}` stands for the layer index."""
+    from_hf_extra: Callable[[StateDict, ModelConfig], StateDict] = field(default=lambda sd, cfg: sd)
+    to_hf_extra: Callable[[StateDict, ModelConfig], StateDict] = field(default=lambda sd, cfg: sd)
+    ignore_hf: tuple[str, ...] = ()
+    """HF keys (regex) that carry nothing the native model needs (buffers, unused poolers)."""
+    architectures_read: tuple[str, ...] = ()
+    """config.json `architectures` entries that pick this family before `model_type` is looked at."""
+
+
+# -- name maps -----------------------------------------------------------------------------------------
+_GROUP = re.compile(r"\(([^()]*)\)")
+
+
+def _native_to_hf(name: str, renames: tuple[tuple[str, str], ...]) -> str:
+    for native, hf in renames:
+        m = re.fullmatch(native, name)
+        if m:
+            return hf.format(*m.groups())
+    raise KeyError(name)
+
+
+def _hf_to_native(name: str, renames: tuple[tuple[str, str], ...]) -> str:
+    """The inverse of `_native_to_hf`: each `{}` of the HF template matches the native group's pattern."""
+    for native, hf in renames:
+        pattern = re.escape(hf)
+        for group in _GROUP.findall(native):  # `{}` placeholders in order, each with its group's pattern
+            pattern = pattern.replace(r"\{\}", f"({group})", 1)
+        m = re.fullmatch(pattern, name)
+        if m:
+            template = _GROUP.sub("{}", native).replace("\\", "")
+            return template.format(*m.groups())
+    raise KeyError(name)
+
+
+def native_to_hf_name(family: Family, name: str) -> str:
+    """The Hugging Face name of a native parameter (KeyError when the family has no place for it)."""
+    return _native_to_hf(name, family.renames)
+
+
+def module_path_to_hf(family: Family, path: str) -> str:
+    """The Hugging Face module path of a native linear layer (for adapter files)."""
+    hf = _native_to_hf(f"{path}.weight", family.renames).removesuffix(".weight")
+    if re.search(r"(c_attn|Wqkv)\.[qkv]$|Wi\.(gate|up)$", hf):
+        raise ConfigError("--adapter-only: this family fuses q, k, v (or gate, up) in one layer; export merged weights")
+    return hf
+
+
+def state_to_hf(family: Family, native: StateDict, cfg: ModelConfig) -> StateDict:
+    out = {_native_to_hf(k, family.renames): v for k, v in native.items()}
+    return family.to_hf_extra(out, cfg)
+
+
+def state_from_hf(family: Family, hf: StateDict, cfg: ModelConfig) -> StateDict:
+    hf = family.from_hf_extra(dict(hf), cfg)
+    out: StateDict = {}
+    for k, v in hf.items():
+        if any(re.fullmatch(p, k) for p in family.ignore_hf):
+            continue
+        try:
+            out[_hf_to_native(k, family.renames)] = v
+        except KeyError:
+            raise ConfigError(f"model.init_from: weight {k!r} has no place in a {family.name} model") from None
+    return out
+
+
+def drop_tied_head(sd: StateDict, cfg: ModelConfig) -> StateDict:
+    """A tied checkpoint may still list lm_head.weight (a copy of the embedding): ignore it."""
+    if cfg.tie_embeddings:
+        sd.pop("lm_head.weight", None)
+    return sd
