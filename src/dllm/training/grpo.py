@@ -41,7 +41,6 @@ from dllm.evaluation.tasks import Task
 from dllm.models.lora import adapters_disabled
 from dllm.parallel.apply import grad_sync, unwrap
 from dllm.parallel.dims import all_reduce_sum
-from dllm.parallel.grad_norm import clip_grad_norm
 from dllm.rl.grpo import group_advantages, grpo_loss
 from dllm.rl.logprob import completion_logprobs, mask_prompt
 from dllm.rl.rewards import Rewards
@@ -258,14 +257,11 @@ class GRPOTrainer(TrainLoop[Round]):
             stats = (float(out.loss.detach()) * (rows.stop - rows.start), float(out.clip_fraction) * n,
                      float(out.kl_mean) * n, n)  # fmt: skip
             sums += torch.tensor(stats, dtype=torch.float64, device=self.device)
-        max_norm = self.cfg.grad_clip if self.cfg.grad_clip is not None else float("inf")
-        grad_norm = clip_grad_norm(self.model.parameters(), max_norm)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        grad_norm = self.optimizer_step()
         sums = all_reduce_sum(sums, self.env)
         tokens = max(float(sums[3]), 1.0)
         return {"loss": float(sums[0]) / global_rows, "clip_fraction": float(sums[1]) / tokens,
-                "kl": float(sums[2]) / tokens, "grad_norm": float(grad_norm)}  # fmt: skip
+                "kl": float(sums[2]) / tokens, "grad_norm": grad_norm}  # fmt: skip
 
 
 @contextlib.contextmanager

@@ -25,6 +25,7 @@ from dllm.checkpoint.manager import TRAINER_STATE, CheckpointManager
 from dllm.config.training import LoggingConfig, TrainingConfig
 from dllm.errors import CheckpointError, TrainingError
 from dllm.parallel.dims import DistEnv, ParallelDims
+from dllm.parallel.grad_norm import clip_grad_norm
 from dllm.training.lr import LRSchedule
 from dllm.training.metrics import MetricsLogger
 from dllm.training.profiler import StepProfiler
@@ -94,6 +95,15 @@ class TrainLoop(Generic[U]):
     def report(self, unit: U, step_s: float) -> tuple[dict[str, Any], dict[str, Any]]:
         """(the unit's metrics record, the extra numbers its progress line shows), given its wall time."""
         raise NotImplementedError
+
+    def optimizer_step(self) -> float:
+        """Clip the gradients to training.grad_clip, step the optimizer and clear the gradients; returns the
+        gradient norm before clipping (over all ranks' shards: parallel/grad_norm.py)."""
+        max_norm = self.cfg.grad_clip if self.cfg.grad_clip is not None else float("inf")
+        grad_norm = clip_grad_norm(self.model.parameters(), max_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(grad_norm)
 
     # -- resume -----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -28,7 +28,6 @@ from dllm.models.output import ModelOutput, SelfConditioned
 from dllm.parallel.apply import grad_sync
 from dllm.parallel.context import ShardPlan
 from dllm.parallel.dims import all_reduce_sum
-from dllm.parallel.grad_norm import clip_grad_norm
 from dllm.training.loop import TrainLoop, TrainParts, Unit
 from dllm.training.mfu import FlopsMeter
 
@@ -135,17 +134,14 @@ class Trainer(TrainLoop[Step]):
             sums[1] += out.metrics.get("masked_ce_sum", torch.zeros(())).double()
             sums[2] += out.metrics.get("num_masked", torch.zeros(())).double()
         t0 = time.perf_counter()
-        max_norm = self.cfg.grad_clip if self.cfg.grad_clip is not None else float("inf")
-        grad_norm = clip_grad_norm(self.model.parameters(), max_norm)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        grad_norm = self.optimizer_step()
         times["optimizer"] = time.perf_counter() - t0
         sums = all_reduce_sum(sums, self.env) / self.dims.tp  # tensor-parallel ranks hold the same sums
         self.step += 1
         return StepStats(
             loss=float(sums[0] / global_targets),
             masked_ce=float(sums[1] / sums[2].clamp_min(1)),
-            grad_norm=float(grad_norm),
+            grad_norm=grad_norm,
             lr=lr,
             aux_loss=aux_sum / len(micro_batches),
             num_targets=int(global_targets),
