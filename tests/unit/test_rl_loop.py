@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -158,3 +159,60 @@ def test_rl_over_ranks_needs_whole_groups_per_rank_and_data_parallelism_only(tmp
         check_rl(load_spec(yaml_path, "topology.nproc_per_node=4"))
     with pytest.raises(ConfigError, match="topology: rl runs data-parallel only"):
         check_rl(load_spec(yaml_path, "topology.nproc_per_node=2", "topology.tp_size=2"))
+
+
+@pytest.mark.parametrize(("poison", "bad_step"), [("reward", 3), ("gradient", 4)])
+def test_a_non_finite_update_stops_the_run_with_the_supervised_one_line_error(
+    tmp_path: Path, capsys, monkeypatch, user_reward, poison: str, bad_step: int
+):
+    """Round 1 (steps 1-2) trains and publishes step 2. In round 2 a NaN reward makes step 3's loss NaN,
+    or an infinite gradient makes only step 4's gradient norm inf: the launch stops at that very step
+    with the supervised trainer's one line and exit code 2, and publishes nothing after step 2."""
+    calls = {"rollout": 0, "grad": 0}
+    real_rollout, real_logprobs = grpo_mod.rollout, grpo_mod.completion_logprobs
+
+    def rollout(*a, **k):
+        ro = real_rollout(*a, **k)
+        calls["rollout"] += 1
+        if poison == "reward" and calls["rollout"] == 2:
+            ro.rewards_B = ro.rewards_B * float("nan")
+        return ro
+
+    def logprobs(*a, **k):
+        logp_BC = real_logprobs(*a, **k)
+        if torch.is_grad_enabled():
+            calls["grad"] += 1  # two micro-batches per update: calls 7 and 8 are step 4's
+            if poison == "gradient" and calls["grad"] >= 7:
+                logp_BC.register_hook(lambda g: g * float("inf"))  # a finite loss, an infinite gradient
+        return logp_BC
+
+    monkeypatch.setattr(grpo_mod, "rollout", rollout)
+    monkeypatch.setattr(grpo_mod, "completion_logprobs", logprobs)
+    train_yaml = _rl_yaml(tmp_path)
+    args = ["--set", "training.steps=6", "--set", "checkpointing.every_steps=2"]
+    assert cli_main.main(["launch", "--config", str(train_yaml), *args]) == 2
+    err = capsys.readouterr().err.splitlines()  # the launch's own notes, then the error
+    errors = [line for line in err if line.startswith("dllm: error: ")]
+    assert errors == [err[-1]] and "Traceback" not in "\n".join(err), err
+    what = "loss is nan and gradient norm is nan" if poison == "reward" else "gradient norm is (nan|inf)"
+    stop = "; stopped without saving this step \\(the last checkpoint is intact\\)"
+    assert re.match(f"dllm: error: step {bad_step}: the {what}{stop}", errors[0]), errors[0]
+    run_dir = tmp_path / "runs" / "grpo"
+    assert latest_checkpoint(run_dir / "checkpoints").name == "step_00000002"
+    assert [r["step"] for r in read_metrics(run_dir)] == [2]
+
+
+def test_profiling_traces_whole_rounds_where_supervised_runs_put_theirs(tmp_path: Path, capsys, user_reward):
+    """Steps 2-3 straddle two rounds of 2 updates: both rounds are profiled, one span each, into
+    RUN/profile/ as the supervised trainer writes its trace."""
+    profiling = ("profiling.start_step=2", "profiling.steps=2", "profiling.record_shapes=true")
+    spec, _ = resolve_run_spec(load_spec(_rl_yaml(tmp_path), "training.steps=6", *profiling))
+    run_dir = prepare_run_dir(spec)
+    train_from_run_dir(run_dir)
+    trace = run_dir / "profile" / "trace-steps1-4-rank0.json"
+    assert sorted(p.name for p in (run_dir / "profile").iterdir()) == [trace.name]
+    events = json.loads(trace.read_text())["traceEvents"]
+    names = {e.get("name") for e in events}
+    assert "aten::linear" in names
+    assert {n for n in names if str(n).startswith("dllm step")} == {"dllm steps 1-2", "dllm steps 3-4"}
+    assert f"dllm: profiler trace: {trace}" in capsys.readouterr().err

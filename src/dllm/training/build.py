@@ -1,12 +1,15 @@
-"""Assemble a Trainer from a RunSpec: the only code that sees the whole spec.
+"""Assemble a trainer from a RunSpec: the only code that sees the whole spec.
 
 process group -> ParallelDims -> mesh (+ CP groups, expert mesh) -> model on meta -> parallel.apply (context/block
 shard plan first) -> materialize weights -> objective -> optimizer / LR -> loader (sharded by
-data-parallel index) -> CheckpointManager (resume when a checkpoint exists).
+data-parallel index) -> CheckpointManager (resume when a checkpoint exists). The start and the shared
+parts (optimizer, LR, checkpoints, metrics, profiler: training/loop.py `TrainParts`) are built once for the
+supervised and the rl trainer; each adds only its own parts.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -16,6 +19,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 
 from dllm.checkpoint.inference import LoadedModel, derive_profile, drafter_config, load_target
 from dllm.checkpoint.manager import CheckpointManager
+from dllm.config.profile import DecodeProfile
 from dllm.config.registries import OBJECTIVES
 from dllm.config.rules import check_topology
 from dllm.config.spec import RunSpec
@@ -28,6 +32,7 @@ from dllm.parallel.apply import after_materialize, apply_parallelism, unwrap
 from dllm.parallel.context import ShardPlan, build_plan
 from dllm.parallel.dims import DistEnv, ParallelDims, init_process_group, pick_device
 from dllm.tokenization import Tokenizer, build_tokenizer
+from dllm.training.loop import TrainParts
 from dllm.training.lr import LRSchedule
 from dllm.training.metrics import MetricsLogger
 from dllm.training.mfu import FlopsMeter, peak_flops
@@ -151,34 +156,81 @@ def feature_cache(spec: RunSpec, target: LoadedModel, artifact, env: DistEnv):
     return FeatureCache(folder, target.model, layer_ids, artifact.fingerprint)
 
 
-def _profiler(spec: RunSpec, run_dir: Path, device: torch.device, env: DistEnv) -> StepProfiler:
-    assert spec.profiling is not None
-    return StepProfiler(spec.profiling, run_dir / "profile", device, env.rank, announce=env.is_main)
+@dataclass(frozen=True)
+class _Run:
+    """Where every run starts, whatever it trains: the spec (training.compile resolved), this process's
+    place in the process group, the mesh's sizes, the tokenizer and the decode profile."""
+
+    spec: RunSpec
+    run_dir: Path
+    env: DistEnv
+    device: torch.device
+    dims: ParallelDims
+    tok: Tokenizer
+    profile: DecodeProfile
 
 
 def build_trainer(spec: RunSpec, run_dir: Path, env: DistEnv | None = None) -> Trainer | GRPOTrainer:
-    """Everything a run needs, resumed from the newest checkpoint when `checkpointing.resume: auto`."""
-    env = env or DistEnv.from_environ()
-    if spec.rl is not None:
-        return build_grpo_trainer(spec, run_dir, env)
+    """Everything a run needs, resumed from the newest checkpoint when `checkpointing.resume: auto`: the
+    shared start (`_start`), the trainer's own parts, and the parts every trainer shares (`_train_parts`)."""
+    run = _start(spec, run_dir, env or DistEnv.from_environ())
+    trainer = _supervised_trainer(run) if run.spec.rl is None else _grpo_trainer(run)
+    latest = trainer.checkpoints.latest() if run.spec.checkpointing.resume == "auto" else None
+    if latest is not None:
+        trainer.resume(latest)
+    return trainer
+
+
+def _start(spec: RunSpec, run_dir: Path, env: DistEnv) -> _Run:
     check_topology(spec, env.world_size)  # a worker started by hand with another world size
     device = pick_device(spec.training.device, env)
-    # the preflight resolved training.compile: auto already; a spec built without it resolves here
-    compile = resolve_compile(spec.training.compile, device.type)
+    # an rl run is uncompiled (config/rules.py check_rl); elsewhere the preflight resolved training.compile:
+    # auto already, and a spec built without it resolves here
+    compile = False if spec.rl is not None else resolve_compile(spec.training.compile, device.type)
     spec = spec.model_copy(update={"training": spec.training.model_copy(update={"compile": compile})})
     init_process_group(env, spec.topology, device)
     tok = build_tokenizer(spec.tokenizer)
+    dims = ParallelDims.from_topology(spec.topology, env.world_size)
+    profile = derive_profile(spec.objective, spec.model, tok)  # how this run's checkpoints decode
+    return _Run(spec, run_dir, env, device, dims, tok, profile)
+
+
+def _train_parts(run: _Run, model: nn.Module, identity: dict[str, Any]) -> TrainParts:
+    """What every trainer is built around: the optimizer and LR schedule, the checkpoints (carrying the
+    decode profile), the metrics sinks and, with a `profiling:` section, the profiler."""
+    spec, env = run.spec, run.env
+    profiler = None
+    if spec.profiling is not None:
+        profiler = StepProfiler(spec.profiling, run.run_dir / "profile", run.device, env.rank, announce=env.is_main)
+    return TrainParts(
+        model=model,
+        optimizer=build_optimizer(model, spec.optimizer),
+        lr_schedule=LRSchedule(spec.scheduler, spec.optimizer.lr, spec.training.steps),
+        checkpoints=CheckpointManager(run.run_dir / "checkpoints", spec.checkpointing, env, run.profile),
+        metrics=MetricsLogger(run.run_dir, spec.logging, enabled=env.is_main),
+        cfg=spec.training,
+        log_cfg=spec.logging,
+        env=env,
+        dims=run.dims,
+        device=run.device,
+        identity=identity,
+        profiler=profiler,
+    )
+
+
+def _supervised_trainer(run: _Run) -> Trainer:
+    """A supervised run: the artifact and its loader (sharded by data-parallel index), the context shard
+    plan, the model (or a drafter of a frozen target, which the objective also reads) and the objective."""
+    spec, env, dims, tr = run.spec, run.env, run.dims, run.spec.training
     assert spec.data is not None  # RunSpec: data or rl
     artifact = open_artifact(spec.data.path)
     check_layout(artifact)  # a worker started without the preflight; the loader checks the values it reads
-    dims = ParallelDims.from_topology(spec.topology, env.world_size)
     plan = context_plan(spec, dims.group_rank(env.rank))
-    target = load_target(spec.objective.target, device) if OBJECTIVES.has(spec.objective.name, "target") else None  # type: ignore[union-attr]
+    target = load_target(spec.objective.target, run.device) if OBJECTIVES.has(spec.objective.name, "target") else None  # type: ignore[union-attr]
     if target is None:
-        model = build_model(spec, device, env, dims, plan)
-    else:  # the trained model is a drafter of a frozen target, which the objective also reads
-        model = build_drafter(spec, target, tok, device, env, dims)
-    tr = spec.training
+        model = build_model(spec, run.device, env, dims, plan)
+    else:
+        model = build_drafter(spec, target, run.tok, run.device, env, dims)
     extra: dict[str, Any] = {} if target is None else {"target": target.model}
     if getattr(spec.objective, "feature_cache", None) is not None:
         extra["features"] = feature_cache(spec, target, artifact, env)  # type: ignore[arg-type]
@@ -192,36 +244,21 @@ def build_trainer(spec: RunSpec, run_dir: Path, env: DistEnv | None = None) -> T
         shuffle=spec.data.shuffle,
         document_ids=spec.data.document_mask,
     )
-    identity: dict[str, Any] = {"tokenizer": tok.identity(), "artifact_fingerprint": artifact.fingerprint}
-    profile = derive_profile(spec.objective, spec.model, tok)  # how this run's checkpoints decode
-    trainer = Trainer(
-        model=model,
-        objective=OBJECTIVES.resolve(spec.objective.name)(
-            spec.objective, token_ids(tok), chunked_loss=tr.chunked_loss, shift_logits=spec.model.shift_logits, **extra
-        ),
-        optimizer=build_optimizer(model, spec.optimizer),
-        lr_schedule=LRSchedule(spec.scheduler, spec.optimizer.lr, tr.steps),
+    identity: dict[str, Any] = {"tokenizer": run.tok.identity(), "artifact_fingerprint": artifact.fingerprint}
+    objective = OBJECTIVES.resolve(spec.objective.name)(
+        spec.objective, token_ids(run.tok), chunked_loss=tr.chunked_loss, shift_logits=spec.model.shift_logits, **extra
+    )
+    return Trainer(
+        _train_parts(run, model, identity),
+        objective=objective,
         loader=loader,
-        checkpoints=CheckpointManager(run_dir / "checkpoints", spec.checkpointing, env, profile),
-        metrics=MetricsLogger(run_dir, spec.logging, enabled=env.is_main),
-        cfg=tr,
-        log_cfg=spec.logging,
-        env=env,
-        dims=dims,
-        device=device,
-        identity=identity,
         aux_loss_coef=spec.model.router_aux_loss_coef,
         plan=plan,
-        flops=None if target is not None else FlopsMeter(spec.model, peak_flops(device), env.world_size),
-        profiler=None if spec.profiling is None else _profiler(spec, run_dir, device, env),
+        flops=None if target is not None else FlopsMeter(spec.model, peak_flops(run.device), env.world_size),
     )
-    latest = trainer.checkpoints.latest() if spec.checkpointing.resume == "auto" else None
-    if latest is not None:
-        trainer.resume(latest)
-    return trainer
 
 
-def build_grpo_trainer(spec: RunSpec, run_dir: Path, env: DistEnv) -> GRPOTrainer:
+def _grpo_trainer(run: _Run) -> GRPOTrainer:
     """An rl run (training/grpo.py): the policy; its reference (the KL anchor: a frozen copy of the
     initial weights, or with LoRA the policy's base weights with its adapters off; none when rl.beta is 0);
     the prompts, the rewards and the rollout sampler resolved against the run's decode profile.
@@ -232,45 +269,23 @@ def build_grpo_trainer(spec: RunSpec, run_dir: Path, env: DistEnv) -> GRPOTraine
     from dllm.sampling.generate import SpecialIds
     from dllm.training.grpo import GRPOTrainer, Policy
 
-    rl = spec.rl
+    spec, rl = run.spec, run.spec.rl
     assert rl is not None and rl.prompts is not None  # check_rl
-    check_topology(spec, env.world_size)
-    device = pick_device(spec.training.device, env)
-    spec = spec.model_copy(update={"training": spec.training.model_copy(update={"compile": False})})
-    init_process_group(env, spec.topology, device)
-    tok = build_tokenizer(spec.tokenizer)
-    dims = ParallelDims.from_topology(spec.topology, env.world_size)
-    model = build_model(spec, device, env, dims, None)
+    model = build_model(spec, run.device, run.env, run.dims, None)
     # the KL anchor: with LoRA the policy's base weights (adapters off), else a frozen copy of the initial weights
-    reference = frozen_reference(spec, device, env, dims) if rl.beta > 0 and spec.lora is None else None
-    profile = derive_profile(spec.objective, spec.model, tok)
-    sampler = resolve_sampler(rl.sampler, profile)
-    task = load_prompts(rl.prompts, tok)
-    identity: dict[str, Any] = {"tokenizer": tok.identity(), "prompts": task.name}
-    tr = spec.training
-    trainer = GRPOTrainer(
-        model=model,
+    reference = frozen_reference(spec, run.device, run.env, run.dims) if rl.beta > 0 and spec.lora is None else None
+    sampler = resolve_sampler(rl.sampler, run.profile)
+    task = load_prompts(rl.prompts, run.tok)
+    identity: dict[str, Any] = {"tokenizer": run.tok.identity(), "prompts": task.name}
+    return GRPOTrainer(
+        _train_parts(run, model, identity),
         reference=reference,
         reference_is_base=rl.beta > 0 and spec.lora is not None,
-        optimizer=build_optimizer(model, spec.optimizer),
-        lr_schedule=LRSchedule(spec.scheduler, spec.optimizer.lr, tr.steps),
-        checkpoints=CheckpointManager(run_dir / "checkpoints", spec.checkpointing, env, profile),
-        metrics=MetricsLogger(run_dir, spec.logging, enabled=env.is_main),
-        cfg=tr,
         rl=rl,
-        log_cfg=spec.logging,
-        env=env,
-        dims=dims,
-        device=device,
-        identity=identity,
         task=task,
         rewards=Rewards(rl.rewards),
-        policy=Policy(tok, SpecialIds.of(profile), sampler, sampler.shift == "on"),
+        policy=Policy(run.tok, SpecialIds.of(run.profile), sampler, sampler.shift == "on"),
     )
-    latest = trainer.checkpoints.latest() if spec.checkpointing.resume == "auto" else None
-    if latest is not None:
-        trainer.resume(latest)
-    return trainer
 
 
 def frozen_reference(spec: RunSpec, device: torch.device, env: DistEnv, dims: ParallelDims) -> nn.Module:

@@ -1,4 +1,5 @@
-"""The diffu-GRPO training loop (d1, Zhao et al. 2025): generation rounds of mu inner updates each.
+"""The diffu-GRPO trainer (d1, Zhao et al. 2025): generation rounds of mu inner updates each, as the units
+of the shared loop (training/loop.py: progress, metrics, the NaN/Inf stop, profiling, checkpoints, resume).
 
 A round draws N prompts (training.global_batch_size / rl.group_size) from the prompt set, samples G
 completions of each through THE sampling loop (rl/rollout.py), scores them, normalises the rewards
@@ -25,6 +26,7 @@ import time
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,16 +34,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from dllm.checkpoint.manager import CheckpointManager
 from dllm.config.rl import RLConfig
 from dllm.config.sampler import SamplerConfig
-from dllm.config.training import LoggingConfig, TrainingConfig
 from dllm.errors import CheckpointError
 from dllm.evaluation.tasks import Task
 from dllm.models.lora import adapters_disabled
 from dllm.parallel.apply import grad_sync, unwrap
-from dllm.parallel.dims import DistEnv, ParallelDims, all_reduce_sum
-from dllm.parallel.grad_norm import clip_grad_norm
+from dllm.parallel.dims import all_reduce_sum
 from dllm.rl.grpo import group_advantages, grpo_loss
 from dllm.rl.logprob import completion_logprobs, mask_prompt
 from dllm.rl.rewards import Rewards
@@ -49,9 +48,7 @@ from dllm.rl.rollout import Rollouts, rollout
 from dllm.sampling.generate import SpecialIds
 from dllm.seeding import mix_key
 from dllm.tokenization import Tokenizer
-from dllm.training.lr import LRSchedule
-from dllm.training.metrics import MetricsLogger
-from dllm.training.progress import Progress
+from dllm.training.loop import TrainLoop, TrainParts, Unit
 
 
 @dataclass(frozen=True)
@@ -66,62 +63,58 @@ class Policy:
     """The decode profile's shift: completion token j is read from row j - 1."""
 
 
-class GRPOTrainer:
+@dataclass
+class Round(Unit):
+    """One generation round as the loop sees it: rl.inner_updates optimizer steps."""
+
+    record: dict[str, Any]
+    """The round's metrics (training/loop.py adds its wall time)."""
+
+
+class GRPOTrainer(TrainLoop[Round]):
+    """diffu-GRPO: the unit of the loop (training/loop.py) is one generation round."""
+
+    logs_every_unit = True  # one record per round, as rl runs have always logged (logging.every_steps is not read)
+    damaged = "{path}: not an rl checkpoint or damaged ({error})"
+
     def __init__(
         self,
+        parts: TrainParts,
         *,
-        model: nn.Module,
         reference: nn.Module | None,
         reference_is_base: bool = False,
-        optimizer: torch.optim.Optimizer,
-        lr_schedule: LRSchedule,
-        checkpoints: CheckpointManager,
-        metrics: MetricsLogger,
-        cfg: TrainingConfig,
         rl: RLConfig,
-        log_cfg: LoggingConfig,
-        env: DistEnv,
-        dims: ParallelDims,
-        device: torch.device,
-        identity: dict[str, Any],
         task: Task,
         rewards: Rewards,
         policy: Policy,
     ) -> None:
-        self.model, self.reference, self.optimizer, self.lr_schedule = model, reference, optimizer, lr_schedule
+        super().__init__(parts)
+        self.reference, self.rl = reference, rl
         # with LoRA: the reference is the policy's own base weights, its adapters off (no second copy)
         self.reference_is_base = reference_is_base
-        self.checkpoints, self.metrics, self.cfg, self.rl, self.log_cfg = checkpoints, metrics, cfg, rl, log_cfg
-        self.env, self.dims, self.device, self.identity = env, dims, device, identity
         self.task, self.rewards, self.policy = task, rewards, policy
-        self.dp_rank = dims.dp_index(env.rank)
-        seed = mix_key(cfg.seed, zlib.crc32(b"rl.generate"), self.dp_rank)
-        self.generator = torch.Generator(device=device).manual_seed(seed)
-        self.step = 0
+        self.steps_per_unit = rl.inner_updates
+        self.dp_rank = self.dims.dp_index(self.env.rank)
+        seed = mix_key(self.cfg.seed, zlib.crc32(b"rl.generate"), self.dp_rank)
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
 
     # -- resume -----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """A collective: every rank's generator state, in rank order (the main rank writes them all)."""
-        return {
-            "lr_schedule": self.lr_schedule.state_dict(),
-            "generators": [g.tolist() for g in self._gather(self.generator.get_state().to(self.device))],
-            "identity": self.identity,
-            "world_size": self.env.world_size,
-        }
+        generators = [g.tolist() for g in self._gather(self.generator.get_state().to(self.device))]
+        return {**super().state_dict(), "generators": generators}
 
-    def resume(self, path: Any) -> None:
-        state = self.checkpoints.load(path, self.model, self.optimizer)
+    def check_checkpoint(self, path: Path, state: dict[str, Any]) -> None:
+        super().check_checkpoint(path, state)
         if state.get("world_size") != self.env.world_size:
             raise CheckpointError(
                 f"{path}: an rl checkpoint of {state.get('world_size')} processes (one generation RNG each); "
                 f"resume it with --nproc-per-node {state.get('world_size')}, not {self.env.world_size}"
             )
-        try:
-            self.lr_schedule.load_state_dict(state["lr_schedule"])
-            self.generator.set_state(torch.tensor(state["generators"][self.env.rank], dtype=torch.uint8))
-            self.step = int(state["step"])
-        except (KeyError, TypeError, ValueError, RuntimeError, IndexError) as e:
-            raise CheckpointError(f"{path}: not an rl checkpoint or damaged ({type(e).__name__}: {e})") from None
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.generator.set_state(torch.tensor(state["generators"][self.env.rank], dtype=torch.uint8))
 
     # -- one round --------------------------------------------------------------------------------
     def num_prompts(self) -> int:
@@ -136,8 +129,8 @@ class GRPOTrainer:
         n = self.num_prompts()
         return [self.task.examples[i] for i in order[self.dp_rank * n : (self.dp_rank + 1) * n]]
 
-    def run_round(self) -> dict[str, float]:
-        """Generate, score, and take rl.inner_updates optimizer steps; returns the round's metrics."""
+    def run_unit(self) -> Round:
+        """Generate, score, and take rl.inner_updates optimizer steps."""
         t0 = time.perf_counter()
         examples = self.draw_prompts(self.step // self.rl.inner_updates)
         p = self.policy
@@ -146,36 +139,58 @@ class GRPOTrainer:
                          self.rl.group_size, self.rewards, self.generator)  # fmt: skip
         advantages_B = group_advantages(ro.rewards_B, self.rl.group_size).to(self.device)
         t1 = time.perf_counter()
-        noisy = [self._mask_prompts(ro) for _ in range(self.rl.inner_updates)]  # one prompt mask per update
-        olds = [self._frozen_logprobs(self.model, ro, n) for n in noisy]
-        refs = [self._reference_logprobs(ro, n) if self._uses_reference() else None for n in noisy]
-        sums: dict[str, float] = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "grad_norm": 0.0}
-        lr = 0.0
-        for k in range(self.rl.inner_updates):
-            lr = self.lr_schedule.apply(self.optimizer, self.step)
-            stats = self._update(ro, noisy[k], olds[k], refs[k], advantages_B)
-            for key, value in stats.items():
-                sums[key] += value / self.rl.inner_updates
-            self.step += 1
+        updates, lr = self._updates(ro, advantages_B)
         t2 = time.perf_counter()
-        rewards = torch.cat(self._gather(ro.rewards_B.float().to(self.device)))  # every rank's, in rank order
-        parts = {name: torch.cat(self._gather(v.float().to(self.device))) for name, v in ro.parts.items()}
-        correct = torch.cat(self._gather(ro.correct_B.float().to(self.device)))
-        lengths = torch.cat(self._gather(ro.mask_BC.sum(-1).float()))
+        means: dict[str, float] = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "grad_norm": 0.0}
+        for stats in updates:
+            for key, value in stats.items():
+                means[key] += value / self.rl.inner_updates
         record = {
-            **sums,
-            "reward_mean": float(rewards.mean()),
-            "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
-            **{f"reward_{name}": float(v.mean()) for name, v in parts.items()},
-            "accuracy": float(correct.mean()),
-            "completion_len": float(lengths.mean()),
+            **means,
+            **self._rollout_metrics(ro),
             "lr": lr,
             "round": self.step // self.rl.inner_updates,
             "nfe": ro.counters.nfe,
             "rollout_s": round(t1 - t0, 4),
             "update_s": round(t2 - t1, 4),
         }
-        return record
+        checked = [(u["loss"], u["grad_norm"]) for u in updates]
+        tokens = self.cfg.global_batch_size * p.sampler.gen_length
+        return Round(means["loss"], checked, tokens, t2 - t1, record)
+
+    def run_round(self) -> dict[str, Any]:
+        """One round on its own (outside `fit`: nothing checked, logged or saved); its metrics."""
+        return self.run_unit().record
+
+    def report(self, unit: Round, step_s: float) -> tuple[dict[str, Any], dict[str, Any]]:
+        return {**unit.record, "step_s": round(step_s, 4)}, unit.record
+
+    def _updates(self, ro: Rollouts, advantages_B: torch.Tensor) -> tuple[list[dict[str, float]], float]:
+        """The round's rl.inner_updates optimizer steps (each its own prompt mask; the old policy's and the
+        reference's log-probs under every mask first); their statistics and the last one's learning rate."""
+        noisy = [self._mask_prompts(ro) for _ in range(self.rl.inner_updates)]  # one prompt mask per update
+        olds = [self._frozen_logprobs(self.model, ro, n) for n in noisy]
+        refs = [self._reference_logprobs(ro, n) if self._uses_reference() else None for n in noisy]
+        updates, lr = [], 0.0
+        for k in range(self.rl.inner_updates):
+            lr = self.lr_schedule.apply(self.optimizer, self.step)
+            updates.append(self._update(ro, noisy[k], olds[k], refs[k], advantages_B))
+            self.step += 1
+        return updates, lr
+
+    def _rollout_metrics(self, ro: Rollouts) -> dict[str, float]:
+        """Rewards, accuracy and completion length over every rank's completions."""
+        rewards = torch.cat(self._gather(ro.rewards_B.float().to(self.device)))  # every rank's, in rank order
+        parts = {name: torch.cat(self._gather(v.float().to(self.device))) for name, v in ro.parts.items()}
+        correct = torch.cat(self._gather(ro.correct_B.float().to(self.device)))
+        lengths = torch.cat(self._gather(ro.mask_BC.sum(-1).float()))
+        return {
+            "reward_mean": float(rewards.mean()),
+            "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
+            **{f"reward_{name}": float(v.mean()) for name, v in parts.items()},
+            "accuracy": float(correct.mean()),
+            "completion_len": float(lengths.mean()),
+        }
 
     def _gather(self, t: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's `t` (the same shape on each), in rank order; [t] in one process."""
@@ -242,35 +257,11 @@ class GRPOTrainer:
             stats = (float(out.loss.detach()) * (rows.stop - rows.start), float(out.clip_fraction) * n,
                      float(out.kl_mean) * n, n)  # fmt: skip
             sums += torch.tensor(stats, dtype=torch.float64, device=self.device)
-        max_norm = self.cfg.grad_clip if self.cfg.grad_clip is not None else float("inf")
-        grad_norm = clip_grad_norm(self.model.parameters(), max_norm)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        grad_norm = self.optimizer_step()
         sums = all_reduce_sum(sums, self.env)
         tokens = max(float(sums[3]), 1.0)
         return {"loss": float(sums[0]) / global_rows, "clip_fraction": float(sums[1]) / tokens,
-                "kl": float(sums[2]) / tokens, "grad_norm": float(grad_norm)}  # fmt: skip
-
-    # -- the loop ---------------------------------------------------------------------------------
-    def fit(self) -> list[float]:
-        """Run rounds up to `training.steps` optimizer steps; returns each round's mean loss."""
-        progress = Progress(self.log_cfg, self.cfg.steps, self.step, enabled=self.env.is_main)
-        self.metrics.start(self.step)
-        losses: list[float] = []
-        try:
-            while self.step < self.cfg.steps:
-                t0 = time.perf_counter()
-                record = self.run_round()
-                losses.append(record["loss"])
-                step_s = time.perf_counter() - t0
-                tokens = self.cfg.global_batch_size * self.policy.sampler.gen_length
-                progress.update(self.step, record["loss"], tokens / step_s, record)
-                self.metrics.log(self.step, {**record, "step_s": round(step_s, 4)})
-                if self.checkpoints.should_save(self.step, self.cfg.steps):  # every rank: state_dict gathers
-                    self.checkpoints.save(self.step, self.model, self.optimizer, self.state_dict())
-        finally:
-            progress.close()
-        return losses
+                "kl": float(sums[2]) / tokens, "grad_norm": grad_norm}  # fmt: skip
 
 
 @contextlib.contextmanager

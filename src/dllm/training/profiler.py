@@ -1,7 +1,9 @@
 """torch.profiler traces of chosen training steps (`profiling:` in the config).
 
 Steps count from 1 (the number the step has in metrics.jsonl). The profiler starts before step
-`start_step` fetches its data and stops after step `start_step + steps - 1`, then writes a Chrome
+`start_step` fetches its data and stops after step `start_step + steps - 1`. A unit of several optimizer
+steps (an rl round of rl.inner_updates steps) is profiled whole: the window widens to the rounds that
+hold those steps, and the file names say the steps it covers. Then it writes a Chrome
 trace (open it in chrome://tracing or https://ui.perfetto.dev) to RUN/profile/, one per rank; with
 `memory` on CUDA also a snapshot of the allocator's history (https://pytorch.org/memory_viz).
 """
@@ -31,9 +33,10 @@ class StepProfiler:
         self._started_at: int | None = None
         self._cuda_memory = cfg.memory and device.type == "cuda"
 
-    def before_step(self, step: int) -> None:
-        """Called before step `step` (1-based) starts."""
-        if step == self.first and self._prof is None and not self.paths:
+    def before_step(self, step: int, last: int | None = None) -> None:
+        """Called before a unit of work that takes steps `step`..`last` (1-based; one step when `last` is None)."""
+        last = step if last is None else last
+        if step <= self.first <= last and self._prof is None and not self.paths:
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
             self._prof = profile(
                 activities=activities, record_shapes=self.cfg.record_shapes, profile_memory=self.cfg.memory
@@ -43,7 +46,8 @@ class StepProfiler:
             self._prof.start()
             self._started_at = step
         if self._prof is not None:
-            self._step_range = record_function(f"dllm step {step}")  # the step's span in the trace
+            label = f"dllm step {step}" if last == step else f"dllm steps {step}-{last}"
+            self._step_range = record_function(label)  # the unit's span in the trace
             self._step_range.__enter__()
 
     def after_step(self, step: int) -> None:

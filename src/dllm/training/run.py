@@ -23,7 +23,7 @@ from dllm.config.spec import RunSpec
 from dllm.errors import CheckpointError, ConfigError
 
 if TYPE_CHECKING:
-    from dllm.training.trainer import Trainer
+    from dllm.training.loop import TrainLoop
 
 CONFIG_NAME = "config.yaml"
 
@@ -119,7 +119,7 @@ def train_from_run_dir(run_dir: Path, config_sha256: str | None = None) -> list[
             _keep_until_exit(trainer)
 
 
-def _check_same_config(cfg_path: Path, differs: bool, trainer: Trainer) -> None:
+def _check_same_config(cfg_path: Path, differs: bool, trainer: TrainLoop) -> None:
     """Every rank stops with a ConfigError when any node's launch resolved another config than the
     one node rank 0 wrote (other flags or overrides on that node, or a stale copy of the file on a
     shared filesystem), instead of training node rank 0's config silently."""

@@ -1,4 +1,5 @@
-"""The training loop. `train_step` runs one optimizer step over this rank's micro-batches.
+"""Supervised training. `train_step` runs one optimizer step over this rank's micro-batches; the loop
+around it (progress, metrics, the NaN/Inf stop, profiling, checkpoints, resume) is training/loop.py's.
 
 The loss of a step is sum(weighted token losses) / (global number of supervised tokens), so it is
 the same number whatever the number of ranks and micro-batches. Gradients are averaged over ranks
@@ -13,7 +14,6 @@ micro-batches, prepare them identically (noise is keyed by sample id) and each k
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -21,22 +21,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from dllm.checkpoint.manager import TRAINER_STATE, CheckpointManager
-from dllm.config.training import LoggingConfig, TrainingConfig
 from dllm.data.loader import Batch, StepLoader
 from dllm.diffusion.corruption import NoiseKeys
 from dllm.diffusion.objectives.base import ModelInputs, Objective
-from dllm.errors import CheckpointError, TrainingError
 from dllm.models.output import ModelOutput, SelfConditioned
 from dllm.parallel.apply import grad_sync
 from dllm.parallel.context import ShardPlan
-from dllm.parallel.dims import DistEnv, ParallelDims, all_reduce_sum
-from dllm.parallel.grad_norm import clip_grad_norm
-from dllm.training.lr import LRSchedule
-from dllm.training.metrics import MetricsLogger
+from dllm.parallel.dims import all_reduce_sum
+from dllm.training.loop import TrainLoop, TrainParts, Unit
 from dllm.training.mfu import FlopsMeter
-from dllm.training.profiler import StepProfiler
-from dllm.training.progress import Progress
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -54,72 +47,46 @@ class StepStats:
     """Hidden rows the loss sent through the LM head, all ranks (the head's share of the FLOPs)."""
 
 
-class Trainer:
+@dataclass
+class Step(Unit):
+    """One supervised step as the loop sees it, with what its metrics record reads."""
+
+    stats: StepStats
+    batches: list[Batch]
+    data_s: float
+
+
+class Trainer(TrainLoop[Step]):
+    """Supervised training: the unit of the loop (training/loop.py) is one optimizer step."""
+
     def __init__(
         self,
+        parts: TrainParts,
         *,
-        model: nn.Module,
         objective: Objective,
-        optimizer: torch.optim.Optimizer,
-        lr_schedule: LRSchedule,
         loader: StepLoader,
-        checkpoints: CheckpointManager,
-        metrics: MetricsLogger,
-        cfg: TrainingConfig,
-        log_cfg: LoggingConfig,
-        env: DistEnv,
-        dims: ParallelDims,
-        device: torch.device,
-        identity: dict[str, Any],
         aux_loss_coef: float = 0.0,
         plan: ShardPlan | None = None,
         flops: FlopsMeter | None = None,
-        profiler: StepProfiler | None = None,
     ) -> None:
-        self.model, self.objective, self.optimizer = model, objective, optimizer
-        self.lr_schedule, self.loader = lr_schedule, loader
-        self.checkpoints, self.metrics = checkpoints, metrics
-        self.cfg, self.log_cfg = cfg, log_cfg
-        self.env, self.dims, self.device = env, dims, device
-        self.identity = identity  # tokenizer identity + artifact fingerprint, checked on resume
+        super().__init__(parts)
+        self.objective, self.loader = objective, loader
         self.aux_loss_coef = aux_loss_coef
         self.plan = plan  # this rank's context/block shard plan (None: whole sequences)
-        self.flops, self.profiler = flops, profiler  # FLOP/s and MFU in the metrics; torch.profiler traces
-        self.noise = NoiseKeys(cfg.seed, group_size=cfg.global_batch_size)
-        self.step = 0
-        self.autocast_dtype = _DTYPES[cfg.autocast_dtype]
-        self.tokens_per_step = cfg.global_batch_size * loader.seq_len
+        self.flops = flops  # FLOP/s and MFU in the metrics
+        self.noise = NoiseKeys(self.cfg.seed, group_size=self.cfg.global_batch_size)
+        self.autocast_dtype = _DTYPES[self.cfg.autocast_dtype]
+        self.tokens_per_step = self.cfg.global_batch_size * loader.seq_len
 
     # -- resume -----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "loader": self.loader.state_dict(),
-            "lr_schedule": self.lr_schedule.state_dict(),
-            "noise": {"seed": self.noise.seed, "group_size": self.noise.group_size},
-            "identity": self.identity,
-            "world_size": self.env.world_size,
-        }
+        noise = {"seed": self.noise.seed, "group_size": self.noise.group_size}
+        return {**super().state_dict(), "loader": self.loader.state_dict(), "noise": noise}
 
-    def resume(self, path: Any) -> None:
-        state = self.checkpoints.load(path, self.model, self.optimizer)
-        try:
-            self._restore(path, state)
-        except (KeyError, TypeError, ValueError, AttributeError) as e:  # a damaged or hand-edited state
-            raise CheckpointError(
-                f"{path}/{TRAINER_STATE}: damaged ({type(e).__name__}: {e}); use another checkpoint"
-            ) from None
-
-    def _restore(self, path: Any, state: dict[str, Any]) -> None:
-        saved = state.get("identity", {}).get("tokenizer", {})
-        if saved.get("vocab_hash") != self.identity["tokenizer"]["vocab_hash"]:
-            raise CheckpointError(
-                f"{path}: the checkpoint was trained with a different tokenizer; "
-                "use the original tokenizer or start a new run (another run.name)"
-            )
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.loader.load_state_dict(state["loader"])
-        self.lr_schedule.load_state_dict(state["lr_schedule"])
+        super().load_state_dict(state)
         self.noise = NoiseKeys(int(state["noise"]["seed"]), int(state["noise"]["group_size"]))
-        self.step = int(state["step"])
 
     # -- one step ---------------------------------------------------------------------------------
     def _autocast(self) -> contextlib.AbstractContextManager:
@@ -167,17 +134,14 @@ class Trainer:
             sums[1] += out.metrics.get("masked_ce_sum", torch.zeros(())).double()
             sums[2] += out.metrics.get("num_masked", torch.zeros(())).double()
         t0 = time.perf_counter()
-        max_norm = self.cfg.grad_clip if self.cfg.grad_clip is not None else float("inf")
-        grad_norm = clip_grad_norm(self.model.parameters(), max_norm)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        grad_norm = self.optimizer_step()
         times["optimizer"] = time.perf_counter() - t0
         sums = all_reduce_sum(sums, self.env) / self.dims.tp  # tensor-parallel ranks hold the same sums
         self.step += 1
         return StepStats(
             loss=float(sums[0] / global_targets),
             masked_ce=float(sums[1] / sums[2].clamp_min(1)),
-            grad_norm=float(grad_norm),
+            grad_norm=grad_norm,
             lr=lr,
             aux_loss=aux_sum / len(micro_batches),
             num_targets=int(global_targets),
@@ -185,46 +149,19 @@ class Trainer:
             num_head_rows=int(sums[2]),
         )
 
-    # -- the loop ---------------------------------------------------------------------------------
-    def fit(self) -> list[float]:
-        """Train up to `training.steps`; returns the losses of the steps run in this call."""
-        progress = Progress(self.log_cfg, self.cfg.steps, self.step, enabled=self.env.is_main)
-        losses: list[float] = []
-        every = self.log_cfg.every_steps
-        self.metrics.start(self.step)  # the log now ends at this step: no duplicate after a resume
-        start_step = self.step
-        pending: dict[str, Any] = {}  # the warm-up's compile_s, for the first metrics record
-        try:
-            while self.step < self.cfg.steps:
-                if self.profiler is not None:
-                    self.profiler.before_step(self.step + 1)
-                t0 = time.perf_counter()
-                batches = self.loader.next_step()
-                t_data = time.perf_counter() - t0
-                stats = self.train_step(batches)
-                _check_finite(stats, self.step)  # before anything is logged or saved
-                step_s = time.perf_counter() - t0
-                losses.append(stats.loss)
-                tps = self.tokens_per_step / step_s
-                perf = self._perf(batches, stats, step_s)
-                if self.step == start_step + 1 and self.cfg.compile is True:
-                    # the first call of each compiled block compiles it: this step's forward + backward
-                    # is the warm-up (compile time plus one step's compute, an upper bound)
-                    pending["compile_s"] = round(stats.times_s["forward"] + stats.times_s["backward"], 3)
-                    perf = {**perf, **pending}
-                progress.update(self.step, stats.loss, tps, perf)
-                if self.step % every == 0 or self.step == self.cfg.steps:
-                    self.metrics.log(self.step, {**self._record(stats, t_data, step_s, tps), **perf, **pending})
-                    pending = {}
-                if self.profiler is not None:
-                    self.profiler.after_step(self.step)
-                if self.checkpoints.should_save(self.step, self.cfg.steps):
-                    self.checkpoints.save(self.step, self.model, self.optimizer, self.state_dict())
-        finally:
-            progress.close()
-            if self.profiler is not None:
-                self.profiler.close(self.step, start_step)
-        return losses
+    # -- the unit of the loop ---------------------------------------------------------------------
+    def run_unit(self) -> Step:
+        t0 = time.perf_counter()
+        batches = self.loader.next_step()
+        data_s = time.perf_counter() - t0
+        stats = self.train_step(batches)
+        compute_s = stats.times_s["forward"] + stats.times_s["backward"]
+        checked = [(stats.loss, stats.grad_norm)]
+        return Step(stats.loss, checked, self.tokens_per_step, compute_s, stats, batches, data_s)
+
+    def report(self, unit: Step, step_s: float) -> tuple[dict[str, Any], dict[str, Any]]:
+        perf = self._perf(unit.batches, unit.stats, step_s)
+        return {**self._record(unit.stats, unit.data_s, step_s, unit.num_tokens / step_s), **perf}, perf
 
     def _perf(self, batches: list[Batch], stats: StepStats, step_s: float) -> dict[str, Any]:
         """Model FLOPs per token, FLOP/s and MFU of this step (empty without a FlopsMeter)."""
@@ -248,18 +185,6 @@ class Trainer:
             "data_s": round(t_data, 4),
             **{f"{k}_s": round(v, 4) for k, v in stats.times_s.items()},
         }
-
-
-def _check_finite(stats: StepStats, step: int) -> None:
-    """Stop a diverged run: its weights are already NaN/Inf after this step, so nothing is saved.
-    The numbers are reduced over ranks, so every rank stops at the same step."""
-    bad = {name: v for name, v in (("loss", stats.loss), ("gradient norm", stats.grad_norm)) if not math.isfinite(v)}
-    if bad:
-        what = " and ".join(f"{name} is {v}" for name, v in bad.items())
-        raise TrainingError(
-            f"step {step}: the {what}; stopped without saving this step (the last checkpoint is intact). "
-            "Lower optimizer.lr, or train in float32 or bfloat16 rather than float16 (training.autocast_dtype)"
-        )
 
 
 def run_model(model: nn.Module, inputs: ModelInputs) -> ModelOutput:
