@@ -266,7 +266,7 @@ def _grpo_trainer(run: _Run) -> GRPOTrainer:
     from dllm.config.sampler import resolve_sampler
     from dllm.rl.prompts import load_prompts
     from dllm.rl.rewards import Rewards
-    from dllm.sampling.generate import SpecialIds
+    from dllm.sampling.canvas import SpecialIds
     from dllm.training.grpo import GRPOTrainer, Policy
 
     spec, rl = run.spec, run.spec.rl

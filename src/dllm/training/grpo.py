@@ -45,7 +45,7 @@ from dllm.rl.grpo import group_advantages, grpo_loss
 from dllm.rl.logprob import completion_logprobs, mask_prompt
 from dllm.rl.rewards import Rewards
 from dllm.rl.rollout import Rollouts, rollout
-from dllm.sampling.generate import SpecialIds
+from dllm.sampling.canvas import SpecialIds
 from dllm.seeding import mix_key
 from dllm.tokenization import Tokenizer
 from dllm.training.loop import TrainLoop, TrainParts, Unit
