@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import graphlib
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -241,6 +242,48 @@ def test_no_source_file_is_too_long():
     lengths = {file: len(file.read_text().splitlines()) for file in sorted(SRC.rglob("*.py"))}
     long = [f"{file.relative_to(REPO)}: {n} lines" for file, n in lengths.items() if n > MAX_LINES]
     assert not long, f"files over {MAX_LINES} lines (split each by meaning):\n" + "\n".join(long)
+
+
+DESIGN_DOC = REPO / "docs" / "design.md"
+
+
+def paths_named_in(text: str) -> list[str]:
+    """Source and test paths a document names: `part/file.py`, `part/` and `tests/...` (in backticks or tables)."""
+    found = re.findall(
+        r"(?<![\w./-])((?:tests/|bench/|docs/)?[a-z_]+(?:/[a-z_]+)*(?:\.py|\.toml|/))(?=[`:\s,)|])", text
+    )
+    return sorted({p for p in found if "/" in p or p.endswith((".py", ".toml"))})
+
+
+def test_the_design_doc_names_only_what_exists():
+    """docs/design.md stays true to the code: every file or folder it names exists (under src/dllm, or
+    the repository for tests/, bench/ and docs/), and every part of ARCHITECTURE.toml appears in its layering."""
+    text = DESIGN_DOC.read_text(encoding="utf-8")
+    in_repo = ("tests/", "bench/", "docs/")
+    missing = [p for p in paths_named_in(text) if not (REPO / p if p.startswith(in_repo) else SRC / p).exists()]
+    assert not missing, f"docs/design.md names paths that do not exist: {missing}"
+    for path, name in re.findall(r"`([a-z_/]+\.py): ([A-Za-z_.]+)`", text):  # a function or class it points at
+        source = (SRC / path).read_text(encoding="utf-8")
+        last = name.split(".")[-1]
+        assert f"def {last}(" in source or f"class {last}" in source, f"docs/design.md: {path} has no {name}"
+    allowed, _ = load_rules()
+    unnamed = [part for part in allowed if part != ROOT and f"`{part}/`" not in text and f"`{part}.py`" not in text]
+    assert not unnamed, f"docs/design.md's layering leaves out parts: {unnamed}"
+
+
+def test_the_serving_state_and_the_sampling_setup_are_typed():
+    """What a server holds and what loading for inference returns name their types (no Any)."""
+    import typing
+
+    from dllm.checkpoint.inference import LoadedModel, SamplingSetup
+    from dllm.serving.app import ServeState
+    from dllm.serving.engine import Engine
+
+    for cls in (ServeState, SamplingSetup, LoadedModel):
+        hints = typing.get_type_hints(cls)
+        assert typing.Any not in hints.values(), (cls.__name__, hints)
+    hints = typing.get_type_hints(Engine.__init__)
+    assert typing.Any not in hints.values(), hints
 
 
 def test_checker_sees_the_real_imports():

@@ -32,10 +32,10 @@ IGNORED_FIELDS = (
     "logit_bias", "stream_options", "response_format", "tools", "tool_choice", "parallel_tool_calls",
     "metadata", "store", "service_tier",
 )  # fmt: skip
-# Not served until their issues land: a request naming them is refused with a clear message.
+# Not served yet: a request naming them is refused with a clear message.
 REFUSED_FIELDS = {
-    "draft_model": "speculative decoding is not served yet (it joins the server once it lands in sampling)",
-    "speculative": "speculative decoding is not served yet (it joins the server once it lands in sampling)",
+    "draft_model": "speculative decoding is not served yet",
+    "speculative": "speculative decoding is not served yet",
     "edits": "edit-flow decoding is not served yet",
 }
 

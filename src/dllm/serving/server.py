@@ -13,8 +13,7 @@ from dllm.sampling.canvas import SpecialIds
 from dllm.serving.app import ServeState, build_app
 from dllm.serving.engine import Engine
 
-# Models whose decoding the sampling loop does not run yet (speculative drafters, edit flows): they join
-# the server once their issues land.
+# Models the server does not decode yet: a drafter (it proposes beside a target), edit flows.
 NOT_SERVED_YET = {
     "dflash": "a DFlash drafter decodes beside a target model (speculative decoding), which is not served yet",
     "dflash_distillation": "a DFlash drafter decodes beside a target model (speculative decoding), not served yet",
