@@ -9,7 +9,22 @@ import time
 
 import torch
 from bench import gpu_check
-from bench.gpu_check import TINY, Guard, check_flex, main, mask_cases, parse_junit
+from bench.gpu_check import (
+    GPU,
+    TINY,
+    Guard,
+    check_flex,
+    main,
+    make_objective,
+    mask_cases,
+    parse_junit,
+    random_batch,
+    sampler_cfg,
+)
+
+from dllm.attention.masks import dense_mask, mask_mod
+from dllm.config.model import ModelConfig
+from dllm.models.transformer import Transformer
 
 
 def test_without_cuda_it_says_so_and_exits_0(monkeypatch, capsys):
@@ -71,3 +86,20 @@ def test_junit_report_counts_and_names_failures():
     assert result["failed_names"] == {"tests.gpu.test_cuda::test_b": "boom", "tests.gpu.test_cuda::test_c": "setup"}
     assert result["skip_reasons"] == ["needs a CUDA GPU"]
     assert gpu_check.SECTIONS[0] == "pytest"
+
+
+def test_the_gpu_sizes_are_valid_without_a_gpu():
+    """What only the GPU run uses: its model configs, masks, batches and sampler settings build here."""
+    for fields in (GPU.train_model, GPU.mfu_model, GPU.sample_model):
+        with torch.device("meta"):
+            Transformer(ModelConfig(**fields))
+    for name, (mask, q_len, kv_len, _) in mask_cases(GPU.attn[0], GPU.attn[4], torch.device("cpu")).items():
+        dense = dense_mask(mask_mod(mask, kv_len), GPU.attn[0], q_len, kv_len, torch.device("cpu"))
+        assert bool(dense.any(-1).all()), f"{name}: a query row without keys"
+    vocab = GPU.mfu_model["vocab_size"]
+    for seq_len in GPU.mfu_seqs:
+        batch = random_batch(max(GPU.mfu_tokens_per_step // seq_len, 1), seq_len, vocab, 0)
+        inputs = make_objective("bd3lm", vocab).prepare(batch, gpu_check.NoiseKeys(0, batch.tokens_BL.shape[0]))
+        assert inputs.tokens_BL.shape == (batch.tokens_BL.shape[0], 2 * seq_len)
+    for attention, cache in (("bidirectional", "dual"), ("block", "block")):
+        assert sampler_cfg(GPU, attention, cache).num_blocks == GPU.sample[3] // GPU.sample[4]
