@@ -7,7 +7,7 @@ PIP_TORCH_ARGS ?=
 BIN := $(VENV)/bin
 DEMO_DIR ?= demo-run
 
-.PHONY: venv demo test test-fast lint format bench clean
+.PHONY: venv demo test test-fast lint format bench gpu-check clean
 
 $(BIN)/dllm: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -38,6 +38,11 @@ format: venv
 
 bench: venv
 	$(BIN)/python bench/train_throughput.py
+
+# the first command on a GPU host: every CUDA path checked in < 8 minutes, one JSON line (exit 1 if a check
+# failed); without a GPU it says so and exits 0
+gpu-check: venv
+	$(BIN)/python bench/gpu_check.py
 
 clean:
 	rm -rf $(VENV) $(DEMO_DIR) build dist src/*.egg-info
