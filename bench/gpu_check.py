@@ -83,7 +83,8 @@ from dllm.models.transformer import Transformer
 from dllm.parallel.apply import apply_parallelism
 from dllm.parallel.dims import ParallelDims
 from dllm.parallel.grad_norm import clip_grad_norm
-from dllm.sampling.generate import SpecialIds, generate
+from dllm.sampling.canvas import SpecialIds
+from dllm.sampling.generate import generate
 from dllm.training.mfu import FlopsMeter, peak_of
 from dllm.training.optim import build_optimizer
 from dllm.training.trainer import run_model
