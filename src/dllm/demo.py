@@ -1,6 +1,8 @@
 """`make demo`: init -> prepare -> train -> generate in a fresh folder, through the real CLI.
 
-It ends by printing generations for arithmetic prompts and how many answers are right.
+It ends by printing generations for arithmetic prompts and how many answers are right. The prompts are
+sums of the built-in addition task's eval split, which `dllm init`'s data never contains: the count is
+a held-out accuracy.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from dllm.cli.main import main as dllm
-from dllm.data.synthetic import first_int, parse_sum_prompt
+from dllm.data.synthetic import first_int, held_out_sums, parse_sum_prompt
 
 GENERATE = ["--gen-length", "8", "--block-length", "8", "--steps", "8"]
 SERVE = ["--set", "gen_length=8", "--port", "8000"]  # then open http://127.0.0.1:8000/
@@ -45,9 +47,10 @@ def _run(args: list[str], cwd: Path, capture: bool = False) -> str:
     return buf.getvalue()
 
 
-def _prompts(n: int, seed: int = 1234, max_operand: int = 19) -> list[str]:
-    rng = random.Random(seed)
-    return [f"{rng.randint(0, max_operand)} + {rng.randint(0, max_operand)} =" for _ in range(n)]
+def _prompts(n: int, seed: int = 1234) -> list[str]:
+    """n distinct sums of the addition task's eval split: `dllm init` never writes them, so they are held out."""
+    pairs = random.Random(seed).sample(sorted(held_out_sums()), n)
+    return [f"{a} + {b} =" for a, b in pairs]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,6 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", action="append", default=[], help="Extra training override, e.g. training.steps=100.")
     ap.add_argument("--num-prompts", type=int, default=20)
     args = ap.parse_args(argv)
+    if not 1 <= args.num_prompts <= len(held_out_sums()):
+        print(f"dllm: error: --num-prompts must lie in 1..{len(held_out_sums())} (the held-out sums)", file=sys.stderr)
+        return 2
     folder = args.dir.absolute()
     if folder.exists():
         if not (folder / "train.yaml").is_file():
@@ -86,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         ok = first_int(rec["completion"]) == expected
         right += ok
         print(f"{rec['prompt']:<13} {rec['completion']!r:<12} {expected:<4} {'right' if ok else 'wrong'}")
-    print(f"\narithmetic: {right}/{len(prompts)} answers right; the whole demo took {time.perf_counter() - t0:.0f}s")
+    print(f"\narithmetic on held-out sums (none of them in the training data): {right}/{len(prompts)} answers right; "
+          f"the whole demo took {time.perf_counter() - t0:.0f}s")  # fmt: skip
     print(f"try: cd {args.dir} && dllm generate --run runs/latest --prompt '12 + 7 =' {' '.join(GENERATE)}")
     # the last line: the one command that serves this model (OpenAI API on /v1, the live denoising page on /)
     print(f"serve it: cd {args.dir} && dllm serve --run runs/latest {' '.join(SERVE)}")

@@ -18,6 +18,7 @@ from dllm.config.registries import OBJECTIVES
 from dllm.config.rules import check_topology
 from dllm.config.spec import RunSpec
 from dllm.data.prepare import prepare
+from dllm.data.synthetic import held_out_sums
 from dllm.errors import UserError
 from dllm.recipes import (
     AR_MODEL_DIR,
@@ -28,7 +29,6 @@ from dllm.recipes import (
     RecipeInfo,
     chat_records,
     copy_recipe,
-    held_out_sums,
     list_recipes,
     recipe_files,
     rl_sums,
@@ -211,7 +211,7 @@ def test_rl_sums_leave_out_the_held_out_examples():
 
     records = rl_sums(10_000)
     held_out = {e.prompt for e in load_task("addition", 200).examples}
-    assert held_out_sums() == held_out and len(held_out) == 154  # distinct prompts among the 200 examples
+    assert {f"{a} + {b} =" for a, b in held_out_sums()} == held_out and len(held_out) == 154  # distinct prompts
     prompts = [r["prompt"] for r in records]
     assert len(set(prompts)) == len(prompts) == (HELDOUT_MAX_OPERAND + 1) ** 2 - len(held_out) == 746
     assert not set(prompts) & held_out

@@ -122,8 +122,16 @@ def tasks(
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
     output: Path = typer.Option(None, "--output", "-o", help="Write every example's output (JSONL) here."),
     as_json: bool = typer.Option(False, "--json", help="One JSON line per task instead of the table."),
+    allow_overlap: bool = typer.Option(
+        False,
+        "--allow-overlap",
+        help="Score a task even when some of its examples are in the run's training data "
+        "(reported as a training-set score, not a held-out one).",
+    ),
 ) -> None:
-    """Exact-match accuracy through any sampler, with NFE, tokens per forward and wall time."""
+    """Exact-match accuracy through any sampler, with NFE, tokens per forward and wall time. With --run or
+    --checkpoint, every example is first looked up in the run's training data: a score is held out only
+    when none is found there (otherwise the command refuses, unless --allow-overlap)."""
     import torch
 
     from dllm.evaluation.tasks import load_task, run_task
@@ -136,14 +144,47 @@ def tasks(
     loaded_tasks = [load_task(n, limit, seed) for n in names]
     flags = {"policy": policy, "cache": cache, "gen_length": gen_length}
     s = setup_sampling(run, checkpoint, model, device, sampler_config, overrides, flags)
+    overlaps = _training_overlap(s, loaded_tasks, allow_overlap)
     task_length = gen_length is None and "gen_length" not in _file_and_set_fields(sampler_config, overrides)
     gen = torch.Generator(device=s.device).manual_seed(s.sampler.seed)
     results = [run_task(task, _task_sampler(s, task, task_length, gen), batch_size) for task in loaded_tasks]
+    for r in results:
+        r.train_overlap = overlaps[r.name]
     if output is not None:
         tmp = output.with_name(output.name + ".tmp")
         tmp.write_text("".join(json.dumps(o) + "\n" for r in results for o in r.outputs), encoding="utf-8")
         tmp.replace(output)
     _report_tasks(s, results, as_json)
+
+
+def _training_overlap(s, tasks, allow: bool) -> dict[str, int | None]:
+    """Per task, how many of its examples appear verbatim in the run's training artifact (None: no run, so
+    no training data to check). More than none is refused unless `allow`: the score would not be held out."""
+    from dllm.data.artifact import open_artifact
+    from dllm.errors import DataError
+    from dllm.evaluation.overlap import found_in_artifact
+
+    spec = s.loaded.spec
+    if spec is None:
+        info(f"{s.loaded.source}: a model folder, whose training data is unknown: not checked for overlap with it")
+        return {t.name: None for t in tasks}
+    try:
+        art = open_artifact(spec.data.path)
+    except DataError as e:
+        info(f"the run's training data cannot be read ({e}): not checked for overlap with it")
+        return {t.name: None for t in tasks}
+    counts = {t.name: sum(found_in_artifact(art, s.loaded.tokenizer, t.examples)) for t in tasks}
+    for t in tasks:
+        n = counts[t.name]
+        if n and not allow:
+            raise ConfigError(
+                f"--tasks {t.name}: {n} of its {len(t.examples)} examples appear in the run's training data "
+                f"({spec.data.path}), so its score would not be held out; score other examples, or pass "
+                "--allow-overlap to report it as a training-set score"
+            )
+        what = "held out: none" if not n else f"TRAINING-SET SCORE: {n}"
+        info(f"{t.name}: {what} of its {len(t.examples)} examples in the run's training data ({spec.data.path})")
+    return counts
 
 
 def _task_sampler(s, task, task_length: bool, gen):

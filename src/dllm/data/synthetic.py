@@ -2,10 +2,16 @@
 
 Arithmetic facts ("23 + 45 = 68") give answers that can be counted right or wrong; templated
 sentences give the model some English to learn. Everything is a pure function of the seed.
+
+Held out by construction: the sums of the built-in `addition` task's eval split (`held_out_sums`: the
+154 distinct sums among the first 200 draws of its seed-0 generator, operands 0..19) are never emitted
+by a generator of training data here (`training_sum`), nor by the recipes' and `dllm init`'s, which
+build on it; evaluation/tasks.py scores `addition` on them only.
 """
 
 from __future__ import annotations
 
+import functools
 import random
 from collections.abc import Iterator
 
@@ -40,13 +46,41 @@ PLACES = [
 ]
 
 
+EVAL_SUM_MAX_OPERAND = 19
+EVAL_SUM_DRAWS = 200
+EVAL_SUM_SEED = "addition:0"
+"""The eval split of sums: every sum among the first EVAL_SUM_DRAWS draws of random.Random(EVAL_SUM_SEED)
+with operands 0..EVAL_SUM_MAX_OPERAND (the draws `dllm eval tasks --tasks addition` has always scored)."""
+
+
+def random_sum(rng: random.Random, max_operand: int) -> tuple[int, int]:
+    """Two operands 0..max_operand (the addition task's draw)."""
+    return rng.randint(0, max_operand), rng.randint(0, max_operand)
+
+
+@functools.cache
+def held_out_sums() -> frozenset[tuple[int, int]]:
+    """The operand pairs of the eval split (154 of the 400 sums of operands 0..19)."""
+    rng = random.Random(EVAL_SUM_SEED)
+    return frozenset(random_sum(rng, EVAL_SUM_MAX_OPERAND) for _ in range(EVAL_SUM_DRAWS))
+
+
+def training_sum(rng: random.Random, max_operand: int) -> tuple[int, int]:
+    """A random sum of operands 0..max_operand outside the eval split (drawn again until it is)."""
+    while True:
+        a, b = random_sum(rng, max_operand)
+        if (a, b) not in held_out_sums():
+            return a, b
+
+
 def addition_fact(rng: random.Random, max_operand: int) -> str:
-    a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
+    """The fact "a + b = c" of a training sum (never one of the eval split)."""
+    a, b = training_sum(rng, max_operand)
     return f"{a} + {b} = {a + b}"
 
 
 def addition_example(rng: random.Random, max_operand: int) -> dict[str, str]:
-    """A prompt/completion record: {"prompt": "23 + 45 =", "completion": " 68"}."""
+    """A prompt/completion record of a training sum: {"prompt": "23 + 45 =", "completion": " 68"}."""
     prompt, _, answer = addition_fact(rng, max_operand).partition(" =")
     return {"prompt": prompt + " =", "completion": answer}
 

@@ -1,13 +1,17 @@
 """Tasks with exact answers: built-in generated ones and user JSONL files, scored through any sampler.
 
-Built-in tasks are generated from a seed, so every run scores the same examples:
+Built-in tasks are generated from a seed, so every run scores the same examples, and each has a fixed
+eval split that no generator of training data in the project emits (held out by construction):
 - `addition`: "a + b =" -> " a+b" with operands 0..19 (the format `dllm init` / `make demo` trains on);
+  its eval split is the 154 sums of data/synthetic.py's `held_out_sums`, its train split the other 246;
 - `addition3`: the same with three-digit operands (multi-digit carries);
 - `copy`: "copy: <word> ->" -> " <word>" (random lowercase words of 4-8 letters);
 - `pattern`: a cycle of 2-3 words shown twice and cut, "-> " the next three words;
 - `countdown`, `sudoku4`: puzzles with many right answers or rule-checked ones (evaluation/puzzles.py),
   each example carrying its exact verifier.
-A user task is a JSONL file of {"prompt": ..., "answer": ...} records, or of GSM8K-format records
+The other built-in tasks split by a stable hash of the prompt: a quarter of the prompts are the eval
+split (`in_eval_split`). `load_task` draws the eval split by default; an rl run draws its prompts from
+the train split. A user task is a JSONL file of {"prompt": ..., "answer": ...} records, or of GSM8K-format records
 {"question": ..., "answer": "<worked solution> #### <number>"}: the question is the prompt, the number
 after "####" the reference, and an output is right when its final number (after its own last "####",
 else in its last \\boxed{...}, else its last number; thousands commas dropped) equals it; such a task
@@ -20,6 +24,7 @@ verifier, when the verifier accepts it.
 
 from __future__ import annotations
 
+import hashlib
 import random
 import re
 import string
@@ -28,8 +33,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+from dllm.data.synthetic import EVAL_SUM_MAX_OPERAND, held_out_sums, random_sum
 from dllm.errors import DataError
 from dllm.evaluation import puzzles
 
@@ -60,7 +66,7 @@ class Task:
 
 
 def _addition(rng: random.Random, hi: int) -> Example:
-    a, b = rng.randint(0, hi), rng.randint(0, hi)
+    a, b = random_sum(rng, hi)
     return Example(f"{a} + {b} =", f" {a + b}")
 
 
@@ -87,7 +93,7 @@ def _sudoku4(rng: random.Random) -> Example:
 
 
 BUILTIN: dict[str, tuple[Callable[[random.Random], Example], int]] = {
-    "addition": (lambda r: _addition(r, 19), 8),
+    "addition": (lambda r: _addition(r, EVAL_SUM_MAX_OPERAND), 8),
     "addition3": (lambda r: _addition(r, 999), 8),
     "copy": (_copy, 16),
     "pattern": (_pattern, 24),
@@ -96,12 +102,32 @@ BUILTIN: dict[str, tuple[Callable[[random.Random], Example], int]] = {
 }
 
 
-def load_task(name_or_path: str, limit: int, seed: int = 0) -> Task:
-    """A built-in task (`limit` generated examples) or a JSONL file of prompt/answer records."""
+Split = Literal["eval", "train"]
+EVAL_SHARE = 4
+"""One prompt in EVAL_SHARE of a hash-split task is in its eval split."""
+
+
+def in_eval_split(name: str, prompt: str) -> bool:
+    """Whether a built-in task's example belongs to its eval split (fixed: not a function of any seed)."""
+    if name == "addition":
+        a, _, b = prompt.removesuffix(" =").partition(" + ")
+        return (int(a), int(b)) in held_out_sums()
+    digest = hashlib.sha256(f"{name}:{prompt}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") % EVAL_SHARE == 0
+
+
+def load_task(name_or_path: str, limit: int, seed: int = 0, split: Split = "eval") -> Task:
+    """A built-in task (`limit` examples of its `split`, generated from `seed`) or a JSONL file of
+    prompt/answer records (all of it: a user's file is its own split)."""
     if name_or_path in BUILTIN:
         make, max_new = BUILTIN[name_or_path]
         rng = random.Random(f"{name_or_path}:{seed}")
-        return Task(name_or_path, [make(rng) for _ in range(limit)], max_new)
+        examples: list[Example] = []
+        while len(examples) < limit:  # the generator's draws, those of other split skipped
+            ex = make(rng)
+            if in_eval_split(name_or_path, ex.prompt) == (split == "eval"):
+                examples.append(ex)
+        return Task(name_or_path, examples, max_new)
     path = Path(name_or_path)
     if not path.is_file():
         raise DataError(f"--tasks: {name_or_path!r} is neither a built-in task ({', '.join(BUILTIN)}) nor a JSONL file")
@@ -186,6 +212,8 @@ class TaskResult:
     wall_s: float
     edits_per_answer: float = 0.0
     """Edit Flows: insertions, deletions and substitutions drawn per answer (0 for the canvas samplers)."""
+    train_overlap: int | None = None
+    """Examples found verbatim in the run's training data (evaluation/overlap.py); 0: held out; None: not checked."""
     outputs: list[dict[str, Any]] = field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:

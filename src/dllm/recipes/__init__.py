@@ -19,7 +19,7 @@ import yaml
 from pydantic import Field, model_validator
 
 from dllm.config.base import Section
-from dllm.data.synthetic import addition_example, demo_corpus
+from dllm.data.synthetic import addition_example, demo_corpus, held_out_sums
 from dllm.errors import UserError
 
 CONFIG_FILES = ("prepare.yaml", "train.yaml")
@@ -29,11 +29,9 @@ ENCODER_MODEL_DIR = "encoder-model"
 NUM_RECORDS = 2000
 # sft-smoke's seq_len 16 holds the longest sum "19 + 19 = 38" and its EOS; `dllm init` uses the same bound
 MAX_OPERAND = 19
-# sft_sums and rl_sums leave out the prompts of `dllm eval tasks --tasks addition --limit 200` (seed 0): the
-# held-out set
-HELDOUT_LIMIT = 200
-# their operands reach past the eval's 0..19, so the held-out sums share digit patterns with more trained
-# ones ("29 + 29 = 58" still fits seq_len 16): 746 sums are left to train on
+# sft_sums and rl_sums leave out the addition task's eval split (data/synthetic.py held_out_sums), as every
+# generator does; their operands reach past the eval's 0..19, so the held-out sums share digit patterns with
+# more trained ones ("29 + 29 = 58" still fits seq_len 16): 746 sums are left to train on
 HELDOUT_MAX_OPERAND = 29
 # the byte tokenizer's 260 ids rounded up to a multiple of 64, as `model.vocab_size: null` resolves it
 BYTE_VOCAB_SIZE = 320
@@ -138,27 +136,19 @@ def demo_sums(num_records: int, seed: int = 0) -> list[dict[str, Any]]:
     return [addition_example(rng, MAX_OPERAND) for _ in range(num_records)]
 
 
-def held_out_sums() -> set[str]:
-    """The prompts `dllm eval tasks --tasks addition --limit HELDOUT_LIMIT` scores (seed 0), "12 + 7 =" each."""
-    from dllm.evaluation.tasks import load_task
-
-    return {e.prompt for e in load_task("addition", HELDOUT_LIMIT).examples}
-
-
 def _trainable_sums(seed: int | None = None) -> list[tuple[int, int]]:
     """Every operand pair up to HELDOUT_MAX_OPERAND whose prompt is not held out: in order, or in the
     order of a shuffle of all pairs by `seed`."""
-    held_out = held_out_sums()
     pairs = [(a, b) for a in range(HELDOUT_MAX_OPERAND + 1) for b in range(HELDOUT_MAX_OPERAND + 1)]
     if seed is not None:
         random.Random(seed).shuffle(pairs)
-    return [(a, b) for a, b in pairs if f"{a} + {b} =" not in held_out]
+    return [pair for pair in pairs if pair not in held_out_sums()]
 
 
 def sft_sums(num_records: int, seed: int = 0) -> list[dict[str, Any]]:
     """{"prompt": "12 + 7 =", "completion": " 19"} records drawn (with repeats) from the sums of operands up to
     HELDOUT_MAX_OPERAND except the held-out ones (held_out_sums): an SFT start that `dllm eval tasks --tasks
-    addition --limit HELDOUT_LIMIT` then scores only on sums it never saw."""
+    addition` then scores only on sums it never saw."""
     rng = random.Random(seed)
     pairs = _trainable_sums()
     return [

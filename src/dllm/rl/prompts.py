@@ -23,13 +23,13 @@ _PREPARE = "prepare it with format prompt_completion, supervision completion_onl
 
 
 def load_prompts(cfg: PromptsConfig, tok: Tokenizer) -> Task:
-    """The built-in task's `num_prompts` generated examples, or the first `num_prompts` records of the JSONL
-    file or prepared artifact at `path`; a ConfigError naming the field for an unknown task, or a file or
-    artifact whose records lack a prompt or an answer."""
+    """The built-in task's `num_prompts` generated examples of its train split (never its eval split), or the
+    first `num_prompts` records of the JSONL file or prepared artifact at `path`; a ConfigError naming the
+    field for an unknown task, or a file or artifact whose records lack a prompt or an answer."""
     if cfg.task is not None:
         if cfg.task not in BUILTIN:
             raise ConfigError(f"rl.prompts.task: unknown task {cfg.task!r}; use one of {', '.join(BUILTIN)}")
-        return load_task(cfg.task, cfg.num_prompts, cfg.seed)
+        return load_task(cfg.task, cfg.num_prompts, cfg.seed, split="train")  # never the eval split
     assert cfg.path is not None  # PromptsConfig holds exactly one source
     try:
         if cfg.path.is_dir():
