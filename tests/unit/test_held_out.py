@@ -85,11 +85,14 @@ def test_an_example_is_found_in_an_artifact_whole_and_aligned(tmp_path: Path):
     from dllm.data.artifact import open_artifact
 
     records = [{"prompt": "3 + 4 =", "completion": " 7"}, {"text": "we know 10 + 10 = 20 by heart"},
-               {"prompt": "5 + 5 =", "completion": " 11"}]  # fmt: skip
+               {"prompt": "5 + 5 =", "completion": " 11"}, {"prompt": "11 + 0 =", "completion": " 11"},
+               {"text": "x 2 + 2 = 45"}]  # fmt: skip
     art = open_artifact(_artifact(tmp_path, records))
     examples = [Example("3 + 4 =", " 7"), Example("10 + 10 =", " 20"), Example("5 + 5 =", " 10"),
-                Example("3 + 4 =", " 71"), Example("9 + 9 =", " 18")]  # fmt: skip
-    assert found_in_artifact(art, ByteTokenizer(), examples) == [True, True, False, False, False]
+                Example("3 + 4 =", " 71"), Example("9 + 9 =", " 18"), Example("1 + 0 =", " 1"),
+                Example("2 + 2 =", " 4")]  # fmt: skip
+    # "1 + 0 = 1" inside "11 + 0 = 11" and "2 + 2 = 4" inside "2 + 2 = 45" are not whole occurrences
+    assert found_in_artifact(art, ByteTokenizer(), examples) == [True, True, False, False, False, False, False]
 
 
 def test_eval_tasks_refuses_a_score_on_training_data_unless_allowed(tmp_path: Path, capsys):
