@@ -11,6 +11,9 @@ from dllm.config.profile import DecodeProfile
 from dllm.config.registries import CACHES, POLICIES
 from dllm.errors import ConfigError
 
+MAX_STEPS = 1 << 20
+"""The largest step budget (a forward each): more is no schedule, and sizes a tensor past what torch can index."""
+
 
 class SamplerConfig(Section):
     """How `dllm generate` / `dllm chat` turn masks into text: one loop for every policy and cache.
@@ -26,7 +29,7 @@ class SamplerConfig(Section):
     """Tokens to generate after the prompt (max_new_tokens)."""
     block_length: Int | None = Field(default=None, gt=0)
     """Semi-autoregressive block, decoded left to right; divides gen_length. null: gen_length / the run's block."""
-    steps: Int | None = Field(default=None, gt=0)
+    steps: Int | None = Field(default=None, gt=0, le=MAX_STEPS)
     """Step budget over all blocks, a multiple of the number of blocks; null: gen_length (one token per step)."""
     policy: Literal[POLICIES.names()] = "low_confidence"  # type: ignore[valid-type]
     """What to commit: low_confidence, random, margin, entropy, threshold, factor, ancestral, first_hitting, uniform."""
