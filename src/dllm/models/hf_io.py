@@ -171,16 +171,18 @@ def safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]]:
 
 def _load_bin(path: Path) -> StateDict:
     """pytorch_model.bin with weights_only (memory-mapped when the format allows); anything else refused."""
-    import pickle
+    import warnings
 
     try:
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError as e:
-            if "mmap" not in str(e):
-                raise
-            state = torch.load(path, map_location="cpu", weights_only=True)  # the legacy (non-zip) format
-    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError) as e:
+        with warnings.catch_warnings():  # torch warns about the pickle protocol of files it then refuses
+            warnings.simplefilter("ignore")
+            try:
+                state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError as e:
+                if "mmap" not in str(e):
+                    raise
+                state = torch.load(path, map_location="cpu", weights_only=True)  # the legacy (non-zip) format
+    except Exception as e:  # the weights-only unpickler raises many types on junk (struct.error, KeyError, ...)
         raise ConfigError(
             f"{path}: refused: not a plain tensor file ({_pickle_reason(e)}); its code was not run; "
             "convert it to safetensors with a tool you trust"
