@@ -212,3 +212,79 @@ def test_set_errors_name_the_override(train_yaml: Path, override: str, expected:
     code, lines = _validate(train_yaml, override, capsys=capsys)
     line = _one_error(code, lines, expected)
     assert "train.yaml" not in line
+
+
+# -- booleans are not numbers ------------------------------------------------------------------------------------
+BOOL_AS_NUMBER = ["training.steps=true", "training.global_batch_size=false", "model.hidden_size=true",
+                  "optimizer.lr=true", "optimizer.betas=[true, 0.9]", "data.seq_len=true",
+                  "scheduler.warmup_steps=false", "checkpointing.keep_last_n=true", "model.rope_theta=false",
+                  "training.seed=true"]  # fmt: skip
+
+
+@pytest.mark.parametrize("override", BOOL_AS_NUMBER)
+def test_a_boolean_is_not_read_as_a_number(train_yaml: Path, override: str, capsys: pytest.CaptureFixture[str]):
+    code, lines = _validate(train_yaml, override, capsys=capsys)
+    _one_error(code, lines, f"--set {override.partition('=')[0]}", "true/false is not a number")
+
+
+def test_a_boolean_number_in_the_file_names_its_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    text = "data: {path: data, seq_len: 32}\ntraining:\n  steps: true\n  global_batch_size: 1\n  micro_batch_size: 1\n"
+    (tmp_path / "t.yaml").write_text(text)
+    code, lines = _validate(tmp_path / "t.yaml", capsys=capsys)
+    _one_error(code, lines, "t.yaml:3: training.steps: true/false is not a number")
+    (tmp_path / "t.yaml").write_text(text.replace("steps: true", "steps: 100"))
+    assert load_config(RunSpec, tmp_path / "t.yaml").training.steps == 100
+
+
+def _sections() -> list[type]:
+    """Every config section class (all subclasses of Section, the evaluation and recipe ones included)."""
+    import dllm.config.spec  # noqa: F401 - every section of a run
+    import dllm.evaluation.harness  # noqa: F401
+    import dllm.recipes  # noqa: F401
+    from dllm.config.base import Section
+
+    found, todo = [], [Section]
+    while todo:
+        cls = todo.pop()
+        found.append(cls)
+        todo.extend(cls.__subclasses__())
+    return found[1:]
+
+
+def _holds_numbers(annotation: object) -> bool:
+    import typing
+
+    if annotation in (int, float):
+        return True
+    return any(_holds_numbers(a) for a in typing.get_args(annotation))
+
+
+def _holds_bools(annotation: object) -> bool:
+    import typing
+
+    if annotation is bool or annotation is typing.Any:
+        return True
+    return any(_holds_bools(a) for a in typing.get_args(annotation))
+
+
+def test_no_number_field_of_any_section_takes_a_boolean():
+    """Each field that holds numbers (and no bool) refuses True: a new field declared `int` instead of `Int` fails."""
+    from typing import Annotated
+
+    from pydantic import TypeAdapter, ValidationError
+
+    checked = []
+    for cls in _sections():
+        for name, field in cls.model_fields.items():
+            if not _holds_numbers(field.annotation) or _holds_bools(field.annotation):
+                continue
+            typ = Annotated[(field.annotation, *field.metadata)] if field.metadata else field.annotation
+            adapter = TypeAdapter(typ)
+            for value in (True, [True], (True, True)):  # a number, a list or tuple of numbers
+                try:
+                    adapter.validate_python(value)
+                except ValidationError:
+                    continue
+                raise AssertionError(f"{cls.__name__}.{name} accepts {value!r}")
+            checked.append(f"{cls.__name__}.{name}")
+    assert len(checked) > 90 and "TrainingConfig.steps" in checked and "OptimizerConfig.betas" in checked

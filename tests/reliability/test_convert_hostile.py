@@ -76,6 +76,17 @@ def _index(shard: str) -> Callable[[Path], None]:
     return mutate
 
 
+def _write_nan(key: str) -> Callable[[Path], None]:
+    """config.json with NaN (Python's json writes and reads it) as rope_theta, at the top or in rope_parameters."""
+
+    def mutate(folder: Path) -> None:
+        cfg = json.loads((folder / "config.json").read_text())
+        (cfg[key] if key == "rope_parameters" else cfg)["rope_theta"] = float("nan")
+        (folder / "config.json").write_text(json.dumps(cfg))
+
+    return mutate
+
+
 class _Payload:
     """A pickle whose loading would create a file (it must never run)."""
 
@@ -112,6 +123,22 @@ HOSTILE = [
     ("index escapes", _index("../../etc/passwd"), "shard '../../etc/passwd' is not a file in"),
     ("index junk", _write("model.safetensors.index.json", b"[1]"), None),
     ("pickle", _pickle, "pytorch_model.bin: refused: not a plain tensor file (Trying to load unsupported GLOBAL"),
+    ("rope nan", _write_nan("rope_theta"), "config.json: rope_theta: nan is not a finite number"),
+    ("rope params nan", _write_nan("rope_parameters"), "config.json: rope_parameters.rope_theta: nan is not a finite"),
+    ("float128", _config(lambda c: c.update(torch_dtype="float128")),
+     "config.json: torch_dtype: 'float128' is not a floating-point dtype of torch"),
+    ("int dtype", _config(lambda c: c.update(dtype="int64")), "config.json: dtype: 'int64' is not a floating-point"),
+    ("dtype list", _config(lambda c: c.update(torch_dtype=["float32"])), "config.json: torch_dtype: ['float32']"),
+    ("all nan", _weights(lambda s: s.update({k: torch.full_like(v, float("nan")) for k, v in s.items()})),
+     "weight model.embed_tokens.weight holds 20,480 NaN or infinite value(s) of 20,480"),
+    ("one inf", _weights(lambda s: s["model.layers.1.mlp.up_proj.weight"].view(-1)[7:8].fill_(float("inf"))),
+     "weight model.layers.1.mlp.up_proj.weight holds 1 NaN or infinite value(s) of 12,288; the checkpoint is corrupt"),
+    ("rope bool", _config(lambda c: c.update(rope_theta=True, rope_parameters={"rope_theta": True})),
+     "config.json: rope_theta: true/false is not a number"),
+    ("bin junk", lambda f: ((f / WEIGHTS).unlink(), (f / "pytorch_model.bin").write_bytes(b"\x80\x04junk")),
+     "pytorch_model.bin: refused: not a plain tensor file"),
+    ("int weights", _weights(lambda s: s.update({"model.norm.weight": s["model.norm.weight"].to(torch.int32)})),
+     "weight model.norm.weight is int32, not floating point (a quantized checkpoint?)"),
 ]  # fmt: skip
 
 
@@ -172,3 +199,46 @@ def test_a_model_folder_whose_model_yaml_lies_is_one_line(good: Path, tmp_path: 
     lines = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(lines) == 1, lines
     assert lines[0].startswith("dllm: error: ") and expected in lines[0], lines[0]
+
+
+def test_a_model_folder_with_nan_weights_is_one_line(good: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    """A `dllm convert` folder whose weights were damaged afterwards (sampled directly, or used as init_from)."""
+    assert dllm(["convert", "--from-hf", str(good), "--to", str(tmp_path / "m")]) == 0
+    _weights(lambda s: s["norm.weight"].fill_(float("nan")))(tmp_path / "m")
+    capsys.readouterr()
+    assert dllm(["generate", "--model", str(tmp_path / "m"), "-p", "x", "--gen-length", "4"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "model.safetensors: weight norm.weight holds 64 NaN" in lines[0], lines
+
+
+@pytest.mark.parametrize(("target", "expected"), [("afile", "--to: {t} is a file; give a folder"),
+                                                  ("afile/sub", "--to: {root}/afile is a file, not a folder"),
+                                                  ("/proc/x", "--to: cannot write in /proc")])  # fmt: skip
+def test_an_import_target_that_cannot_be_written_is_refused_before_loading(
+    good: Path, tmp_path: Path, target: str, expected: str, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+):  # fmt: skip
+    (tmp_path / "afile").write_text("mine")
+    monkeypatch.setattr("dllm.models.hf_io.load_hf_state_dict", lambda folder: pytest.fail("weights were loaded"))
+    out = target if target.startswith("/") else str(tmp_path / target)
+    capsys.readouterr()
+    assert dllm(["convert", "--from-hf", str(good), "--to", out]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and expected.format(t=out, root=tmp_path) in lines[0], lines
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"] and (tmp_path / "afile").read_text() == "mine"
+
+
+def test_a_full_disk_while_importing_is_one_line_and_leaves_no_folder(good: Path, tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str],
+                                                                      monkeypatch: pytest.MonkeyPatch):  # fmt: skip
+    import errno
+
+    def full(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("dllm.config.profile.write_profile", full)  # the last file: the weights are written by then
+    capsys.readouterr()
+    assert dllm(["convert", "--from-hf", str(good), "--to", str(tmp_path / "out")]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("dllm: error:")]
+    assert len(lines) == 1 and f"--to: cannot write {tmp_path / 'out'} (No space left on device)" in lines[0], lines
+    assert not (tmp_path / "out").exists()

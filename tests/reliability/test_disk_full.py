@@ -18,7 +18,7 @@ from dllm.checkpoint.manager import latest_checkpoint
 from dllm.errors import CheckpointError
 from dllm.training.preflight import resolve_run_spec
 from dllm.training.run import prepare_run_dir
-from tests.helpers import load_spec
+from tests.helpers import PREPARE, load_spec, write_corpus, write_yaml
 from tests.reliability.ckpt_runs import STEP2, cli, resume, trained_run
 
 NO_SPACE = r"^no space left on \S+ \(needs about \d+ MB"
@@ -129,3 +129,21 @@ def test_a_save_that_cannot_fit_is_refused_before_writing(workdir: Path, monkeyp
     with pytest.raises(CheckpointError, match=NO_SPACE + r", 1 MB free\)"):
         resume(run_dir)
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["latest", STEP2]
+
+
+@pytest.mark.parametrize("fills_at", ["arrays", "manifest"])
+def test_a_full_disk_during_data_prepare_is_one_line_and_leaves_nothing(
+    tmp_path: Path, fills_at: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+):
+    write_corpus(tmp_path / "data" / "train.jsonl", num_records=200)
+    write_yaml(tmp_path / "prepare.yaml", PREPARE)
+    args = ["data", "prepare", "--config", str(tmp_path / "prepare.yaml"), "-q"]
+    assert cli([*args, "--output", str(tmp_path / "sized")], capsys)[0] == 0  # the sizes of a good artifact
+    arrays = sum(p.stat().st_size for p in (tmp_path / "sized").glob("*.bin"))
+    _Disk(tmp_path / "data", arrays // 2 if fills_at == "arrays" else arrays + 64).install(monkeypatch)
+    code, err = cli(args, capsys)
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith(f"dllm: error: no space left on {tmp_path / 'data'} while writing prepared"), err[0]
+    assert sorted(p.name for p in (tmp_path / "data").iterdir()) == ["train.jsonl"]  # no stage, no artifact
+    monkeypatch.undo()  # space freed: the same command prepares the artifact
+    assert cli(args, capsys)[0] == 0 and (tmp_path / "data" / "prepared" / "manifest.json").is_file()

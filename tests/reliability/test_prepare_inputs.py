@@ -187,3 +187,125 @@ def test_records_within_the_limit_are_kept(tmp_path: Path):
     (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     manifest = prepare(_spec(tmp_path, {"path": "a.jsonl"}, max_length=64), tmp_path)
     assert (manifest["stats"]["documents"], manifest["stats"]["rejected"]) == (1, 1)
+
+
+# -- token ids and masks that are not what they claim --------------------------------------------------
+@pytest.mark.parametrize(
+    ("array", "expected"),
+    [
+        (np.array([65, -3, 66]), "a.npy: index 1 holds -3"),
+        (np.array([[65, 66, -1, -1], [65, -5, 66, -1]]), "a.npy:row 2: index 1 holds -5"),
+        (np.array([[65, -1, 66, -1]]), "a.npy:row 1: index 1 holds -1, not a token id (only trailing -1 pad"),
+        (np.array([[65, 66], [65, 999]]), "'input_ids' must be a list of ids in [0, 260) (index 1 is 999)"),
+    ],
+    ids=["1d-negative", "2d-negative", "2d-pad-inside", "2d-past-vocab"],
+)
+def test_npy_ids_that_are_no_tokens_are_refused_with_their_index(tmp_path: Path, array: np.ndarray, expected: str):
+    np.save(tmp_path / "a.npy", array)
+    with pytest.raises(DataError) as info:
+        prepare(_spec(tmp_path, {"path": "a.npy"}), tmp_path)
+    _one_line(info, expected)
+
+
+def test_npy_trailing_padding_is_dropped(tmp_path: Path):
+    np.save(tmp_path / "a.npy", np.array([[65, 66, -1, -1], [67, 68, 69, -1]], dtype=np.int32))
+    prepare(_spec(tmp_path, {"path": "a.npy"}, append_eos=False), tmp_path)
+    assert _tokens(tmp_path)[:5] == [65, 66, 67, 68, 69]
+
+
+@pytest.mark.parametrize(
+    ("field", "values", "expected"),
+    [
+        ("loss_mask_field", [0, 2, 1], "'mask' must hold 0 or 1 per token (index 1 is 2)"),
+        ("loss_mask_field", [0, 1, 0.5], "(index 2 is 0.5)"),
+        ("loss_mask_field", [0, "1", 1], "(index 1 is '1')"),
+        ("labels_field", [-100, 66, -1], "'mask' must hold -100 (not trained) or token ids in [0, 260) (index 2"),
+        ("labels_field", [-100, True, 67], "(index 1 is True)"),
+    ],
+    ids=["mask-2", "mask-half", "mask-string", "labels-negative", "labels-bool"],
+)
+def test_supervision_values_are_checked_not_coerced(tmp_path: Path, field: str, values: list, expected: str):
+    (tmp_path / "t.jsonl").write_text(json.dumps({"input_ids": [65, 66, 67], "mask": values}) + "\n")
+    source = {"path": "t.jsonl", "format": "tokens", field: "mask"}
+    with pytest.raises(DataError) as info:
+        prepare(_spec(tmp_path, source), tmp_path)
+    _one_line(info, "t.jsonl:1:", expected)
+
+
+def test_a_boolean_loss_mask_is_read_as_0_and_1(tmp_path: Path):
+    (tmp_path / "t.jsonl").write_text(json.dumps({"input_ids": [65, 66, 67], "mask": [False, True, 1]}) + "\n")
+    manifest = prepare(_spec(tmp_path, {"path": "t.jsonl", "format": "tokens", "loss_mask_field": "mask"}), tmp_path)
+    assert manifest["stats"]["supervised_tokens"] == 3  # two of the record, and its EOS
+
+
+# -- on_bad_record: skip ------------------------------------------------------------------------------------
+NOT_JSON = [b"not json at all", b"[1, 2]", b'{"text": "unterminated', b"\xff\xfe{}", b'"a string"']
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_skip_skips_and_counts_lines_that_are_not_json_objects(tmp_path: Path, workers: int):
+    good = [json.dumps({"text": f"line {i}"}).encode() for i in range(3)]
+    (tmp_path / "a.jsonl").write_bytes(b"\n".join([good[0], *NOT_JSON, good[1], b"", good[2]]) + b"\n")
+    manifest = prepare(_spec(tmp_path, {"path": "a.jsonl"}, on_bad_record="skip"), tmp_path, workers=workers)
+    stats = manifest["stats"]
+    assert (stats["records_read"], stats["records_skipped"], stats["documents"]) == (8, 5, 3)
+    assert "a.jsonl:2: invalid JSON" in stats["skip_examples"][0]
+
+
+def test_fail_still_stops_at_the_first_line_that_is_not_json(tmp_path: Path):
+    (tmp_path / "a.jsonl").write_bytes(json.dumps({"text": "ok"}).encode() + b"\n[1, 2]\n")
+    with pytest.raises(DataError) as info:
+        prepare(_spec(tmp_path, {"path": "a.jsonl"}), tmp_path)
+    _one_line(info, "a.jsonl:2: expected a JSON object per line, got list")
+
+
+# -- sizes ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("field", ["seq_len", "pad_to_multiple"])
+def test_a_row_size_beyond_memory_is_refused_with_its_field(tmp_path: Path, field: str,
+                                                            capsys: pytest.CaptureFixture[str]):  # fmt: skip
+    (tmp_path / "a.jsonl").write_text(json.dumps({"text": "hi"}) + "\n")
+    sizes = {"seq_len": 16, field: 10**12}
+    body = "".join(f"{k}: {v}\n" for k, v in sizes.items())
+    (tmp_path / "prepare.yaml").write_text(f"sources: [{{path: a.jsonl}}]\noutput: out\n{body}")
+    assert main(["data", "prepare", "--config", str(tmp_path / "prepare.yaml"), "-q"]) == 2
+    line = capsys.readouterr().err.strip()
+    line_no = 3 + list(sizes).index(field)
+    assert line.startswith(f"dllm: error: {tmp_path / 'prepare.yaml'}:{line_no}: {field}: Input should be less than or")
+    assert not (tmp_path / "out").exists()
+
+
+# -- hf_dataset splits ------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def saved_datasets(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """save_to_disk folders: one split of a builder (its split named), one without a split name, a DatasetDict."""
+    datasets = pytest.importorskip("datasets")
+    root = tmp_path_factory.mktemp("hf")
+    (root / "a.json").write_text(json.dumps([{"text": "from train"}]))
+    datasets.load_dataset("json", data_files=str(root / "a.json"), split="train").save_to_disk(str(root / "train"))
+    plain = datasets.Dataset.from_dict({"text": ["no split"]})
+    plain.save_to_disk(str(root / "plain"))
+    datasets.DatasetDict({"train": plain, "validation": plain}).save_to_disk(str(root / "dict"))
+    return root
+
+
+@pytest.mark.parametrize(
+    ("folder", "split", "expected"),
+    [
+        ("train", "test", "no split 'test'; it holds one dataset, split 'train'"),
+        ("plain", "validation", "no split 'validation'; the folder holds one dataset without split names"),
+        ("dict", "test", "no split 'test'; set split to one of train, validation"),
+    ],
+)
+def test_a_split_that_does_not_exist_is_refused(saved_datasets: Path, tmp_path: Path, folder: str, split: str,
+                                                expected: str):  # fmt: skip
+    source = {"kind": "hf_dataset", "path": str(saved_datasets / folder), "split": split}
+    with pytest.raises(DataError) as info:
+        prepare(_spec(tmp_path, source), tmp_path)
+    _one_line(info, expected)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(("folder", "split"), [("train", "train"), ("plain", None), ("dict", "validation")])
+def test_a_split_that_exists_is_read(saved_datasets: Path, tmp_path: Path, folder: str, split: str | None):
+    source = {"kind": "hf_dataset", "path": str(saved_datasets / folder), **({"split": split} if split else {})}
+    assert prepare(_spec(tmp_path, source), tmp_path)["stats"]["records_read"] == 1

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 
 import typer
 
-from dllm.cli.common import MODEL_HELP, info, out
-from dllm.cli.sampling_common import SAMPLER_CONFIG_OPTION, SET_OPTION, setup_sampling
+from dllm.cli.common import MODEL_HELP, finite, info, out
+from dllm.cli.sampling_common import SAMPLER_CONFIG_OPTION, SET_OPTION, check_prompt_lengths, setup_sampling
 from dllm.sampling.stops import cut_at_stop, stop_function
 
 if TYPE_CHECKING:
@@ -47,7 +47,7 @@ def chat(
     steps: int = typer.Option(None, "--steps", help="Step budget over all blocks."),
     policy: str = typer.Option(None, "--policy", help="Sampling policy."),
     cache: str = typer.Option(None, "--cache", help="KV cache: none, prefix, dual or block."),
-    temperature: float = typer.Option(None, "--temperature", help="0 = greedy."),
+    temperature: float = typer.Option(None, "--temperature", callback=finite, help="0 = greedy."),
     system: str = typer.Option(None, "--system", help="A system message opening the conversation."),
     live: bool = typer.Option(False, "--live", help="Show the reply being unmasked, step by step."),
     ar: bool = typer.Option(False, "--ar", help="Decode a causal model (an ar run, an imported llama/qwen folder)."),
@@ -95,6 +95,7 @@ def _reply(s: SamplingSetup, history: list[dict[str, str]], gen, live: bool) -> 
 
     tok, cfg = s.loaded.tokenizer, s.sampler
     ids = tok.apply_chat_template(history, add_generation_prompt=True).ids
+    check_prompt_lengths([ids], cfg, s.loaded.profile, "the conversation", "start over with /reset")
 
     def show(event) -> None:
         row, g = event.canvas_BT[0].tolist(), event.gen_start_B[0]

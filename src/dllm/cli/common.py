@@ -2,16 +2,84 @@
 
 from __future__ import annotations
 
+import contextlib
+import math
+import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import typer
 
+from dllm.config.base import MAX_SEED
 from dllm.errors import ConfigError
 
 SetOption = typer.Option(None, "--set", help="Override a config field: --set training.steps=50 (repeatable).")
 MODEL_HELP = "A Hugging Face or `dllm convert` model folder, or a hub id org/name[@revision]."
+
+
+def seed_option(default: int | None, help: str) -> Any:
+    """A `--seed` option: an integer in [0, 2**63), like every seed field of the configs."""
+    return typer.Option(default, "--seed", min=0, max=MAX_SEED, help=help)
+
+
+def finite(value: float | None) -> float | None:
+    """Callback of a float option: NaN and infinity mean nothing for any of them (a temperature, a wait)."""
+    if value is not None and not math.isfinite(value):
+        raise typer.BadParameter(f"{value} is not a finite number")
+    return value
+
+
+def check_output_file(output: Path | None, flag: str = "--output") -> None:
+    """A file that can be written, checked before a model is loaded or a token sampled: a file is
+    created next to it and removed (a folder may look writable and still refuse files, as /proc does)."""
+    if output is None:
+        return
+    if output.is_dir():
+        raise ConfigError(f"{flag}: {output} is a folder; give a file, e.g. {output / 'samples.jsonl'}")
+    parent = output.absolute().parent
+    if not parent.exists():
+        raise ConfigError(f"{flag}: the folder {parent} does not exist; create it first")
+    if not parent.is_dir():
+        raise ConfigError(f"{flag}: {parent} is not a folder; choose another output file")
+    try:
+        with tempfile.NamedTemporaryFile(dir=parent, prefix=f".{output.name}.", suffix=".probe"):
+            pass
+    except OSError as e:
+        raise ConfigError(f"{flag}: cannot write in {parent} ({_reason(e)}); choose another output file") from None
+
+
+def check_output_folder(folder: Path, flag: str) -> None:
+    """A folder that is or can be created here, checked before any work: a folder made (and removed) in its nearest
+    existing parent proves it (a file in the way or /proc would fail only after the work)."""
+    if folder.exists() and not folder.is_dir():
+        raise ConfigError(f"{flag}: {folder} is a file; give a folder")
+    parent = next(p for p in (folder, *folder.absolute().parents) if p.exists())
+    if not parent.is_dir():
+        raise ConfigError(f"{flag}: {parent} is a file, not a folder; choose another output folder")
+    try:
+        Path(tempfile.mkdtemp(dir=parent, prefix=".dllm-probe-")).rmdir()
+    except OSError as e:
+        raise ConfigError(f"{flag}: cannot write in {parent} ({_reason(e)}); choose another output folder") from None
+
+
+def write_lines(output: Path, lines: list[str], flag: str = "--output") -> None:
+    """Write `lines` to `output` through a temp file renamed into place: never a half-written file,
+    and a failed write (a full disk) is one line that leaves any old `output` as it was."""
+    tmp = output.with_name(output.name + ".tmp")
+    try:
+        with tmp.open("w", encoding="utf-8") as fh:
+            fh.writelines(line + "\n" for line in lines)
+        os.replace(tmp, output)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise ConfigError(f"{flag}: cannot write {output} ({_reason(e)}); choose another output file") from None
+
+
+def _reason(e: OSError) -> str:
+    return "permission denied" if isinstance(e, PermissionError) else (e.strerror or type(e).__name__).lower()
 
 
 def model_folder(text: str | Path | None, flag: str = "--model") -> Path | None:

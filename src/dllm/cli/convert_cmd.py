@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import typer
 
-from dllm.cli.common import info, model_folder
+from dllm.cli.common import check_output_folder, info, model_folder
 from dllm.errors import ConfigError
 
 
@@ -27,9 +28,13 @@ def convert(
     """Import a Hugging Face checkpoint as a dllm model folder, or export a run / model to one."""
     if (from_hf is None) == (to_hf is None):
         raise ConfigError("give --from-hf DIR --to OUT, or --to-hf OUT with --run, --checkpoint or --model")
+    if from_hf is not None and (run or checkpoint or model or adapter_only):
+        raise ConfigError("--run, --checkpoint, --model and --adapter-only go with --to-hf; --from-hf reads its folder")
     out = to if from_hf is not None else to_hf
     if out is None:
         raise ConfigError("--from-hf needs --to OUT (the dllm model folder to write)")
+    if from_hf is not None:
+        check_output_folder(out, "--to")
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise ConfigError(f"{out} is not empty; pass --overwrite to replace its files")
     if from_hf is not None:
@@ -61,9 +66,15 @@ def _import(src: Path, out: Path) -> None:
     cfg = cfg.model_copy(update={"vocab_size": max(cfg.vocab_size or 0, tok.vocab_size)})
     state = import_hf(src, cfg)  # every check (config, headers, shapes, memory) before the first write
     profile = derive_profile(None, cfg, tok)  # a masked model until trained otherwise
-    folder = save_model_folder(out, state, cfg, tok_cfg)
-    _save_tokenizer(tok, folder)
-    write_profile(profile, folder)
+    created = not out.exists()
+    try:
+        folder = save_model_folder(out, state, cfg, tok_cfg)
+        _save_tokenizer(tok, folder)
+        write_profile(profile, folder)
+    except OSError as e:  # a full disk: no half-written model folder is left
+        if created:
+            shutil.rmtree(out, ignore_errors=True)
+        raise ConfigError(f"--to: cannot write {out} ({e.strerror or type(e).__name__}); nothing was kept") from None
     info(f"wrote {folder}: {cfg.family}, {cfg.num_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}")
     info(f"use it with model.init_from: {folder}, or dllm generate --model {folder}")
 

@@ -7,10 +7,15 @@ from pathlib import Path
 
 import typer
 
-from dllm.cli.common import MODEL_HELP, info, model_folder, out
-from dllm.cli.sampling_common import SAMPLER_CONFIG_OPTION, SET_OPTION, setup_sampling
+from dllm.cli.common import MODEL_HELP, check_output_file, info, model_folder, out, seed_option, write_lines
+from dllm.cli.sampling_common import SAMPLER_CONFIG_OPTION, SET_OPTION, check_prompt_lengths, setup_sampling
 from dllm.errors import ConfigError
 from dllm.sampling.stops import cut_at_stop, stop_function
+
+MAX_MC_SAMPLES = 4096
+"""The most Monte Carlo samples per row (a forward each); the bound's error is well below the data's long before."""
+MAX_EXAMPLES = 100_000
+"""The most examples per task (generated in memory, then each decoded)."""
 
 app = typer.Typer(help="Evaluate a run: likelihood bounds and task accuracy.", no_args_is_help=True)
 
@@ -21,12 +26,14 @@ def likelihood(
     checkpoint: Path = typer.Option(None, "--checkpoint", help="One checkpoint folder."),
     model: str = typer.Option(None, "--model", help=MODEL_HELP),
     data: Path = typer.Option(..., "--data", help="A prepared artifact folder (held-out rows)."),
-    mc_samples: int = typer.Option(16, "--mc-samples", help="Monte Carlo samples of the bound per row."),
+    mc_samples: int = typer.Option(
+        16, "--mc-samples", max=MAX_MC_SAMPLES, help="Monte Carlo samples of the bound per row."
+    ),
     sampling: str = typer.Option("stratified", "--sampling", help="Time sampling: stratified or plain."),
     kind: str = typer.Option("auto", "--kind", help="auto (from the run), mdlm, block, or ar (exact NLL)."),
-    limit: int = typer.Option(None, "--limit", help="Score only the first N rows."),
+    limit: int = typer.Option(None, "--limit", min=1, help="Score only the first N rows."),
     batch_size: int = typer.Option(8, "--batch-size", help="Rows per forward."),
-    seed: int = typer.Option(0, "--seed", help="Seed of the Monte Carlo noise."),
+    seed: int = seed_option(0, "Seed of the Monte Carlo noise."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
     as_json: bool = typer.Option(False, "--json", help="One JSON line instead of the text summary."),
 ) -> None:
@@ -116,9 +123,9 @@ def tasks(
     gen_length: int = typer.Option(None, "--gen-length", help="Tokens to generate (default: per task)."),
     policy: str = typer.Option(None, "--policy", help="Sampling policy."),
     cache: str = typer.Option(None, "--cache", help="KV cache: none, prefix, dual or block."),
-    limit: int = typer.Option(50, "--limit", help="Examples per task."),
+    limit: int = typer.Option(50, "--limit", max=MAX_EXAMPLES, help="Examples per task."),
     batch_size: int = typer.Option(8, "--batch-size", help="Prompts decoded together."),
-    seed: int = typer.Option(0, "--seed", help="Seed of the generated tasks."),
+    seed: int = seed_option(0, "Seed of the generated tasks."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
     output: Path = typer.Option(None, "--output", "-o", help="Write every example's output (JSONL) here."),
     as_json: bool = typer.Option(False, "--json", help="One JSON line per task instead of the table."),
@@ -141,19 +148,19 @@ def tasks(
     names = [n.strip() for n in task_names.split(",") if n.strip()]
     if not names:
         raise ConfigError("--tasks: give at least one task name or JSONL file")
+    check_output_file(output)
     loaded_tasks = [load_task(n, limit, seed) for n in names]
     flags = {"policy": policy, "cache": cache, "gen_length": gen_length}
     s = setup_sampling(run, checkpoint, model, device, sampler_config, overrides, flags)
     overlaps = _training_overlap(s, loaded_tasks, allow_overlap)
     task_length = gen_length is None and "gen_length" not in _file_and_set_fields(sampler_config, overrides)
     gen = torch.Generator(device=s.device).manual_seed(s.sampler.seed)
-    results = [run_task(task, _task_sampler(s, task, task_length, gen), batch_size) for task in loaded_tasks]
+    samplers = [_task_sampler(s, task, task_length, gen) for task in loaded_tasks]  # every prompt checked first
+    results = [run_task(task, sample, batch_size) for task, sample in zip(loaded_tasks, samplers, strict=True)]
     for r in results:
         r.train_overlap = overlaps[r.name]
     if output is not None:
-        tmp = output.with_name(output.name + ".tmp")
-        tmp.write_text("".join(json.dumps(o) + "\n" for r in results for o in r.outputs), encoding="utf-8")
-        tmp.replace(output)
+        write_lines(output, [json.dumps(o) for r in results for o in r.outputs])
     _report_tasks(s, results, as_json)
 
 
@@ -200,6 +207,8 @@ def _task_sampler(s, task, task_length: bool, gen):
         cfg = resolve_sampler(cfg.model_copy(update={"gen_length": n}), s.loaded.profile)
     stops = list(cfg.stop_strings) or list(task.stop_strings)
     stop_fn = stop_function(tok, stops)
+    prompts_ids = [tok.encode(e.prompt) for e in task.examples]
+    check_prompt_lengths(prompts_ids, cfg, s.loaded.profile, f"--tasks {task.name}: example {{n}}")
 
     def generate_batch(prompts: list[str]):
         res = sample(s.loaded.model, [tok.encode(p) for p in prompts], cfg, s.special, generator=gen, stop=stop_fn)

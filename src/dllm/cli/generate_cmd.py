@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import typer
 
-from dllm.cli.common import MODEL_HELP, info, out, warn
+from dllm.cli.common import MODEL_HELP, check_output_file, finite, info, out, seed_option, warn, write_lines
 from dllm.cli.sampling_common import SAMPLER_CONFIG_OPTION, SET_OPTION, decode_batches, setup_sampling
 from dllm.errors import ConfigError, DataError
 
@@ -30,21 +29,6 @@ def _read_prompts(prompt: list[str] | None, prompts_file: Path | None) -> list[s
     return prompts
 
 
-def _check_output(output: Path | None) -> None:
-    """A file that can be written, checked before a model is loaded or a token sampled."""
-    if output is None:
-        return
-    if output.is_dir():
-        raise ConfigError(f"--output: {output} is a folder; give a file, e.g. {output / 'samples.jsonl'}")
-    parent = output.absolute().parent
-    if not parent.exists():
-        raise ConfigError(f"--output: the folder {parent} does not exist; create it first")
-    if not parent.is_dir():
-        raise ConfigError(f"--output: {parent} is not a folder; choose another output file")
-    if not os.access(parent, os.W_OK):
-        raise ConfigError(f"--output: cannot write in {parent} (permission denied); choose another output file")
-
-
 def generate(
     run: Path = typer.Option(None, "--run", help="Run folder (its newest checkpoint is used)."),
     checkpoint: Path = typer.Option(None, "--checkpoint", help="One checkpoint folder (step_XXXXXXXX)."),
@@ -59,10 +43,10 @@ def generate(
     steps: int = typer.Option(None, "--steps", help="Step budget over all blocks."),
     policy: str = typer.Option(None, "--policy", help="low_confidence, random, margin, entropy, threshold, ..."),
     cache: str = typer.Option(None, "--cache", help="none, prefix, dual (bidirectional) or block (block models)."),
-    temperature: float = typer.Option(None, "--temperature", help="0 = greedy."),
+    temperature: float = typer.Option(None, "--temperature", callback=finite, help="0 = greedy."),
     stop: list[str] = typer.Option(None, "--stop", help="Stop string (repeatable)."),
     batch_size: int = typer.Option(8, "--batch-size", help="Prompts decoded together."),
-    seed: int = typer.Option(None, "--seed", help="Sampling seed."),
+    seed: int = seed_option(None, "Sampling seed."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
     compile_model: bool = typer.Option(
         False, "--compile", help="Compile the model's blocks with torch.compile (pays off for many prompts, GPUs)."
@@ -95,7 +79,7 @@ def generate(
             warn(f"{', '.join(ignored)}: no effect on causal decoding (--ar / --draft)")
         flags["generation"] = "causal"
     texts = _read_prompts(prompt, prompts_file)
-    _check_output(output)
+    check_output_file(output)
     option = "--draft" if draft is not None else "--ar"
     s = setup_sampling(run, checkpoint, model, device, sampler_config, overrides, flags, draft=draft,
                        draft_block_size=draft_block_size, causal_option=option)  # fmt: skip
@@ -122,9 +106,7 @@ def generate(
 def _write_records(records: list[dict[str, Any]], output: Path | None, as_json: bool) -> None:
     lines = [json.dumps(r) for r in records]
     if output is not None:
-        tmp = output.with_name(output.name + ".tmp")
-        tmp.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
-        tmp.replace(output)  # never a half-written file
+        write_lines(output, lines)
     elif as_json:
         for line in lines:
             out(line)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,8 @@ from dllm.data.synthetic import demo_records
 from dllm.errors import UserError
 
 NUM_RECORDS = 20000
+MAX_RECORDS = 1_000_000
+"""Most sample records `--num-records` may ask for (they are generated in memory)."""
 
 PREPARE_VALUES: dict[str, Any] = {
     "tokenizer": {"kind": "byte"},
@@ -48,6 +51,11 @@ TRAIN_VALUES: dict[str, Any] = {
     "topology": {"nproc_per_node": 1, "data_parallel": "fsdp"},
 }
 
+PREPARE_HEADER = "dllm data preparation config. `dllm config schema --prepare` lists every field."
+TRAIN_HEADER = (
+    "dllm training config (RunSpec). `dllm config schema` lists every field; paths are relative to this file."
+)
+
 README = """# A dllm run folder
 
     dllm data prepare --config prepare.yaml          # data/*.jsonl -> data/prepared
@@ -67,7 +75,9 @@ Every config field is described in `dllm config schema`.
 def init(
     directory: Path = typer.Argument(..., help="Folder to create (must be empty or absent)."),
     force: bool = typer.Option(False, "--force", help="Write into a non-empty folder, replacing these files."),
-    num_records: int = typer.Option(NUM_RECORDS, "--num-records", min=1, help="Sample records to generate."),
+    num_records: int = typer.Option(
+        NUM_RECORDS, "--num-records", min=1, max=MAX_RECORDS, help="Sample records to generate."
+    ),
 ) -> None:
     """Create a run folder with configs and a generated sample corpus."""
     directory = Path(directory)
@@ -75,18 +85,43 @@ def init(
         raise UserError(f"{directory} exists and is not a folder")
     if directory.exists() and any(directory.iterdir()) and not force:
         raise UserError(f"{directory} is not empty; choose a new folder or pass --force")
-    (directory / "data").mkdir(parents=True, exist_ok=True)
     texts, sums = demo_records(num_records, seed=0)
-    for name, records in (("sentences.jsonl", texts), ("arithmetic.jsonl", sums)):
-        with open(directory / "data" / name, "w", encoding="utf-8") as fh:
-            fh.writelines(json.dumps(r) + "\n" for r in records)
-    header = "dllm data preparation config. `dllm config schema --prepare` lists every field."
-    (directory / "prepare.yaml").write_text(commented_yaml(PrepareSpec, PREPARE_VALUES, header), encoding="utf-8")
-    header = "dllm training config (RunSpec). `dllm config schema` lists every field; paths are relative to this file."
-    (directory / "train.yaml").write_text(commented_yaml(RunSpec, TRAIN_VALUES, header), encoding="utf-8")
-    (directory / "README.md").write_text(README, encoding="utf-8")
+    files = {
+        "data/sentences.jsonl": "".join(json.dumps(r) + "\n" for r in texts),
+        "data/arithmetic.jsonl": "".join(json.dumps(r) + "\n" for r in sums),
+        "prepare.yaml": commented_yaml(PrepareSpec, PREPARE_VALUES, PREPARE_HEADER),
+        "train.yaml": commented_yaml(RunSpec, TRAIN_VALUES, TRAIN_HEADER),
+        "README.md": README,
+    }
+    _write_all(directory, files)
     info(
         f"wrote {directory}/prepare.yaml, train.yaml, data/sentences.jsonl ({len(texts)} records), "
         f"data/arithmetic.jsonl ({len(sums)} records), README.md"
     )
     info(f"next: cd {directory} && dllm data prepare --config prepare.yaml")
+
+
+def _write_all(directory: Path, files: dict[str, str]) -> None:
+    """Write every file (each through a temp file renamed into place); a failure (no permission, a full
+    disk, a folder that takes no files such as /proc) is one line and removes what this call created."""
+    created = [p for p in (directory / "data", directory, *directory.parents) if not p.exists()]
+    written: list[Path] = []
+    try:
+        (directory / "data").mkdir(parents=True, exist_ok=True)
+        for name, text in files.items():
+            path = directory / name
+            tmp = path.with_name(path.name + ".tmp")
+            written.append(tmp)
+            tmp.write_text(text, encoding="utf-8")
+            if not path.exists():
+                written.append(path)
+            tmp.replace(path)
+    except OSError as e:
+        for path in written:
+            with contextlib.suppress(OSError):
+                path.unlink(missing_ok=True)
+        for folder in created:  # the folders this call made, deepest first
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        reason = "permission denied" if isinstance(e, PermissionError) else (e.strerror or type(e).__name__)
+        raise UserError(f"{directory}: cannot write the run folder ({reason.lower()}); choose another folder") from None

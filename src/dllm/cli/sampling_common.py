@@ -17,6 +17,8 @@ from dllm.errors import ConfigError
 
 if TYPE_CHECKING:  # torch and the model stack load with the command, not with the CLI
     from dllm.checkpoint.inference import SamplingSetup
+    from dllm.config.profile import DecodeProfile
+    from dllm.config.sampler import SamplerConfig
     from dllm.sampling.results import Counters
 
 SAMPLER_CONFIG_OPTION = typer.Option(None, "--sampler-config", help="YAML file of sampler settings (SamplerConfig).")
@@ -69,6 +71,20 @@ def setup_sampling(
                             causal_option=causal_option)  # fmt: skip
 
 
+def check_prompt_lengths(prompts_ids: list[list[int]], cfg: SamplerConfig, profile: DecodeProfile,
+                         what: str = "prompt {n}", fix: str = "shorten the prompt") -> None:  # fmt: skip
+    """Refuse, before anything is decoded, a prompt whose tokens plus `gen_length` exceed the positions the model
+    covers (its decode profile's max_length): past them decoding runs on positions it never saw (RoPE) or has no
+    row for (a learned table), as slow as it is meaningless. The server refuses the same request. `what` names
+    prompt number `{n}`."""
+    for i, ids in enumerate(prompts_ids):
+        if len(ids) + cfg.gen_length > profile.max_length:
+            raise ConfigError(
+                f"{what.format(n=i + 1)}: {len(ids)} tokens plus gen_length {cfg.gen_length} exceed the "
+                f"{profile.max_length} positions the model covers; {fix} or lower --gen-length"
+            )
+
+
 @dataclass
 class Decoded:
     """The outputs of `decode_batches`: a record per prompt, the counters summed over the batches, the wall time."""
@@ -90,9 +106,10 @@ def decode_batches(s: SamplingSetup, prompts: list[str], encode: Callable[[str],
     stop_fn = stop_function(tok, cfg.stop_strings)
     out = Decoded(Counters())
     t0 = time.perf_counter()
+    prompts_ids = [encode(t) for t in prompts]
+    check_prompt_lengths(prompts_ids, cfg, s.loaded.profile)
     for i in range(0, len(prompts), batch_size):
-        chunk = prompts[i : i + batch_size]
-        ids = [encode(t) for t in chunk]
+        chunk, ids = prompts[i : i + batch_size], prompts_ids[i : i + batch_size]
         tb = time.perf_counter()
         result = generate(s.loaded.model, ids, cfg, s.special, generator=generator, stop=stop_fn, drafter=s.drafter)
         wall = time.perf_counter() - tb

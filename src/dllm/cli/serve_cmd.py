@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from dllm.cli.common import MODEL_HELP, hub_id, info
+from dllm.cli.common import MODEL_HELP, finite, hub_id, info
 from dllm.cli.sampling_common import SAMPLER_CONFIG_OPTION, SET_OPTION, setup_sampling
 from dllm.errors import ConfigError
 
@@ -24,7 +24,9 @@ def serve(
         None, "--api-key", help=f"Require `Authorization: Bearer KEY` on every request (or set ${API_KEY_ENV})."
     ),
     max_batch: int = typer.Option(8, "--max-batch", help="Most rows (choices) decoded together in one sampler call."),
-    max_wait_ms: float = typer.Option(10.0, "--max-wait-ms", help="How long a request waits for peers to batch with."),
+    max_wait_ms: float = typer.Option(
+        10.0, "--max-wait-ms", callback=finite, help="How long a request waits for peers to batch with."
+    ),
     max_queue: int = typer.Option(256, "--max-queue", help="Requests that may wait; past it the server answers 429."),
     model_id: str = typer.Option(None, "--model-id", help="The id clients send as `model` (default: the run's name)."),
     sampler_config: Path = SAMPLER_CONFIG_OPTION,

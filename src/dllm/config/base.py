@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationInfo
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo
 
 
 class Section(BaseModel):
@@ -79,3 +79,24 @@ def _path_or_hub_id(value: Path | str, info: ValidationInfo) -> Path | str:
 
 PathOrHubId = Annotated[Path | str, AfterValidator(_path_or_hub_id)]
 """A folder (as RelPath) or a Hugging Face hub id `org/name[@revision]`, resolved later by dllm.hub.local_folder."""
+
+
+def _not_a_boolean(value: Any) -> Any:
+    """YAML's true/false are Python ints (pydantic reads `steps: true` as 1): refused where a number is meant."""
+    if isinstance(value, bool):
+        raise ValueError("true/false is not a number here; write the number")
+    return value
+
+
+Int = Annotated[int, BeforeValidator(_not_a_boolean)]
+"""An integer field (true and false refused); every int of a config section is one."""
+
+Float = Annotated[float, BeforeValidator(_not_a_boolean)]
+"""A float field (true and false refused); every float of a config section is one."""
+
+
+MAX_SEED = 2**63 - 1
+"""The largest seed: torch, numpy and the noise keys take a non-negative 64-bit integer."""
+
+Seed = Annotated[int, BeforeValidator(_not_a_boolean), Field(ge=0, le=MAX_SEED)]
+"""A random seed: an integer in [0, 2**63)."""

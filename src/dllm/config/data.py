@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from dllm.config.base import PathOrHubId, RelPath, Section
+from dllm.config.base import Int, PathOrHubId, RelPath, Section
 from dllm.config.registries import TOKENIZERS
 
 
@@ -35,7 +35,7 @@ class DataConfig(Section):
 
     path: RelPath
     """Artifact folder written by `dllm data prepare`."""
-    seq_len: int = Field(gt=0)
+    seq_len: Int = Field(gt=0)
     """Tokens per training sequence; must equal the artifact's packed length."""
     shuffle: bool = True
     """Visit sequences in a seeded random order (a new permutation each epoch)."""

@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from dllm.config.base import PathOrHubId, Section
+from dllm.config.base import Float, Int, PathOrHubId, Section
 from dllm.config.registries import ACTIVATIONS, ATTENTION_BACKENDS, DRAFTERS, FAMILIES, NORMS
 
 # Size presets for the native transformer. A preset fills the fields the user did not set.
@@ -62,35 +62,35 @@ class ModelConfig(Section):
     """Size preset that fills the size fields left unset here (tiny, demo, small, 350m)."""
     init_from: PathOrHubId | None = None
     """Start from these weights: a Hugging Face folder or hub id (org/name[@revision]), or a `dllm convert` folder."""
-    vocab_size: int | None = Field(default=None, gt=0)
+    vocab_size: Int | None = Field(default=None, gt=0)
     """Vocabulary size; null means the tokenizer's size rounded up to a multiple of 64."""
-    hidden_size: int = Field(default=256, gt=0)
+    hidden_size: Int = Field(default=256, gt=0)
     """Width of the residual stream."""
-    num_layers: int = Field(default=4, gt=0)
+    num_layers: Int = Field(default=4, gt=0)
     """Number of transformer blocks."""
-    num_heads: int = Field(default=4, gt=0)
+    num_heads: Int = Field(default=4, gt=0)
     """Attention query heads."""
-    num_kv_heads: int | None = Field(default=None, gt=0)
+    num_kv_heads: Int | None = Field(default=None, gt=0)
     """Key/value heads for grouped-query attention; null means num_heads (multi-head)."""
-    head_dim: int | None = Field(default=None, gt=0)
+    head_dim: Int | None = Field(default=None, gt=0)
     """Width of one attention head; null means hidden_size / num_heads."""
-    intermediate_size: int | None = Field(default=None, gt=0)
+    intermediate_size: Int | None = Field(default=None, gt=0)
     """Hidden width of the MLP; null means 8/3 * hidden_size rounded up to 64 (gated) or 4 * hidden (plain)."""
-    max_seq_len: int = Field(default=2048, gt=0)
+    max_seq_len: Int = Field(default=2048, gt=0)
     """Longest sequence the model is used with (RoPE positions, or the learned position table)."""
-    rope_theta: float = Field(default=10000.0, gt=0)
+    rope_theta: Float = Field(default=10000.0, gt=0)
     """RoPE base frequency (of the global layers when attention_pattern has local ones)."""
     attention_pattern: tuple[Literal["global", "local"], ...] | None = Field(default=None, min_length=1)
     """Per-layer attention kinds, repeated over the layers (ModernBERT: [global, local, local]); null: all global."""
-    local_window: int | None = Field(default=None, gt=0)
+    local_window: Int | None = Field(default=None, gt=0)
     """Sliding window of the `local` layers: a query attends keys fewer than this many positions away."""
-    local_rope_theta: float | None = Field(default=None, gt=0)
+    local_rope_theta: Float | None = Field(default=None, gt=0)
     """RoPE base frequency of the `local` layers; null: rope_theta."""
     norm: Literal[NORMS.names()] = "rmsnorm"  # type: ignore[valid-type]
     """Normalisation layers: RMSNorm (llama, qwen) or LayerNorm (gpt2, bert)."""
     norm_bias: bool = False
     """LayerNorm with a bias."""
-    norm_eps: float = Field(default=1e-6, gt=0)
+    norm_eps: Float = Field(default=1e-6, gt=0)
     """Epsilon of the normalisation layers."""
     norm_position: Literal["pre", "post"] = "pre"
     """Norm before each sub-layer (pre-LN, modern) or after the residual add (post-LN, BERT)."""
@@ -124,21 +124,21 @@ class ModelConfig(Section):
     """Share the input embedding and the output head weights."""
     shift_logits: bool = False
     """Position i predicts token i from the hidden state at i-1 (Dream and other AR-initialised models)."""
-    num_experts: int = Field(default=0, ge=0)
+    num_experts: Int = Field(default=0, ge=0)
     """Mixture of experts: experts per MoE layer; 0 is a dense MLP."""
-    num_experts_per_tok: int = Field(default=2, gt=0)
+    num_experts_per_tok: Int = Field(default=2, gt=0)
     """Experts each token is routed to (top-k)."""
-    moe_intermediate_size: int | None = Field(default=None, gt=0)
+    moe_intermediate_size: Int | None = Field(default=None, gt=0)
     """Hidden width of one expert; null means intermediate_size."""
     norm_topk_prob: bool = True
     """Renormalise the top-k routing probabilities to sum to 1."""
-    router_aux_loss_coef: float = Field(default=0.001, ge=0)
+    router_aux_loss_coef: Float = Field(default=0.001, ge=0)
     """Weight of the load-balancing loss (Switch Transformer) added to the training loss."""
     self_condition: bool = False
     """Add an input for self-conditioning (the embedding of a previous pass's predictions, zero-initialised)."""
     edit_head: bool = False
     """Add the Edit Flows head: per-position insert/delete/substitute rates and an insertion projection."""
-    init_std: float = Field(default=0.02, gt=0)
+    init_std: Float = Field(default=0.02, gt=0)
     """Standard deviation of the normal weight initialisation."""
     attention_backend: Literal[ATTENTION_BACKENDS.names()] = "auto"  # type: ignore[valid-type]
     """sdpa (dense mask, the reference), flex (BlockMask), blockwise (exact, block-sparse), auto (per device)."""
@@ -207,11 +207,11 @@ class ModelConfig(Section):
 class LoraConfig(Section):
     """LoRA adapters (Hu et al. 2021): only the adapters train and are checkpointed."""
 
-    rank: int = Field(default=8, gt=0)
+    rank: Int = Field(default=8, gt=0)
     """Rank r of each adapter."""
-    alpha: float = Field(default=16.0, gt=0)
+    alpha: Float = Field(default=16.0, gt=0)
     """Scale numerator: the adapter output is multiplied by alpha / rank."""
-    dropout: float = Field(default=0.0, ge=0, lt=1)
+    dropout: Float = Field(default=0.0, ge=0, lt=1)
     """Dropout on the adapter input (0 keeps resumes bit-identical)."""
     targets: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1)
     """Linear layers to adapt: module-name suffixes, globs (`*.mlp.*`) or `re:<regex>`."""
@@ -231,13 +231,13 @@ class LoraConfig(Section):
 class DFlashConfig(Section):
     """A DFlash drafter (Chen et al. 2025): a few bidirectional blocks that read the target's hidden states."""
 
-    num_layers: int = Field(default=1, gt=0)
+    num_layers: Int = Field(default=1, gt=0)
     """Drafter blocks (each attends to the projected target context plus its own draft block)."""
-    block_size: int = Field(default=8, ge=2)
+    block_size: Int = Field(default=8, ge=2)
     """b: a draft block is [last accepted token, MASK x (b-1)]; one forward proposes b - 1 tokens."""
-    target_layer_ids: tuple[int, ...] = Field(min_length=1)
+    target_layer_ids: tuple[Int, ...] = Field(min_length=1)
     """Target blocks (0-based into its layers) whose outputs are concatenated as the drafter's context features."""
-    mask_id: int = Field(ge=0)
+    mask_id: Int = Field(ge=0)
     """Token id of the MASK placeholders of a draft block (embedded with the target's embedding)."""
     target: ModelConfig
     """The target's architecture: the drafter's blocks copy its widths, heads, norms and RoPE (never its weights)."""

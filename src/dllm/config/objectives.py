@@ -6,7 +6,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
-from dllm.config.base import RelPath, Section
+from dllm.config.base import Float, Int, RelPath, Section
 from dllm.config.registries import SCHEDULES
 
 
@@ -17,7 +17,7 @@ class MDLMConfig(Section):
     """Objective: mdlm (masked diffusion, loss weighted by the schedule's ELBO weight)."""
     schedule: Literal[SCHEDULES.names()] = "linear"  # type: ignore[valid-type]
     """Noise schedule alpha(t): linear (alpha = 1 - t, weight 1/t) or cosine."""
-    eps: float = Field(default=1e-3, gt=0, lt=1)
+    eps: Float = Field(default=1e-3, gt=0, lt=1)
     """Smallest noise level: t ~ U(eps, 1]."""
     antithetic: bool = True
     """Stratify t over the global batch (t_i = frac(u + i/B)) to reduce loss variance."""
@@ -34,13 +34,13 @@ class BD3LMConfig(Section):
 
     name: Literal["bd3lm"] = "bd3lm"
     """Objective: bd3lm (block diffusion; loss on the noisy half only)."""
-    block_size: int = Field(default=16, gt=0)
+    block_size: Int = Field(default=16, gt=0)
     """Tokens per block; must divide data.seq_len."""
     schedule: Literal[SCHEDULES.names()] = "linear"  # type: ignore[valid-type]
     """Noise schedule alpha(t) and its ELBO weight."""
-    eps_min: float = Field(default=1e-3, gt=0, le=1)
+    eps_min: Float = Field(default=1e-3, gt=0, le=1)
     """Lower end of the noise interval: t ~ U[eps_min, eps_max] per block (BD3LM's clipped schedule)."""
-    eps_max: float = Field(default=1.0, gt=0, le=1)
+    eps_max: Float = Field(default=1.0, gt=0, le=1)
     """Upper end of the noise interval."""
     antithetic: bool = True
     """Stratify t over the global batch x blocks."""
@@ -66,11 +66,11 @@ class FastDLLMv2Config(Section):
 
     name: Literal["fast_dllm_v2"] = "fast_dllm_v2"
     """Objective: fast_dllm_v2 (every supervised token is masked in exactly one of two views)."""
-    block_size: int = Field(default=32, gt=0)
+    block_size: Int = Field(default=32, gt=0)
     """Tokens per block; must divide data.seq_len."""
-    sub_block_size: int = Field(default=8, gt=0)
+    sub_block_size: Int = Field(default=8, gt=0)
     """Sub-block decoded in parallel inside a block at sampling time (recorded for the sampler)."""
-    eps: float = Field(default=1e-3, gt=0, lt=1)
+    eps: Float = Field(default=1e-3, gt=0, lt=1)
     """Smallest mask ratio of a block: t ~ U(eps, 1]."""
     antithetic: bool = True
     """Stratify the mask ratio over the global batch x blocks."""
@@ -94,11 +94,11 @@ class UniformConfig(Section):
     """Objective: uniform (no mask token; x0-prediction cross-entropy on every supervised token)."""
     schedule: Literal[SCHEDULES.names()] = "linear"  # type: ignore[valid-type]
     """Noise schedule alpha(t)."""
-    eps: float = Field(default=1e-3, gt=0, lt=1)
+    eps: Float = Field(default=1e-3, gt=0, lt=1)
     """Smallest noise level: t ~ U(eps, 1]."""
     antithetic: bool = True
     """Stratify t over the global batch."""
-    self_condition_prob: float = Field(default=0.0, ge=0, lt=1)
+    self_condition_prob: Float = Field(default=0.0, ge=0, lt=1)
     """Chance a row is conditioned on a detached first pass's predictions (needs model.self_condition)."""
 
     def decode_facts(self) -> dict[str, Any]:
@@ -126,7 +126,7 @@ class EditFlowConfig(Section):
     """Coupling schedule kappa(t): chance an aligned column already shows x_1 (cubic t^3, or linear t)."""
     x0: Literal["empty", "uniform"] = "empty"
     """Start of the completion: empty (learn insertions), or uniform random tokens as long as x_1."""
-    eps: float = Field(default=1e-3, gt=0, lt=1)
+    eps: Float = Field(default=1e-3, gt=0, lt=1)
     """Largest time is 1 - eps: t ~ U[0, 1 - eps] (the weight kappa'/(1 - kappa) diverges at 1)."""
     antithetic: bool = True
     """Stratify t over the global batch."""
@@ -145,17 +145,17 @@ class DFlashDistillationConfig(Section):
     """Objective: dflash_distillation (the trained model is a DFlash drafter of `target`)."""
     target: RelPath
     """The frozen causal target: a model folder (dllm convert, Hugging Face) or a run folder (newest checkpoint)."""
-    target_layer_ids: list[int] = Field(min_length=1)
+    target_layer_ids: list[Int] = Field(min_length=1)
     """Target blocks (0-based) whose outputs the drafter reads, e.g. spread from the second to the third-last."""
-    block_size: int = Field(default=8, ge=2)
+    block_size: Int = Field(default=8, ge=2)
     """b: draft block length (the anchor and b - 1 proposals); generation must use the same."""
-    num_layers: int = Field(default=1, gt=0)
+    num_layers: Int = Field(default=1, gt=0)
     """Drafter blocks."""
-    num_anchors: int = Field(default=16, gt=0)
+    num_anchors: Int = Field(default=16, gt=0)
     """Draft blocks per training sequence, all in one forward (anchors drawn where the next token is supervised)."""
     loss: Literal["ce", "kl"] = "ce"
     """ce: cross-entropy to the target's greedy next tokens; kl: KL(target || drafter) of next-token distributions."""
-    decay: float | None = Field(default=7.0, gt=0)
+    decay: Float | None = Field(default=7.0, gt=0)
     """gamma of the weight exp(-(k-1)/gamma) of the k-th proposal (early ones decide acceptance); null: all 1."""
     feature_cache: RelPath | None = None
     """Folder of the target's precomputed features (built by one pass when missing); null: run the target per step."""

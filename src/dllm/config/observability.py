@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from dllm.config.base import Section
+from dllm.config.base import Int, Section
 
 
 class WandbConfig(Section):
@@ -25,9 +25,9 @@ class WandbConfig(Section):
 class ProfilingConfig(Section):
     """A torch.profiler trace of a few steps, written to the run folder's profile/."""
 
-    start_step: int = Field(default=3, gt=0)
+    start_step: Int = Field(default=3, gt=0)
     """First profiled step (steps count from 1; the first ones include warm-up work such as compilation)."""
-    steps: int = Field(default=2, gt=0)
+    steps: Int = Field(default=2, gt=0)
     """Number of consecutive steps profiled."""
     record_shapes: bool = False
     """Record the input shapes of every op (larger trace)."""

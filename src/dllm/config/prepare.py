@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
-from dllm.config.base import PathPattern, RelPath, Section
+from dllm.config.base import Int, PathPattern, RelPath, Section
 from dllm.config.data import TokenizerConfig
 from dllm.config.registries import LAYOUTS, RECORD_FORMATS
 
@@ -141,6 +141,9 @@ SourceConfig = Annotated[
     Field(discriminator="kind"),
 ]
 
+MAX_ROW_TOKENS = 1 << 20
+"""Longest row (and padding multiple) prepare lays out, 1,048,576 tokens: a row is built in memory."""
+
 _KIND_BY_SUFFIX = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".txt": "text", ".npy": "npy"}
 
 
@@ -153,7 +156,7 @@ class PrepareSpec(Section):
     """Where the records come from, read in the order listed."""
     output: RelPath
     """Artifact folder to write (staged in a temporary folder, then renamed into place)."""
-    seq_len: int = Field(gt=1)
+    seq_len: Int = Field(gt=1, le=MAX_ROW_TOKENS)
     """Tokens per training row (the training data.seq_len); the longest sample in layout indexed."""
     layout: Literal[LAYOUTS.names()] = "packed"  # type: ignore[valid-type]
     """packed: documents joined by EOS and cut into rows (pretraining); indexed: one sample per row (SFT)."""
@@ -161,11 +164,11 @@ class PrepareSpec(Section):
     """Put EOS after every document (the separator between packed documents)."""
     add_bos: bool = False
     """Put BOS before every document (when the tokenizer has one)."""
-    max_length: int | None = Field(default=None, gt=0)
+    max_length: Int | None = Field(default=None, gt=0)
     """Longest document in tokens (EOS/BOS included); null: no limit (packed) or seq_len (indexed)."""
     overflow: Literal["reject", "truncate_left", "truncate_right", "split"] = "reject"
     """A longer document is skipped (counted), cut keeping its end or its start, or split in pieces."""
-    pad_to_multiple: int | None = Field(default=None, gt=0)
+    pad_to_multiple: Int | None = Field(default=None, gt=0, le=MAX_ROW_TOKENS)
     """Pad each document with supervised EOS to a multiple of this (block alignment; teaches EOS fill)."""
     on_bad_record: Literal["fail", "skip"] = "fail"
     """A malformed record stops preparation with its file:line, or is skipped and counted."""

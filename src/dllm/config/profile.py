@@ -17,7 +17,7 @@ from typing import Literal
 
 from pydantic import Field, ValidationError, model_validator
 
-from dllm.config.base import Section
+from dllm.config.base import Float, Int, Section
 from dllm.config.registries import SCHEDULES
 from dllm.errors import CheckpointError
 
@@ -28,16 +28,16 @@ PROFILE_VERSION = 1
 class DecodeProfile(Section):
     """How a model decodes: attention layout, blocks, logit shift, noise, special ids, length."""
 
-    version: int = PROFILE_VERSION
+    version: Int = PROFILE_VERSION
     """Format version of this record."""
     objective: str | None = None
     """The objective the model was trained with (for messages); null for a model not trained here."""
     attention: Literal["bidirectional", "block", "causal"] = "bidirectional"
     """bidirectional (MDLM, LLaDA, Dream), block-causal with the training block size (BD3LM, Fast-dLLM v2), or
     causal: an autoregressive model (objective ar), decoded one token per forward or speculatively (`--ar`)."""
-    block_size: int | None = Field(default=None, gt=0)
+    block_size: Int | None = Field(default=None, gt=0)
     """Tokens per block of a block model (its sampler must use the same); null for bidirectional models."""
-    sub_block_size: int | None = Field(default=None, gt=0)
+    sub_block_size: Int | None = Field(default=None, gt=0)
     """Sub-block decoded in parallel inside a block (Fast-dLLM v2); null: whole blocks."""
     shift: bool = False
     """Position i is predicted from the hidden state at i-1 (Dream, Fast-dLLM v2, BD3LM with shift)."""
@@ -49,17 +49,17 @@ class DecodeProfile(Section):
     """canvas: a policy commits positions of a fixed canvas; edit_flow: insert/delete/substitute edits (tau-leaping)."""
     edit_kappa: Literal["cubic", "linear"] | None = None
     """Edit Flows: the coupling schedule kappa(t) the run was trained with (the sampler integrates its weight)."""
-    edit_eps: float | None = Field(default=None, gt=0, lt=1)
+    edit_eps: Float | None = Field(default=None, gt=0, lt=1)
     """Edit Flows: the training's largest time was 1 - edit_eps (tau-leaping ends there); null: not edit_flow."""
-    mask_id: int = Field(ge=0)
+    mask_id: Int = Field(ge=0)
     """Id of the mask token."""
-    pad_id: int = Field(ge=0)
+    pad_id: Int = Field(ge=0)
     """Id of the padding token."""
-    eos_id: int = Field(ge=0)
+    eos_id: Int = Field(ge=0)
     """Id of the end-of-sequence token."""
-    num_tokens: int = Field(gt=0)
+    num_tokens: Int = Field(gt=0)
     """Ids the tokenizer can produce (uniform noise draws from them; the embedding may have more rows)."""
-    max_length: int = Field(gt=0)
+    max_length: Int = Field(gt=0)
     """Longest sequence (prompt + generation) the model's positions cover."""
 
     @model_validator(mode="after")

@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, StringConstraints, ValidationError, field_validator, model_validator
 
-from dllm.config.base import RelPath, Section
+from dllm.config.base import Float, Int, RelPath, Section, Seed
 from dllm.config.registries import REWARDS
 from dllm.config.sampler import SamplerConfig
 
@@ -29,15 +29,15 @@ class RewardConfig(Section):
 
     name: Literal[REWARDS.names()] | Annotated[str, StringConstraints(pattern=USER_REWARD)]  # type: ignore[valid-type]
     """A registered reward (exact_answer, format, length_penalty) or a user function as `module:function`."""
-    weight: float = 1.0
+    weight: Float = 1.0
     """Factor of this term in the summed reward."""
     pattern: str | None = None
     """format: the regular expression (Python `re` syntax) the completion must match."""
     match: Literal["fullmatch", "search"] = "fullmatch"
     """format: fullmatch (the whole completion, stripped of surrounding whitespace) or search (anywhere in it)."""
-    target_tokens: int | None = Field(default=None, ge=0)
+    target_tokens: Int | None = Field(default=None, ge=0)
     """length_penalty: completion tokens allowed without penalty."""
-    per_token: float = Field(default=0.01, ge=0)
+    per_token: Float = Field(default=0.01, ge=0)
     """length_penalty: reward lost per completion token beyond target_tokens (linear)."""
 
     @field_validator("name", mode="wrap")
@@ -75,9 +75,9 @@ class PromptsConfig(Section):
     """A built-in generated task with exact answers (addition, addition3, copy, pattern, countdown, sudoku4)."""
     path: RelPath | None = None
     """A JSONL file of {"prompt": "...", "answer": "..."} records, or a prompts artifact folder (instead of task)."""
-    num_prompts: int = Field(default=512, gt=0)
+    num_prompts: Int = Field(default=512, gt=0)
     """Prompts generated from the task (or read from the file, at most); each round draws from them."""
-    seed: int = 0
+    seed: Seed = 0
     """Seed of the generated task's examples (use another seed than the held-out evaluation's)."""
 
     @model_validator(mode="after")
@@ -98,15 +98,15 @@ class RLConfig(Section):
 
     rewards: list[RewardConfig] = Field(min_length=1)
     """The reward terms, summed with their weights into one scalar per completion."""
-    group_size: int = Field(default=8, ge=2)
+    group_size: Int = Field(default=8, ge=2)
     """G: completions sampled per prompt; advantages are normalised within each group (GRPO needs >= 2)."""
-    p_mask_prompt: float = Field(default=0.15, ge=0, lt=1)
+    p_mask_prompt: Float = Field(default=0.15, ge=0, lt=1)
     """Probability of masking each prompt token in the log-prob estimate, drawn afresh per inner update (d1: 0.15)."""
-    clip_eps: float = Field(default=0.2, gt=0, lt=1)
+    clip_eps: Float = Field(default=0.2, gt=0, lt=1)
     """Clip range of the ratio pi/pi_old: [1 - clip_eps, 1 + clip_eps] (PPO)."""
-    beta: float = Field(default=0.04, ge=0)
+    beta: Float = Field(default=0.04, ge=0)
     """Weight of the KL penalty to the reference policy (k3 estimator; DeepSeekMath: 0.04); 0 needs no reference."""
-    inner_updates: int = Field(default=12, ge=1)
+    inner_updates: Int = Field(default=12, ge=1)
     """mu: gradient updates per generation round on the same completions (d1: 12)."""
     prompts: PromptsConfig | None = None
     """The prompts and reference answers the policy is rewarded on (required)."""

@@ -6,10 +6,13 @@ from typing import Literal
 
 from pydantic import Field, ValidationError, model_validator
 
-from dllm.config.base import Section
+from dllm.config.base import Float, Int, Section, Seed
 from dllm.config.profile import DecodeProfile
 from dllm.config.registries import CACHES, POLICIES
 from dllm.errors import ConfigError
+
+MAX_STEPS = 1 << 20
+"""The largest step budget (a forward each): more is no schedule, and sizes a tensor past what torch can index."""
 
 
 class SamplerConfig(Section):
@@ -22,33 +25,33 @@ class SamplerConfig(Section):
     positions from each prompt's start; `auto` fields are filled from the run (config.rules.resolve_sampler).
     """
 
-    gen_length: int = Field(default=32, gt=0)
+    gen_length: Int = Field(default=32, gt=0)
     """Tokens to generate after the prompt (max_new_tokens)."""
-    block_length: int | None = Field(default=None, gt=0)
+    block_length: Int | None = Field(default=None, gt=0)
     """Semi-autoregressive block, decoded left to right; divides gen_length. null: gen_length / the run's block."""
-    steps: int | None = Field(default=None, gt=0)
+    steps: Int | None = Field(default=None, gt=0, le=MAX_STEPS)
     """Step budget over all blocks, a multiple of the number of blocks; null: gen_length (one token per step)."""
     policy: Literal[POLICIES.names()] = "low_confidence"  # type: ignore[valid-type]
     """What to commit: low_confidence, random, margin, entropy, threshold, factor, ancestral, first_hitting, uniform."""
-    threshold: float = Field(default=0.9, gt=0, le=1)
+    threshold: Float = Field(default=0.9, gt=0, le=1)
     """policy threshold: commit every masked position whose proposal has at least this probability (at least one)."""
-    factor: float = Field(default=1.0, gt=0)
+    factor: Float = Field(default=1.0, gt=0)
     """policy factor: commit the n most confident positions with (n + 1) * (1 - p_n) < factor (at least one)."""
-    temperature: float = Field(default=0.0, ge=0)
+    temperature: Float = Field(default=0.0, ge=0)
     """0 is greedy; above 0 samples with Gumbel noise computed in float64."""
-    top_k: int | None = Field(default=None, gt=0)
+    top_k: Int | None = Field(default=None, gt=0)
     """Sample only among the k most probable tokens (with temperature > 0); null keeps all."""
-    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_p: Float | None = Field(default=None, gt=0, le=1)
     """Nucleus sampling: the smallest set of tokens with this total probability (temperature > 0); null keeps all."""
-    cfg_scale: float = Field(default=0.0, ge=0)
+    cfg_scale: Float = Field(default=0.0, ge=0)
     """Classifier-free guidance w: uncond + (1 + w) * (cond - uncond), prompt masked in the uncond pass; 0 is off."""
     cache: Literal[CACHES.names()] = "none"  # type: ignore[valid-type]
     """KV cache: prefix or dual (approximate, bidirectional models), block (exact, block models), or none."""
-    refresh_every: int | None = Field(default=None, gt=0)
+    refresh_every: Int | None = Field(default=None, gt=0)
     """prefix / dual: also refresh the cache with a full forward every N steps in a block; null: block starts only."""
     attention: Literal["auto", "bidirectional", "block"] = "auto"
     """bidirectional (MDLM, LLaDA, Dream) or block-causal (BD3LM, Fast-dLLM v2); auto: from the run's objective."""
-    sub_block_length: int | None = Field(default=None, gt=0)
+    sub_block_length: Int | None = Field(default=None, gt=0)
     """Block models: decode each block in sub-blocks of this length, left to right (Fast-dLLM v2); null: whole block."""
     shift: Literal["auto", "on", "off"] = "auto"
     """Predict position i from the hidden state at i-1 (Dream, Fast-dLLM v2); auto: from the model and the objective."""
@@ -58,13 +61,13 @@ class SamplerConfig(Section):
     """Cut each output at its first EOS and stop early once every row has one."""
     stop_strings: list[str] = Field(default_factory=list)
     """Cut each output at the first of these strings, and stop early once every row has one."""
-    seed: int = 0
+    seed: Seed = 0
     """Seed of the sampling noise (temperature, random orders and the process policies)."""
     generation: Literal["auto", "canvas", "edit_flow", "causal"] = "auto"
     """canvas (a policy commits masks), edit_flow (tau-leaping), causal (AR; with --draft speculative); auto: by run."""
     edit_kappa: Literal["auto", "cubic", "linear"] = "auto"
     """edit_flow: the schedule whose weight tau-leaping integrates; auto: the run's objective.kappa."""
-    edit_end_time: float | None = Field(default=None, gt=0, le=1)
+    edit_end_time: Float | None = Field(default=None, gt=0, le=1)
     """edit_flow: the time tau-leaping ends at (1 fires every intensity left); null: 1 - the run's objective.eps."""
     compile: bool = False
     """Compile each transformer block in place with torch.compile (dynamic shapes: a new prompt length reuses it)."""

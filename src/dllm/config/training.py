@@ -6,7 +6,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator
 
-from dllm.config.base import Section
+from dllm.config.base import Float, Int, Section, Seed
 from dllm.config.observability import WandbConfig
 from dllm.config.registries import LR_SCHEDULES
 
@@ -14,19 +14,19 @@ from dllm.config.registries import LR_SCHEDULES
 class TrainingConfig(Section):
     """The training loop."""
 
-    steps: int = Field(gt=0)
+    steps: Int = Field(gt=0)
     """Optimizer steps to run in total (a resumed run continues up to this step)."""
-    global_batch_size: int = Field(gt=0)
+    global_batch_size: Int = Field(gt=0)
     """Sequences per optimizer step, summed over data-parallel ranks and accumulation micro-steps."""
-    micro_batch_size: int = Field(gt=0)
+    micro_batch_size: Int = Field(gt=0)
     """Sequences in one forward/backward on one rank."""
-    seed: int = 0
+    seed: Seed = 0
     """Seed of weight initialisation, data order and diffusion noise."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where to train: auto picks cuda when available, else cpu."""
     autocast_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Compute dtype inside forward (torch.autocast); parameters stay float32."""
-    grad_clip: float | None = Field(default=1.0, gt=0)
+    grad_clip: Float | None = Field(default=1.0, gt=0)
     """Clip the global gradient norm to this value; null disables clipping."""
     compile: Literal["auto"] | bool = "auto"
     """torch.compile each transformer block: auto (on for CUDA, off for CPU), true, false."""
@@ -43,13 +43,13 @@ class OptimizerConfig(Section):
 
     name: Literal["adamw"] = "adamw"
     """Optimizer: adamw (decoupled weight decay on matrices only)."""
-    lr: float = Field(default=3e-4, gt=0)
+    lr: Float = Field(default=3e-4, gt=0)
     """Peak learning rate."""
-    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (0.9, 0.95)
+    betas: tuple[Annotated[Float, Field(ge=0, lt=1)], Annotated[Float, Field(ge=0, lt=1)]] = (0.9, 0.95)
     """Adam beta1, beta2 (each in [0, 1): the decay of the moment averages)."""
-    eps: float = Field(default=1e-8, gt=0)
+    eps: Float = Field(default=1e-8, gt=0)
     """Adam epsilon."""
-    weight_decay: float = Field(default=0.1, ge=0)
+    weight_decay: Float = Field(default=0.1, ge=0)
     """Decoupled weight decay of weight matrices (norms, biases, embeddings are not decayed)."""
 
 
@@ -58,18 +58,18 @@ class SchedulerConfig(Section):
 
     name: Literal[LR_SCHEDULES.names()] = "cosine"  # type: ignore[valid-type]
     """Shape after warmup: cosine or linear decay to min_lr_ratio * lr, or constant."""
-    warmup_steps: int = Field(default=0, ge=0)
+    warmup_steps: Int = Field(default=0, ge=0)
     """Steps of linear warmup from 0 to the peak learning rate."""
-    min_lr_ratio: float = Field(default=0.1, ge=0, le=1)
+    min_lr_ratio: Float = Field(default=0.1, ge=0, le=1)
     """Final learning rate as a fraction of the peak."""
 
 
 class CheckpointingConfig(Section):
     """When checkpoints are written and whether a run resumes."""
 
-    every_steps: int | None = Field(default=None, gt=0)
+    every_steps: Int | None = Field(default=None, gt=0)
     """Save every N steps; null saves only at the end."""
-    keep_last_n: int = Field(default=2, gt=0)
+    keep_last_n: Int = Field(default=2, gt=0)
     """Keep the newest N checkpoints, delete older ones."""
     resume: Literal["auto", "never"] = "auto"
     """auto: continue from the newest checkpoint of the run folder if there is one."""
@@ -82,7 +82,7 @@ class CheckpointingConfig(Section):
 class LoggingConfig(Section):
     """Metrics and progress display."""
 
-    every_steps: int = Field(default=10, gt=0)
+    every_steps: Int = Field(default=10, gt=0)
     """Write metrics every N steps."""
     tensorboard: Literal["auto", "on", "off"] = "auto"
     """TensorBoard event files in the run folder: auto writes them when tensorboard is installed."""
@@ -107,9 +107,9 @@ class ContextParallelConfig(Section):
 
     mode: Literal["none", "cp", "bp", "csbp"] = "none"
     """none; cp (positions sharded); bp (noisy blocks dealt out, clean half copied); csbp (bp, clean half sharded)."""
-    cp_size: int = Field(default=1, gt=0)
+    cp_size: Int = Field(default=1, gt=0)
     """Context-parallel degree: ranks that shard positions (cp) or the clean half x_0 (csbp); 1 otherwise."""
-    bp_size: int = Field(default=1, gt=0)
+    bp_size: Int = Field(default=1, gt=0)
     """Block-parallel degree: ranks that split the noisy blocks (bp, csbp; a multiple of cp_size for csbp); 1 for cp."""
     schedule: Literal["dual_end", "contiguous"] = "dual_end"
     """Which rank gets which chunk/block: dual_end pairs first and last (balanced work) or contiguous runs."""
@@ -125,21 +125,21 @@ class ContextParallelConfig(Section):
 class TopologyConfig(Section):
     """How many processes train and how they split the work."""
 
-    nnodes: int = Field(default=1, gt=0)
+    nnodes: Int = Field(default=1, gt=0)
     """Number of machines."""
-    nproc_per_node: int = Field(default=1, gt=0)
+    nproc_per_node: Int = Field(default=1, gt=0)
     """Worker processes per machine (one per GPU; on CPU, a few)."""
     data_parallel: Literal["fsdp", "ddp"] = "fsdp"
     """Data parallelism: fsdp (FSDP2 fully_shard, sharded parameters) or ddp (replicated)."""
-    dp_size: int = -1
+    dp_size: Int = -1
     """Data-parallel degree; -1 uses every rank (world size / (context group size x tp_size))."""
-    dp_replicate: int = Field(default=1, gt=0)
+    dp_replicate: Int = Field(default=1, gt=0)
     """Of dp_size, replicas that keep whole parameter shards (HSDP: fsdp shards over dp_size / dp_replicate)."""
-    tp_size: int = Field(default=1, gt=0)
+    tp_size: Int = Field(default=1, gt=0)
     """Tensor-parallel degree: ranks that split each layer's heads, MLP width and the vocabulary."""
     sequence_parallel: bool = False
     """With tp_size > 1: norms and the residual stream between blocks sharded over positions too."""
-    ep_size: int = Field(default=1, gt=0)
+    ep_size: Int = Field(default=1, gt=0)
     """Expert-parallel degree (MoE models): data-parallel ranks that split the experts (divides dp_size)."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """Collective backend: auto picks nccl on GPU and gloo on CPU."""

@@ -15,6 +15,8 @@ the same bytes. Training checks the layout and the recorded maxima before it tru
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import glob
 import hashlib
 import json
@@ -34,6 +36,7 @@ from dllm.errors import DataError
 FORMAT = "dllm-artifact"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -47,7 +50,7 @@ class ArrayWriter:
         self.name = name
         self.file = f"{name}.bin"
         self.dtype = np.dtype(dtype).newbyteorder("<")
-        self._fh: BinaryIO = open(folder / self.file, "wb")  # noqa: SIM115 - closed in close()
+        self._fh: BinaryIO = (folder / self.file).open("wb")  # closed in close() or discard()
         self._sha = hashlib.sha256()
         self.count = 0
         self.max = 0  # recorded in the manifest: training checks token ids against it without reading the file
@@ -60,6 +63,11 @@ class ArrayWriter:
         self.count += arr.size
         if arr.size:
             self.max = max(self.max, int(arr.max()))
+
+    def discard(self) -> None:
+        """Close the file of a failed preparation (its folder is removed): a full disk must not fail again later."""
+        with contextlib.suppress(OSError):
+            self._fh.close()
 
     def close(self) -> dict[str, Any]:
         self._fh.close()
@@ -90,9 +98,14 @@ def staged_folder(output: Path, overwrite: bool, keep: Iterable[Path] = ()) -> I
             shutil.rmtree(stage)
         _mkdir(stage)
         yield stage
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(stage, ignore_errors=True)
         _remove_created(created)
+        if isinstance(e, OSError) and e.errno in _DISK_FULL:
+            raise DataError(
+                f"no space left on {output.parent} while writing {output.name}; nothing was kept: free some space "
+                "or choose another output, then prepare again"
+            ) from None
         raise
     trash = output.parent / f".{output.name}.old-{os.getpid()}"
     if output.exists():

@@ -51,7 +51,7 @@ import torch
 from pydantic import Field, ValidationError
 
 from dllm.checkpoint.inference import load_for_inference
-from dllm.config.base import Section
+from dllm.config.base import Float, Int, Section, Seed
 from dllm.config.loading import format_validation_error, read_yaml, validate_config
 from dllm.config.sampler import SamplerConfig, resolve_sampler
 from dllm.errors import ConfigError, UserError
@@ -77,22 +77,22 @@ class HarnessArgs(Section):
     """cpu, cuda or cuda:N."""
     kind: Literal["auto", "mdlm", "block", "ar"] = "auto"
     """How to score: auto (from the run's objective; mdlm for a model folder), mdlm, block, or ar (exact NLL)."""
-    mc_samples: int = Field(default=32, gt=0)
+    mc_samples: Int = Field(default=32, gt=0)
     """Monte Carlo samples of the bound per request (1 for kind ar)."""
-    batch_size: int = Field(default=8, gt=0)
+    batch_size: Int = Field(default=8, gt=0)
     """Rows per forward: requests scored (or prompts decoded) together."""
-    cfg_scale: float | None = Field(default=None, ge=0)
+    cfg_scale: Float | None = Field(default=None, ge=0)
     """Classifier-free guidance in the likelihood and in generation; null: the sampler's (0 by default)."""
     antithetic: bool = True
     """Stratified (evenly spaced) Monte Carlo times per row instead of independent ones."""
-    seed: int | None = None
+    seed: Seed | None = None
     """Seed of the Monte Carlo noise and of the sampler; null: the sampler's (0 by default)."""
     sampler_config: str | None = None
     """A YAML file of SamplerConfig fields; SamplerConfig fields in model_args override it."""
-    max_length: int | None = Field(default=None, gt=1)
+    max_length: Int | None = Field(default=None, gt=1)
     """Tokens per row (left truncation, rolling windows); null: the model's max_seq_len. A run trained on
     shorter rows (data.seq_len) may score better with windows of that length."""
-    suffix_masks: int = Field(default=8, ge=0)
+    suffix_masks: Int = Field(default=8, ge=0)
     """loglikelihood: mask tokens after the continuation, never scored (marginalised out); 0 scores
     [context; continuation] as the whole sequence (LLaDA's scoring). See the module docstring."""
 

@@ -282,6 +282,7 @@ def scoring_for(loaded, kind: str = "auto") -> ScoringModel:
             "apply; evaluate it with tasks"
         )
     if kind == "ar" or (kind == "auto" and profile.attention == "causal"):  # a causal run: its exact likelihood
+        _check_causal(loaded)
         return ScoringModel("ar", profile.mask_id)
     if profile.attention == "block":
         if kind == "mdlm":
@@ -298,3 +299,19 @@ def scoring_for(loaded, kind: str = "auto") -> ScoringModel:
         raise ConfigError("model.shift_logits: masked scoring of shifted models is not supported; use kind=ar "
                           "for a causal model")  # fmt: skip
     return ScoringModel("mdlm", profile.mask_id, schedule=profile.schedule)
+
+
+def _check_causal(loaded) -> None:
+    """`ar` is the exact likelihood of a causal model only (the same test as `generate --ar`): through a
+    causal mask a bidirectional or block model's predictions are no likelihood of anything."""
+    from dllm.errors import ConfigError
+    from dllm.sampling.causal import is_causal_model
+
+    profile = loaded.profile
+    if profile.attention == "causal" or is_causal_model(profile, loaded.model_cfg.family):
+        return
+    trained = f"trained with {profile.objective}" if profile.objective else f"a {loaded.model_cfg.family} model"
+    raise ConfigError(
+        f"kind: ar scores causal (AR) models, but {loaded.source} is not one ({trained}, attention "
+        f"{profile.attention} in its decode profile); use kind auto for its bound"
+    )

@@ -48,6 +48,8 @@ def read_hf_config(folder: Path) -> dict[str, Any]:
         raise ConfigError(f"{path}:{e.lineno}: invalid JSON ({e.msg})") from None
     except (OSError, ValueError) as e:  # unreadable, not UTF-8, an integer past Python's digit limit
         raise ConfigError(f"{path}: unreadable ({' '.join(str(e).split())[:120]})") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: unreadable (nested too deeply)") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a JSON object of model settings, not a {type(data).__name__}")
     return data
@@ -72,6 +74,8 @@ def model_config_from_hf(folder: Path) -> ModelConfig:
     hf = read_hf_config(folder)
     family = family_of(hf)
     path = Path(folder) / "config.json"
+    _check_dtype(hf, path)
+    _check_finite_numbers(hf, path)
     try:
         fields = {k: v for k, v in family.config_from_hf(hf).items() if v is not None}
     except KeyError as e:
@@ -87,6 +91,51 @@ def model_config_from_hf(folder: Path) -> ModelConfig:
         field = ".".join(str(p) for p in err["loc"]) or "model"
         got = f" (got {err['input']!r})" if not isinstance(err.get("input"), dict) else ""
         raise ConfigError(f"{path}: {field}: {str(err['msg']).removeprefix('Value error, ')}{got}") from None
+
+
+def _check_dtype(hf: dict[str, Any], path: Path) -> None:
+    """`torch_dtype` (`dtype` in newer folders) names a floating-point dtype torch has, or `auto`: another value
+    (float128, a typo) says the folder was not written for torch."""
+    for key in ("torch_dtype", "dtype"):
+        value = hf.get(key)
+        if value is None or value == "auto":
+            continue
+        dtype = getattr(torch, value, None) if isinstance(value, str) else None
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ConfigError(
+                f"{path}: {key}: {value!r} is not a floating-point dtype of torch (float32, float16, bfloat16, ...)"
+            )
+
+
+def _check_finite_numbers(hf: dict[str, Any], path: Path) -> None:
+    """No NaN or infinity anywhere in config.json (Python's json reads them): a value read now or by another
+    tool (transformers reads rope_theta where dllm reads rope_parameters) would make the model compute NaN."""
+    stack: list[tuple[str, Any]] = list(hf.items())
+    while stack:  # iterative: a config may nest as deep as json reads
+        key, node = stack.pop()
+        if isinstance(node, float) and not math.isfinite(node):
+            raise ConfigError(f"{path}: {key}: {node} is not a finite number; fix the config")
+        if isinstance(node, dict):
+            stack.extend((f"{key}.{k}", v) for k, v in node.items())
+        elif isinstance(node, list):
+            stack.extend((f"{key}.{i}", v) for i, v in enumerate(node))
+
+
+def check_weight_values(state: StateDict, where: Path, file_name: Callable[[str], str] = str) -> None:
+    """Refuse weights that are not floating point (a quantized or damaged checkpoint: they would be cast to
+    float as if they were weights) or hold NaN or infinity, naming the first such tensor."""
+    for key, t in state.items():
+        if not t.is_floating_point():
+            raise ConfigError(
+                f"{where}: weight {file_name(key)} is {str(t.dtype).removeprefix('torch.')}, not floating point "
+                "(a quantized checkpoint?); convert a float16, bfloat16 or float32 checkpoint"
+            )
+        if not bool(torch.isfinite(t).all()):
+            bad = int((~torch.isfinite(t)).sum())
+            raise ConfigError(
+                f"{where}: weight {file_name(key)} holds {bad:,} NaN or infinite value(s) of {t.numel():,}; "
+                "the checkpoint is corrupt: re-download or re-export it"
+            )
 
 
 def _safetensors_files(folder: Path) -> list[Path] | None:
@@ -122,16 +171,18 @@ def safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]]:
 
 def _load_bin(path: Path) -> StateDict:
     """pytorch_model.bin with weights_only (memory-mapped when the format allows); anything else refused."""
-    import pickle
+    import warnings
 
     try:
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError as e:
-            if "mmap" not in str(e):
-                raise
-            state = torch.load(path, map_location="cpu", weights_only=True)  # the legacy (non-zip) format
-    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError) as e:
+        with warnings.catch_warnings():  # torch warns about the pickle protocol of files it then refuses
+            warnings.simplefilter("ignore")
+            try:
+                state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError as e:
+                if "mmap" not in str(e):
+                    raise
+                state = torch.load(path, map_location="cpu", weights_only=True)  # the legacy (non-zip) format
+    except Exception as e:  # the weights-only unpickler raises many types on junk (struct.error, KeyError, ...)
         raise ConfigError(
             f"{path}: refused: not a plain tensor file ({_pickle_reason(e)}); its code was not run; "
             "convert it to safetensors with a tool you trust"
@@ -254,6 +305,7 @@ def import_hf(folder: Path, cfg: ModelConfig) -> StateDict:
     src_cfg = model_config_from_hf(folder)
     check_hf_weights(folder, family, src_cfg, cfg)
     native = state_from_hf(family, load_hf_state_dict(folder), src_cfg)
+    check_weight_values(native, folder, lambda k: _hf_name(family, k))
     native = {k: v.float() for k, v in native.items()}
     assert cfg.vocab_size is not None
     return resize_vocab(native, cfg.vocab_size)

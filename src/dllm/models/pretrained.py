@@ -22,6 +22,7 @@ from dllm.models.families.base import StateDict
 from dllm.models.hf_io import (
     TOKENIZER_FILES,
     check_weight_shapes,
+    check_weight_values,
     copy_tokenizer_files,
     import_hf,
     is_hf_folder,
@@ -103,7 +104,9 @@ def pretrained_state(cfg: ModelConfig) -> StateDict:
 
         shapes = safetensors_shapes(path / WEIGHTS)  # checked against model.yaml before loading
         check_weight_shapes(path / MODEL_YAML, pretrained_config(path), cfg, shapes, lambda: shapes)
-        state = {k: v.float() for k, v in load_file(str(path / WEIGHTS)).items()}
+        state = load_file(str(path / WEIGHTS))
+        check_weight_values(state, path / WEIGHTS)
+        state = {k: v.float() for k, v in state.items()}
         return resize_vocab(state, cfg.vocab_size)
     return import_hf(path, cfg)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import contextlib
 import multiprocessing as mp
 import os
 from collections.abc import Callable, Iterable, Iterator
@@ -52,9 +53,11 @@ class Outcome:
 
 
 def process_record(record: Record, src: Any, spec: PrepareSpec, tok: Tokenizer, max_chars: int | None) -> Outcome:
-    if max_chars is not None and text_chars(record, src) > max_chars:
+    if max_chars is not None and record.error is None and text_chars(record, src) > max_chars:
         return Outcome([], "rejected")  # cannot fit the length limit: never tokenized (a 50 MB line took 3 GB)
     try:
+        if record.error is not None:  # a line that is not a JSON object
+            raise DataError(record.error)
         doc = render(record, src, tok, spec.add_bos, spec.append_eos)
     except DataError as e:
         if spec.on_bad_record == "fail":
@@ -239,12 +242,14 @@ def prepare(
     tok = build_tokenizer(spec.tokenizer)
     out = Path(output) if output is not None else spec.output
     stats = PrepareStats()
-    with staged_folder(out, overwrite, keep=_inputs(spec, base_dir)) as stage:
+    with staged_folder(out, overwrite, keep=_inputs(spec, base_dir)) as stage, contextlib.ExitStack() as closing:
         writers = {
             "tokens": ArrayWriter(stage, "tokens", token_dtype(tok.vocab_size)),
             "loss_mask": ArrayWriter(stage, "loss_mask", np.dtype("u1")),
             "doc_starts": ArrayWriter(stage, "doc_starts", np.dtype("<u8")),
         }
+        for w in writers.values():  # closed before the stage is removed or published, whatever happens
+            closing.callback(w.discard)
         layout_cls: type[Layout] = LAYOUTS.resolve(spec.layout)
         layout = layout_cls(spec.seq_len, tok.pad_id, *writers.values())
         for outcome in outcomes(spec, base_dir, tok, workers):

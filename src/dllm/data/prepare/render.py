@@ -138,20 +138,38 @@ def render_messages(record: Record, f: RecordFields, tok: Tokenizer) -> Document
 
 def render_tokens(record: Record, f: RecordFields, tok: Tokenizer) -> Document:
     ids = get_field(record.data, f.input_ids_field, record.where, "input_ids_field")
-    if hasattr(ids, "tolist"):
-        ids = ids.tolist()
-    # JSON true/false are Python ints too, but never token ids
-    if not isinstance(ids, list) or not all(type(i) is int and 0 <= i < tok.vocab_size for i in ids):
-        raise DataError(f"{record.where}: {f.input_ids_field!r} must be a list of ids in [0, {tok.vocab_size})")
-    mask = [1] * len(ids)
-    if f.labels_field or f.loss_mask_field:
-        dotted = f.labels_field or f.loss_mask_field
-        values = get_field(record.data, dotted, record.where, "labels_field" if f.labels_field else "loss_mask_field")
-        values = values.tolist() if hasattr(values, "tolist") else values
-        if not isinstance(values, list) or len(values) != len(ids):
-            raise DataError(f"{record.where}: {dotted!r} must be a list as long as {f.input_ids_field!r}")
-        mask = [int(v != -100) for v in values] if f.labels_field else [int(bool(v)) for v in values]
+    ids = ids.tolist() if hasattr(ids, "tolist") else ids
+    V = tok.vocab_size
+    bad = _first_bad(ids, lambda v: 0 <= v < V)
+    if bad is not None:  # JSON true/false are Python ints too, but never token ids
+        raise DataError(f"{record.where}: {f.input_ids_field!r} must be a list of ids in [0, {V}){bad}")
+    if not (f.labels_field or f.loss_mask_field):
+        return Document(ids, [1] * len(ids))
+    dotted = f.labels_field or f.loss_mask_field
+    values = get_field(record.data, dotted, record.where, "labels_field" if f.labels_field else "loss_mask_field")
+    values = values.tolist() if hasattr(values, "tolist") else values
+    if not isinstance(values, list) or len(values) != len(ids):
+        raise DataError(f"{record.where}: {dotted!r} must be a list as long as {f.input_ids_field!r}")
+    if f.labels_field:
+        bad = _first_bad(values, lambda v: v == -100 or 0 <= v < V)
+        what, mask = f"-100 (not trained) or token ids in [0, {V})", [int(v != -100) for v in values]
+    else:
+        bad = _first_bad(values, lambda v: v in (0, 1), allow_bool=True)
+        what, mask = "0 or 1 per token", [int(v) for v in values]
+    if bad is not None:
+        raise DataError(f"{record.where}: {dotted!r} must hold {what}{bad}")
     return Document(ids, mask)
+
+
+def _first_bad(values: Any, ok: Callable[[int], bool], allow_bool: bool = False) -> str | None:
+    """None when `values` is a list of ints (bools only if `allow_bool`) that are all `ok`; else what is wrong
+    with the first bad one, ` (index I is V)`, for the message."""
+    if not isinstance(values, list):
+        return f" (got a {type(values).__name__})"
+    for i, v in enumerate(values):
+        if not (type(v) is int or (allow_bool and type(v) is bool)) or not ok(v):
+            return f" (index {i} is {repr(v)[:40]})"
+    return None
 
 
 Renderer = Callable[[Record, RecordFields, Tokenizer], Document]

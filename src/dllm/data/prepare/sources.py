@@ -39,6 +39,8 @@ class Record:
 
     data: dict[str, Any]
     where: str
+    error: str | None = None
+    """Why the input at `where` is no record (a line that is not a JSON object): failed or skipped (on_bad_record)."""
 
 
 SourceReader = Callable[[Any, Path], Iterator[Record]]
@@ -121,14 +123,13 @@ def _decode(raw: bytes, where: str) -> str:
         raise DataError(f"{where}: not valid UTF-8 (byte {e.start}); re-encode the file as UTF-8") from None
 
 
-def _lines(path: Path) -> Iterator[tuple[str, str]]:
-    """(file:line, decoded line) of a text file (plain or .gz), streamed."""
+def _lines(path: Path) -> Iterator[tuple[str, bytes]]:
+    """(file:line, raw line) of a text file (plain or .gz), streamed; the first line without its UTF-8 BOM."""
     lineno = 0
     try:
         with _open_binary(path) as fh:
             for lineno, raw in enumerate(fh, start=1):
-                where = f"{path}:{lineno}"
-                yield where, _decode(raw.removeprefix(codecs.BOM_UTF8) if lineno == 1 else raw, where)
+                yield f"{path}:{lineno}", raw.removeprefix(codecs.BOM_UTF8) if lineno == 1 else raw
     except (OSError, EOFError, zlib.error) as e:  # unreadable file, corrupt or truncated gzip
         raise DataError(f"{path}:{lineno + 1}: cannot read ({_first_line(e)}); check or re-create the file") from None
 
@@ -137,27 +138,39 @@ def _lines(path: Path) -> Iterator[tuple[str, str]]:
 # jsonl and text
 
 
-def jsonl_records(path: Path) -> Iterator[Record]:
-    """JSON objects of a JSON Lines file (plain or .gz), streamed; blank lines skipped; errors name file:line."""
-    for where, line in _lines(path):
-        if not line.strip():
+def jsonl_records(path: Path, keep_bad: bool = False) -> Iterator[Record]:
+    """JSON objects of a JSON Lines file (plain or .gz), streamed; blank lines skipped; errors name file:line.
+    A line that is not a JSON object raises, or with `keep_bad` is a Record carrying the error (prepare's
+    on_bad_record decides)."""
+    for where, raw in _lines(path):
+        if not raw.strip():
             continue
         try:
-            data = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{where}: invalid JSON ({e.msg}); fix or remove the line") from None
-        except ValueError:  # an integer beyond Python's digit limit
-            raise DataError(f"{where}: a number is too large to read; fix or remove the line") from None
-        except RecursionError:
-            raise DataError(f"{where}: JSON nested too deeply to read; flatten or remove the line") from None
-        if not isinstance(data, dict):
-            raise DataError(f"{where}: expected a JSON object per line, got {type(data).__name__}")
-        yield Record(data=data, where=where)
+            record = Record(data=_json_object(_decode(raw, where), where), where=where)
+        except DataError as e:
+            if not keep_bad:
+                raise
+            record = Record(data={}, where=where, error=str(e))
+        yield record
+
+
+def _json_object(line: str, where: str) -> dict[str, Any]:
+    try:
+        data = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{where}: invalid JSON ({e.msg}); fix or remove the line") from None
+    except ValueError:  # an integer beyond Python's digit limit
+        raise DataError(f"{where}: a number is too large to read; fix or remove the line") from None
+    except RecursionError:
+        raise DataError(f"{where}: JSON nested too deeply to read; flatten or remove the line") from None
+    if not isinstance(data, dict):
+        raise DataError(f"{where}: expected a JSON object per line, got {type(data).__name__}")
+    return data
 
 
 def read_jsonl(cfg: JsonlSourceConfig, base_dir: Path) -> Iterator[Record]:
     for path in expand_paths(cfg.path, base_dir, "sources.path"):
-        yield from jsonl_records(path)
+        yield from jsonl_records(path, keep_bad=True)
 
 
 def _text_file(path: Path) -> Record:
@@ -175,8 +188,8 @@ def _text_file(path: Path) -> Record:
 
 
 def _text_lines(path: Path) -> Iterator[Record]:
-    for where, line in _lines(path):
-        text = line.rstrip("\r\n")
+    for where, raw in _lines(path):
+        text = _decode(raw, where).rstrip("\r\n")
         if text.strip():
             yield Record(data={"text": text}, where=where)
 
@@ -225,14 +238,30 @@ def _load_npy(path: Path) -> np.ndarray:
     return array
 
 
+def _npy_ids(row: np.ndarray, where: str, padded: bool) -> list[int]:
+    """The ids of a 1-D array or of one row of a 2-D array, whose trailing -1 are padding (`padded`); any other
+    negative value is refused with its index (dropping it would silently join the ids around it)."""
+    end = len(row)
+    if padded:
+        kept = np.flatnonzero(row != -1)
+        end = int(kept[-1]) + 1 if kept.size else 0
+    negative = np.flatnonzero(row[:end] < 0)
+    if negative.size:
+        i = int(negative[0])
+        pads = " (only trailing -1 pad a row)" if padded else ""
+        raise DataError(f"{where}: index {i} holds {int(row[i])}, not a token id{pads}; fix the array")
+    return row[:end].tolist()
+
+
 def read_npy(cfg: NpySourceConfig, base_dir: Path) -> Iterator[Record]:
-    """A 1-D array is one document; a 2-D array one per row with negative ids (padding) dropped."""
+    """A 1-D array is one document; a 2-D array one per row, trailing -1 (padding) dropped."""
     for path in expand_paths(cfg.path, base_dir, "sources.path"):
         array = _load_npy(path)
         if array.ndim == 1:
-            yield Record(data={"input_ids": array.tolist()}, where=str(path))
+            yield Record(data={"input_ids": _npy_ids(array, str(path), padded=False)}, where=str(path))
         else:
-            yield from _numbered(({"input_ids": row[row >= 0].tolist()} for row in array), str(path))
+            rows = ({"input_ids": _npy_ids(row, f"{path}:row {n}", padded=True)} for n, row in enumerate(array, 1))
+            yield from _numbered(rows, str(path))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -270,10 +299,23 @@ def _hf_from_disk(cfg: HFDatasetSourceConfig, base_dir: Path) -> tuple[Any, str]
     except FileNotFoundError as e:
         raise DataError(f"{folder}: not a dataset written by save_to_disk ({_first_line(e)})") from None
     if not isinstance(loaded, datasets.DatasetDict):
+        _check_single_split(loaded, cfg, folder)
         return loaded, str(folder)
     if cfg.split not in loaded:
         raise DataError(f"{folder}: no split {cfg.split!r}; set split to one of {', '.join(sorted(loaded))}")
     return loaded[cfg.split], str(folder)
+
+
+def _check_single_split(dataset: Any, cfg: HFDatasetSourceConfig, folder: Path) -> None:
+    """A folder of one Dataset holds the split it was saved from (or one without a name): another split is refused,
+    not read as that one."""
+    split = None if dataset.split is None else str(dataset.split)
+    if split is not None and split != cfg.split:
+        raise DataError(f"{folder}: no split {cfg.split!r}; it holds one dataset, split {split!r}: set split to it")
+    if split is None and "split" in cfg.model_fields_set and cfg.split != "train":
+        raise DataError(
+            f"{folder}: no split {cfg.split!r}; the folder holds one dataset without split names: leave split unset"
+        )
 
 
 def _hf_from_files(cfg: HFDatasetSourceConfig, base_dir: Path) -> tuple[Any, str]:

@@ -145,11 +145,11 @@ def _modernbert_to_hf(sd: StateDict, cfg: ModelConfig) -> StateDict:
 _MODERNBERT_ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "silu": "silu"}
 
 
-def _modernbert_rope(hf: dict[str, Any], kind: str, legacy_key: str, default: float) -> float:
+def _modernbert_rope(hf: dict[str, Any], kind: str, legacy_key: str, default: float) -> Any:
     params = (hf.get("rope_parameters") or {}).get(kind) or {}
     if params.get("rope_type", "default") != "default" or hf.get("rope_scaling"):
         raise ConfigError("model.init_from: RoPE scaling is not supported yet; only default RoPE")
-    return float(params.get("rope_theta", hf.get(legacy_key, default)))
+    return params.get("rope_theta", hf.get(legacy_key, default))  # checked (a number, not a boolean) by ModelConfig
 
 
 def _modernbert_config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:

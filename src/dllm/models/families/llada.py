@@ -38,7 +38,7 @@ def _llada_config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         "num_kv_heads": hf.get("n_kv_heads") or hf["n_heads"],
         "intermediate_size": hf.get("mlp_hidden_size") or hf.get("mlp_ratio", 4) * hf["d_model"],
         "max_seq_len": hf.get("max_sequence_length", 4096),
-        "rope_theta": float(hf.get("rope_theta", 10000.0)),
+        "rope_theta": hf.get("rope_theta", 10000.0),
         "norm_eps": hf.get("rms_norm_eps", 1e-5),
         "tie_embeddings": bool(hf.get("weight_tying", False)),
         "qkv_bias": bool(hf.get("include_qkv_bias")),

@@ -27,12 +27,12 @@ _LLAMA_RENAMES = (
 )
 
 
-def _rope_theta(hf: dict[str, Any]) -> float:
+def _rope_theta(hf: dict[str, Any]) -> Any:
     params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     kind = params.get("rope_type", params.get("type", "default"))
     if kind not in ("default", None):
         raise ConfigError(f"model.init_from: RoPE scaling {kind!r} is not supported yet; only default RoPE")
-    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    return params.get("rope_theta", hf.get("rope_theta", 10000.0))  # checked (a number, not a boolean) by ModelConfig
 
 
 def _llama_config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
@@ -96,7 +96,7 @@ def _qwen3_moe_config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         "num_experts_per_tok": hf["num_experts_per_tok"],
         "moe_intermediate_size": hf["moe_intermediate_size"],
         "norm_topk_prob": bool(hf.get("norm_topk_prob", True)),
-        "router_aux_loss_coef": float(hf.get("router_aux_loss_coef", 0.001)),
+        "router_aux_loss_coef": hf.get("router_aux_loss_coef", 0.001),
     }
 
 
@@ -200,7 +200,7 @@ def _moe_common_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         "qkv_bias": bool(hf.get("attention_bias")), "attn_out_bias": bool(hf.get("attention_bias")),
         "num_experts": hf["num_experts"], "num_experts_per_tok": hf["num_experts_per_tok"],
         "norm_topk_prob": bool(hf.get("norm_topk_prob") or False),  # null in LLaDA-MoE: raw top-k probabilities
-        "router_aux_loss_coef": float(hf.get("router_aux_loss_coef", 0.01)),
+        "router_aux_loss_coef": hf.get("router_aux_loss_coef", 0.01),
         "activation": {"silu": "silu"}[hf.get("hidden_act", "silu")],
     }  # fmt: skip
 
