@@ -152,10 +152,10 @@ def tasks(
     loaded_tasks = [load_task(n, limit, seed) for n in names]
     flags = {"policy": policy, "cache": cache, "gen_length": gen_length}
     s = setup_sampling(run, checkpoint, model, device, sampler_config, overrides, flags)
-    overlaps = _training_overlap(s, loaded_tasks, allow_overlap)
     task_length = gen_length is None and "gen_length" not in _file_and_set_fields(sampler_config, overrides)
     gen = torch.Generator(device=s.device).manual_seed(s.sampler.seed)
     samplers = [_task_sampler(s, task, task_length, gen) for task in loaded_tasks]  # every prompt checked first
+    overlaps = _training_overlap(s, loaded_tasks, allow_overlap)  # then whether the scores are held out
     results = [run_task(task, sample, batch_size) for task, sample in zip(loaded_tasks, samplers, strict=True)]
     for r in results:
         r.train_overlap = overlaps[r.name]
