@@ -3,6 +3,7 @@ for `dllm serve`, in a thread for tests and benchmarks)."""
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 
@@ -32,8 +33,8 @@ def make_state(loaded: LoadedModel, cfg: SamplerConfig, *, model_id: str | None 
         ("--max-queue", max_queue, 1),
         ("--max-wait-ms", max_wait_ms, 0),
     ):
-        if value < low:
-            raise ConfigError(f"{name} must be >= {low} (got {value})")
+        if not math.isfinite(value) or value < low:
+            raise ConfigError(f"{name} must be a finite number >= {low} (got {value})")
     engine = Engine(loaded.model, loaded.tokenizer, SpecialIds.of(loaded.profile), max_batch=max_batch,
                     max_wait_ms=max_wait_ms, max_queue=max_queue)  # fmt: skip
     name = model_id or _model_name(loaded)
