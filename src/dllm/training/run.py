@@ -19,7 +19,7 @@ import yaml
 
 from dllm.checkpoint.files import disk_full_error, write_text_durably
 from dllm.config.loading import dump_config, load_config
-from dllm.config.spec import RunSpec
+from dllm.config.spec import LATEST_RUN_LINK, RunSpec
 from dllm.errors import CheckpointError, ConfigError
 
 if TYPE_CHECKING:
@@ -85,8 +85,8 @@ def _set_aside(folder: Path) -> None:
 
 
 def _point_latest(run_dir: Path) -> None:
-    link = run_dir.parent / "latest"
-    tmp = run_dir.parent / f".latest.tmp-{os.getpid()}"
+    link = run_dir.parent / LATEST_RUN_LINK
+    tmp = run_dir.parent / f".{LATEST_RUN_LINK}.tmp-{os.getpid()}"
     if tmp.is_symlink() or tmp.exists():
         tmp.unlink()
     tmp.symlink_to(run_dir.name)
