@@ -8,15 +8,18 @@ Every load path must refuse it with one line naming the file, and the file must 
 
 from __future__ import annotations
 
+import io
 import json
 import operator
 import pickle
 import re
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -134,3 +137,23 @@ def _write_old_trainer_state(ckpt: Path, state: dict[str, Any]) -> None:
     body = {"step": 2, **state}
     body.pop(PARAM_GROUPS, None)
     (ckpt / TRAINER_STATE).write_text(json.dumps(body))
+
+
+def test_a_refused_item_is_one_line_without_a_torch_warning(tmp_path: Path):
+    """A non-tensor item that is a plain pickle (protocol 4, not torch's 2): torch's unpickler printed a warning
+    about the protocol before the refusal's one line."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
+
+    from dllm.checkpoint.safe_read import SafeLoadPlanner
+
+    fqn = "optim.param_groups.0.lr"
+    at, size = torch.Size([0]), torch.Size([0])
+    item = ReadItem(LoadItemType.BYTE_IO, MetadataIndex(fqn), at, MetadataIndex(fqn), at, size)
+    payload = io.BytesIO(pickle.dumps(_Planted(tmp_path / "PAYLOAD_RAN", 1e-3), protocol=4))
+    with warnings.catch_warnings(record=True) as printed:
+        warnings.simplefilter("always")
+        with pytest.raises(CheckpointError, match=f"refused to unpickle the checkpoint item {fqn}"):
+            SafeLoadPlanner().load_bytes(item, payload)
+    assert not printed, [str(w.message) for w in printed]
+    assert not (tmp_path / "PAYLOAD_RAN").exists()

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -91,6 +93,12 @@ def _pickle(folder: Path) -> None:
     torch.save({"w": _Payload(folder / "PWNED")}, folder / "pytorch_model.bin")
 
 
+def _raw_pickle(folder: Path) -> None:
+    """A plain pickle (protocol 4, not torch's 2): torch's unpickler warned about it before refusing it."""
+    (folder / WEIGHTS).unlink()
+    (folder / "pytorch_model.bin").write_bytes(pickle.dumps({"w": _Payload(folder / "PWNED")}, protocol=4))
+
+
 HOSTILE = [
     ("list", _config(lambda c: [c], replace=True), "config.json: expected a JSON object of model settings, not a list"),
     ("missing key", _config(lambda c: c.pop("hidden_size")), "config.json: missing key 'hidden_size'"),
@@ -112,6 +120,7 @@ HOSTILE = [
     ("index escapes", _index("../../etc/passwd"), "shard '../../etc/passwd' is not a file in"),
     ("index junk", _write("model.safetensors.index.json", b"[1]"), None),
     ("pickle", _pickle, "pytorch_model.bin: refused: not a plain tensor file (Trying to load unsupported GLOBAL"),
+    ("raw pickle", _raw_pickle, "pytorch_model.bin: refused: not a plain tensor file"),
 ]  # fmt: skip
 
 
@@ -124,7 +133,10 @@ def test_hostile_folder_is_one_line_and_writes_nothing(good: Path, tmp_path: Pat
         expected = "model.safetensors.index.json: expected a JSON object with a weight_map"
     mutate(src)
     t0 = time.perf_counter()
-    code = dllm(["convert", "--from-hf", str(src), "--to", str(tmp_path / "out")])
+    with warnings.catch_warnings(record=True) as printed:
+        warnings.simplefilter("always")
+        code = dllm(["convert", "--from-hf", str(src), "--to", str(tmp_path / "out")])
+    assert not printed, [str(w.message) for w in printed]  # nothing but the one line: no warning before it
     lines = capsys.readouterr().err.strip().splitlines()
     assert time.perf_counter() - t0 < 10
     assert code == 2 and len(lines) == 1, lines

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -126,11 +127,11 @@ def _load_bin(path: Path) -> StateDict:
 
     try:
         try:
-            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            state = load_plain(path, map_location="cpu", mmap=True)
         except RuntimeError as e:
             if "mmap" not in str(e):
                 raise
-            state = torch.load(path, map_location="cpu", weights_only=True)  # the legacy (non-zip) format
+            state = load_plain(path, map_location="cpu")  # the legacy (non-zip) format
     except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError) as e:
         raise ConfigError(
             f"{path}: refused: not a plain tensor file ({_pickle_reason(e)}); its code was not run; "
@@ -139,6 +140,15 @@ def _load_bin(path: Path) -> StateDict:
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise ConfigError(f"{path}: expected a mapping of tensor names to tensors")
     return state
+
+
+def load_plain(source: Any, **kwargs: Any) -> Any:
+    """torch.load through torch's `weights_only` unpickler, which builds tensors and plain data only. Quietly:
+    it warns about a pickle protocol other than torch's before refusing what it cannot build, and a refusal
+    is the caller's one line."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return torch.load(source, weights_only=True, **kwargs)
 
 
 def _pickle_reason(e: BaseException) -> str:
