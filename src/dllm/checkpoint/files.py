@@ -10,7 +10,6 @@ of the files a manifest lists are checked.
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
@@ -19,10 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from dllm.errors import CheckpointError
+from dllm.staging import disk_full
 
 MANIFEST = "manifest.json"
 _FORMAT = "dllm.checkpoint"
-_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 _CHUNK = 1 << 20
 
 
@@ -154,28 +153,11 @@ def _check_file(path: Path, entry: dict[str, Any], hashes: bool) -> None:
 
 
 # -- disk full ------------------------------------------------------------------------------------
-def _errnos(exc: BaseException) -> set[int]:
-    """Every errno in an exception, its causes and contexts, and the per-rank failures DCP wraps
-    (torch.save reports a full disk as `unexpected pos`, with the OSError only as its context)."""
-    found: set[int] = set()
-    todo, seen = [exc], set()
-    while todo:
-        e = todo.pop()
-        if id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, OSError) and e.errno is not None:
-            found.add(e.errno)
-        todo += [x for x in (e.__cause__, e.__context__) if x is not None]
-        todo += [pair[0] for pair in getattr(e, "failures", {}).values()]
-    return found
-
-
 def disk_full_error(exc: BaseException, folder: Path, needed_bytes: int) -> CheckpointError | None:
     """The one-line error for a write that failed for lack of space (by its errno, or because the
     disk now has less room than the write needs), else None."""
     free = _free_bytes(folder)
-    if not (_errnos(exc) & set(_DISK_FULL)) and (free is None or free >= needed_bytes):
+    if not disk_full(exc) and (free is None or free >= needed_bytes):
         return None
     return no_space(folder, needed_bytes, free)
 
