@@ -8,19 +8,22 @@ Every load path must refuse it with one line naming the file, and the file must 
 
 from __future__ import annotations
 
+import io
 import json
 import operator
 import pickle
 import re
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from dllm.checkpoint.files import MANIFEST
+from dllm.checkpoint.files import write_manifest
 from dllm.checkpoint.inference import load_for_inference
 from dllm.checkpoint.manager import PARAM_GROUPS, TRAINER_STATE
 from dllm.errors import CheckpointError
@@ -30,8 +33,8 @@ from dllm.training.run import prepare_run_dir
 from tests.helpers import load_spec
 from tests.reliability.ckpt_runs import STEP2, cli, resume, trained_run
 
-# the planted checkpoints have no manifest (an older checkpoint: no checksum stops the payload first)
-pytestmark = [pytest.mark.filterwarnings("ignore:.*manifest"), pytest.mark.filterwarnings("ignore:.*distributed")]
+# a checkpoint someone hands you comes with a manifest that matches it: no checksum stops the payload first
+pytestmark = [pytest.mark.filterwarnings("ignore:.*distributed")]
 
 
 class _Touch:
@@ -62,7 +65,7 @@ def planted(workdir: Path) -> tuple[Path, Path]:
     real = pickle.loads(meta_file.read_bytes())  # our own file, written a moment ago
     marker = workdir / "PAYLOAD_RAN"
     meta_file.write_bytes(pickle.dumps(_Planted(marker, real)))
-    (run_dir / "checkpoints" / STEP2 / MANIFEST).unlink()
+    write_manifest(run_dir / "checkpoints" / STEP2, 2)
     return run_dir, marker
 
 
@@ -125,7 +128,7 @@ def test_a_pickled_optimizer_item_of_an_older_checkpoint_does_not_run(workdir: P
         f.unlink()
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(ckpt), no_dist=True)
     _write_old_trainer_state(ckpt, trainer.state_dict())
-    message = _refusal(lambda: resume(run_dir))
+    message = _refusal(lambda: resume(run_dir, "checkpointing.verify=false"))  # an older checkpoint, trusted
     assert not marker.exists(), "the payload ran"
     assert "optim.param_groups.0.lr" in message, message
 
@@ -134,3 +137,23 @@ def _write_old_trainer_state(ckpt: Path, state: dict[str, Any]) -> None:
     body = {"step": 2, **state}
     body.pop(PARAM_GROUPS, None)
     (ckpt / TRAINER_STATE).write_text(json.dumps(body))
+
+
+def test_a_refused_item_is_one_line_without_a_torch_warning(tmp_path: Path):
+    """A non-tensor item that is a plain pickle (protocol 4, not torch's 2): torch's unpickler printed a warning
+    about the protocol before the refusal's one line."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
+
+    from dllm.checkpoint.safe_read import SafeLoadPlanner
+
+    fqn = "optim.param_groups.0.lr"
+    at, size = torch.Size([0]), torch.Size([0])
+    item = ReadItem(LoadItemType.BYTE_IO, MetadataIndex(fqn), at, MetadataIndex(fqn), at, size)
+    payload = io.BytesIO(pickle.dumps(_Planted(tmp_path / "PAYLOAD_RAN", 1e-3), protocol=4))
+    with warnings.catch_warnings(record=True) as printed:
+        warnings.simplefilter("always")
+        with pytest.raises(CheckpointError, match=f"refused to unpickle the checkpoint item {fqn}"):
+            SafeLoadPlanner().load_bytes(item, payload)
+    assert not printed, [str(w.message) for w in printed]
+    assert not (tmp_path / "PAYLOAD_RAN").exists()

@@ -202,6 +202,16 @@ def test_more_cpu_processes_than_cores_warns(train_yaml: Path, no_gpu: None):
     assert any(w.startswith(f"topology.nproc_per_node {n} > the {cores} CPU core(s)") for w in warnings), warnings
 
 
+@pytest.mark.parametrize("name", ["latest", "Latest"])
+def test_the_run_name_of_the_latest_link_is_refused(train_yaml: Path, name: str, capsys: pytest.CaptureFixture[str],
+                                                    monkeypatch: pytest.MonkeyPatch):  # fmt: skip
+    """output_dir/latest links to the newest run: a run named latest made it a link to itself (ELOOP)."""
+    monkeypatch.chdir(train_yaml.parent)
+    code = dllm(["launch", "--config", "train.yaml", "--dry-run", "--set", f"run.name={name}"])
+    _one_error(code, capsys.readouterr().err.strip().splitlines(), "--set run.name: reserved", "latest")
+    assert not (train_yaml.parent / "runs").exists()
+
+
 # -- item 13: an override's mistake is blamed on --set, not on the file --------------------------------
 @pytest.mark.parametrize(("override", "expected"), [
     ("model.hidden_size=63", "--set model.hidden_size: model: hidden_size 63 is not divisible"),

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -102,6 +104,12 @@ def _pickle(folder: Path) -> None:
     torch.save({"w": _Payload(folder / "PWNED")}, folder / "pytorch_model.bin")
 
 
+def _raw_pickle(folder: Path) -> None:
+    """A plain pickle (protocol 4, not torch's 2): torch's unpickler warned about it before refusing it."""
+    (folder / WEIGHTS).unlink()
+    (folder / "pytorch_model.bin").write_bytes(pickle.dumps({"w": _Payload(folder / "PWNED")}, protocol=4))
+
+
 HOSTILE = [
     ("list", _config(lambda c: [c], replace=True), "config.json: expected a JSON object of model settings, not a list"),
     ("missing key", _config(lambda c: c.pop("hidden_size")), "config.json: missing key 'hidden_size'"),
@@ -139,6 +147,7 @@ HOSTILE = [
      "pytorch_model.bin: refused: not a plain tensor file"),
     ("int weights", _weights(lambda s: s.update({"model.norm.weight": s["model.norm.weight"].to(torch.int32)})),
      "weight model.norm.weight is int32, not floating point (a quantized checkpoint?)"),
+    ("raw pickle", _raw_pickle, "pytorch_model.bin: refused: not a plain tensor file"),
 ]  # fmt: skip
 
 
@@ -151,7 +160,10 @@ def test_hostile_folder_is_one_line_and_writes_nothing(good: Path, tmp_path: Pat
         expected = "model.safetensors.index.json: expected a JSON object with a weight_map"
     mutate(src)
     t0 = time.perf_counter()
-    code = dllm(["convert", "--from-hf", str(src), "--to", str(tmp_path / "out")])
+    with warnings.catch_warnings(record=True) as printed:
+        warnings.simplefilter("always")
+        code = dllm(["convert", "--from-hf", str(src), "--to", str(tmp_path / "out")])
+    assert not printed, [str(w.message) for w in printed]  # nothing but the one line: no warning before it
     lines = capsys.readouterr().err.strip().splitlines()
     assert time.perf_counter() - t0 < 10
     assert code == 2 and len(lines) == 1, lines
@@ -240,5 +252,5 @@ def test_a_full_disk_while_importing_is_one_line_and_leaves_no_folder(good: Path
     capsys.readouterr()
     assert dllm(["convert", "--from-hf", str(good), "--to", str(tmp_path / "out")]) == 2
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("dllm: error:")]
-    assert len(lines) == 1 and f"--to: cannot write {tmp_path / 'out'} (No space left on device)" in lines[0], lines
+    assert len(lines) == 1 and f"{tmp_path / 'out'}: no space left on the disk" in lines[0], lines
     assert not (tmp_path / "out").exists()

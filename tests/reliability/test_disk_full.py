@@ -143,7 +143,32 @@ def test_a_full_disk_during_data_prepare_is_one_line_and_leaves_nothing(
     _Disk(tmp_path / "data", arrays // 2 if fills_at == "arrays" else arrays + 64).install(monkeypatch)
     code, err = cli(args, capsys)
     assert code == 2 and len(err) == 1, err
-    assert err[0].startswith(f"dllm: error: no space left on {tmp_path / 'data'} while writing prepared"), err[0]
+    assert err[0].startswith(f"dllm: error: {tmp_path / 'data' / 'prepared'}: no space left on the disk"), err[0]
     assert sorted(p.name for p in (tmp_path / "data").iterdir()) == ["train.jsonl"]  # no stage, no artifact
     monkeypatch.undo()  # space freed: the same command prepares the artifact
     assert cli(args, capsys)[0] == 0 and (tmp_path / "data" / "prepared" / "manifest.json").is_file()
+
+
+def _weights_fill_the_disk(tensors: dict, path: str, *args: Any, **kwargs: Any) -> None:
+    """safetensors writes the file itself (not through Path.open): a full disk is its IoError, half a file."""
+    from safetensors import SafetensorError
+
+    Path(path).write_bytes(b"\0" * 100)
+    raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space'
+                          ' left on device" })')  # fmt: skip
+
+
+@pytest.mark.parametrize("fills_at", ["weights", "config.json"])
+def test_a_full_disk_during_convert_is_one_line_and_leaves_nothing(
+    workdir: Path, fills_at: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+):
+    run_dir = trained_run(workdir)
+    exports = workdir / "exports"  # created for the output, so removed again
+    if fills_at == "weights":
+        monkeypatch.setattr("safetensors.torch.save_file", _weights_fill_the_disk)
+    else:
+        _Disk(exports, 10).install(monkeypatch)
+    code, err = cli(["convert", "--to-hf", str(exports / "hf"), "--run", str(run_dir)], capsys)
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith(f"dllm: error: {exports / 'hf'}: no space left on the disk"), err
+    assert not exports.exists()

@@ -1,6 +1,7 @@
 """Reliability hardening, signals: the workers end with `dllm launch`. SIGKILL of the launcher used to leave
 torchrun and both workers training (and publishing checkpoints); SIGTERM ended the launcher alone,
-without a word."""
+without a word. After a stop the launcher lingered once its workers had ended (3 s on two idle cores,
+~15 s on a busy machine), most of it Python collecting torch's objects one by one at exit."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -50,6 +52,51 @@ def test_two_workers_end_with_their_launcher(workdir: Path, sig: signal.Signals)
         assert proc.returncode == 128 + signal.SIGTERM
         assert err.strip().splitlines()[-1].startswith("dllm: stopped by SIGTERM: all training processes have ended")
         assert "Traceback" not in err
+
+
+def _is_worker(pid: int) -> bool:
+    cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+    return b"dllm.training.worker\0" in cmd and b"torch.distributed.run" not in cmd
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@needs_proc
+@pytest.mark.distributed
+@pytest.mark.slow  # 8-20 s: two workers start on a shared 2-core machine
+def test_the_launcher_exits_promptly_once_its_workers_have_ended(workdir: Path):
+    run_dir = _long_run(workdir)
+    proc = start_launch(workdir, "--nproc-per-node", "2")
+    try:
+        assert wait_for(lambda: _logged(run_dir, 3), 90), "the workers did not start training"
+        workers = [p for p in live_pids(workdir) if _is_worker(p)]
+        assert len(workers) == 2
+        proc.send_signal(signal.SIGINT)
+        assert wait_for(lambda: not any(_alive(p) for p in workers), 30, every_s=0.01), "the workers went on"
+        ended = time.monotonic()
+        proc.wait(timeout=60)
+        lingered_s = time.monotonic() - ended
+    finally:
+        kill_leftovers(workdir)
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGINT
+    assert lingered_s < 8.0, f"the launcher lingered {lingered_s:.1f} s after its workers had ended"
+
+
+def test_the_command_skips_collecting_its_objects_at_exit():
+    """The command done, its objects are frozen (gc.freeze) so that Python's collection at exit skips them:
+    it took 1-2 s on two idle cores after every `dllm launch` (torch imported), and far more on a busy box."""
+    code = (
+        "import atexit, gc, sys; atexit.register(lambda: print('frozen', gc.get_freeze_count() > 0)); "
+        "sys.argv = ['dllm', '--help']; from dllm.cli.main import entry; entry()"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.strip().splitlines()[-1] == "frozen True", (res.stdout, res.stderr)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])

@@ -3,7 +3,9 @@
 - a killed prepare left `.NAME.tmp-PID` staging folders forever: the next prepare of that output
   removes those of dead processes (only our name pattern, only a dead PID, only our files);
 - a failed prepare left the empty parent folders it had created: it removes those it created;
-- `dllm generate -o DIR` with a folder failed only after generating: the output is checked first.
+- `dllm generate -o DIR` with a folder failed only after generating: the output is checked first;
+- a refused resume rewrote the run's config.yaml and added files (run.lock, a TensorBoard events
+  file): a launch that trains nothing puts the run folder back as it found it.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from dllm.config.loading import load_config
 from dllm.config.prepare import PrepareSpec
 from dllm.data.prepare import prepare
 from dllm.errors import DataError
-from tests.helpers import PREPARE, write_corpus, write_yaml
+from tests.helpers import PREPARE, tiny_train_values, write_corpus, write_yaml
 
 
 def _dead_pid() -> int:
@@ -102,3 +104,46 @@ def test_generate_checks_the_output_before_loading_anything(
         lines = err.strip().splitlines()
         assert len(lines) == 1 and "--output" in lines[0] and expected in lines[0], err
     assert json.dumps(sorted(p.name for p in tmp_path.iterdir())) == '["a-file"]'
+
+
+def _run_tree(root: Path) -> dict[str, bytes | str | None]:
+    """Every path under root: a file's bytes, a link's target, None for a folder."""
+
+    def state(p: Path) -> bytes | str | None:
+        return os.readlink(p) if p.is_symlink() else None if p.is_dir() else p.read_bytes()
+
+    return {str(p.relative_to(root)): state(p) for p in sorted(root.rglob("*"))}
+
+
+def _shard(run_dir: Path) -> Path:
+    return run_dir / "checkpoints" / "step_00000002" / "__0_0.distcp"
+
+
+REFUSALS = {  # how the resume is refused -> (what spoils it, extra launch arguments)
+    "another model": (None, ["--set", "model.hidden_size=128"]),  # by the launcher, before writing
+    "no manifest": (lambda run: (run / "checkpoints" / "step_00000002" / "manifest.json").unlink(), []),  # worker
+    "damaged shard": (lambda run: _shard(run).write_bytes(_shard(run).read_bytes()[:-8] + b"\0" * 8), []),
+}
+
+
+@pytest.mark.parametrize("refusal", list(REFUSALS))
+def test_a_refused_resume_changes_nothing_in_the_run_folder(workdir: Path, refusal: str,
+                                                            capsys: pytest.CaptureFixture[str],
+                                                            monkeypatch: pytest.MonkeyPatch):  # fmt: skip
+    values = tiny_train_values(training={"steps": 2}, logging={"every_steps": 1, "progress": "off"})
+    write_yaml(workdir / "train.yaml", values)  # TensorBoard on (auto): its events file would show up
+    monkeypatch.chdir(workdir)
+    assert main(["launch", "--config", "train.yaml"]) == 0
+    run_dir = workdir / "runs" / "t"
+    spoil, args = REFUSALS[refusal]
+    if spoil is not None:
+        spoil(run_dir)
+    (workdir / "runs" / "other").mkdir()
+    (workdir / "runs" / "latest").unlink()
+    (workdir / "runs" / "latest").symlink_to("other")  # the link names another run meanwhile
+    before = _run_tree(workdir / "runs")
+    capsys.readouterr()
+    code = main(["launch", "--config", "train.yaml", "--set", "training.steps=4", *args])
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("dllm: error:")]
+    assert code == 2 and len(errors) == 1, errors
+    assert _run_tree(workdir / "runs") == before

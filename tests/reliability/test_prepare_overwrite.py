@@ -1,8 +1,9 @@
 """Reliability hardening, overwriting: `dllm data prepare --overwrite` only ever replaces a previous artifact.
 
-Before, `output: .` deleted the whole config folder and `output: data` deleted the inputs. Now an
-output that is not an artifact, that holds an input or the config, or is an ancestor of either, is
-one line and nothing on disk changes.
+Before, `output: .` deleted the whole config folder and `output: data` deleted the inputs, and
+replacing a real artifact deleted a file the user had put inside it. Now an output that is not an
+artifact, that holds an input, the config or any file the artifact did not write, or is an ancestor
+of either, is one line and nothing on disk changes.
 """
 
 from __future__ import annotations
@@ -97,3 +98,16 @@ def test_without_overwrite_a_non_artifact_is_not_offered_overwrite(tmp_path: Pat
     assert main(["data", "prepare", "--config", str(config), "-q"]) == 2
     err = capsys.readouterr().err
     assert "not a dllm artifact" in err and "pass --overwrite" not in err, err
+
+
+def test_overwrite_never_deletes_a_file_the_user_put_in_the_artifact(tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]):  # fmt: skip
+    config = _project(tmp_path, "data/prepared")
+    assert main(["data", "prepare", "--config", str(config), "-q"]) == 0
+    (tmp_path / "data" / "prepared" / "NOTES.md").write_text("what I found in this data")
+    before = _tree(tmp_path)
+    line = _refused(config, capsys)
+    assert "holds NOTES.md" in line and "not part of a dllm artifact" in line and "choose another output" in line, line
+    assert _tree(tmp_path) == before
+    (tmp_path / "data" / "prepared" / "NOTES.md").unlink()  # moved out: the artifact is replaced again
+    assert main(["data", "prepare", "--config", str(config), "-q", "--overwrite"]) == 0

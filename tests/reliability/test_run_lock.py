@@ -1,6 +1,7 @@
 """Reliability hardening, the run lock: one launch per run folder. Two launches into one run used to race (a traceback
 from pruning, metrics.jsonl cut, a stray step_N.tmp); now the second one gets one line naming the
-holder, and a lock left by a dead launch is taken over."""
+holder, and a lock left by a dead launch is taken over. A launch that ends normally removes run.lock
+(it used to stay in every finished run), without letting a launch that opened it meanwhile share it."""
 
 from __future__ import annotations
 
@@ -63,7 +64,36 @@ def test_the_lock_of_a_dead_launch_is_taken_over(
     monkeypatch.chdir(workdir)
     assert main(["launch", "--config", "train.yaml"]) == 0, capsys.readouterr().err
     assert [r["step"] for r in read_metrics(run_dir)] == [1, 2]
-    assert _holder(run_dir)["pid"] == os.getpid()
+    assert not (run_dir / LOCK_NAME).exists()  # taken over, then removed at the normal end
+
+
+def test_a_normal_end_leaves_no_lock_file(workdir: Path, monkeypatch: pytest.MonkeyPatch):
+    write_yaml(workdir / "train.yaml", tiny_train_values(**SMALL, training={"steps": 2}))
+    monkeypatch.chdir(workdir)
+    assert main(["launch", "--config", "train.yaml"]) == 0
+    assert main(["launch", "--config", "train.yaml", "--set", "training.steps=4"]) == 0  # a resume too
+    assert sorted(p.name for p in (workdir / "runs" / "t").iterdir()) == ["checkpoints", "config.yaml", "metrics.jsonl"]
+
+
+def test_a_launch_that_opened_the_file_its_holder_removes_takes_a_new_one(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch):  # fmt: skip
+    """The holder ends normally between the next launch's open and its flock: that flock then succeeds on a
+    removed file, which locks nothing anyone else opens; the launch must lock the file at the path instead."""
+    import dllm.training.run_lock as run_lock
+
+    held, real_flock = lock_run_dir(tmp_path), run_lock._flock
+
+    def holder_ends_first(fd: int, *args) -> None:
+        held.release(remove=True)
+        monkeypatch.setattr(run_lock, "_flock", real_flock)
+        real_flock(fd, *args)
+
+    monkeypatch.setattr(run_lock, "_flock", holder_ends_first)
+    taken = lock_run_dir(tmp_path)
+    with pytest.raises(CheckpointError, match="in use by another dllm launch"):
+        lock_run_dir(tmp_path)  # a third launch opens the file at the path: the one `taken` holds
+    taken.release(remove=True)
+    assert not (tmp_path / LOCK_NAME).exists()
 
 
 def test_the_lock_names_its_holder_and_is_released(tmp_path: Path):

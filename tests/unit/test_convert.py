@@ -101,12 +101,14 @@ def test_init_from_rejects_a_conflicting_architecture(hf_dir: Path, tmp_path: Pa
 
 
 def test_convert_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
-    code, _, err = _run(["convert", "--from-hf", str(tmp_path)], capsys)
+    src = tmp_path / "src"
+    src.mkdir()
+    code, _, err = _run(["convert", "--from-hf", str(src)], capsys)
     assert code == 2 and "--to OUT" in err
-    code, _, err = _run(["convert", "--from-hf", str(tmp_path), "--to", str(tmp_path / "o")], capsys)
+    code, _, err = _run(["convert", "--from-hf", str(src), "--to", str(tmp_path / "o")], capsys)
     assert code == 2 and "no config.json" in err
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba"}))
-    code, _, err = _run(["convert", "--from-hf", str(tmp_path), "--to", str(tmp_path / "o")], capsys)
+    (src / "config.json").write_text(json.dumps({"model_type": "mamba"}))
+    code, _, err = _run(["convert", "--from-hf", str(src), "--to", str(tmp_path / "o")], capsys)
     assert code == 2 and "model_type 'mamba' is not supported" in err
 
 

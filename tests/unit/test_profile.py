@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import yaml
 
 from dllm.checkpoint.files import MANIFEST, write_manifest
 from dllm.checkpoint.inference import load_for_inference
@@ -129,6 +130,9 @@ def test_an_older_checkpoint_without_a_profile_loads_with_a_warning(bd3lm_run: P
     step = sorted((copy / "checkpoints").glob("step_*"))[-1]
     (step / PROFILE_FILE).unlink()
     (step / MANIFEST).unlink()  # older checkpoints predate both files
+    cfg = yaml.safe_load((copy / "config.yaml").read_text())
+    cfg["checkpointing"]["verify"] = False  # what the user who trusts it does (a refusal says so)
+    (copy / "config.yaml").write_text(yaml.safe_dump(cfg))
     with pytest.warns(UserWarning, match="an older checkpoint"):
         loaded = load_for_inference(checkpoint=step)
     assert loaded.profile == load_for_inference(run=bd3lm_run).profile

@@ -1,27 +1,27 @@
 """The files of a checkpoint: durable writes, the SHA-256 manifest, and disk-full reporting.
 
 A published checkpoint folder holds `manifest.json`: the size and SHA-256 of every other file in it.
-Loading checks sizes always and hashes unless `checkpointing.verify: false`, so a flipped byte, a
-truncated or missing shard is one line naming the file instead of a silently wrong model. Folders
-written before manifests existed still load, with a warning.
+Loading checks that the manifest lists every file, their sizes and their hashes, so a flipped byte, a
+truncated or missing shard is one line naming the file instead of a silently wrong model. A folder
+without a manifest (written before manifests existed, or with it removed) or with files it does not
+list is refused the same way: only `checkpointing.verify: false` loads it, and then only the sizes
+of the files a manifest lists are checked.
 """
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
 import shutil
-import warnings
 from pathlib import Path
 from typing import Any
 
 from dllm.errors import CheckpointError
+from dllm.staging import disk_full
 
 MANIFEST = "manifest.json"
 _FORMAT = "dllm.checkpoint"
-_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 _CHUNK = 1 << 20
 
 
@@ -71,17 +71,46 @@ def write_manifest(folder: Path, step: int) -> None:
     write_text_durably(folder / MANIFEST, json.dumps(body, indent=2, sort_keys=True) + "\n")
 
 
-def verify_checkpoint(folder: Path, hashes: bool = True) -> None:
-    """Refuse a checkpoint whose files differ from its manifest (sizes always, SHA-256 when `hashes`)."""
+VERIFY_OFF = "set checkpointing.verify: false"
+"""How a user loads a checkpoint without checking it (the loaders say where: a run's config.yaml, --set)."""
+
+
+def verify_checkpoint(folder: Path, verify: bool = True, hashes: bool = True, opt_out: str = VERIFY_OFF) -> None:
+    """Refuse a checkpoint whose files differ from its manifest. `verify` (checkpointing.verify): the
+    manifest must list every file of the folder, and this process checks their SHA-256 when `hashes`
+    too; without it only the sizes of the files a manifest lists are checked. `opt_out` ends the
+    message of a refused folder: how this command turns `verify` off."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise vanished(folder)
     listed = _read_manifest(folder)
+    if verify:
+        _check_listing(folder, listed, opt_out)
+    for name, entry in (listed or {}).items():
+        _check_file(folder / name, entry, verify and hashes)
+
+
+def vanished(folder: Path) -> CheckpointError:
+    return CheckpointError(
+        f"{folder}: the checkpoint disappeared or changed while it was being loaded (a running training published "
+        "a newer one and pruned it); run the command again"
+    )
+
+
+def _check_listing(folder: Path, listed: dict[str, dict[str, Any]] | None, opt_out: str) -> None:
+    """A manifest that lists every file of the folder: without one nothing could be checked."""
+    trust = f"if you trust this checkpoint, {opt_out} to load it unchecked"
     if listed is None:
-        warnings.warn(
-            f"{folder}: no {MANIFEST} (written before checkpoints carried checksums); loading it unchecked",
-            stacklevel=3,
+        raise CheckpointError(
+            f"{folder}: no {MANIFEST}, so its files cannot be checked (written before checkpoints carried "
+            f"checksums, or the manifest was removed); {trust}"
         )
-        return
-    for name, entry in listed.items():
-        _check_file(folder / name, entry, hashes)
+    unlisted = sorted(set(os.listdir(folder)) - set(listed) - {MANIFEST})
+    if unlisted:
+        raise CheckpointError(
+            f"{folder / unlisted[0]}: not listed in {MANIFEST} ({len(unlisted)} file(s) in all): the folder or its "
+            f"manifest was changed after the checkpoint was written; {trust}"
+        )
 
 
 def _read_manifest(folder: Path) -> dict[str, dict[str, Any]] | None:
@@ -113,6 +142,8 @@ def _valid_entry(name: Any, entry: Any) -> bool:
 def _check_file(path: Path, entry: dict[str, Any], hashes: bool) -> None:
     advice = "restore it from a copy, or use an older checkpoint (resume: name it in checkpoints/latest)"
     if not path.is_file():
+        if not path.parent.is_dir():
+            raise vanished(path.parent)
         raise CheckpointError(f"{path}: missing (listed in {MANIFEST}); the checkpoint is incomplete: {advice}")
     size = path.stat().st_size
     if size != entry["bytes"]:
@@ -122,28 +153,11 @@ def _check_file(path: Path, entry: dict[str, Any], hashes: bool) -> None:
 
 
 # -- disk full ------------------------------------------------------------------------------------
-def _errnos(exc: BaseException) -> set[int]:
-    """Every errno in an exception, its causes and contexts, and the per-rank failures DCP wraps
-    (torch.save reports a full disk as `unexpected pos`, with the OSError only as its context)."""
-    found: set[int] = set()
-    todo, seen = [exc], set()
-    while todo:
-        e = todo.pop()
-        if id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, OSError) and e.errno is not None:
-            found.add(e.errno)
-        todo += [x for x in (e.__cause__, e.__context__) if x is not None]
-        todo += [pair[0] for pair in getattr(e, "failures", {}).values()]
-    return found
-
-
 def disk_full_error(exc: BaseException, folder: Path, needed_bytes: int) -> CheckpointError | None:
     """The one-line error for a write that failed for lack of space (by its errno, or because the
     disk now has less room than the write needs), else None."""
     free = _free_bytes(folder)
-    if not (_errnos(exc) & set(_DISK_FULL)) and (free is None or free >= needed_bytes):
+    if not disk_full(exc) and (free is None or free >= needed_bytes):
         return None
     return no_space(folder, needed_bytes, free)
 

@@ -6,13 +6,17 @@ from its options, this module loads and checks the model for it)."""
 
 from __future__ import annotations
 
+import os
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from dllm.checkpoint.files import vanished
 from dllm.checkpoint.manager import TRAINER_STATE, latest_checkpoint, load_model_weights
 from dllm.config.loading import load_config
 from dllm.config.model import ModelConfig
@@ -124,6 +128,7 @@ def load_for_inference(
             raise CheckpointError("give one of --run, --checkpoint or --model")
         return _load_pretrained(Path(model_dir), device)
     run_dir, ckpt = resolve_checkpoint(run, checkpoint)
+    files = _listing(ckpt)  # as chosen: a load that fails after some of them went was racing a prune
     spec = load_config(RunSpec, run_dir / RUN_CONFIG)
     if spec.objective.name == "dflash_distillation":
         raise CheckpointError(
@@ -135,15 +140,52 @@ def load_for_inference(
     model = factory.build_model(cfg, spec.lora, spec.training.seed)
     if spec.lora is not None:  # the checkpoint holds the adapters; the frozen base is rebuilt
         model.load_state_dict(factory.initial_state(cfg, spec.lora, spec.training.seed))
-    load_model_weights(ckpt, model, verify=spec.checkpointing.verify)
+    with _pruned_while_loading(run_dir, ckpt, files, follows_latest=run is not None):
+        profile = read_profile(ckpt, spec.model.vocab_size)
+        _load_run_weights(ckpt, model, run_dir, spec)
     if spec.lora is not None and merge:
         merge_lora(model)  # one matrix per layer again: as fast as the base model
-    profile = read_profile(ckpt)
     if profile is None:  # written before checkpoints carried their profile: derived once, here
         warnings.warn(f"{ckpt}: no {PROFILE_FILE} (an older checkpoint); derived it from the run's config",
                       stacklevel=2)  # fmt: skip
         profile = derive_profile(spec.objective, spec.model, tok)
     return LoadedModel(_ready(model, device), tok, spec.model, ckpt, profile, spec=spec)
+
+
+def _load_run_weights(ckpt: Path, model: nn.Module, run_dir: Path, spec: RunSpec) -> None:
+    """The checkpoint's weights, checked as the run's checkpointing.verify says (the message of a refused
+    checkpoint names the run's config.yaml, where a user who trusts it turns that off)."""
+    opt_out = f"set checkpointing.verify: false in {run_dir / RUN_CONFIG}"
+    load_model_weights(ckpt, model, verify=spec.checkpointing.verify, opt_out=opt_out)
+
+
+@contextmanager
+def _pruned_while_loading(run_dir: Path, ckpt: Path, files: set[str], follows_latest: bool) -> Iterator[None]:
+    """A checkpoint read while its run trains on can be pruned under the reader (a newer one is published
+    first): a load that fails then says so, not what the half-deleted folder looks like. Pruned: some of
+    `files` (the folder's files when it was chosen) went, or, when it was found through the run's `latest`
+    (`follows_latest`: --run), `latest` has moved on."""
+    try:
+        yield
+    except (CheckpointError, OSError):
+        if not files <= _listing(ckpt) or (follows_latest and _latest_moved(run_dir, ckpt)):
+            raise vanished(ckpt) from None
+        raise
+
+
+def _listing(folder: Path) -> set[str]:
+    try:
+        return set(os.listdir(folder))
+    except OSError:
+        return set()
+
+
+def _latest_moved(run_dir: Path, ckpt: Path) -> bool:
+    try:
+        now = latest_checkpoint(run_dir / "checkpoints")
+    except CheckpointError:
+        return False
+    return now is not None and now.name != ckpt.name
 
 
 def _attention_for(cfg: ModelConfig, device: torch.device | None) -> ModelConfig:
@@ -170,7 +212,7 @@ def _load_pretrained(folder: Path, device: torch.device | None) -> LoadedModel:
     cfg = cfg.model_copy(update={"vocab_size": vocab, "init_from": folder})
     model = Transformer(cfg)
     model.load_state_dict(pretrained_state(cfg), strict=True)
-    profile = read_profile(folder) or derive_profile(None, cfg, tok)  # a folder from elsewhere: a masked model
+    profile = read_profile(folder, vocab) or derive_profile(None, cfg, tok)  # a folder from elsewhere: a masked model
     return LoadedModel(_ready(model, device), tok, cfg, folder, profile)
 
 
@@ -239,7 +281,7 @@ def load_drafter_run(
         raise CheckpointError(f"{run_dir}: not a drafter run (objective {obj.name}, not dflash_distillation)")
     target = load_target(obj.target, device)
     drafter = DFlashDrafter(drafter_config(obj, target.model_cfg, target.tokenizer.mask_id))
-    load_model_weights(ckpt, drafter, verify=spec.checkpointing.verify)
+    _load_run_weights(ckpt, drafter, run_dir, spec)
     drafter.attach(target.model)  # type: ignore[arg-type]
     return _ready(drafter, device), target, spec
 

@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from dllm.checkpoint.files import (
+    VERIFY_OFF,
     check_free_space,
     disk_full_error,
     fsync_dir,
@@ -59,6 +60,7 @@ METADATA = ".metadata"  # DCP's index of the shards (a pickle: read by safe_read
 PARAM_GROUPS = "optim_param_groups"
 """Key of trainer_state.json holding the optimizer's param_groups (kept out of DCP: no pickle)."""
 _STEP_DIR = re.compile(r"step_(\d+)")
+_RESUME_UNCHECKED = f"{VERIFY_OFF} (in the config, or launch with --set checkpointing.verify=false)"
 
 
 def _step_name(step: int) -> str:
@@ -189,7 +191,7 @@ class CheckpointManager:
         (each rank reading the whole checkpoint would multiply the I/O by the world size)."""
         err: CheckpointError | None = None
         try:
-            verify_checkpoint(path, hashes=self.cfg.verify and self.env.is_main)
+            verify_checkpoint(path, self.cfg.verify, hashes=self.env.is_main, opt_out=_RESUME_UNCHECKED)
         except CheckpointError as e:
             err = e
         if _any_rank(err is not None, self.env, device):
@@ -253,7 +255,12 @@ def _one_line(e: CheckpointException, path: Path) -> UserError:
 
 def _pointer_target(folder: Path) -> str | None:
     pointer = folder / LATEST
-    return pointer.read_text(encoding="utf-8").strip() if pointer.is_file() else None
+    if not pointer.is_file():
+        return None
+    try:
+        return pointer.read_text(encoding="utf-8").strip()
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{pointer}: not text naming a step_N folder; delete {pointer} to start over") from None
 
 
 def latest_checkpoint(folder: Path) -> Path | None:
@@ -283,12 +290,12 @@ def read_trainer_state(path: Path) -> dict[str, Any]:
     return state
 
 
-def load_model_weights(path: Path, model: nn.Module, verify: bool = True) -> None:
+def load_model_weights(path: Path, model: nn.Module, verify: bool = True, opt_out: str = VERIFY_OFF) -> None:
     """Load the saved (trainable) weights of a checkpoint into a single-process model, whatever world
-    size saved it; frozen base weights must already be in place (see models.factory). `verify`
-    checks every file's SHA-256 against the manifest first (sizes are always checked)."""
+    size saved it; frozen base weights must already be in place (see models.factory). `verify` checks
+    the folder against its manifest first (files.verify_checkpoint; `opt_out`: how to turn it off)."""
     path = Path(path)
-    verify_checkpoint(path, hashes=verify)
+    verify_checkpoint(path, verify, opt_out=opt_out)
     options = _options(model)
     sd = {"model": get_model_state_dict(model, options=options)}
     _read(path, sd, "the model built from the run's config.yaml", None)

@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.planner import ReadItem
 
 from dllm.errors import CheckpointError
+from dllm.models.hf_io import load_plain
 
 _CLASSES: tuple[Any, ...] = (
     md.Metadata,
@@ -109,7 +110,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         fqn = read_item.dest_index.fqn
         try:
-            obj = torch.load(value, weights_only=True)
+            obj = load_plain(value)
         except Exception:
             raise CheckpointError(f"refused to unpickle the checkpoint item {fqn}: it is not plain data") from None
         if self.flatten_state_dict:

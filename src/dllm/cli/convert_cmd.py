@@ -1,14 +1,24 @@
-"""`dllm convert`: Hugging Face folders in (`--from-hf`) and out (`--to-hf`)."""
+"""`dllm convert`: Hugging Face folders in (`--from-hf`) and out (`--to-hf`).
+
+Every output folder is staged next to its place and renamed into place (dllm/staging.py), so a failure
+leaves nothing, and carries MARKER, which lists the files convert wrote: only such a folder, holding
+nothing else, is ever replaced (--overwrite), and never a folder the command reads from.
+"""
 
 from __future__ import annotations
 
-import shutil
+import json
+import os
 from pathlib import Path
 
 import typer
 
 from dllm.cli.common import check_output_folder, info, model_folder
 from dllm.errors import ConfigError
+from dllm.staging import OutputKind, staged_folder
+
+MARKER = ".dllm-convert.json"
+_FORMAT = "dllm-convert"
 
 
 def convert(
@@ -23,7 +33,7 @@ def convert(
     adapter_only: bool = typer.Option(
         False, "--adapter-only", help="With --to-hf and a LoRA run: write a PEFT adapter folder, not merged weights."
     ),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty output folder."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an earlier output of dllm convert."),
 ) -> None:
     """Import a Hugging Face checkpoint as a dllm model folder, or export a run / model to one."""
     if (from_hf is None) == (to_hf is None):
@@ -35,14 +45,60 @@ def convert(
         raise ConfigError("--from-hf needs --to OUT (the dllm model folder to write)")
     if from_hf is not None:
         check_output_folder(out, "--to")
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise ConfigError(f"{out} is not empty; pass --overwrite to replace its files")
-    if from_hf is not None:
-        _import(_hf_source(from_hf), out)
-    elif adapter_only:
-        _export_adapter(out, run, checkpoint)
-    else:
-        _export(out, run, checkpoint, model)
+    src = _hf_source(from_hf) if from_hf is not None else None
+    _check_apart(out, [src] if src is not None else _export_sources(run, checkpoint, model))
+    with staged_folder(out, CONVERT, overwrite) as stage:
+        if src is not None:
+            said = _import(src, stage, out)
+        elif adapter_only:
+            said = _export_adapter(stage, out, run, checkpoint)
+        else:
+            said = _export(stage, out, run, checkpoint, model)
+        _mark(stage)
+    for line in said:
+        info(line)
+
+
+def _convert_files(folder: Path) -> set[str] | None:
+    """The files a previous convert wrote into `folder` (its MARKER); None: not a convert output."""
+    try:
+        body = json.loads((folder / MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return None
+    files = body.get("files") if isinstance(body, dict) and body.get("format") == _FORMAT else None
+    if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
+        return None
+    return {*files, MARKER}
+
+
+CONVERT = OutputKind(what="an output of dllm convert", marker=f"no {MARKER}", files_of=_convert_files,
+                     error=ConfigError)  # fmt: skip
+
+
+def _mark(stage: Path) -> None:
+    """MARKER: the files written, so that --overwrite replaces this folder and nothing a user put in it."""
+    body = {"format": _FORMAT, "version": 1, "files": sorted(os.listdir(stage))}
+    (stage / MARKER).write_text(json.dumps(body, indent=2) + "\n", encoding="utf-8")
+
+
+def _export_sources(run: Path | None, checkpoint: Path | None, model: Path | None) -> list[Path]:
+    """The folders an export reads: the model folder, or the run and its checkpoint (and a drafter's target)."""
+    from dllm.checkpoint.inference import resolve_checkpoint
+
+    if model is not None:
+        return [model]
+    run_dir, ckpt = resolve_checkpoint(run, checkpoint)
+    target = _drafter_target(run, checkpoint)
+    return [run_dir, ckpt, *([target] if target is not None else [])]
+
+
+def _check_apart(out: Path, sources: list[Path]) -> None:
+    """The output must not be, hold, or lie inside a folder the command reads (links resolved)."""
+    real = Path(out).resolve()
+    for src in sources:
+        read = Path(src).resolve()
+        if real == read or read in real.parents or real in read.parents:
+            raise ConfigError(f"{out} overlaps {src}, which this convert reads; choose an output outside it")
 
 
 def _hf_source(text: str) -> Path:
@@ -52,7 +108,8 @@ def _hf_source(text: str) -> Path:
     return folder
 
 
-def _import(src: Path, out: Path) -> None:
+def _import(src: Path, stage: Path, out: Path) -> list[str]:
+    """Write the dllm model folder of a Hugging Face folder into `stage`; returns what to tell about `out`."""
     from dllm.checkpoint.inference import derive_profile
     from dllm.config.data import TokenizerConfig
     from dllm.config.profile import write_profile
@@ -66,56 +123,53 @@ def _import(src: Path, out: Path) -> None:
     cfg = cfg.model_copy(update={"vocab_size": max(cfg.vocab_size or 0, tok.vocab_size)})
     state = import_hf(src, cfg)  # every check (config, headers, shapes, memory) before the first write
     profile = derive_profile(None, cfg, tok)  # a masked model until trained otherwise
-    created = not out.exists()
-    try:
-        folder = save_model_folder(out, state, cfg, tok_cfg)
-        _save_tokenizer(tok, folder)
-        write_profile(profile, folder)
-    except OSError as e:  # a full disk: no half-written model folder is left
-        if created:
-            shutil.rmtree(out, ignore_errors=True)
-        raise ConfigError(f"--to: cannot write {out} ({e.strerror or type(e).__name__}); nothing was kept") from None
-    info(f"wrote {folder}: {cfg.family}, {cfg.num_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}")
-    info(f"use it with model.init_from: {folder}, or dllm generate --model {folder}")
+    save_model_folder(stage, state, cfg, tok_cfg)
+    write_profile(profile, stage)
+    return [
+        *_save_tokenizer(tok, stage, out),
+        f"wrote {out}: {cfg.family}, {cfg.num_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}",
+        f"use it with model.init_from: {out}, or dllm generate --model {out}",
+    ]
 
 
-def _export(out: Path, run: Path | None, checkpoint: Path | None, model: Path | None) -> None:
+def _export(stage: Path, out: Path, run: Path | None, checkpoint: Path | None, model: Path | None) -> list[str]:
     from dllm.checkpoint.inference import load_for_inference
     from dllm.config.profile import write_profile
     from dllm.models.hf_io import export_hf
 
-    if model is None and _is_drafter_run(run, checkpoint):
-        _export_drafter(out, run, checkpoint)
-        return
+    if model is None and _drafter_target(run, checkpoint) is not None:
+        return _export_drafter(stage, out, run, checkpoint)
     loaded = load_for_inference(run, checkpoint, model_dir=model)
-    folder = export_hf(loaded.model.state_dict(), loaded.model_cfg, out)
-    _save_tokenizer(loaded.tokenizer, folder)
-    write_profile(loaded.profile, folder)  # sampling the exported folder decodes as the run did
-    info(f"wrote {folder} ({loaded.model_cfg.family}) from {loaded.source}")
+    export_hf(loaded.model.state_dict(), loaded.model_cfg, stage)
+    write_profile(loaded.profile, stage)  # sampling the exported folder decodes as the run did
+    return [*_save_tokenizer(loaded.tokenizer, stage, out),
+            f"wrote {out} ({loaded.model_cfg.family}) from {loaded.source}"]  # fmt: skip
 
 
-def _is_drafter_run(run: Path | None, checkpoint: Path | None) -> bool:
+def _drafter_target(run: Path | None, checkpoint: Path | None) -> Path | None:
+    """The target a drafter run (objective dflash_distillation) reads; None for any other run."""
     from dllm.checkpoint.inference import RUN_CONFIG, resolve_checkpoint
     from dllm.config.loading import load_config
     from dllm.config.spec import RunSpec
 
     run_dir, _ = resolve_checkpoint(run, checkpoint)
-    return load_config(RunSpec, run_dir / RUN_CONFIG).objective.name == "dflash_distillation"
+    objective = load_config(RunSpec, run_dir / RUN_CONFIG).objective
+    return Path(objective.target) if objective.name == "dflash_distillation" else None  # type: ignore[union-attr]
 
 
-def _export_drafter(out: Path, run: Path | None, checkpoint: Path | None) -> None:
+def _export_drafter(stage: Path, out: Path, run: Path | None, checkpoint: Path | None) -> list[str]:
     """A DFlash drafter folder: config.json (block size, target layers, the target's identity) and its own weights."""
     from dllm.checkpoint.inference import load_drafter_run
     from dllm.models.dflash import save_drafter
 
     drafter, target, spec = load_drafter_run(run, checkpoint)
-    folder = save_drafter(out, drafter, target_name=str(spec.objective.target))  # type: ignore[union-attr]
-    info(f"wrote {folder}: a DFlash drafter (block size {drafter.block_size}, target layers "
-         f"{list(drafter.target_layer_ids)}) for the target {target.source}")  # fmt: skip
-    info(f"use it with dllm generate --model TARGET --draft {folder}")
+    save_drafter(stage, drafter, target_name=str(spec.objective.target))  # type: ignore[union-attr]
+    return [f"wrote {out}: a DFlash drafter (block size {drafter.block_size}, target layers "
+            f"{list(drafter.target_layer_ids)}) for the target {target.source}",
+            f"use it with dllm generate --model TARGET --draft {out}"]  # fmt: skip
 
 
-def _export_adapter(out: Path, run: Path | None, checkpoint: Path | None) -> None:
+def _export_adapter(stage: Path, out: Path, run: Path | None, checkpoint: Path | None) -> list[str]:
     """A PEFT adapter folder whose module paths are those of the family's Hugging Face model."""
     from dllm.checkpoint.inference import load_for_inference
     from dllm.config.registries import FAMILIES
@@ -127,14 +181,14 @@ def _export_adapter(out: Path, run: Path | None, checkpoint: Path | None) -> Non
         raise ConfigError("--adapter-only needs a run trained with a lora section")
     family = FAMILIES.resolve(loaded.model_cfg.family)
     base = str(loaded.model_cfg.init_from) if loaded.model_cfg.init_from else None
-    save_adapter(loaded.model, out, loaded.spec.lora, base_model_name_or_path=base,
+    save_adapter(loaded.model, stage, loaded.spec.lora, base_model_name_or_path=base,
                  rename_module=lambda path: module_path_to_hf(family, path))  # fmt: skip
-    info(f"wrote {out}: a LoRA adapter for a {family.architecture} (peft.PeftModel.from_pretrained)")
+    return [f"wrote {out}: a LoRA adapter for a {family.architecture} (peft.PeftModel.from_pretrained)"]
 
 
-def _save_tokenizer(tok, folder: Path) -> None:
+def _save_tokenizer(tok, stage: Path, out: Path) -> list[str]:
     save = getattr(tok, "save", None)
     if save is not None:
-        save(folder)  # the HF tokenizer files, the added mask token included
-    else:
-        info(f"{folder}: the byte tokenizer needs no files (tokenizer.kind: byte)")
+        save(stage)  # the HF tokenizer files, the added mask token included
+        return []
+    return [f"{out}: the byte tokenizer needs no files (tokenizer.kind: byte)"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from pathlib import Path
 
 import typer
@@ -25,7 +26,7 @@ def launch(
     from dllm.config.loading import dump_config
     from dllm.parallel.launch import check_nodes, format_command, worker_command
     from dllm.training.preflight import resolve_run_spec
-    from dllm.training.run import CONFIG_NAME, config_digest, prepare_run_dir, run_dir_of
+    from dllm.training.run import CONFIG_NAME, config_digest, launching, run_dir_of
     from dllm.training.run_lock import lock_run_dir
 
     overrides = list(set_ or [])
@@ -56,17 +57,21 @@ def launch(
     lock = lock_run_dir(run_dir_of(spec), node_rank)
     try:  # the lock is held until every worker has ended
         # node rank 0 writes the shared run folder; the workers of every node read its config.yaml
-        run_dir = prepare_run_dir(spec) if node_rank == 0 else run_dir_of(spec)
-        info(f"run folder: {run_dir}")
-        if in_process and worker_env is not None and not memory_retained():
-            info(
-                "note: training.cpu_allocator: retain takes effect in a process started with "
-                f"GLIBC_TUNABLES={worker_env['GLIBC_TUNABLES']} (`dllm launch` sets it for the workers it "
-                "starts; this one-process run trains here, with glibc's default)"
-            )
-        _train(run_dir, None if in_process else cmd, lock.fd, worker_env)
-    finally:
-        lock.release()
+        with launching(spec) if node_rank == 0 else nullcontext(run_dir_of(spec)) as run_dir:
+            info(f"run folder: {run_dir}")
+            if in_process and worker_env is not None and not memory_retained():
+                info(
+                    "note: training.cpu_allocator: retain takes effect in a process started with "
+                    f"GLIBC_TUNABLES={worker_env['GLIBC_TUNABLES']} (`dllm launch` sets it for the workers it "
+                    "starts; this one-process run trains here, with glibc's default)"
+                )
+            _train(run_dir, None if in_process else cmd, lock.fd, worker_env)
+    except BaseException as e:
+        # a refusal, a failed run or a stop (typer.Exit) has no worker left, so the file goes too; after
+        # anything else torchrun, which inherits the lock, may still hold it
+        lock.release(remove=isinstance(e, Exception))
+        raise
+    lock.release(remove=True)  # a normal end leaves no run.lock
     info(f"done: {run_dir} (next: dllm generate --run {run_dir})")
 
 

@@ -96,14 +96,35 @@ def write_profile(profile: DecodeProfile, folder: Path) -> Path:
     return path
 
 
-def read_profile(folder: Path) -> DecodeProfile | None:
-    """The profile saved in `folder`, or None when it has none (written before profiles existed)."""
+def read_profile(folder: Path, vocab_size: int | None = None) -> DecodeProfile | None:
+    """The profile saved in `folder`, or None when it has none (written before profiles existed). With
+    `vocab_size` (the model's embedding rows), its token ids must fit the model."""
     path = Path(folder) / PROFILE_FILE
     if not path.is_file():
         return None
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-        return DecodeProfile.model_validate(data)
+        profile = DecodeProfile.model_validate(data)
     except (ValueError, ValidationError) as e:
-        msg = e.errors()[0]["msg"] if isinstance(e, ValidationError) else str(e)
+        msg = _first_error(e) if isinstance(e, ValidationError) else str(e)
         raise CheckpointError(f"{path}: not a valid decode profile ({msg}); re-export the model") from None
+    if vocab_size is not None:
+        _check_ids(profile, vocab_size, path)
+    return profile
+
+
+def _first_error(e: ValidationError) -> str:
+    err = e.errors(include_url=False)[0]
+    field = ".".join(str(p) for p in err["loc"])
+    return f"{field}: {err['msg']}" if field else str(err["msg"])
+
+
+def _check_ids(profile: DecodeProfile, vocab_size: int, path: Path) -> None:
+    """Special ids inside the model's vocabulary, and no more tokens than it has: sampling indexes the
+    embedding with them (an edited or another model's profile would index past it)."""
+    for name in ("mask_id", "pad_id", "eos_id", "num_tokens"):
+        value = getattr(profile, name)
+        if value > (vocab_size if name == "num_tokens" else vocab_size - 1):
+            raise CheckpointError(
+                f"{path}: {name} {value} does not fit the model's vocabulary of {vocab_size} ids; re-export the model"
+            )

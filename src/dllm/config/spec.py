@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from dllm.config.base import RelPath, Section
 from dllm.config.data import DataConfig, TokenizerConfig
@@ -27,6 +27,9 @@ from dllm.config.training import (
     TrainingConfig,
 )
 
+LATEST_RUN_LINK = "latest"
+"""The link in run.output_dir to the newest run folder: no run may take its name."""
+
 
 class RunConfig(Section):
     """Where the run writes its checkpoints, metrics and resolved config."""
@@ -35,6 +38,15 @@ class RunConfig(Section):
     """Run name: the run folder is output_dir/name."""
     output_dir: RelPath = Field(default=Path("runs"), validate_default=True)
     """Folder that holds run folders and the `latest` link."""
+
+    @field_validator("name")
+    @classmethod
+    def _not_reserved(cls, name: str) -> str:
+        """output_dir/latest is the link to the newest run: a run of that name would make it point to itself
+        (the comparison ignores case, as a case-insensitive filesystem does)."""
+        if name.lower() == LATEST_RUN_LINK:
+            raise ValueError(f"reserved: output_dir/{LATEST_RUN_LINK} links to the newest run; choose another name")
+        return name
 
 
 class RunSpec(Section):

@@ -76,7 +76,7 @@ class CheckpointingConfig(Section):
     save_final: bool = True
     """Save a checkpoint after the last step."""
     verify: bool = True
-    """Check each checkpoint file's SHA-256 before loading it (sizes always); false skips it for huge ones."""
+    """Check each checkpoint file's SHA-256 and that its manifest lists them all (sizes always); false skips it."""
 
 
 class LoggingConfig(Section):

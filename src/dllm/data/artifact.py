@@ -8,23 +8,18 @@ Both layouts hold the same three arrays:
 `indexed`: one sample per document at its own length (<= seq_len); the loader pads it to seq_len.
 
 The manifest gives each array's file, dtype, count, largest value and SHA-256. The writer stages
-everything in a temporary sibling folder and renames it into place, so a crash never leaves a
-half-written artifact, and it only ever replaces a previous artifact. Same input + same config gives
-the same bytes. Training checks the layout and the recorded maxima before it trusts an artifact.
+everything in a temporary sibling folder and renames it into place (dllm/staging.py), so a crash
+never leaves a half-written artifact, and it only ever replaces a previous artifact that holds nothing
+else. Same input + same config gives the same bytes. Training checks the layout and the recorded
+maxima before it trusts an artifact.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
-import glob
 import hashlib
 import json
-import os
 import re
-import shutil
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -32,11 +27,11 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from dllm.errors import DataError
+from dllm.staging import OutputKind
 
 FORMAT = "dllm-artifact"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
-_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -80,136 +75,27 @@ class ArrayWriter:
         }
 
 
-@contextmanager
-def staged_folder(output: Path, overwrite: bool, keep: Iterable[Path] = ()) -> Iterator[Path]:
-    """Yield a temporary folder next to `output`; on success rename it to `output`.
-
-    Only a previous artifact is ever replaced, and never one that is or holds a path in `keep` (the
-    inputs and the config's folder). Parent folders created here are removed again on failure, and
-    staging folders of killed runs are cleaned up.
-    """
-    output = Path(output)
-    check_replaceable(output, overwrite, keep)
-    created = _make_parents(output.parent)
-    stage = output.parent / f".{output.name}.tmp-{os.getpid()}"
-    try:
-        remove_stale_stages(output)
-        if stage.exists():  # left by an earlier process with our PID, so a dead one
-            shutil.rmtree(stage)
-        _mkdir(stage)
-        yield stage
-    except BaseException as e:
-        shutil.rmtree(stage, ignore_errors=True)
-        _remove_created(created)
-        if isinstance(e, OSError) and e.errno in _DISK_FULL:
-            raise DataError(
-                f"no space left on {output.parent} while writing {output.name}; nothing was kept: free some space "
-                "or choose another output, then prepare again"
-            ) from None
-        raise
-    trash = output.parent / f".{output.name}.old-{os.getpid()}"
-    if output.exists():
-        os.replace(output, trash)
-    os.replace(stage, output)
-    shutil.rmtree(trash, ignore_errors=True)
-
-
-def check_replaceable(output: Path, overwrite: bool, keep: Iterable[Path] = ()) -> None:
-    """Refuse an existing `output` unless it is an artifact, `overwrite` is set, and it holds nothing in `keep`."""
-    if not os.path.lexists(output):
-        return
-    if not _is_artifact(output):
-        raise DataError(
-            f"{output} exists and is not a dllm artifact (no {MANIFEST} of this format); "
-            "choose another output (--overwrite only replaces an artifact)"
-        )
-    if not overwrite:
-        raise DataError(f"{output} already exists; pass --overwrite to replace it")
-    real = output.resolve()
-    for path in keep:
-        p = Path(path).resolve()
-        if p == real or real in p.parents:
-            raise DataError(f"{output} holds {path}, which replacing it would delete; choose another output")
-
-
-def _is_artifact(folder: Path) -> bool:
-    """A folder with a manifest of our format (any version): the only kind of folder --overwrite replaces."""
-    if not (folder.is_dir() and (folder / MANIFEST).is_file()):
-        return False
+def _artifact_files(folder: Path) -> set[str] | None:
+    """The files an artifact wrote (its manifest and the arrays it lists); None: not an artifact of this format."""
     try:
         manifest = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError):
-        return False
-    return isinstance(manifest, dict) and manifest.get("format") == FORMAT
+        return None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        return None
+    files = manifest.get("files")
+    entries = files.values() if isinstance(files, dict) else []
+    return {MANIFEST} | {e["file"] for e in entries if isinstance(e, dict) and isinstance(e.get("file"), str)}
 
 
-def _mkdir(folder: Path, parents: bool = False) -> None:
-    """mkdir whose failure (a file in the way, no permission) is one line naming the output."""
-    try:
-        folder.mkdir(parents=parents, exist_ok=parents)
-    except OSError as e:
-        blocker = next((p for p in (folder, *folder.parents) if os.path.lexists(p)), folder)
-        if not blocker.is_dir():
-            raise DataError(f"output: {blocker} is a file, not a folder; choose another output") from None
-        reason = "permission denied" if isinstance(e, PermissionError) else (e.strerror or type(e).__name__)
-        raise DataError(f"output: cannot create {folder} ({reason}); choose another output") from None
-
-
-def _make_parents(folder: Path) -> list[Path]:
-    """Create `folder` and its missing parents; returns those created, deepest first."""
-    missing = []
-    p = folder
-    while not os.path.lexists(p) and p != p.parent:
-        missing.append(p)
-        p = p.parent
-    try:
-        _mkdir(folder, parents=True)
-    except DataError:  # it may have failed halfway down
-        _remove_created(missing)
-        raise
-    return missing
-
-
-def _remove_created(folders: list[Path]) -> None:
-    """Remove folders this run created (deepest first) while they are empty: never anything else."""
-    for folder in folders:
-        try:
-            folder.rmdir()
-        except OSError:
-            return
-
-
-_STAGE_FILES = frozenset({MANIFEST, "tokens.bin", "loss_mask.bin", "doc_starts.bin"})
-
-
-def remove_stale_stages(output: Path) -> list[Path]:
-    """Remove the staging folders `.NAME.tmp-PID` of `output` left by killed processes.
-
-    Only folders of exactly that name whose process is gone and which hold nothing but the files
-    prepare writes; anything else (a live run, a user's file, another name) is left alone."""
-    prefix = f".{output.name}.tmp-"
-    removed = []
-    for folder in output.parent.glob(glob.escape(prefix) + "*"):
-        pid = folder.name[len(prefix) :]
-        if not (pid.isascii() and pid.isdigit()) or folder.is_symlink() or not folder.is_dir() or _alive(int(pid)):
-            continue
-        if set(os.listdir(folder)) <= _STAGE_FILES:
-            shutil.rmtree(folder, ignore_errors=True)
-            removed.append(folder)
-    return removed
-
-
-def _alive(pid: int) -> bool:
-    """Whether process `pid` exists on this machine (unknown counts as alive: nothing is removed)."""
-    if os.name != "posix" or pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (OSError, OverflowError):  # PermissionError: it exists, owned by someone else
-        return True
-    return True
+ARTIFACT = OutputKind(
+    what="a dllm artifact",
+    marker=f"no {MANIFEST} of this format",
+    files_of=_artifact_files,
+    error=DataError,
+    stage_files=frozenset({MANIFEST, "tokens.bin", "loss_mask.bin", "doc_starts.bin"}),
+)
+"""What `dllm data prepare` writes: only a previous artifact holding nothing else is ever replaced."""
 
 
 def write_manifest(folder: Path, manifest: dict[str, Any]) -> None:

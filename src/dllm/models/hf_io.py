@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -171,17 +172,14 @@ def safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]]:
 
 def _load_bin(path: Path) -> StateDict:
     """pytorch_model.bin with weights_only (memory-mapped when the format allows); anything else refused."""
-    import warnings
 
     try:
-        with warnings.catch_warnings():  # torch warns about the pickle protocol of files it then refuses
-            warnings.simplefilter("ignore")
-            try:
-                state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-            except RuntimeError as e:
-                if "mmap" not in str(e):
-                    raise
-                state = torch.load(path, map_location="cpu", weights_only=True)  # the legacy (non-zip) format
+        try:
+            state = load_plain(path, map_location="cpu", mmap=True)
+        except RuntimeError as e:
+            if "mmap" not in str(e):
+                raise
+            state = load_plain(path, map_location="cpu")  # the legacy (non-zip) format
     except Exception as e:  # the weights-only unpickler raises many types on junk (struct.error, KeyError, ...)
         raise ConfigError(
             f"{path}: refused: not a plain tensor file ({_pickle_reason(e)}); its code was not run; "
@@ -190,6 +188,15 @@ def _load_bin(path: Path) -> StateDict:
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise ConfigError(f"{path}: expected a mapping of tensor names to tensors")
     return state
+
+
+def load_plain(source: Any, **kwargs: Any) -> Any:
+    """torch.load through torch's `weights_only` unpickler, which builds tensors and plain data only. Quietly:
+    it warns about a pickle protocol other than torch's before refusing what it cannot build, and a refusal
+    is the caller's one line."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return torch.load(source, weights_only=True, **kwargs)
 
 
 def _pickle_reason(e: BaseException) -> str:

@@ -17,39 +17,44 @@ class MetricsLogger:
 
     def __init__(self, run_dir: Path, cfg: LoggingConfig, enabled: bool) -> None:
         self.enabled = enabled
+        self.run_dir, self.cfg = run_dir, cfg
         self.path = run_dir / "metrics.jsonl"
-        self._tb = None
-        if enabled:
-            run_dir.mkdir(parents=True, exist_ok=True)
-        if enabled and cfg.tensorboard != "off":
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
-            except ImportError:
-                if cfg.tensorboard == "on":
-                    raise
-        self._wandb = None
-        if enabled and cfg.wandb is not None and cfg.wandb.mode != "disabled":
-            from dllm.training.wandb_sink import WandbSink
-
-            self._wandb = WandbSink(cfg.wandb, run_dir)
+        self._tb: Any = None
+        self._wandb: Any = None
         self._fh: TextIO | None = None
 
     def start(self, step: int) -> None:
-        """Open the file for a run that goes on after `step`. From a checkpoint (step > 0), the
-        records after it were written by the interrupted run and are written again, so they go (and
-        so does a line torn by a kill). From scratch (no checkpoint yet, or `resume: never`) the old
-        records are history of another start: kept aside as metrics.jsonl.N, never deleted."""
+        """Open the sinks for a run that goes on after `step` (not before: a resume that is refused writes
+        nothing). From a checkpoint (step > 0), the records after it were written by the interrupted run
+        and are written again, so they go (and so does a line torn by a kill). From scratch (no checkpoint
+        yet, or `resume: never`) the old records are history of another start: kept aside as
+        metrics.jsonl.N, never deleted."""
         if not self.enabled:
             return
         self._close_file()
+        self._open_sinks()
         if self.path.exists() and step == 0 and self.path.stat().st_size > 0:
             kept = _set_aside(self.path)
             print(f"dllm: starting at step 0: kept the earlier metrics as {kept}", file=sys.stderr)
         elif self.path.exists():
             _truncate_after(self.path, step)
         self._fh = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
+
+    def _open_sinks(self) -> None:
+        """TensorBoard when available (or asked for), W&B when configured; once per run."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self._tb is None and self.cfg.tensorboard != "off":
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
+            except ImportError:
+                if self.cfg.tensorboard == "on":
+                    raise
+        if self._wandb is None and self.cfg.wandb is not None and self.cfg.wandb.mode != "disabled":
+            from dllm.training.wandb_sink import WandbSink
+
+            self._wandb = WandbSink(self.cfg.wandb, self.run_dir)
 
     def log(self, step: int, values: dict[str, Any]) -> None:
         if not self.enabled:

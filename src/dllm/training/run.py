@@ -2,9 +2,11 @@
 
 `prepare_run_dir` (in the launching process) creates output_dir/name, writes the resolved config
 there, points output_dir/latest at it and refuses to mix a different model into a folder that
-already holds checkpoints. Workers (`python -m dllm.training.worker RUN_DIR/config.yaml`) read that
-resolved config. In a multi-node run only node rank 0 prepares the folder; the workers of every
-node read its config.yaml and check it against the digest of what their own launch resolved.
+already holds checkpoints; `launching` puts config.yaml and the link back when the launch then trains
+nothing (the workers refused the resume: a damaged checkpoint, another tokenizer). Workers
+(`python -m dllm.training.worker RUN_DIR/config.yaml`) read that resolved config. In a multi-node
+run only node rank 0 prepares the folder; the workers of every node read its config.yaml and check
+it against the digest of what their own launch resolved.
 """
 
 from __future__ import annotations
@@ -12,6 +14,9 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -19,7 +24,7 @@ import yaml
 
 from dllm.checkpoint.files import disk_full_error, write_text_durably
 from dllm.config.loading import dump_config, load_config
-from dllm.config.spec import RunSpec
+from dllm.config.spec import LATEST_RUN_LINK, RunSpec
 from dllm.errors import CheckpointError, ConfigError
 
 if TYPE_CHECKING:
@@ -53,6 +58,54 @@ def prepare_run_dir(spec: RunSpec) -> Path:
     return run_dir
 
 
+@contextmanager
+def launching(spec: RunSpec) -> Iterator[Path]:
+    """`prepare_run_dir` for a launch whose workers run in the block. When the block fails before the run
+    logged or saved anything (the workers refused to resume it, or could not start), an existing run folder
+    is put back as the launch found it: its config.yaml and the output_dir/latest link."""
+    run_dir = run_dir_of(spec)
+    found = _Found.of(run_dir) if run_dir.is_dir() else None
+    run_dir = prepare_run_dir(spec)
+    progress = _progress(run_dir)
+    try:
+        yield run_dir
+    except BaseException:
+        if found is not None and _progress(run_dir) == progress:
+            found.put_back(run_dir)
+        raise
+
+
+@dataclass(frozen=True)
+class _Found:
+    """What `prepare_run_dir` rewrites, as it was before."""
+
+    config: str | None
+    latest: str | None
+    """Where output_dir/latest pointed (None: no such link)."""
+
+    @classmethod
+    def of(cls, run_dir: Path) -> _Found:
+        cfg_path, link = run_dir / CONFIG_NAME, run_dir.parent / LATEST_RUN_LINK
+        config = cfg_path.read_text(encoding="utf-8") if cfg_path.is_file() else None
+        return cls(config, os.readlink(link) if link.is_symlink() else None)
+
+    def put_back(self, run_dir: Path) -> None:
+        cfg_path = run_dir / CONFIG_NAME
+        if self.config is None:
+            cfg_path.unlink(missing_ok=True)
+        else:
+            write_text_durably(cfg_path, self.config)
+        if self.latest is not None:
+            _point_latest(run_dir, self.latest)
+
+
+def _progress(run_dir: Path) -> tuple[object, ...]:
+    """What training changes first: the metrics log (opened once a resume is accepted) and the checkpoints."""
+    metrics, pointer = run_dir / "metrics.jsonl", run_dir / "checkpoints" / "latest"
+    logged = (metrics.stat().st_size, metrics.stat().st_mtime_ns) if metrics.is_file() else None
+    return logged, pointer.read_bytes() if pointer.is_file() else None
+
+
 # how attention is computed, not what: every backend is exact, so a resumed run may change them
 _KERNEL_FIELDS = ("attention_backend", "flex_compile")
 
@@ -84,12 +137,13 @@ def _set_aside(folder: Path) -> None:
     print(f"dllm: checkpointing.resume is never: moved the old checkpoints to {target}", file=sys.stderr)
 
 
-def _point_latest(run_dir: Path) -> None:
-    link = run_dir.parent / "latest"
-    tmp = run_dir.parent / f".latest.tmp-{os.getpid()}"
+def _point_latest(run_dir: Path, target: str | None = None) -> None:
+    """output_dir/latest -> `target` (default: `run_dir`'s name, a relative link), replaced atomically."""
+    link = run_dir.parent / LATEST_RUN_LINK
+    tmp = run_dir.parent / f".{LATEST_RUN_LINK}.tmp-{os.getpid()}"
     if tmp.is_symlink() or tmp.exists():
         tmp.unlink()
-    tmp.symlink_to(run_dir.name)
+    tmp.symlink_to(target or run_dir.name)
     os.replace(tmp, link)
 
 

@@ -23,12 +23,12 @@ from dllm import __version__
 from dllm.config.prepare import PrepareSpec
 from dllm.config.registries import LAYOUTS, SOURCES
 from dllm.data.artifact import (
+    ARTIFACT,
     FORMAT,
     FORMAT_VERSION,
     ArrayWriter,
     fingerprint,
     sha256_file,
-    staged_folder,
     token_dtype,
     write_manifest,
 )
@@ -36,6 +36,7 @@ from dllm.data.prepare.packing import Layout
 from dllm.data.prepare.render import Document, fit_length, pad_to_multiple, render, text_chars
 from dllm.data.prepare.sources import Record, SourceReader, source_files
 from dllm.errors import DataError
+from dllm.staging import staged_folder
 from dllm.tokenization import Tokenizer, build_tokenizer
 
 ProgressFn = Callable[[int, int], None]
@@ -242,7 +243,10 @@ def prepare(
     tok = build_tokenizer(spec.tokenizer)
     out = Path(output) if output is not None else spec.output
     stats = PrepareStats()
-    with staged_folder(out, overwrite, keep=_inputs(spec, base_dir)) as stage, contextlib.ExitStack() as closing:
+    with (
+        staged_folder(out, ARTIFACT, overwrite, keep=_inputs(spec, base_dir)) as stage,
+        contextlib.ExitStack() as closing,
+    ):
         writers = {
             "tokens": ArrayWriter(stage, "tokens", token_dtype(tok.vocab_size)),
             "loss_mask": ArrayWriter(stage, "loss_mask", np.dtype("u1")),
