@@ -309,3 +309,17 @@ def test_a_split_that_does_not_exist_is_refused(saved_datasets: Path, tmp_path: 
 def test_a_split_that_exists_is_read(saved_datasets: Path, tmp_path: Path, folder: str, split: str | None):
     source = {"kind": "hf_dataset", "path": str(saved_datasets / folder), **({"split": split} if split else {})}
     assert prepare(_spec(tmp_path, source), tmp_path)["stats"]["records_read"] == 1
+
+
+@pytest.mark.parametrize("damage", ["not json", "a list", "no files"])
+def test_a_damaged_save_to_disk_folder_is_one_line(saved_datasets: Path, tmp_path: Path, damage: str):
+    import shutil
+
+    folder = tmp_path / "saved"
+    shutil.copytree(saved_datasets / "plain", folder)
+    state = {"not json": "{oops", "a list": "[1, 2]", "no files": json.dumps({"_data_files": [{"x": 1}]})}[damage]
+    (folder / "state.json").write_text(state)
+    with pytest.raises(DataError) as info:
+        prepare(_spec(tmp_path, {"kind": "hf_dataset", "path": str(folder)}), tmp_path)
+    _one_line(info, f"{folder}: a damaged save_to_disk folder")
+    assert not (tmp_path / "out").exists()

@@ -298,6 +298,10 @@ def _hf_from_disk(cfg: HFDatasetSourceConfig, base_dir: Path) -> tuple[Any, str]
         loaded = datasets.load_from_disk(str(folder))
     except FileNotFoundError as e:
         raise DataError(f"{folder}: not a dataset written by save_to_disk ({_first_line(e)})") from None
+    except (ValueError, KeyError, TypeError, AttributeError, OSError) as e:  # a damaged state.json or dataset_info.json
+        raise DataError(
+            f"{folder}: a damaged save_to_disk folder ({type(e).__name__}: {_first_line(e)}); save the dataset again"
+        ) from None
     if not isinstance(loaded, datasets.DatasetDict):
         _check_single_split(loaded, cfg, folder)
         return loaded, str(folder)
