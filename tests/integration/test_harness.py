@@ -23,7 +23,7 @@ lm_eval = pytest.importorskip("lm_eval")
 from lm_eval.api.instance import Instance  # noqa: E402
 
 from dllm.attention.masks import AttentionMask  # noqa: E402
-from dllm.data.synthetic import addition_example  # noqa: E402
+from dllm.data.synthetic import random_sum, sentence  # noqa: E402
 from dllm.errors import ConfigError  # noqa: E402
 from dllm.evaluation.harness import DllmLM, main  # noqa: E402
 from dllm.sampling.stops import cut_at_stop  # noqa: E402
@@ -71,13 +71,30 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     _run([*cli, "init", "proj", "--num-records", "200"], root)
     proj = root / "proj"
     rng = random.Random(0)
-    sums = "".join(json.dumps(addition_example(rng, 9)) + "\n" for _ in range(3000))
+    # every single-digit sum, held-out ones included: the tests check the harness's scoring of sums the model
+    # trained on (training-set scores by design, reported nowhere), not held-out arithmetic
+    pairs = (random_sum(rng, 9) for _ in range(3000))
+    sums = "".join(json.dumps({"prompt": f"{a} + {b} =", "completion": f" {a + b}"}) + "\n" for a, b in pairs)
     (proj / "data" / "arithmetic.jsonl").write_text(sums, encoding="utf-8")
+    texts = "".join(json.dumps({"text": sentence(rng)}) + "\n" for _ in range(TEXTS))  # fixed here, not by init
+    (proj / "data" / "train.jsonl").write_text(texts, encoding="utf-8")
     _run([*cli, "data", "prepare", "--config", "prepare.yaml", "-q"], proj)
     sets = {
-        "model.preset": "tiny", "training.steps": 400, "optimizer.lr": 0.01, "training.global_batch_size": 32,
+        "model.preset": "tiny", "training.steps": 400, "optimizer.lr": 0.005, "training.global_batch_size": 32,
         "training.micro_batch_size": 32, "checkpointing.every_steps": 400, "logging.progress": "off",
         "logging.tensorboard": "off", "run.name": "sums",
+    }  # fmt: skip
+    return _launch(proj, sets)
+
+
+@pytest.fixture(scope="module")
+def ar_run(run_dir: Path) -> Path:
+    """A few steps of next-token training on the same data: a causal model, the only kind `ar` scores exactly."""
+    proj = run_dir.parent.parent
+    sets = {
+        "model.preset": "tiny", "training.steps": 4, "training.global_batch_size": 8, "training.micro_batch_size": 8,
+        "checkpointing.every_steps": 4, "logging.progress": "off", "logging.tensorboard": "off", "run.name": "ar",
+        "objective": "{name: ar}",
     }  # fmt: skip
     return _launch(proj, sets)
 
@@ -94,6 +111,7 @@ def block_run(run_dir: Path) -> Path:
     return _launch(proj, sets)
 
 
+TEXTS = 40
 QUESTIONS = [(3, 4), (1, 8), (6, 7), (2, 2), (9, 5), (0, 6), (7, 8), (4, 5), (8, 1), (5, 9)]
 
 
@@ -194,8 +212,8 @@ def _teacher_forced(model, ctx: list[int], cont: list[int]) -> tuple[float, bool
     return total, all(int(logp[i].argmax()) == int(ids[0, i + 1]) for i in steps)
 
 
-def test_ar_loglikelihood_is_the_exact_teacher_forced_log_prob(run_dir: Path):
-    ar = DllmLM(run=str(run_dir), kind="ar", batch_size=3)
+def test_ar_loglikelihood_is_the_exact_teacher_forced_log_prob(ar_run: Path, run_dir: Path):
+    ar = DllmLM(run=str(ar_run), kind="ar", batch_size=3)
     tok = ar.tokenizer
     pairs = [("3 + 4 =", " 7"), ("the cat ", "sat on a mat"), ("", "1 + 7 = 8"), ("1 + 1 =", " 2"), ("9 + 9 =", "18")]
     got = ar.loglikelihood(_requests("loglikelihood", pairs))
@@ -205,7 +223,7 @@ def test_ar_loglikelihood_is_the_exact_teacher_forced_log_prob(run_dir: Path):
         want, want_greedy = _teacher_forced(ar.model, ctx_ids, tok.encode(ctx[len(head) :] + cont))
         assert ll == pytest.approx(want, rel=1e-4, abs=1e-4) and greedy == want_greedy
     # the same requests in another order and batch size give the same numbers, in the caller's order
-    again = DllmLM(run=str(run_dir), kind="ar", batch_size=2).loglikelihood(_requests("loglikelihood", pairs[::-1]))
+    again = DllmLM(run=str(ar_run), kind="ar", batch_size=2).loglikelihood(_requests("loglikelihood", pairs[::-1]))
     assert [ll for ll, _ in again[::-1]] == pytest.approx([ll for ll, _ in got], rel=1e-5)
     # rolling: one window is the whole text after BOS; short windows still give a finite, smaller sum
     text = "3 + 4 = 7 and 5 + 2 = 7"
@@ -214,6 +232,8 @@ def test_ar_loglikelihood_is_the_exact_teacher_forced_log_prob(run_dir: Path):
     ar.window = 8
     (chunked,) = ar.loglikelihood_rolling(_requests("loglikelihood_rolling", [(text,)]))
     assert chunked < 0 and chunked != pytest.approx(whole)
+    with pytest.raises(ConfigError, match="kind: ar scores causal"):  # a masked model has no exact AR likelihood
+        DllmLM(run=str(run_dir), kind="ar")
 
 
 def test_guidance_changes_the_scores(run_dir: Path):

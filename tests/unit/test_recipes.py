@@ -112,11 +112,11 @@ def _start_model(name: str, tmp_path: Path, train: bool = False) -> None:
     run_dir = prepare_run_dir(after_spec)
     rl = "\nrl:" in recipe_files(name)["train.yaml"]
     if train:  # a drafter's target run, or an rl run's start model (exported from the trained run)
-        from dllm.cli.convert_cmd import _export
+        from dllm.cli.main import main
 
         train_from_run_dir(run_dir)
         if rl:
-            _export(tmp_path / after / "model", run_dir, None, None)
+            assert main(["convert", "--to-hf", str(tmp_path / after / "model"), "--run", str(run_dir)]) == 0
         return
     if not rl:  # a drafter reads its target run's folder and config (resolving reads no weights)
         return

@@ -57,6 +57,7 @@ from dllm.config.sampler import SamplerConfig, resolve_sampler
 from dllm.errors import ConfigError, UserError
 from dllm.evaluation.likelihood import guided_hidden, nelbo_samples, predictor_hidden, scoring_for
 from dllm.sampling.canvas import SpecialIds
+from dllm.sampling.causal import is_causal_model
 from dllm.sampling.generate import generate
 from dllm.sampling.stops import cut_at_stop, stop_function
 
@@ -201,6 +202,8 @@ class DllmLM(LM):
         self.loaded = load_for_inference(_path(a.run), _path(a.checkpoint), self._device, model_dir=_path(a.model))
         self.model, self.tokenizer = self.loaded.model, self.loaded.tokenizer
         self.scoring = scoring_for(self.loaded, a.kind)
+        if sampler.generation == "auto" and is_causal_model(self.loaded.profile, self.loaded.model_cfg.family):
+            sampler = sampler.model_copy(update={"generation": "causal"})  # generate_until decodes it causally
         self.sampler = resolve_sampler(sampler, self.loaded.profile)
         self.cfg_scale = self.sampler.cfg_scale
         self.seed = self.sampler.seed
