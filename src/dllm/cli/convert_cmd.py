@@ -1,7 +1,9 @@
-"""`dllm convert`: Hugging Face folders in (`--from-hf`) and out (`--to-hf`)."""
+"""`dllm convert`: Hugging Face folders in (`--from-hf`) and out (`--to-hf`); GGUF files in (`--from-gguf`)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import typer
@@ -23,8 +25,15 @@ def convert(
         False, "--adapter-only", help="With --to-hf and a LoRA run: write a PEFT adapter folder, not merged weights."
     ),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty output folder."),
+    from_gguf: Path = typer.Option(
+        None, "--from-gguf", help="A GGUF model file (llama.cpp's format; llama architecture) to import (with --to)."
+    ),
 ) -> None:
-    """Import a Hugging Face checkpoint as a dllm model folder, or export a run / model to one."""
+    """Import a Hugging Face checkpoint or a GGUF file as a dllm model folder, or export a run / model to one."""
+    if from_gguf is not None:
+        others = {"--from-hf": from_hf, "--to-hf": to_hf, "--run": run, "--checkpoint": checkpoint, "--model": model}
+        _import_gguf(from_gguf, to, overwrite, [flag for flag, v in others.items() if v is not None])
+        return
     if (from_hf is None) == (to_hf is None):
         raise ConfigError("give --from-hf DIR --to OUT, or --to-hf OUT with --run, --checkpoint or --model")
     out = to if from_hf is not None else to_hf
@@ -66,6 +75,65 @@ def _import(src: Path, out: Path) -> None:
     write_profile(profile, folder)
     info(f"wrote {folder}: {cfg.family}, {cfg.num_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}")
     info(f"use it with model.init_from: {folder}, or dllm generate --model {folder}")
+
+
+def _import_gguf(src: Path, out: Path | None, overwrite: bool, conflicting: list[str]) -> None:
+    """A GGUF file as a dllm model folder (weights dequantized to float32, its tokenizer and chat template),
+    written in a staging folder next to `out` and renamed into place: never a half-written folder."""
+    from dllm.checkpoint.inference import derive_profile
+    from dllm.config.data import TokenizerConfig
+    from dllm.config.profile import write_profile
+    from dllm.models.gguf_io import import_gguf
+    from dllm.models.hf_io import resize_vocab
+    from dllm.models.pretrained import save_model_folder
+    from dllm.tokenization import build_tokenizer
+    from dllm.tokenization.gguf import save_gguf_tokenizer
+
+    if conflicting:
+        raise ConfigError(f"--from-gguf FILE --to OUT imports a GGUF file; drop {', '.join(conflicting)}")
+    if out is None:
+        raise ConfigError("--from-gguf needs --to OUT (the dllm model folder to write)")
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--to: {out} is a file; give a folder")
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise ConfigError(f"{out} is not empty; pass --overwrite to replace its files")
+    imported = import_gguf(src)  # every check of the weights before the first write
+    with _staging(out) as stage:
+        save_gguf_tokenizer(src, stage)
+        tok_cfg = TokenizerConfig(kind="hf", path=stage)
+        tok = build_tokenizer(tok_cfg)  # adds a mask token when the vocabulary has none
+        cfg = imported.cfg.model_copy(update={"vocab_size": max(imported.cfg.vocab_size or 0, tok.vocab_size)})
+        assert cfg.vocab_size is not None
+        save_model_folder(stage, resize_vocab(imported.state, cfg.vocab_size), cfg, tok_cfg)
+        _save_tokenizer(tok, stage)
+        write_profile(derive_profile(None, cfg, tok), stage)  # decodes as its family does (causal for llama)
+    info(f"wrote {out}: {cfg.family} ({imported.name or imported.architecture}) from {src.name}, {cfg.num_layers} "
+         f"layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}, float32")  # fmt: skip
+    info(f"use it with dllm generate --model {out} --ar --chat, or dllm chat --model {out} --ar")
+
+
+@contextmanager
+def _staging(out: Path) -> Iterator[Path]:
+    """A fresh folder next to `out`; on success it replaces `out` (an old one is moved aside, then removed),
+    on any error it is removed and `out` is left as it was."""
+    import shutil
+    import uuid
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stage = out.parent / f".{out.name}.partial-{uuid.uuid4().hex[:12]}"
+    stage.mkdir()  # (the umask's permissions, unlike mkdtemp's private ones: it becomes the output)
+    try:
+        yield stage
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    old = None
+    if out.exists():
+        old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:12]}"
+        out.rename(old)
+    stage.rename(out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _export(out: Path, run: Path | None, checkpoint: Path | None, model: Path | None) -> None:
