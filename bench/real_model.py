@@ -7,7 +7,8 @@ builds both once, in a cache outside the repository). One JSON line:
     cache) against transformers' `generate` (greedy, use_cache=True, left padding and an attention
     mask) on --prompts chat-templated instructions (templates x topics) x --new tokens, EOS off so every
     token is compared, at batch 1 and 8: rows equal token for token;
-(b) speed, in the same process and threads: rounds interleave ours and transformers' (A B A B ...);
+(b) speed, in the same process and threads: rounds interleave ours, transformers' and ours without the
+    packed linear layers (`ours_unpacked`: F.linear, sampling/packed.py's reference) (A B C A B C ...);
     batch 1 decodes --speed-prompts prompts one at a time, batch 8 the first 8 as one batch, --new tokens
     each; tokens/s per round, medians and best-of, and the ratio ours / transformers of each;
 (c) where the time goes: a profile of one decoding call of each at each batch size, split into the
@@ -101,6 +102,7 @@ def speed(loaded, hf, tok, args: argparse.Namespace) -> dict:
         variants: dict[str, Callable[[], None]] = {
             "ours": lambda chunks=chunks: [rm.ours_greedy(loaded, c, args.new) for c in chunks],
             "transformers": lambda chunks=chunks: [rm.hf_greedy(hf, c, args.new, tok.pad_token_id) for c in chunks],
+            "ours_unpacked": lambda chunks=chunks: [rm.ours_greedy(loaded, c, args.new, packed=False) for c in chunks],
         }
         num_tokens = sum(len(c) for c in chunks) * args.new
         for fn in variants.values():  # warm-up: allocator, oneDNN/MKL kernels, packed weights
@@ -117,8 +119,12 @@ def speed(loaded, hf, tok, args: argparse.Namespace) -> dict:
         for name, w in walls.items():
             row[f"{name}_tok_s_median"] = round(num_tokens / statistics.median(w), 2)
             row[f"{name}_tok_s_best"] = round(num_tokens / min(w), 2)
-        row["ratio_median"] = round(statistics.median(walls["transformers"]) / statistics.median(walls["ours"]), 3)
-        row["ratio_best"] = round(min(walls["transformers"]) / min(walls["ours"]), 3)
+        for name in ("ours", "ours_unpacked"):  # tokens/s of ours over transformers'
+            suffix = "" if name == "ours" else "_unpacked"
+            row[f"ratio{suffix}_median"] = round(
+                statistics.median(walls["transformers"]) / statistics.median(walls[name]), 3
+            )
+            row[f"ratio{suffix}_best"] = round(min(walls["transformers"]) / min(walls[name]), 3)
         out[f"batch_{batch}"] = row
     return out
 
