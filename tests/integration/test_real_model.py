@@ -93,3 +93,16 @@ def test_generate_and_chat_with_the_full_model(capsys, monkeypatch):
     out, err = capsys.readouterr()
     assert code == 0, err
     assert "Paris" in out and "chatting (causal)" in err
+
+
+def test_the_bench_runs_on_the_truncated_model(capsys):
+    from bench.real_model import main as bench
+
+    result = bench(["--model", "trunc", "--prompts", "2", "--new", "4", "--rounds", "1", "--speed-prompts", "1"])
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == result
+    assert set(result["speed"]) == {"batch_1", "batch_8"} and result["speed"]["batch_8"]["ratio_median"] > 0
+    parity = result["parity"]
+    assert parity["max_abs_logit_diff"] <= MAX_LOGIT_DIFF and parity["max_abs_logit_diff_decoding"] <= MAX_LOGIT_DIFF
+    assert parity["batch_1"]["rows_equal"] == parity["batch_8"]["rows_equal"] == 2
+    profiled = {f"batch_{b}_{who}_ms_per_token" for b in (1, 8) for who in ("ours", "transformers")}
+    assert set(result["profile"]) == profiled
