@@ -81,3 +81,22 @@ def test_rows_of_equal_length_take_the_slice_write_and_match_the_reference():
     cache.length_B = torch.tensor([5, 3])
     _, mask = cache.at(1)
     assert cache.write_start is None and mask.query_offset_B is not None
+
+
+def test_a_build_whose_packed_ops_fail_or_disagree_decodes_with_f_linear(monkeypatch):
+    import dllm.sampling.packed as packed
+
+    model = causal_model(seed=14)
+    prompts = random_prompts(2, seed=15)
+    plain = run(model, prompts, packed=False)
+    monkeypatch.setattr(packed, "_packed_linear", lambda p, b, x: torch.zeros(*x.shape[:-1], p.shape[0]))
+    with torch.inference_mode():
+        assert PackedLinears.of(model) is None  # disagrees with F.linear: not used
+    assert run(model, prompts).sequences == plain.sequences
+
+    def missing(*args):
+        raise RuntimeError("no such op in this build")
+
+    monkeypatch.setattr(packed, "_pack", missing)
+    with torch.inference_mode():
+        assert PackedLinears.of(causal_model(seed=16)) is None
