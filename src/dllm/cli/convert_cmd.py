@@ -1,4 +1,4 @@
-"""`dllm convert`: Hugging Face folders in (`--from-hf`) and out (`--to-hf`).
+"""`dllm convert`: Hugging Face folders in (`--from-hf`) and out (`--to-hf`); GGUF files in (`--from-gguf`).
 
 Every output folder is staged next to its place and renamed into place (dllm/staging.py), so a failure
 leaves nothing, and carries MARKER, which lists the files convert wrote: only such a folder, holding
@@ -34,8 +34,15 @@ def convert(
         False, "--adapter-only", help="With --to-hf and a LoRA run: write a PEFT adapter folder, not merged weights."
     ),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an earlier output of dllm convert."),
+    from_gguf: Path = typer.Option(
+        None, "--from-gguf", help="A GGUF model file (llama.cpp's format; llama architecture) to import (with --to)."
+    ),
 ) -> None:
-    """Import a Hugging Face checkpoint as a dllm model folder, or export a run / model to one."""
+    """Import a Hugging Face checkpoint or a GGUF file as a dllm model folder, or export a run / model to one."""
+    if from_gguf is not None:
+        others = {"--from-hf": from_hf, "--to-hf": to_hf, "--run": run, "--checkpoint": checkpoint, "--model": model}
+        _import_gguf(from_gguf, to, overwrite, [flag for flag, v in others.items() if v is not None])
+        return
     if (from_hf is None) == (to_hf is None):
         raise ConfigError("give --from-hf DIR --to OUT, or --to-hf OUT with --run, --checkpoint or --model")
     if from_hf is not None and (run or checkpoint or model or adapter_only):
@@ -130,6 +137,42 @@ def _import(src: Path, stage: Path, out: Path) -> list[str]:
         f"wrote {out}: {cfg.family}, {cfg.num_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}",
         f"use it with model.init_from: {out}, or dllm generate --model {out}",
     ]
+
+
+def _import_gguf(src: Path, out: Path | None, overwrite: bool, conflicting: list[str]) -> None:
+    """A GGUF file as a dllm model folder (weights dequantized to float32, its tokenizer and chat template),
+    staged like every convert output."""
+    from dllm.checkpoint.inference import derive_profile
+    from dllm.config.data import TokenizerConfig
+    from dllm.config.profile import write_profile
+    from dllm.models.gguf_io import import_gguf
+    from dllm.models.hf_io import resize_vocab
+    from dllm.models.pretrained import save_model_folder
+    from dllm.tokenization import build_tokenizer
+    from dllm.tokenization.gguf import save_gguf_tokenizer
+
+    if conflicting:
+        raise ConfigError(f"--from-gguf FILE --to OUT imports a GGUF file; drop {', '.join(conflicting)}")
+    if out is None:
+        raise ConfigError("--from-gguf needs --to OUT (the dllm model folder to write)")
+    check_output_folder(out, "--to")
+    imported = import_gguf(src)  # every check of the file and its weights before the first write
+    _check_apart(out, [src])
+    with staged_folder(out, CONVERT, overwrite) as stage:
+        save_gguf_tokenizer(src, stage)
+        tok_cfg = TokenizerConfig(kind="hf", path=stage)
+        tok = build_tokenizer(tok_cfg)  # adds a mask token when the vocabulary has none
+        cfg = imported.cfg.model_copy(update={"vocab_size": max(imported.cfg.vocab_size or 0, tok.vocab_size)})
+        assert cfg.vocab_size is not None
+        save_model_folder(stage, resize_vocab(imported.state, cfg.vocab_size), cfg, tok_cfg)
+        said = _save_tokenizer(tok, stage, out)
+        write_profile(derive_profile(None, cfg, tok), stage)  # decodes as its family does (causal for llama)
+        _mark(stage)
+    for line in said:
+        info(line)
+    info(f"wrote {out}: {cfg.family} ({imported.name or imported.architecture}) from {src.name}, {cfg.num_layers} "
+         f"layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}, float32")  # fmt: skip
+    info(f"use it with dllm generate --model {out} --ar --chat, or dllm chat --model {out} --ar")
 
 
 def _export(stage: Path, out: Path, run: Path | None, checkpoint: Path | None, model: Path | None) -> list[str]:

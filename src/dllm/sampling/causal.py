@@ -22,7 +22,7 @@ length, V vocabulary, F captured target features.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -33,6 +33,7 @@ from dllm.attention.masks import AttentionMask
 from dllm.config.profile import DecodeProfile
 from dllm.config.registries import FAMILIES
 from dllm.models.capture import CapturedLayers, capture_layers
+from dllm.sampling.packed import PackedLinears
 from dllm.sampling.results import Counters
 
 # ---------------------------------------------------------------------------------------------------
@@ -54,9 +55,13 @@ class RaggedLayerKV:
         if self.k_BKTD is None or self.v_BKTD is None:
             self.k_BKTD = k_BKQD.new_zeros(B, K, c.capacity, D)
             self.v_BKTD = v_BKQD.new_zeros(B, K, c.capacity, D)
-        index = c.write_BQ[:, None, :, None].expand(B, K, Q, D)
-        self.k_BKTD.scatter_(2, index, k_BKQD)
-        self.v_BKTD.scatter_(2, index, v_BKQD)
+        if c.write_start is not None:  # every row at the same length: one slice (a copy, no index tensor)
+            self.k_BKTD[:, :, c.write_start : c.write_start + Q] = k_BKQD
+            self.v_BKTD[:, :, c.write_start : c.write_start + Q] = v_BKQD
+        else:
+            index = c.write_BQ[:, None, :, None].expand(B, K, Q, D)
+            self.k_BKTD.scatter_(2, index, k_BKQD)
+            self.v_BKTD.scatter_(2, index, v_BKQD)
         return self.k_BKTD[:, :, : c.key_end], self.v_BKTD[:, :, : c.key_end]
 
 
@@ -70,6 +75,8 @@ class RaggedKVCache:
     """Where the next forward writes: length_B[:, None] + [0, Q) (set by `at`)."""
     key_end: int = 0
     """The next forward attends to buffer indices [0, key_end) (each row's causal mask cuts its own)."""
+    write_start: int | None = None
+    """Where the next forward writes when every row has the same length (None: rows differ, write_BQ says)."""
     layers: dict[int, RaggedLayerKV] = field(default_factory=dict)
 
     def layer(self, i: int) -> RaggedLayerKV:
@@ -82,11 +89,15 @@ class RaggedKVCache:
         [B, Q] (= buffer indices) and the causal mask with per-row query offsets."""
         arange_Q = torch.arange(num_queries, device=self.length_B.device)
         self.write_BQ = self.length_B[:, None] + arange_Q
-        self.key_end = int(self.length_B.max()) + num_queries
+        shortest, longest = torch.stack(torch.aminmax(self.length_B)).tolist()  # the one host sync
+        self.key_end = longest + num_queries
+        self.write_start = longest if shortest == longest else None
         if self.key_end > self.capacity:
             raise ValueError(f"ragged cache: {self.key_end} positions do not fit its capacity {self.capacity}")
-        if self.key_end == num_queries:  # every row empty (a prefill): plain causal, SDPA's is_causal kernel
+        if longest == 0:  # every row empty (a prefill): plain causal, SDPA's is_causal kernel
             return self.write_BQ, AttentionMask("causal")
+        if num_queries == 1 and shortest == longest:  # each row's query sees every key: no mask at all
+            return self.write_BQ, AttentionMask("bidirectional")
         return self.write_BQ, AttentionMask("causal", query_offset_B=self.length_B.clone())
 
 
@@ -97,19 +108,22 @@ class Target:
     The default runs against the ragged KV cache; `Recompute` is the no-cache reference."""
 
     def __init__(self, model: nn.Module, batch: int, capacity: int, counters: Counters,
-                 layer_ids: Sequence[int] = (), mask_id: int | None = None) -> None:  # fmt: skip
+                 layer_ids: Sequence[int] = (), mask_id: int | None = None, packed: bool = True) -> None:  # fmt: skip
         self.model, self.layer_ids, self.mask_id = model, tuple(layer_ids), mask_id
         self.device = next(model.parameters()).device
         self.length_B = torch.zeros(batch, dtype=torch.long, device=self.device)
         self.capacity, self.counters = capacity, counters
         self.cache = RaggedKVCache(capacity, self.length_B)
         self._captured: CapturedLayers | None = None  # open while `capturing()` is
+        # CPU float32 without autograd: the linear layers and the head through oneDNN's packed weights (packed.py)
+        self.packed = PackedLinears.of(model) if packed and not torch.is_grad_enabled() else None
 
     @contextmanager
     def capturing(self) -> Iterator[Target]:
-        """Keep the hooks that capture `layer_ids` registered over many forwards (a decoding call) rather
-        than registering and removing them in every forward."""
-        with capture_layers(self.model, self.layer_ids) as captured:
+        """Keep the hooks that capture `layer_ids` registered, and the packed linear layers installed, over
+        many forwards (a decoding call) rather than setting them up and removing them in every forward."""
+        installed = self.packed.installed() if self.packed is not None else nullcontext()
+        with capture_layers(self.model, self.layer_ids) as captured, installed:
             self._captured = captured
             try:
                 yield self
@@ -132,7 +146,7 @@ class Target:
     def _run(self, tokens_BL, positions_BL, mask, cache, rows_BQ, logit_rows_BR):
         """The one model call: features at rows `rows_BQ` of its output (None: all rows) and logits at
         `logit_rows_BR` of those (None: all), the mask token excluded."""
-        if self.layer_ids and self._captured is None:  # a forward outside `capturing()`: hooks for it alone
+        if self._captured is None:  # a forward outside `capturing()`: hooks (and packed layers) for it alone
             with self.capturing():
                 return self._run(tokens_BL, positions_BL, mask, cache, rows_BQ, logit_rows_BR)
         self.counters.nfe += 1
@@ -145,7 +159,7 @@ class Target:
         if logit_rows_BR is not None:  # the head only where logits are read (a prefill needs one row)
             hidden = _rows(hidden, logit_rows_BR)
         head, weight, bias = out.head(hidden)
-        logits = F.linear(head, weight, bias)
+        logits = F.linear(head, weight, bias) if self.packed is None else self.packed.linear(head, weight, bias)
         logits = logits if logits.dtype == torch.float64 else logits.float()
         if self.mask_id is not None:  # never a prediction (the objectives exclude it from the softmax too)
             logits[..., self.mask_id] = float("-inf")
@@ -156,8 +170,8 @@ class Recompute(Target):
     """The plain reference: every forward runs each row's whole sequence [0, length + Q) again, no cache."""
 
     def __init__(self, model: nn.Module, batch: int, capacity: int, counters: Counters,
-                 layer_ids: Sequence[int] = (), mask_id: int | None = None) -> None:  # fmt: skip
-        super().__init__(model, batch, capacity, counters, layer_ids, mask_id)
+                 layer_ids: Sequence[int] = (), mask_id: int | None = None, packed: bool = True) -> None:  # fmt: skip
+        super().__init__(model, batch, capacity, counters, layer_ids, mask_id, packed)
         self.tokens_BT = torch.zeros(batch, capacity, dtype=torch.long, device=self.device)
 
     def forward(
