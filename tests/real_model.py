@@ -307,25 +307,15 @@ def chat_ids(tok, text: str) -> list[int]:
 
 
 # -- greedy decoding, ours and transformers' ------------------------------------------------------------------
-def ours_greedy(
-    loaded, prompts: list[list[int]], num_new: int, stop_at_eos: bool = False, packed: bool = True
-) -> list[list[int]]:
+def ours_greedy(loaded, prompts: list[list[int]], num_new: int, stop_at_eos: bool = False) -> list[list[int]]:
     """Greedy AR decoding through the one causal loop (`generate` with generation causal), ragged prompts;
-    without `stop_at_eos` every row gets `num_new` tokens. `packed=False`: the linear layers through
-    F.linear (the reference of the packed weights, sampling/packed.py)."""
-    import torch
-
+    without `stop_at_eos` every row gets `num_new` tokens."""
     from dllm.config.sampler import SamplerConfig
     from dllm.sampling.canvas import SpecialIds
     from dllm.sampling.generate import generate
-    from dllm.sampling.speculative import causal_generate
 
     cfg = SamplerConfig(generation="causal", gen_length=num_new, temperature=0.0, stop_at_eos=stop_at_eos)
-    special = SpecialIds.of(loaded.profile)
-    if packed:
-        return generate(loaded.model, prompts, cfg, special).sequences
-    with torch.inference_mode():
-        return causal_generate(loaded.model, prompts, cfg, special, packed=False).sequences
+    return generate(loaded.model, prompts, cfg, SpecialIds.of(loaded.profile)).sequences
 
 
 def hf_greedy(model, prompts: list[list[int]], num_new: int, pad_id: int) -> list[list[int]]:

@@ -15,7 +15,7 @@ from dllm.config.profile import DecodeProfile
 from dllm.config.sampler import SamplerConfig
 from dllm.models import Transformer
 from dllm.sampling.canvas import SpecialIds
-from dllm.sampling.causal import is_causal_model
+from dllm.sampling.causal import RaggedKVCache, is_causal_model
 from dllm.sampling.generate import generate
 from dllm.sampling.proposals import draw
 from dllm.sampling.results import GenerationResult
@@ -137,3 +137,23 @@ def test_bad_arguments_raise():
         decode(model, [[1], []], 4)
     with pytest.raises(ValueError, match="gen_length"):
         decode(model, [[1]], 0)
+
+
+def test_rows_of_equal_length_take_the_slice_write_and_match_the_reference():
+    """Equal lengths: the cache writes one slice and a single query needs no mask; the tokens and logits
+    are those of recomputing every row (and of the ragged path, which a longer first row forces)."""
+    model = causal_model(seed=12)
+    g = torch.Generator().manual_seed(13)
+    prompts = [torch.randint(0, MASK_ID, (6,), generator=g).tolist() for _ in range(4)]
+    cached, plain = decode(model, prompts, 10, return_logits=True), decode(model, prompts, 10, return_logits=True,
+                                                                             use_cache=False)  # fmt: skip
+    assert cached.sequences == plain.sequences
+    torch.testing.assert_close(cached.logits_BNV, plain.logits_BNV, atol=1e-5, rtol=0)
+    ragged = decode(model, [prompts[0] + [1], *prompts[1:]], 10)
+    assert ragged.sequences[1:] == cached.sequences[1:]
+    cache = RaggedKVCache(16, torch.tensor([5, 5]))
+    _, mask = cache.at(1)
+    assert cache.write_start == 5 and mask.is_plain and mask.kind == "bidirectional"
+    cache.length_B = torch.tensor([5, 3])
+    _, mask = cache.at(1)
+    assert cache.write_start is None and mask.query_offset_B is not None

@@ -22,7 +22,7 @@ length, V vocabulary, F captured target features.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -33,7 +33,6 @@ from dllm.attention.masks import AttentionMask
 from dllm.config.profile import DecodeProfile
 from dllm.config.registries import FAMILIES
 from dllm.models.capture import CapturedLayers, capture_layers
-from dllm.sampling.packed import PackedLinears
 from dllm.sampling.results import Counters
 
 # ---------------------------------------------------------------------------------------------------
@@ -108,22 +107,19 @@ class Target:
     The default runs against the ragged KV cache; `Recompute` is the no-cache reference."""
 
     def __init__(self, model: nn.Module, batch: int, capacity: int, counters: Counters,
-                 layer_ids: Sequence[int] = (), mask_id: int | None = None, packed: bool = True) -> None:  # fmt: skip
+                 layer_ids: Sequence[int] = (), mask_id: int | None = None) -> None:  # fmt: skip
         self.model, self.layer_ids, self.mask_id = model, tuple(layer_ids), mask_id
         self.device = next(model.parameters()).device
         self.length_B = torch.zeros(batch, dtype=torch.long, device=self.device)
         self.capacity, self.counters = capacity, counters
         self.cache = RaggedKVCache(capacity, self.length_B)
         self._captured: CapturedLayers | None = None  # open while `capturing()` is
-        # CPU float32 without autograd: the linear layers and the head through oneDNN's packed weights (packed.py)
-        self.packed = PackedLinears.of(model) if packed and not torch.is_grad_enabled() else None
 
     @contextmanager
     def capturing(self) -> Iterator[Target]:
-        """Keep the hooks that capture `layer_ids` registered, and the packed linear layers installed, over
-        many forwards (a decoding call) rather than setting them up and removing them in every forward."""
-        installed = self.packed.installed() if self.packed is not None else nullcontext()
-        with capture_layers(self.model, self.layer_ids) as captured, installed:
+        """Keep the hooks that capture `layer_ids` registered over many forwards (a decoding call) rather
+        than registering and removing them in every forward."""
+        with capture_layers(self.model, self.layer_ids) as captured:
             self._captured = captured
             try:
                 yield self
@@ -146,7 +142,7 @@ class Target:
     def _run(self, tokens_BL, positions_BL, mask, cache, rows_BQ, logit_rows_BR):
         """The one model call: features at rows `rows_BQ` of its output (None: all rows) and logits at
         `logit_rows_BR` of those (None: all), the mask token excluded."""
-        if self._captured is None:  # a forward outside `capturing()`: hooks (and packed layers) for it alone
+        if self._captured is None:  # a forward outside `capturing()`: hooks for it alone
             with self.capturing():
                 return self._run(tokens_BL, positions_BL, mask, cache, rows_BQ, logit_rows_BR)
         self.counters.nfe += 1
@@ -159,7 +155,7 @@ class Target:
         if logit_rows_BR is not None:  # the head only where logits are read (a prefill needs one row)
             hidden = _rows(hidden, logit_rows_BR)
         head, weight, bias = out.head(hidden)
-        logits = F.linear(head, weight, bias) if self.packed is None else self.packed.linear(head, weight, bias)
+        logits = F.linear(head, weight, bias)
         logits = logits if logits.dtype == torch.float64 else logits.float()
         if self.mask_id is not None:  # never a prediction (the objectives exclude it from the softmax too)
             logits[..., self.mask_id] = float("-inf")
@@ -170,8 +166,8 @@ class Recompute(Target):
     """The plain reference: every forward runs each row's whole sequence [0, length + Q) again, no cache."""
 
     def __init__(self, model: nn.Module, batch: int, capacity: int, counters: Counters,
-                 layer_ids: Sequence[int] = (), mask_id: int | None = None, packed: bool = True) -> None:  # fmt: skip
-        super().__init__(model, batch, capacity, counters, layer_ids, mask_id, packed)
+                 layer_ids: Sequence[int] = (), mask_id: int | None = None) -> None:  # fmt: skip
+        super().__init__(model, batch, capacity, counters, layer_ids, mask_id)
         self.tokens_BT = torch.zeros(batch, capacity, dtype=torch.long, device=self.device)
 
     def forward(

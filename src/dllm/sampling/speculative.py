@@ -100,20 +100,17 @@ def causal_generate(
     stop: Callable[[list[int]], bool] | None = None,
     use_cache: bool = True,
     return_logits: bool = False,
-    packed: bool = True,
 ) -> GenerationResult:
     """Decode up to `cfg.gen_length` tokens per prompt with the target `model` (greedy or sampled at
     `cfg.temperature`, `top_k`, `top_p`), one token per round, or more with a drafter's proposals: the
     output is the target's own (greedy: token for token; sampled: in distribution). A row ends at its
     first EOS (`cfg.stop_at_eos`) or once `stop(row_ids)` holds; ended rows ride along without advancing.
     `use_cache=False` runs each row's whole sequence every round (the reference of the ragged cache);
-    `packed=False` runs the target's linear layers with F.linear (the reference of the packed weights that
-    serve a CPU float32 target without autograd, sampling/packed.py); `return_logits` keeps the logits each
-    token was chosen from. `sampling.generate` calls this for `cfg.generation == "causal"` (under inference
-    mode)."""
+    `return_logits` keeps the logits each token was chosen from. `sampling.generate` calls this for
+    `cfg.generation == "causal"` (under inference mode)."""
     loop = CausalLoop(model, prompts, cfg, special, drafter or NoDrafter(), generator, callback, stop, use_cache,
-                      return_logits, packed)  # fmt: skip
-    with loop.target.capturing():  # the feature hooks (and packed linear layers) stay set up for the call
+                      return_logits)  # fmt: skip
+    with loop.target.capturing():  # the feature hooks stay registered for the call
         running = loop.prefill()
         while running:
             running = loop.round()
@@ -125,7 +122,7 @@ class CausalLoop:
 
     def __init__(
         self, model: nn.Module, prompts: Sequence[Sequence[int]], cfg: SamplerConfig, special: SpecialIds,
-        drafter: Drafter, generator, callback, stop, use_cache: bool, return_logits: bool, packed: bool = True,
+        drafter: Drafter, generator, callback, stop, use_cache: bool, return_logits: bool,
     ) -> None:  # fmt: skip
         self.cfg, self.special, self.drafter, self.generator = cfg, special, drafter, generator
         self.callback, self.stop = callback, stop
@@ -137,7 +134,7 @@ class CausalLoop:
         # a row's last round may end b - 1 tokens past its N-th, and an ended row still runs a block there
         capacity = P + N + 2 * b
         kind = Target if use_cache else Recompute
-        self.target = kind(model, B, capacity, self.counters, drafter.target_layer_ids, special.mask_id, packed)
+        self.target = kind(model, B, capacity, self.counters, drafter.target_layer_ids, special.mask_id)
         self.state = drafter.start(B, capacity)
         self.drafting = b > 1
         arange_T = torch.arange(capacity, device=device)
