@@ -10,6 +10,13 @@ builds both once, in a cache outside the repository). One JSON line:
 (b) speed, in the same process and threads: rounds interleave ours and transformers' (A B A B ...);
     batch 1 decodes --speed-prompts prompts one at a time, batch 8 the first 8 as one batch, --new tokens
     each; tokens/s per round, medians and best-of, and the ratio ours / transformers;
+(d) with --drafter DIR (a DFlash drafter of this target, `dllm convert --to-hf` of a dflash-smollm2 run):
+    greedy speculative decoding on --dflash-prompts held-out instructions (data/instructions.py: topics no
+    training prompt of the recipe mentions), up to --dflash-new new tokens, stopping at EOS, at each batch
+    size: rows equal to our AR decoding (KV cache) token for token; tau (tokens kept per target forward per
+    row) and tokens/s at each verify block (--draft-blocks; below the drafter's own block the target checks
+    its first proposals); speedup over AR. Per chunk of prompts the variants run back to back, in an order
+    that rotates, on the same prompts;
 (c) where the time goes: a profile of one decoding call of each at each batch size, split into the
     linear layers (the LM head included), attention and everything else, in ms per new token, and the
     ceiling of the ratio on this machine: transformers' ms per token over our linear layers' alone (what
@@ -18,7 +25,8 @@ builds both once, in a cache outside the repository). One JSON line:
 The machine may be shared: the load average before and after is recorded with the numbers.
 
     python bench/real_model.py [--prompts 50] [--new 64] [--rounds 5] [--speed-prompts 4] [--batches 1 8]
-                               [--model full|trunc] [--skip-parity] [--skip-profile]
+                               [--model full|trunc] [--skip-parity] [--skip-profile] [--skip-ar]
+                               [--drafter DIR [--dflash-prompts 100] [--dflash-new 128] [--draft-blocks 8 16]]
 """
 
 from __future__ import annotations
@@ -153,6 +161,52 @@ def where_time_goes(loaded, hf, tok, args: argparse.Namespace) -> dict:
     return out
 
 
+def dflash(loaded, tok, args: argparse.Namespace) -> dict:
+    """Speculative decoding with the drafter of args.drafter against our AR decoding, on held-out prompts."""
+    from dllm.sampling.speculative import check_drafter, load_drafter
+
+    prompts = [rm.chat_ids(tok, text) for text in rm.instructions(args.dflash_prompts)]  # the held-out split
+    drafter = load_drafter(args.drafter, loaded.model)
+    variants = {"ar": None} | {f"b{b}": check_drafter(drafter, loaded.model, b) for b in args.draft_blocks}
+    out: dict = {"drafter": str(args.drafter), "trained_block": drafter.block_size, "prompts": len(prompts),
+                 "split": "held_out", "max_new": args.dflash_new}  # fmt: skip
+    for batch in args.batches:
+        chunks = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
+        for d in variants.values():  # warm-up
+            rm.ours_decode(loaded, chunks[0], 8, drafter=d)
+        keys = ("tokens", "rounds", "accepted", "nfe", "equal")
+        totals = {name: {"wall": 0.0} | dict.fromkeys(keys, 0) for name in variants}
+        names = list(variants)
+        for i, chunk in enumerate(chunks):
+            results = {}
+            for name in names[i % len(names) :] + names[: i % len(names)]:
+                t0 = time.perf_counter()
+                results[name] = rm.ours_decode(loaded, chunk, args.dflash_new, drafter=variants[name])
+                t = totals[name]
+                t["wall"] += time.perf_counter() - t0
+                c = results[name].counters
+                for key, value in zip(keys, (c.tokens_committed, c.rounds, c.accepted, c.nfe), strict=False):
+                    t[key] += value
+            for name in names:
+                same = zip(results[name].sequences, results["ar"].sequences, strict=True)
+                totals[name]["equal"] += sum(a == b for a, b in same)
+            if (i + 1) % max(1, len(chunks) // 10) == 0:
+                progress(f"dflash batch {batch}: {i + 1}/{len(chunks)} chunks")
+        row: dict = {"ar_tok_s": round(totals["ar"]["tokens"] / totals["ar"]["wall"], 2)}
+        for name in names[1:]:
+            t = totals[name]
+            row[name] = {
+                "rows_equal_ar": t["equal"], "rows": len(prompts),
+                "tau": round((t["accepted"] + t["rounds"]) / max(t["rounds"], 1), 3),
+                "tok_s": round(t["tokens"] / t["wall"], 2),
+                "speedup_over_ar": round(totals["ar"]["wall"] / t["wall"], 3),
+                "tokens_equal_ar": t["tokens"] == totals["ar"]["tokens"],
+            }  # fmt: skip
+            progress(f"dflash batch {batch} {name}: {row[name]}")
+        out[f"batch_{batch}"] = row
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=50, help="chat prompts of the greedy equality check")
@@ -162,6 +216,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--skip-parity", action="store_true")
     parser.add_argument("--skip-profile", action="store_true")
+    parser.add_argument("--skip-ar", action="store_true", help="skip (b) speed against transformers")
+    parser.add_argument("--drafter", type=Path, help="a DFlash drafter folder of this target: section (d)")
+    parser.add_argument("--dflash-prompts", type=int, default=100, help="held-out prompts of section (d)")
+    parser.add_argument("--dflash-new", type=int, default=128, help="most new tokens per prompt in (d)")
+    parser.add_argument("--draft-blocks", type=int, nargs="+", default=[8, 16], help="verify block sizes in (d)")
     trunc = f"trunc: its first {rm.TRUNCATED_LAYERS} blocks (a quick check of the bench itself)"
     parser.add_argument("--model", choices=["full", "trunc"], default="full", help=trunc)
     args = parser.parse_args(argv)
@@ -178,11 +237,14 @@ def main(argv: list[str] | None = None) -> dict:
         "torch": torch.__version__,
     }
     with torch.inference_mode():
-        result["speed"] = speed(loaded, hf, tok, args)
+        if not args.skip_ar:
+            result["speed"] = speed(loaded, hf, tok, args)
         if not args.skip_parity:
             result["parity"] = parity(loaded, hf, tok, args)
         if not args.skip_profile:
             result["profile"] = where_time_goes(loaded, hf, tok, args)
+        if args.drafter is not None:
+            result["dflash"] = dflash(loaded, tok, args)
     result["load_average_before"] = [round(x, 2) for x in load_before]
     result["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
     print(json.dumps(result))

@@ -270,22 +270,12 @@ def load_ours(kind: str):
 
 
 # -- prompts ----------------------------------------------------------------------------------------------
-TOPICS = ("the ocean", "volcanoes", "the French Revolution", "photosynthesis", "black holes", "chess", "bread",
-          "honeybees", "the moon landing", "prime numbers", "recycling", "the Roman Empire", "jazz",
-          "electric cars", "sleep", "the water cycle", "Mount Everest", "computers", "rainbows", "elephants",
-          "democracy", "coffee", "earthquakes", "the internet", "dinosaurs")  # fmt: skip
-TEMPLATES = ("Explain {} to a ten-year-old.", "Write a short poem about {}.", "Give three facts about {}.",
-             "What is the most surprising thing about {}?", "Summarize the history of {} in two sentences.",
-             "Write a haiku about {}.", "List two pros and two cons of {}.",
-             "Describe {} in one sentence.")  # fmt: skip
+def instructions(n: int, split: str = "held_out") -> list[str]:
+    """The first n instructions of the project's generated set (data/instructions.py; templates x topics),
+    of the split whose topics no DFlash drafter of the recipes trains on unless `split` says train."""
+    from dllm.data.instructions import instructions as generated
 
-
-def instructions(n: int) -> list[str]:
-    """n diverse instructions (templates x topics, in an order that varies both), no downloads."""
-    out = []
-    for i in range(n):
-        out.append(TEMPLATES[i % len(TEMPLATES)].format(TOPICS[(i * 7) % len(TOPICS)]))
-    return out
+    return generated(split)[:n]  # type: ignore[arg-type]
 
 
 PLAIN = ("The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
@@ -310,12 +300,17 @@ def chat_ids(tok, text: str) -> list[int]:
 def ours_greedy(loaded, prompts: list[list[int]], num_new: int, stop_at_eos: bool = False) -> list[list[int]]:
     """Greedy AR decoding through the one causal loop (`generate` with generation causal), ragged prompts;
     without `stop_at_eos` every row gets `num_new` tokens."""
+    return ours_decode(loaded, prompts, num_new, stop_at_eos=stop_at_eos).sequences
+
+
+def ours_decode(loaded, prompts: list[list[int]], num_new: int, drafter=None, stop_at_eos: bool = True):
+    """Greedy causal decoding (AR, or speculative with `drafter`): the GenerationResult, counters included."""
     from dllm.config.sampler import SamplerConfig
     from dllm.sampling.canvas import SpecialIds
     from dllm.sampling.generate import generate
 
     cfg = SamplerConfig(generation="causal", gen_length=num_new, temperature=0.0, stop_at_eos=stop_at_eos)
-    return generate(loaded.model, prompts, cfg, SpecialIds.of(loaded.profile)).sequences
+    return generate(loaded.model, prompts, cfg, SpecialIds.of(loaded.profile), drafter=drafter)
 
 
 def hf_greedy(model, prompts: list[list[int]], num_new: int, pad_id: int) -> list[list[int]]:

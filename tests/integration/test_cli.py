@@ -166,7 +166,10 @@ def test_generate_sampler_options_and_chat(project: Path):
     assert all(r["cached_tokens"] > 0 and r["nfe"] >= 1 and "\n" not in r["completion"] for r in rows)
     assert "margin/dual/bidirectional" in res.stderr
     res = _ok(dllm(["generate", "--run", "runs/latest", "--chat", "-p", "hi", "--gen-length", "8", "--json"], project))
-    assert json.loads(res.stdout)["prompt"] == "hi"
+    row = json.loads(res.stdout)
+    turns = {"prompt": [{"role": "user", "content": "hi"}],
+             "completion": [{"role": "assistant", "content": row["completion"]}]}  # fmt: skip
+    assert row["prompt"] == "hi" and row["chat"] == turns  # the exchange as turns, for data prepare
     res = _ok(dllm(["generate", "--run", "runs/latest", "-p", "hi", "--policy", "threshold", "--json"], project))
     assert json.loads(res.stdout)["nfe"] <= 32
     # --compile: the model's blocks compiled (dynamic shapes), the same greedy text as eager for two prompts

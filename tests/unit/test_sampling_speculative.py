@@ -22,7 +22,7 @@ from dllm.attention.masks import AttentionMask
 from dllm.errors import CheckpointError, ConfigError
 from dllm.models.capture import capture_layers
 from dllm.sampling.proposals import token_probs
-from dllm.sampling.speculative import Drafter, check_drafter, load_drafter
+from dllm.sampling.speculative import Drafter, FirstProposals, check_drafter, load_drafter
 from tests.unit.test_sampling_ar import MASK_ID, V, causal_model, decode, new_tokens, random_prompts
 
 F64 = torch.float64
@@ -205,6 +205,37 @@ def test_greedy_is_lossless_at_batch_1(target, kind):
         c = out.counters.as_dict()
         assert c["tokens_committed"] == N and c["rounds"] == c["nfe"] - 1  # + the prefill
         assert c["drafted"] == (b - 1) * c["rounds"] and c["tau"] == (c["accepted"] + c["rounds"]) / c["rounds"]
+
+
+def test_a_shorter_verify_block_checks_the_drafters_first_proposals(target):
+    """--draft-block-size below the drafter's: the drafter runs its own block (state sized for it), the target
+    verifies its first b - 1 proposals; lossless, and every round drafts b - 1."""
+    N, b, trained = 16, 3, 6
+    prompts = random_prompts(16, seed=41)
+    ref = greedy_reference(target, prompts, N + trained)
+    seen: list[int] = []
+
+    class Recording(ReplayDrafter):
+        def start(self, batch_size: int, max_length: int) -> None:
+            seen.append(max_length)
+
+        def propose(self, state, anchor_B, anchor_pos_B) -> torch.Tensor:
+            out = super().propose(state, anchor_B, anchor_pos_B)
+            assert out.shape[1] == trained - 1  # its whole block
+            return out
+
+    inner = Recording(full_sequences(prompts, ref.sequences, 9 + N + trained), trained, error=0.2)
+    drafter = check_drafter(inner, target, block_size=b)
+    assert isinstance(drafter, FirstProposals) and drafter.block_size == b and check_drafter(inner, target) is inner
+    for i in range(0, 16, 8):
+        out = decode(target, prompts[i : i + 8], N, drafter=drafter)
+        assert out.sequences == [s[:N] for s in ref.sequences[i : i + 8]]
+        c = out.counters.as_dict()
+        assert c["drafted"] == (b - 1) * c["rounds"] and 0 < c["accepted"] < c["drafted"]
+    # the loop's capacity (longest prompt + N + 2 b) plus the positions the drafter's longer block reaches
+    assert seen == [max(len(p) for p in prompts[i : i + 8]) + N + 2 * b + trained - b for i in (0, 8)]
+    with pytest.raises(ConfigError, match="use 2 to 6"):
+        check_drafter(inner, target, block_size=1)
 
 
 def test_a_perfect_drafter_is_accepted_in_full_and_eos_ends_rows(target):

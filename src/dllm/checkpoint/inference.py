@@ -69,7 +69,7 @@ def setup_sampling(
     """Load a model (`load_for_inference`) and resolve `sampler` for it. Causal decoding
     (`sampler.generation == "causal"`, asked for by `causal_option`, named in errors) needs a causal model
     and loads the drafter of `drafter_dir`, refused when it was trained for another target or for blocks
-    other than `draft_block_size`."""
+    shorter than `draft_block_size` (a shorter block verifies its first proposals)."""
     loaded = load_for_inference(run, checkpoint, device, model_dir=model_dir)
     drafter = None
     if sampler.generation == "causal":
@@ -82,8 +82,7 @@ def setup_sampling(
                 f"{causal_option} to sample it"
             )
         if drafter_dir is not None:
-            drafter = load_drafter(drafter_dir, loaded.model)
-            check_drafter(drafter, loaded.model, draft_block_size)
+            drafter = check_drafter(load_drafter(drafter_dir, loaded.model), loaded.model, draft_block_size)
     return SamplingSetup(loaded, resolve_sampler(sampler, loaded.profile), SpecialIds.of(loaded.profile), device,
                          drafter)  # fmt: skip
 
@@ -241,8 +240,11 @@ def load_target(path: Path, device: torch.device | None = None) -> LoadedModel:
 
 def check_causal_target(path: Path) -> None:
     """One line when `path` is not a causal (AR) model: a run whose objective decodes causally, a model
-    folder whose decode profile says so, or a Hugging Face *ForCausalLM folder without a dllm profile."""
+    folder whose decode profile says so or that was never trained here and is of an AR family (as
+    `generate --ar` decides, `is_causal_model`), or a Hugging Face *ForCausalLM folder without a dllm profile."""
     import json
+
+    from dllm.models.pretrained import is_model_folder, pretrained_config
 
     path = Path(path)
     if (path / RUN_CONFIG).is_file():
@@ -250,7 +252,9 @@ def check_causal_target(path: Path) -> None:
         attention, what = spec.objective.decode_facts()["attention"], f"objective {spec.objective.name}"
     elif path.is_dir():
         profile = read_profile(path)
-        if profile is not None:
+        if profile is not None and is_model_folder(path) and is_causal_model(profile, pretrained_config(path).family):
+            attention, what = "causal", ""
+        elif profile is not None:
             attention, what = profile.attention, f"objective {profile.objective or 'unknown'}"
         elif (path / "config.json").is_file():
             archs = json.loads((path / "config.json").read_text(encoding="utf-8")).get("architectures") or []

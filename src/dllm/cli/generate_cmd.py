@@ -59,7 +59,9 @@ def generate(
     draft: str = typer.Option(
         None, "--draft", help="Speculative decoding of a causal target with this drafter (a folder or hub id)."
     ),
-    draft_block_size: int = typer.Option(None, "--draft-block-size", help="The drafter's block size (checked)."),
+    draft_block_size: int = typer.Option(
+        None, "--draft-block-size", help="Verify blocks of this size: 2 to the drafter's own (default its own)."
+    ),
 ) -> None:
     """Generate continuations of prompts with any sampler configuration."""
     import torch
@@ -86,6 +88,10 @@ def generate(
     tok, cfg = s.loaded.tokenizer, s.sampler
     gen = torch.Generator(device=s.device).manual_seed(cfg.seed)
     done = decode_batches(s, texts, lambda text: _encode(tok, text, chat), batch_size, gen)
+    if chat:  # the exchange as chat turns: `data prepare` (prompt_completion, chat.prompt / chat.completion) reads it
+        for r in done.records:
+            r["chat"] = {"prompt": [{"role": "user", "content": r["prompt"]}],
+                         "completion": [{"role": "assistant", "content": r["completion"]}]}  # fmt: skip
     _write_records(done.records, output, as_json)
     c = done.total.as_dict()
     if causal:

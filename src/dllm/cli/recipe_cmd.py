@@ -44,6 +44,9 @@ def copy(
     info(f"wrote {', '.join(str(p) for p in written)}")
     if recipe.kind == "template":
         info("this is a template: point its model, tokenizer and data paths at your folders first")
+    if recipe.kind == "real":
+        info(f"every step, with its time on 2 CPU cores, is in the header of {dest / 'train.yaml'}")
+        return
     if recipe.after is not None:
         info(f"first train the recipe {recipe.after} in {dest.parent / recipe.after} (this one reads its run)")
     info("next:")

