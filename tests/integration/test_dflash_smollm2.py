@@ -42,8 +42,9 @@ def recipe(tmp_path_factory) -> Path:
         mp.chdir(folder)
         prompts = (folder / "data" / "prompts.jsonl").read_text().splitlines()
         (folder / "data" / "prompts.jsonl").write_text("\n".join(prompts[:8]) + "\n")
-        assert main(["generate", "--model", "../smollm2", "--ar", "--chat", "--prompts-file", "data/prompts.jsonl",
-                     "--max-new-tokens", str(NEW), "--batch-size", "8", "--output", "data/train.jsonl"]) == 0  # fmt: skip
+        answer = ["generate", "--model", "../smollm2", "--ar", "--chat", "--prompts-file", "data/prompts.jsonl",
+                  "--max-new-tokens", str(NEW), "--batch-size", "8", "--output", "data/train.jsonl"]  # fmt: skip
+        assert main(answer) == 0
         assert main(["data", "prepare", "--config", "prepare.yaml"]) == 0
         sets = ["objective.target_layer_ids=[0,2,3]", "training.steps=3", "training.global_batch_size=4",
                 "training.micro_batch_size=4", "checkpointing.every_steps=3", "scheduler.warmup_steps=1"]  # fmt: skip

@@ -142,6 +142,29 @@ def test_targets_are_the_targets_greedy_next_tokens_with_decayed_weights():
     assert torch.equal(ids[..., 0], batch.tokens_BL.gather(1, anchors))
 
 
+def test_data_labels_equal_the_targets_on_its_own_greedy_answers():
+    """labels: data reads the data's next tokens; on rows the target wrote greedily after a prompt they are its
+    argmax, so both settings give the same targets and weights (and kl with data labels is refused)."""
+    target = make_target(seed=4)
+    B, P, L = 3, 6, 24
+    tokens = torch.randint(2, 60, (B, P), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        while tokens.shape[1] < L:  # the target's greedy answer, ids it may produce only
+            logits = target(tokens, torch.arange(tokens.shape[1]).expand(B, -1), AttentionMask("causal")).logits()
+            logits[..., 60:] = -float("inf")
+            logits[..., MASK] = -float("inf")
+            tokens = torch.cat([tokens, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    sup = torch.arange(L).expand(B, L) >= P
+    batch = Batch(tokens, sup, torch.arange(B))
+    by_target = make_objective(target).prepare(batch, NoiseKeys(0, 3))
+    by_data = make_objective(target, labels="data").prepare(batch, NoiseKeys(0, 3))
+    assert torch.equal(by_target.weights_BL, by_data.weights_BL) and (by_data.weights_BL > 0).sum() > 20
+    sel = by_data.weights_BL > 0
+    assert torch.equal(by_target.targets_BL[sel], by_data.targets_BL[sel]) and by_data.teacher_logits_MV is None
+    with pytest.raises(ValueError, match="labels: data gives next tokens"):
+        DFlashDistillationConfig(target="t", target_layer_ids=[0], loss="kl", labels="data")
+
+
 @pytest.mark.parametrize("loss", ["ce", "kl"])
 def test_the_draft_mask_equals_a_loop_over_anchors(loss):
     target = make_target()

@@ -155,10 +155,21 @@ class DFlashDistillationConfig(Section):
     """Draft blocks per training sequence, all in one forward (anchors drawn where the next token is supervised)."""
     loss: Literal["ce", "kl"] = "ce"
     """ce: cross-entropy to the target's greedy next tokens; kl: KL(target || drafter) of next-token distributions."""
+    labels: Literal["target", "data"] = "target"
+    """The next tokens of loss ce: target: the target's argmax (its LM head on every supervised row, each step);
+    data: the data's own next tokens, the same when the data are the target's own greedy answers (the recipe
+    regenerates them) and a third cheaper (no head pass for the teacher)."""
     decay: Float | None = Field(default=7.0, gt=0)
     """gamma of the weight exp(-(k-1)/gamma) of the k-th proposal (early ones decide acceptance); null: all 1."""
     feature_cache: RelPath | None = None
     """Folder of the target's precomputed features (built by one pass when missing); null: run the target per step."""
+
+    @model_validator(mode="after")
+    def _labels_of_ce(self) -> DFlashDistillationConfig:
+        if self.labels == "data" and self.loss == "kl":
+            raise ValueError("labels: data gives next tokens, not the target's distribution that loss kl needs; "
+                             "use loss ce or labels target")  # fmt: skip
+        return self
 
     def decode_facts(self) -> dict[str, Any]:
         """A drafter's block is bidirectional; it is never sampled alone (only with its target, `--draft`)."""

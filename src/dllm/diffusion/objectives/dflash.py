@@ -14,7 +14,9 @@ objective holds (training/build.py loads it from `objective.target`). For each m
    < p_a and its own block, nothing else (a mask, not a loop over anchors); in a packed row only its
    own document's positions (the target's pass keeps to documents too), as decoding sees one prompt;
 4. block row k (k = 1 .. b-1) is supervised where position p + k is, with weight
-   exp(-(k - 1) / gamma) (`decay`: the first proposals decide how many are accepted).
+   exp(-(k - 1) / gamma) (`decay`: the first proposals decide how many are accepted); its label is the
+   target's argmax there, or with `labels: data` the data's token at p + k (the same when the data are
+   the target's own greedy answers, without the head pass).
 
 Normalisation: each valid anchor counts b - 1 targets (`normalizer`); the trainer divides the
 weighted sum by the global count. Every sequence contributes the same number of anchors (fewer only
@@ -151,9 +153,13 @@ class DFlashDistillation:
         )
         weights_BN = weights_BAb.reshape(B, A * b)
         sel_BN = weights_BN > 0
-        teacher_MV = self._teacher_logits(out, (pos_BN - 1).clamp_min(0)[sel_BN], sel_BN)
         targets_BN = torch.zeros_like(pos_BN)
-        targets_BN[sel_BN] = teacher_MV.argmax(-1)
+        teacher_MV = None
+        if cfg.labels == "data":  # the data's next tokens: the target's own when the data are its greedy answers
+            targets_BN[sel_BN] = tokens.gather(1, pos_BN)[sel_BN]
+        else:
+            teacher_MV = self._teacher_logits(out, (pos_BN - 1).clamp_min(0)[sel_BN], sel_BN)
+            targets_BN[sel_BN] = teacher_MV.argmax(-1)
         return DraftInputs(
             tokens_BL=DraftTokens(ids_BAb.reshape(B, A * b), context_BCF, anchors_BA, context_start_BA),  # type: ignore[arg-type]
             positions_BL=pos_BN,
