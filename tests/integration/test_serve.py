@@ -371,7 +371,7 @@ def test_block_model_rounds_max_tokens_to_whole_blocks():
     loaded = tiny_loaded()
     loaded.profile = loaded.profile.model_copy(update={"attention": "block", "block_size": 4, "objective": "bd3lm"})
     srv = make_server(loaded)
-    settings = sampler_settings(CompletionRequest(prompt="x", max_tokens=10), srv.state.base, loaded.profile)
+    settings = sampler_settings(CompletionRequest(prompt="x", max_tokens=10), srv.state.base, loaded.profile, 128)
     assert (settings.cfg.gen_length, settings.cfg.block_length, settings.max_tokens) == (12, 4, 10)
     with TestClient(build_app(srv.state)) as http:
         plain = http.post("/v1/completions", json={"prompt": "blocks", "max_tokens": 10}).json()
