@@ -327,9 +327,37 @@ def test_cli_serve_user_errors(tmp_path: Path):
         for res, expected in (
             (serve("--model", str(tmp_path / "nowhere")), "nowhere"),
             (serve("--model", str(tmp_path), "--port", str(busy.getsockname()[1])), "choose another port"),
+            (serve("--model", str(tmp_path / "nowhere"), "--api-key", ""), "--api-key is empty"),  # before loading
         ):
             assert res.returncode == 2 and res.stderr.startswith("dllm: error:"), res.stderr
             assert len(res.stderr.splitlines()) == 1 and expected in res.stderr
+
+
+def test_cli_serve_refuses_an_api_key_no_client_can_send(tmp_path: Path, monkeypatch, capsys):
+    """An empty key (an unset variable) would serve without one: refused at start, like a key that cannot
+    travel in a header; the limits' flags are checked against the model."""
+    from dllm.cli.main import main
+    from dllm.models.hf_io import export_hf
+
+    nowhere = str(tmp_path / "nowhere")
+    for env, args, expected in (
+        ("", [], "$DLLM_API_KEY is empty"),
+        (None, ["--api-key", "two words"], "--api-key: an API key travels in an HTTP header"),
+        (None, ["--api-key", "k\u00e9y"], "printable ASCII"),
+    ):
+        if env is None:
+            monkeypatch.delenv("DLLM_API_KEY", raising=False)
+        else:
+            monkeypatch.setenv("DLLM_API_KEY", env)
+        assert main(["serve", "--model", nowhere, *args]) == 2
+        err = capsys.readouterr().err
+        assert len(err.splitlines()) == 1 and expected in err, err
+    monkeypatch.delenv("DLLM_API_KEY", raising=False)
+    model, cfg = tiny_model()
+    export_hf(model.state_dict(), cfg, tmp_path / "tiny-model")
+    assert main(["serve", "--model", str(tmp_path / "tiny-model"), "--max-prompt-tokens", "500"]) == 2
+    err = capsys.readouterr().err
+    assert "--max-prompt-tokens must be a finite number in [1, 127]" in err and len(err.splitlines()) == 1, err
 
 
 def test_a_failing_sampler_is_a_500_and_the_server_goes_on():

@@ -34,11 +34,11 @@ from dllm.config.sampler import SamplerConfig
 from dllm.serving.body import check_content_type, load_json, read_body
 from dllm.serving.engine import Engine, Job, RowResult
 from dllm.serving.errors import ApiError
+from dllm.serving.limits import Limits
 from dllm.serving.prompts import chat_ids, check_prompts, check_rows, completion_prompts
 from dllm.serving.protocol import (
     ChatRequest,
     CompletionRequest,
-    Limits,
     Settings,
     parse_request,
     sampler_settings,

@@ -11,8 +11,6 @@ from starlette.requests import Request
 
 from dllm.serving.errors import ApiError
 
-DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
-"""The largest request body (`dllm serve --max-body-bytes`): a prompt filling a long context, with room."""
 MAX_DEPTH = 32
 """The deepest nesting of a body (the body itself is level 1; a chat text part sits at level 5)."""
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from dllm.config.profile import DecodeProfile
 from dllm.serving.errors import ApiError
-from dllm.serving.protocol import MAX_ROWS, ChatMessage, ChatRequest, CompletionRequest, Limits, Settings
+from dllm.serving.limits import Limits
+from dllm.serving.protocol import MAX_ROWS, ChatMessage, ChatRequest, CompletionRequest, Settings
 from dllm.tokenization import Tokenizer
 
 

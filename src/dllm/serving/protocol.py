@@ -39,18 +39,6 @@ MAX_STOP = 4
 """Stop strings per request, as OpenAI allows."""
 
 
-@dataclass(frozen=True)
-class Limits:
-    """What one request may ask for, fixed when the server starts (`dllm serve` flags)."""
-
-    max_body_bytes: int
-    """The largest request body (--max-body-bytes), refused with 413 before it is parsed."""
-    max_prompt_tokens: int
-    """The longest prompt in tokens (--max-prompt-tokens; at most the model's positions less one)."""
-    max_steps: int
-    """The largest step budget of one request (--max-steps): every step is a forward of the model."""
-
-
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 

@@ -12,9 +12,8 @@ from dllm.config.sampler import SamplerConfig
 from dllm.errors import ConfigError
 from dllm.sampling.canvas import SpecialIds
 from dllm.serving.app import ServeState, build_app
-from dllm.serving.body import DEFAULT_MAX_BODY_BYTES
 from dllm.serving.engine import Engine
-from dllm.serving.protocol import Limits
+from dllm.serving.limits import DEFAULT_MAX_BODY_BYTES, Limits
 
 # Models the server does not decode yet: a drafter (it proposes beside a target), edit flows.
 NOT_SERVED_YET = {
@@ -33,6 +32,8 @@ def make_state(loaded: LoadedModel, cfg: SamplerConfig, *, model_id: str | None 
     objective = loaded.profile.objective
     if objective in NOT_SERVED_YET:
         raise ConfigError(f"{loaded.source}: {NOT_SERVED_YET[objective]}")
+    if api_key is not None:
+        check_api_key(api_key)
     positions = loaded.profile.max_length
     prompt_cap = positions - 1 if max_prompt_tokens is None else max_prompt_tokens
     limits = Limits(max_body_bytes, prompt_cap, default_max_steps(cfg, positions) if max_steps is None else max_steps)
@@ -51,6 +52,16 @@ def make_state(loaded: LoadedModel, cfg: SamplerConfig, *, model_id: str | None 
                     max_wait_ms=max_wait_ms, max_queue=max_queue)  # fmt: skip
     name = model_id or _model_name(loaded)
     return ServeState(engine, cfg, loaded.profile, name, limits, api_key)
+
+
+def check_api_key(key: str, source: str = "--api-key") -> None:
+    """A key a client can send: not empty (an unset variable must not turn the key off without a word)
+    and printable ASCII without spaces (it travels in the Authorization header)."""
+    if not key:
+        raise ConfigError(f"{source} is empty (an unset variable?): give the key, or leave it out to serve "
+                          "without one")  # fmt: skip
+    if not (key.isascii() and key.isprintable()) or any(c.isspace() for c in key):
+        raise ConfigError(f"{source}: an API key travels in an HTTP header; use printable ASCII without spaces")
 
 
 def default_max_steps(cfg: SamplerConfig, positions: int) -> int:
