@@ -19,7 +19,7 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-from tests.integration.serve_support import make_server, slow_loaded, tiny_loaded, tiny_model  # noqa: E402
+from tests.integration.serve_support import MAX_LEN, make_server, slow_loaded, tiny_loaded, tiny_model  # noqa: E402
 
 KEY = "sk-test"
 
@@ -212,6 +212,45 @@ def test_bad_requests_are_openai_errors(server, body, status, param):
     assert err["message"] and err["type"] and err["param"] == param, err
 
 
+def test_tokenize_and_detokenize(server, client):
+    """vLLM's /tokenize and /detokenize: the ids a completion or a chat completion would decode from."""
+    post = lambda path, **body: httpx.post(server.url + path, json=body)  # noqa: E731
+    r = post("/tokenize", model="tiny", prompt="h\u00e9llo")
+    assert r.json() == {"tokens": list("h\u00e9llo".encode()), "count": 6, "max_model_len": MAX_LEN}
+    turns = [{"role": "user", "content": "hi"}]
+    chat = post("/tokenize", messages=turns).json()
+    answer = client.chat.completions.create(model="tiny", messages=turns, max_tokens=4)
+    assert chat["count"] == len(chat["tokens"]) == answer.usage.prompt_tokens
+    bare = post("/tokenize", messages=turns, add_generation_prompt=False).json()
+    assert bare["count"] < chat["count"] and chat["tokens"][: bare["count"]] == bare["tokens"]
+    assert post("/detokenize", tokens=r.json()["tokens"]).json() == {"prompt": "h\u00e9llo"}
+    assert post("/detokenize", tokens=[104, 258]).json() == {"prompt": "h<|eos|>"}  # special tokens by name
+    assert post("/detokenize", tokens=[]).json() == {"prompt": ""}
+    for path, body, status, param in (
+        ("/detokenize", {"tokens": [1, 260]}, 400, "tokens.1"),
+        ("/detokenize", {"tokens": [-1]}, 400, "tokens.0"),
+        ("/detokenize", {"tokens": ["a"]}, 400, "tokens.0"),
+        ("/detokenize", {"tokens": [True]}, 400, "tokens.0"),
+        ("/detokenize", {"tokens": 5}, 400, "tokens"),
+        ("/detokenize", {}, 400, "tokens"),
+        ("/tokenize", {"prompt": "x", "messages": turns}, 400, "prompt"),
+        ("/tokenize", {}, 400, "prompt"),
+        ("/tokenize", {"prompt": 5}, 400, "prompt"),
+        ("/tokenize", {"prompt": "x", "add_generation_prompt": True}, 400, "add_generation_prompt"),
+        ("/tokenize", {"prompt": "x", "add_special_tokens": True}, 400, "add_special_tokens"),
+        ("/tokenize", {"messages": [{"role": "user", "content": "x", "name": "a"}]}, 400, "messages.0.name"),
+        ("/tokenize", {"prompt": "x", "model": "gpt-4"}, 404, "model"),
+    ):
+        r = post(path, **body)
+        assert r.status_code == status and r.json()["error"]["param"] == param, (path, body, r.text)
+    odd = httpx.post(
+        server.url + "/tokenize", content=b'{"prompt": "\\ud800"}', headers={"Content-Type": "application/json"}
+    )
+    assert odd.status_code == 400 and odd.json()["error"]["param"] == "prompt"
+    plain = httpx.post(server.url + "/detokenize", content=b'{"tokens": []}', headers={"Content-Type": "text/plain"})
+    assert plain.status_code == 415
+
+
 def test_openai_client_raises_the_matching_errors(client):
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-4", prompt="x")
@@ -274,6 +313,9 @@ def test_api_key_in_process():
         assert http.get("/health").status_code == 200 and http.get("/").status_code == 200
         assert http.get("/v1/models").status_code == 401
         assert http.get("/metrics").status_code == 401
+        for path, body in (("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [120]})):
+            assert http.post(path, json=body).status_code == 401
+            assert http.post(path, json=body, headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
         wrong = openai.OpenAI(base_url="http://testserver/v1", api_key="wrong", http_client=http, max_retries=0)
         with pytest.raises(openai.AuthenticationError):
             wrong.completions.create(model="tiny", prompt="x")

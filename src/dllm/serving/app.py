@@ -2,11 +2,11 @@
 
 Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (OpenAI shapes, `stream`
 for server-sent events), POST /v1/denoise (the whole canvas after every step, masks as null; the
-same frames ride a completions stream with `"denoise": true`), GET /health, GET /metrics
-(Prometheus text), GET / (the live denoising page, static files shipped in the package).
-Errors are OpenAI error objects. With an API key every /v1 request and /metrics needs
-`Authorization: Bearer KEY` (401 otherwise); /health and the page itself are open (the page asks
-for the key and sends it with its requests).
+same frames ride a completions stream with `"denoise": true`), POST /tokenize and /detokenize
+(vLLM's shapes), GET /health, GET /metrics (Prometheus text), GET / (the live denoising page, static
+files shipped in the package). Errors are OpenAI error objects. With an API key every /v1 request,
+/tokenize, /detokenize and /metrics need `Authorization: Bearer KEY` (401 otherwise); /health and the
+page itself are open (the page asks for the key and sends it with its requests).
 
 A body is checked before it is parsed (JSON content type, size) and parsed, validated and tokenized in a
 worker thread: a long prompt never holds the event loop.
@@ -40,7 +40,9 @@ from dllm.serving.protocol import (
     ChatRequest,
     CompletionRequest,
     Settings,
+    parse_detokenize,
     parse_request,
+    parse_tokenize,
     sampler_settings,
 )
 from dllm.serving.replies import Reply, from_json
@@ -86,6 +88,8 @@ def build_app(state: ServeState) -> FastAPI:
     app.post("/v1/completions")(api.completions)
     app.post("/v1/chat/completions")(api.chat_completions)
     app.post("/v1/denoise")(api.denoise)
+    app.post("/tokenize")(api.tokenize)
+    app.post("/detokenize")(api.detokenize)
     return app
 
 
@@ -193,6 +197,34 @@ class Api:
             prompts = completion_prompts(s.engine.tokenizer, req)
         check_prompts(prompts, req, settings, s.profile, s.limits)
         return req, prompts, settings
+
+    # -- the tokenizer, as vLLM serves it
+    async def tokenize(self, request: Request) -> JSONResponse:
+        self.authorize(request)
+        raw = await self.read(request)
+        return JSONResponse(await asyncio.to_thread(self.tokenize_now, raw))
+
+    def tokenize_now(self, raw: bytes) -> dict[str, Any]:
+        req = parse_tokenize(load_json(raw))
+        self.check_model(req.model)
+        tok = self.state.engine.tokenizer
+        ids = tok.encode(req.prompt) if req.messages is None else chat_ids(tok, req.messages, req.add_generation_prompt)
+        return {"tokens": ids, "count": len(ids), "max_model_len": self.state.profile.max_length}
+
+    async def detokenize(self, request: Request) -> JSONResponse:
+        self.authorize(request)
+        raw = await self.read(request)
+        return JSONResponse(await asyncio.to_thread(self.detokenize_now, raw))
+
+    def detokenize_now(self, raw: bytes) -> dict[str, Any]:
+        req = parse_detokenize(load_json(raw))
+        self.check_model(req.model)
+        tok = self.state.engine.tokenizer
+        bad = next((i for i, t in enumerate(req.tokens) if not 0 <= t < tok.vocab_size), None)
+        if bad is not None:
+            raise ApiError(400, f"tokens.{bad}: {req.tokens[bad]} is not a token id of this model (ids lie in "
+                           f"[0, {tok.vocab_size}))", param=f"tokens.{bad}", code="invalid_value")  # fmt: skip
+        return {"prompt": tok.decode(req.tokens, skip_special=False)}
 
     async def wait_done(self, request: Request, job: Job, events: Events) -> tuple[list[RowResult], dict]:
         """The job's result; a client that goes away cancels it."""

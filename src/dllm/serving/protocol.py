@@ -137,6 +137,47 @@ def parse_request(data: dict[str, Any], kind: str) -> CompletionRequest | ChatRe
     return req
 
 
+class TokenizeRequest(BaseModel):
+    """POST /tokenize (vLLM's shape): a prompt, or a conversation rendered by the chat template."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_generation_prompt: bool = True
+    """With messages: end with the header of the assistant's turn, as a chat completion does."""
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize (vLLM's shape): token ids back to text."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str | None = None
+    tokens: list[int]
+
+
+def parse_tokenize(data: dict[str, Any]) -> TokenizeRequest:
+    try:
+        req = TokenizeRequest.model_validate(_refuse_unserved_in_messages(data))
+    except ValidationError as e:
+        raise invalid(e) from None
+    if (req.prompt is None) == (req.messages is None):
+        raise ApiError(400, "prompt: give a prompt or messages (one of them)", param="prompt", code="invalid_value")
+    if req.messages is None and "add_generation_prompt" in req.model_fields_set:
+        raise ApiError(400, "add_generation_prompt: only with messages", param="add_generation_prompt",
+                       code="invalid_value")  # fmt: skip
+    return req
+
+
+def parse_detokenize(data: dict[str, Any]) -> DetokenizeRequest:
+    try:
+        return DetokenizeRequest.model_validate(data)
+    except ValidationError as e:
+        raise invalid(e) from None
+
+
 def _refuse_unserved_in_messages(data: dict[str, Any]) -> dict[str, Any]:
     messages = data.get("messages")
     if not isinstance(messages, list):
