@@ -51,6 +51,54 @@ def test_models_health_and_metrics(server, client):
         assert name in text, name
 
 
+def _histogram(text: str, name: str) -> tuple[list[tuple[float, float]], float, float]:
+    """(le, cumulative count) per bucket, the sum and the count of one histogram in Prometheus text."""
+    assert f"# TYPE {name} histogram" in text and f"# HELP {name} " in text, name
+    buckets, total, count = [], None, None
+    for line in text.splitlines():
+        if line.startswith(name + "_bucket{"):
+            le = line.split('le="')[1].split('"')[0]
+            buckets.append((float(le), float(line.split()[-1])))
+        elif line.startswith(name + "_sum "):
+            total = float(line.split()[-1])
+        elif line.startswith(name + "_count "):
+            count = float(line.split()[-1])
+    return buckets, total, count
+
+
+def test_latency_histograms_after_requests():
+    """Queue time, time to first token and end-to-end latency, scraped after plain, streamed and denoising
+    requests (a refused request is not timed); every line of the page is a comment or `name{labels} value`."""
+    import math
+    import re
+
+    from fastapi.testclient import TestClient
+
+    from dllm.serving.app import build_app
+
+    srv = make_server()
+    with TestClient(build_app(srv.state)) as http:
+        assert http.post("/v1/completions", json={"prompt": "a", "max_tokens": 8}).status_code == 200
+        assert http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "b"}]}).is_success
+        streamed = http.post("/v1/completions", json={"prompt": "c", "max_tokens": 16, "stream": True})
+        assert streamed.text.rstrip().endswith("[DONE]")
+        assert http.post("/v1/denoise", json={"prompt": "d", "max_tokens": 8}).status_code == 200
+        assert http.post("/v1/completions", json={"prompt": "e", "max_tokens": "8"}).status_code == 400
+        text = http.get("/metrics").text
+    sample = re.compile(r'^[a-z_]+(\{[a-z_]+="[^"]*"(,[a-z_]+="[^"]*")*\})? [0-9.e+-]+$')
+    assert all(line.startswith("# ") or sample.match(line) for line in text.splitlines()), text
+    sums = {}
+    for name in ("dllm_request_queue_time_seconds", "dllm_time_to_first_token_seconds", "dllm_request_latency_seconds"):
+        buckets, total, count = _histogram(text, name)
+        assert count == 4, (name, count)  # the four answered requests, not the refused one
+        assert buckets[-1] == (math.inf, count) and len(buckets) >= 10
+        assert all(a[0] < b[0] and a[1] <= b[1] for a, b in zip(buckets, buckets[1:], strict=False))  # cumulative
+        assert total > 0
+        sums[name] = total
+    assert sums["dllm_time_to_first_token_seconds"] <= sums["dllm_request_latency_seconds"]
+    assert sums["dllm_request_queue_time_seconds"] < sums["dllm_request_latency_seconds"]
+
+
 def test_completion_and_chat(client):
     r = client.completions.create(model="tiny", prompt="hello", max_tokens=12)
     c = r.choices[0]

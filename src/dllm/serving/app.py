@@ -176,7 +176,8 @@ class Api:
             return StreamingResponse(self.sse(request, reply, job, events, t0), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # fmt: skip
         rows, counters = await self.wait_done(request, job, events)
-        self.metrics.observe_request(time.monotonic() - t0)
+        self.metrics.observe("dllm_time_to_first_token_seconds", time.monotonic() - t0)  # all tokens come at once
+        self.metrics.observe("dllm_request_latency_seconds", time.monotonic() - t0)
         return JSONResponse(reply.final(rows, counters))
 
     async def read(self, request: Request) -> bytes:
@@ -252,7 +253,7 @@ class Api:
             self.metrics.inc("dllm_cancelled_total")
 
     async def sse(self, request: Request, reply: Reply, job: Job, events: Events, t0: float) -> AsyncIterator[str]:
-        done = False
+        done = first_token = False
         try:
             yield from_json(reply.opening())
             while not done:
@@ -260,6 +261,9 @@ class Api:
                     kind, payload = await self.next_event(request, job, events)
                 except ApiError:  # the client went away: nobody to write to
                     return
+                if kind != "error" and not first_token:  # text, a frame, or the end of a text with none
+                    first_token = True
+                    self.metrics.observe("dllm_time_to_first_token_seconds", time.monotonic() - t0)
                 if kind == "error":
                     yield from_json(payload.body())
                 elif kind == "delta":
@@ -271,7 +275,8 @@ class Api:
                         yield from_json(chunk)
                 done = kind in ("error", "done")
             yield "data: [DONE]\n\n"
-            self.metrics.observe_request(time.monotonic() - t0)
+            if kind == "done":  # a failed call is not timed
+                self.metrics.observe("dllm_request_latency_seconds", time.monotonic() - t0)
         finally:
             if not done:  # the client went away mid-stream (or the server stops): drop its work
                 self.cancel(job)

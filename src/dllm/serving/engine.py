@@ -165,8 +165,10 @@ class Engine:
                 if job.key == first.key and (not batch or rows + len(job.rows) <= self.max_batch):
                     batch.append(job)
                     rows += len(job.rows)
+            now = time.monotonic()
             for job in batch:
                 self.queue.remove(job)
+                self.metrics.observe("dllm_request_queue_time_seconds", now - job.enqueued_at)
             return batch
 
     def _drop_cancelled(self) -> None:
