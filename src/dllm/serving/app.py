@@ -4,9 +4,10 @@ Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (Open
 for server-sent events), POST /v1/denoise (the whole canvas after every step, masks as null; the
 same frames ride a completions stream with `"denoise": true`), POST /tokenize and /detokenize
 (vLLM's shapes), GET /health, GET /metrics (Prometheus text), GET / (the live denoising page, static
-files shipped in the package). Errors are OpenAI error objects. With an API key every /v1 request,
-/tokenize, /detokenize and /metrics need `Authorization: Bearer KEY` (401 otherwise); /health and the
-page itself are open (the page asks for the key and sends it with its requests).
+files shipped in the package; its icon at /favicon.ico). Errors are OpenAI error objects. With an API
+key every /v1 request, /tokenize, /detokenize and /metrics need `Authorization: Bearer KEY` (401
+otherwise); /health and the page itself are open (the page asks for the key and sends it with its
+requests).
 
 A body is checked before it is parsed (JSON content type, size) and parsed, validated and tokenized in a
 worker thread: a long prompt never holds the event loop.
@@ -81,6 +82,7 @@ def build_app(state: ServeState) -> FastAPI:
     app.add_middleware(CountRequests, metrics=state.engine.metrics)
     api = Api(state)
     app.get("/", include_in_schema=False)(api.index)
+    app.get("/favicon.ico", include_in_schema=False)(api.favicon)
     app.get("/health")(api.health)
     app.get("/metrics")(api.prometheus)
     app.get("/v1/models")(api.models)
@@ -115,6 +117,10 @@ class Api:
     # -- the open endpoints and the model list
     async def index(self) -> FileResponse:
         return FileResponse(str(STATIC / "index.html"))
+
+    async def favicon(self) -> FileResponse:
+        """The page's icon, also where browsers look for one unasked (no 404 in their logs)."""
+        return FileResponse(str(STATIC / "favicon.svg"), media_type="image/svg+xml")
 
     async def health(self) -> dict[str, Any]:
         engine = self.state.engine
