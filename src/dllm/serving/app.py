@@ -36,7 +36,7 @@ from dllm.serving.body import check_content_type, load_json, read_body
 from dllm.serving.engine import Engine, Job, RowResult
 from dllm.serving.errors import ApiError
 from dllm.serving.limits import Limits
-from dllm.serving.prompts import chat_ids, check_prompts, check_rows, completion_prompts
+from dllm.serving.prompts import chat_ids, check_prompts, completion_prompts
 from dllm.serving.protocol import (
     ChatRequest,
     CompletionRequest,
@@ -197,8 +197,7 @@ class Api:
         self.check_model(req.model)
         s = self.state
         settings = sampler_settings(req, s.base, s.profile, s.limits.max_steps)
-        if isinstance(req, ChatRequest):
-            check_rows(1, req.n)
+        if isinstance(req, ChatRequest):  # one conversation: n <= MAX_N rows
             prompts = [chat_ids(s.engine.tokenizer, req.messages)]
         else:
             prompts = completion_prompts(s.engine.tokenizer, req)
