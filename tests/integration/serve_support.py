@@ -64,3 +64,23 @@ def slow_loaded(delay_s: float = 0.01) -> LoadedModel:
     loaded = tiny_loaded()
     loaded.model = Slow(loaded.model, delay_s)
     return loaded
+
+
+class SlowTokenizer:
+    """A tokenizer that takes `delay_s` to encode a long text, as a real one does over a long context;
+    `started` is set when such an encode begins (tests of what the server does meanwhile)."""
+
+    def __init__(self, inner, delay_s: float, long_chars: int = 10_000) -> None:
+        import threading
+
+        self.inner, self.delay_s, self.long_chars = inner, delay_s, long_chars
+        self.started = threading.Event()
+
+    def encode(self, text: str) -> list[int]:
+        if len(text) >= self.long_chars:
+            self.started.set()
+            time.sleep(self.delay_s)
+        return self.inner.encode(text)
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)

@@ -1,5 +1,7 @@
 """The live denoising page at GET / in a real headless Chromium (Debian's chromium + chromedriver through
-selenium): type a prompt, wait for the final text, check that earlier frames showed masks.
+selenium): type a prompt, wait for the final text, check that earlier frames showed masks, that the page
+shows the prompt it sent, marks spaces, clears old output on an error, and loads with no failed resource
+(its favicon included).
 
 Set DLLM_SERVE_SCREENSHOTS=DIR to save the page mid-denoise and at the end (docs/img/serve-*.png)."""
 
@@ -32,6 +34,7 @@ def _driver():
     opts.binary_location = browser
     for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=960,560"):
         opts.add_argument(arg)
+    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})  # the console: failed loads (a 404) show there
     return webdriver.Chrome(service=Service(executable_path=driver), options=opts)
 
 
@@ -61,6 +64,12 @@ def test_page_shows_masks_turning_into_tokens():
             text = final.text
             assert browser.find_element(By.ID, "error").text == ""
             assert "NFE 24" in browser.find_element(By.ID, "stats").text
+            sent = browser.find_element(By.ID, "sent")
+            assert sent.text == "12 + 7 =" and sent.get_attribute("data-kind") == "prompt"
+            failed = [e["message"] for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+            assert not failed, failed  # no resource failed to load: the favicon is served
+            _spaces_are_visible(browser)
+            _an_error_clears_the_old_output(browser)
         finally:
             browser.quit()
         masked = [f["masked"] for f in frames]
@@ -68,3 +77,62 @@ def test_page_shows_masks_turning_into_tokens():
         assert masked == sorted(masked, reverse=True)
         api = httpx.post(srv.url + "/v1/completions", json={"prompt": "12 + 7 =", "max_tokens": 24}).json()
         assert text == api["choices"][0]["text"].strip()  # the page's final text is the model's answer
+
+
+def _spaces_are_visible(browser) -> None:
+    """The final text keeps every space (pre-wrap) and marks the leading and trailing ones; canvas tokens
+    show a space as a middle dot and keep the exact text in their title."""
+    marked = browser.execute_script(
+        "const el = document.getElementById('final'); showText(el, '  a  b \\n');"
+        "return [el.textContent, Array.from(el.querySelectorAll('.edge-space')).map(s => s.textContent),"
+        " getComputedStyle(el).whiteSpace]"
+    )
+    assert marked == ["  a  b \n", ["  ", " \n"], "pre-wrap"]
+    tokens = browser.execute_script(
+        "render([' the', '\\n', null, 'x'], null); const c = document.getElementById('canvas');"
+        "return Array.from(c.children).map(s => [s.className, s.textContent, s.title])"
+    )
+    assert tokens == [["tok", "\u00b7the", '" the"'], ["tok", "\u21b5\n", '"\\n"'], ["mask", "", "masked"],
+                      ["tok", "x", '"x"']]  # fmt: skip
+
+
+def _an_error_clears_the_old_output(browser) -> None:
+    """A request the server refuses (more tokens than the model has positions): the error shows, the
+    previous canvas, text and counters go, and the prompt shown is the one just sent."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    browser.execute_script("showText(document.getElementById('final'), 'old'); render(['o', 'l', 'd'], null)")
+    prompt = browser.find_element(By.ID, "prompt")
+    prompt.clear()
+    prompt.send_keys(" too long ")
+    box = browser.find_element(By.ID, "max_tokens")
+    box.clear()
+    box.send_keys("500")
+    browser.find_element(By.ID, "go").click()
+    error = browser.find_element(By.ID, "error")
+    WebDriverWait(browser, 10).until(lambda b: error.text != "")
+    assert "max_tokens" in error.text
+    assert browser.find_element(By.ID, "canvas").text == "" and browser.find_element(By.ID, "final").text == ""
+    assert browser.find_element(By.ID, "final").get_attribute("data-done") == "0"
+    assert "step 0" in browser.find_element(By.ID, "stats").text
+    sent = browser.execute_script("return document.getElementById('sent').textContent")
+    assert sent == " too long "
+
+
+def test_page_icon_and_assets_are_served():
+    """Without a browser: the page links its icon, the icon is served where browsers look for it, and the
+    page's script has the helpers the browser test drives."""
+    from fastapi.testclient import TestClient
+
+    from dllm.serving.app import build_app
+
+    with TestClient(build_app(make_server().state)) as http:
+        page = http.get("/").text
+        assert '<link rel="icon" href="/favicon.ico"' in page and 'id="sent"' in page
+        icon = http.get("/favicon.ico")
+        assert icon.status_code == 200 and icon.headers["content-type"].startswith("image/svg+xml")
+        assert icon.text.startswith("<svg")
+        script = http.get("/static/app.js").text
+        assert all(f"function {name}(" in script for name in ("showText", "clearOutput", "render"))
+        assert "white-space: pre-wrap" in http.get("/static/style.css").text

@@ -10,6 +10,7 @@ import typer
 from dllm.cli.common import MODEL_HELP, finite, hub_id, info
 from dllm.cli.sampling_common import SAMPLER_CONFIG_OPTION, SET_OPTION, setup_sampling
 from dllm.errors import ConfigError
+from dllm.serving.limits import DEFAULT_MAX_BODY_BYTES
 
 API_KEY_ENV = "DLLM_API_KEY"
 
@@ -28,6 +29,18 @@ def serve(
         10.0, "--max-wait-ms", callback=finite, help="How long a request waits for peers to batch with."
     ),
     max_queue: int = typer.Option(256, "--max-queue", help="Requests that may wait; past it the server answers 429."),
+    max_body_bytes: int = typer.Option(
+        DEFAULT_MAX_BODY_BYTES, "--max-body-bytes", help="Largest request body; a longer one is refused (413)."
+    ),
+    max_prompt_tokens: int = typer.Option(
+        None, "--max-prompt-tokens", help="Longest prompt in tokens (default: the model's positions less one)."
+    ),
+    max_steps: int = typer.Option(
+        None,
+        "--max-steps",
+        help="Most steps (forwards) one request may ask for (default: the model's positions x the server's steps per "
+        "token).",
+    ),
     model_id: str = typer.Option(None, "--model-id", help="The id clients send as `model` (default: the run's name)."),
     sampler_config: Path = SAMPLER_CONFIG_OPTION,
     overrides: list[str] = SET_OPTION,
@@ -38,22 +51,27 @@ def serve(
         import uvicorn
 
         from dllm.serving.app import build_app
-        from dllm.serving.server import make_state
+        from dllm.serving.server import check_api_key, make_state
     except ImportError as e:
         raise ConfigError(
             f"dllm serve needs the serve extra ({e.name} is missing): pip install 'dllm[serve]'"
         ) from None
     if not 0 < port < 65536:
         raise ConfigError(f"--port must lie in 1..65535 (got {port})")
+    key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
+    if key is not None:  # an empty key (an unset variable) would serve without one: refused, not dropped
+        check_api_key(key, "--api-key" if api_key is not None else f"${API_KEY_ENV}")
     _check_port(host, port)  # before the model loads: a busy port is a one-line error, not a log after a wait
     s = setup_sampling(run, checkpoint, model, device, sampler_config, overrides, {})
-    key = api_key or os.environ.get(API_KEY_ENV) or None
     state = make_state(s.loaded, s.sampler, model_id=model_id or hub_id(model), api_key=key, max_batch=max_batch,
-                       max_wait_ms=max_wait_ms, max_queue=max_queue)  # fmt: skip
+                       max_wait_ms=max_wait_ms, max_queue=max_queue, max_body_bytes=max_body_bytes,
+                       max_prompt_tokens=max_prompt_tokens, max_steps=max_steps)  # fmt: skip
     if host not in ("127.0.0.1", "localhost", "::1") and key is None:
         info(f"dllm: warning: serving on {host} without an API key: anyone who can reach it can use it")
+    lim = state.limits
     info(f"{s.loaded.source}: serving {state.model_id!r} on http://{host}:{port} (page at /, API at /v1; "
-         f"max batch {max_batch}, {'API key required' if key else 'no API key'})")  # fmt: skip
+         f"max batch {max_batch}, {'API key required' if key else 'no API key'}; limits: body {lim.max_body_bytes} "
+         f"bytes, prompt {lim.max_prompt_tokens} tokens, {lim.max_steps} steps, queue {max_queue})")  # fmt: skip
     uvicorn.run(build_app(state), host=host, port=port, log_level="warning", access_log=False)
 
 

@@ -2,18 +2,21 @@
 
 Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (OpenAI shapes, `stream`
 for server-sent events), POST /v1/denoise (the whole canvas after every step, masks as null; the
-same frames ride a completions stream with `"denoise": true`), GET /health, GET /metrics
-(Prometheus text), GET / (the live denoising page, static files shipped in the package).
-Errors are OpenAI error objects. With an API key every /v1 request and /metrics needs
-`Authorization: Bearer KEY` (401 otherwise); /health and the page itself are open (the page asks
-for the key and sends it with its requests).
+same frames ride a completions stream with `"denoise": true`), POST /tokenize and /detokenize
+(vLLM's shapes), GET /health, GET /metrics (Prometheus text), GET / (the live denoising page, static
+files shipped in the package; its icon at /favicon.ico). Errors are OpenAI error objects. With an API
+key every /v1 request, /tokenize, /detokenize and /metrics need `Authorization: Bearer KEY` (401
+otherwise); /health and the page itself are open (the page asks for the key and sends it with its
+requests).
+
+A body is checked before it is parsed (JSON content type, size) and parsed, validated and tokenized in a
+worker thread: a long prompt never holds the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -29,11 +32,22 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dllm.config.profile import DecodeProfile
 from dllm.config.sampler import SamplerConfig
+from dllm.serving.body import check_content_type, load_json, read_body
 from dllm.serving.engine import Engine, Job, RowResult
-from dllm.serving.protocol import ApiError, ChatRequest, CompletionRequest, Settings, parse_body, sampler_settings
+from dllm.serving.errors import ApiError
+from dllm.serving.limits import Limits
+from dllm.serving.prompts import chat_ids, check_prompts, completion_prompts
+from dllm.serving.protocol import (
+    ChatRequest,
+    CompletionRequest,
+    Settings,
+    parse_detokenize,
+    parse_request,
+    parse_tokenize,
+    sampler_settings,
+)
 from dllm.serving.replies import Reply, from_json
 
-MAX_ROWS = 256  # rows (prompts x n) one request may ask for
 STATIC = resources.files("dllm.serving") / "static"
 
 
@@ -44,6 +58,7 @@ class ServeState:
     """The server's sampler defaults (resolved), under every request's own fields."""
     profile: DecodeProfile
     model_id: str
+    limits: Limits
     api_key: str | None = None
     created: int = 0
 
@@ -67,6 +82,7 @@ def build_app(state: ServeState) -> FastAPI:
     app.add_middleware(CountRequests, metrics=state.engine.metrics)
     api = Api(state)
     app.get("/", include_in_schema=False)(api.index)
+    app.get("/favicon.ico", include_in_schema=False)(api.favicon)
     app.get("/health")(api.health)
     app.get("/metrics")(api.prometheus)
     app.get("/v1/models")(api.models)
@@ -74,21 +90,22 @@ def build_app(state: ServeState) -> FastAPI:
     app.post("/v1/completions")(api.completions)
     app.post("/v1/chat/completions")(api.chat_completions)
     app.post("/v1/denoise")(api.denoise)
+    app.post("/tokenize")(api.tokenize)
+    app.post("/detokenize")(api.detokenize)
     return app
 
 
 async def _api_error(_request: Request, e: ApiError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+    return e.response()
 
 
 async def _http_error(_request: Request, e: StarletteHTTPException) -> JSONResponse:
     code = "not_found" if e.status_code == 404 else None
-    return JSONResponse(ApiError(e.status_code, str(e.detail), code=code).body(), status_code=e.status_code)
+    return ApiError(e.status_code, str(e.detail), code=code).response()
 
 
 async def _crash(_request: Request, e: Exception) -> JSONResponse:  # never a dead server, never a traceback page
-    err = ApiError(500, f"internal error: {type(e).__name__}: {e}", kind="server_error")
-    return JSONResponse(err.body(), status_code=500)
+    return ApiError(500, f"internal error: {type(e).__name__}: {e}", kind="server_error").response()
 
 
 class Api:
@@ -100,6 +117,10 @@ class Api:
     # -- the open endpoints and the model list
     async def index(self) -> FileResponse:
         return FileResponse(str(STATIC / "index.html"))
+
+    async def favicon(self) -> FileResponse:
+        """The page's icon, also where browsers look for one unasked (no 404 in their logs)."""
+        return FileResponse(str(STATIC / "favicon.svg"), media_type="image/svg+xml")
 
     async def health(self) -> dict[str, Any]:
         engine = self.state.engine
@@ -149,29 +170,67 @@ class Api:
     async def handle(self, request: Request, kind: str) -> Response:
         t0 = time.monotonic()
         self.authorize(request)
-        raw = await request.body()
-        chat = kind == "chat" or (kind == "denoise" and _has_messages(raw))
-        req = parse_body(raw, ChatRequest if chat else CompletionRequest)
-        self.check_model(req.model)
-        prompts = self.chat_prompt(req) if chat else self.completion_prompts(req)  # type: ignore[arg-type]
-        settings = sampler_settings(req, self.state.base, self.state.profile)
-        self.check_lengths(prompts, settings)
-        if len(prompts) * req.n > MAX_ROWS:
-            raise ApiError(400, f"n: {len(prompts)} prompts x n {req.n} make more than {MAX_ROWS} rows; split the "
-                           "request", param="n")  # fmt: skip
+        raw = await self.read(request)
+        req, prompts, settings = await asyncio.to_thread(self.prepare, raw, kind)
         stream = req.stream or kind == "denoise"
-        show_frames = kind == "denoise" or bool((req.model_extra or {}).get("denoise"))
         events = Events(asyncio.get_running_loop())
         job = Job([p for p in prompts for _ in range(req.n)], settings, events.push,
-                  stream_text=stream and kind != "denoise", denoise=show_frames)  # fmt: skip
+                  stream_text=stream and kind != "denoise", denoise=kind == "denoise" or req.denoise)  # fmt: skip
         self.state.engine.submit(job)
-        reply = Reply(kind, chat, self.state.model_id, prompts, req, settings)  # type: ignore[arg-type]
+        reply = Reply(kind, isinstance(req, ChatRequest), self.state.model_id, prompts, req, settings)
         if stream:
             return StreamingResponse(self.sse(request, reply, job, events, t0), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # fmt: skip
         rows, counters = await self.wait_done(request, job, events)
-        self.metrics.observe_request(time.monotonic() - t0)
+        self.metrics.observe("dllm_time_to_first_token_seconds", time.monotonic() - t0)  # all tokens come at once
+        self.metrics.observe("dllm_request_latency_seconds", time.monotonic() - t0)
         return JSONResponse(reply.final(rows, counters))
+
+    async def read(self, request: Request) -> bytes:
+        """The body, once its type is JSON and its size within the limit (before any parsing)."""
+        check_content_type(request)
+        return await read_body(request, self.state.limits.max_body_bytes)
+
+    def prepare(self, raw: bytes, kind: str) -> tuple[CompletionRequest | ChatRequest, list[list[int]], Settings]:
+        """The request, its prompts as token ids and its sampler (in a worker thread: this tokenizes)."""
+        req = parse_request(load_json(raw), kind)
+        self.check_model(req.model)
+        s = self.state
+        settings = sampler_settings(req, s.base, s.profile, s.limits.max_steps)
+        if isinstance(req, ChatRequest):  # one conversation: n <= MAX_N rows
+            prompts = [chat_ids(s.engine.tokenizer, req.messages)]
+        else:
+            prompts = completion_prompts(s.engine.tokenizer, req)
+        check_prompts(prompts, req, settings, s.profile, s.limits)
+        return req, prompts, settings
+
+    # -- the tokenizer, as vLLM serves it
+    async def tokenize(self, request: Request) -> JSONResponse:
+        self.authorize(request)
+        raw = await self.read(request)
+        return JSONResponse(await asyncio.to_thread(self.tokenize_now, raw))
+
+    def tokenize_now(self, raw: bytes) -> dict[str, Any]:
+        req = parse_tokenize(load_json(raw))
+        self.check_model(req.model)
+        tok = self.state.engine.tokenizer
+        ids = tok.encode(req.prompt) if req.messages is None else chat_ids(tok, req.messages, req.add_generation_prompt)
+        return {"tokens": ids, "count": len(ids), "max_model_len": self.state.profile.max_length}
+
+    async def detokenize(self, request: Request) -> JSONResponse:
+        self.authorize(request)
+        raw = await self.read(request)
+        return JSONResponse(await asyncio.to_thread(self.detokenize_now, raw))
+
+    def detokenize_now(self, raw: bytes) -> dict[str, Any]:
+        req = parse_detokenize(load_json(raw))
+        self.check_model(req.model)
+        tok = self.state.engine.tokenizer
+        bad = next((i for i, t in enumerate(req.tokens) if not 0 <= t < tok.vocab_size), None)
+        if bad is not None:
+            raise ApiError(400, f"tokens.{bad}: {req.tokens[bad]} is not a token id of this model (ids lie in "
+                           f"[0, {tok.vocab_size}))", param=f"tokens.{bad}", code="invalid_value")  # fmt: skip
+        return {"prompt": tok.decode(req.tokens, skip_special=False)}
 
     async def wait_done(self, request: Request, job: Job, events: Events) -> tuple[list[RowResult], dict]:
         """The job's result; a client that goes away cancels it."""
@@ -199,7 +258,7 @@ class Api:
             self.metrics.inc("dllm_cancelled_total")
 
     async def sse(self, request: Request, reply: Reply, job: Job, events: Events, t0: float) -> AsyncIterator[str]:
-        done = False
+        done = first_token = False
         try:
             yield from_json(reply.opening())
             while not done:
@@ -207,6 +266,9 @@ class Api:
                     kind, payload = await self.next_event(request, job, events)
                 except ApiError:  # the client went away: nobody to write to
                     return
+                if kind != "error" and not first_token:  # text, a frame, or the end of a text with none
+                    first_token = True
+                    self.metrics.observe("dllm_time_to_first_token_seconds", time.monotonic() - t0)
                 if kind == "error":
                     yield from_json(payload.body())
                 elif kind == "delta":
@@ -218,43 +280,11 @@ class Api:
                         yield from_json(chunk)
                 done = kind in ("error", "done")
             yield "data: [DONE]\n\n"
-            self.metrics.observe_request(time.monotonic() - t0)
+            if kind == "done":  # a failed call is not timed
+                self.metrics.observe("dllm_request_latency_seconds", time.monotonic() - t0)
         finally:
             if not done:  # the client went away mid-stream (or the server stops): drop its work
                 self.cancel(job)
-
-    # -- prompts and their checks
-    def completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
-        p, tok = req.prompt, self.state.engine.tokenizer
-        if isinstance(p, str):
-            out = [tok.encode(p)]
-        elif p and all(isinstance(x, int) for x in p):
-            out = [list(p)]  # type: ignore[arg-type]
-        else:
-            out = [tok.encode(x) if isinstance(x, str) else list(x) for x in p]  # type: ignore[union-attr]
-        if not out:
-            raise ApiError(400, "prompt: give at least one prompt", param="prompt", code="invalid_value")
-        return out
-
-    def chat_prompt(self, req: ChatRequest) -> list[list[int]]:
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
-        try:
-            return [self.state.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True).ids]
-        except Exception as e:  # a template that refuses the conversation (roles, order)
-            raise ApiError(400, f"messages: the chat template refused them ({e})", param="messages") from None
-
-    def check_lengths(self, prompts: list[list[int]], settings: Settings) -> None:
-        p, g = self.state.profile, settings.cfg.gen_length
-        for ids in prompts:
-            if any(not 0 <= t < p.num_tokens for t in ids):
-                raise ApiError(400, f"prompt: token ids must lie in [0, {p.num_tokens})", param="prompt")
-            if p.shift and not ids:
-                raise ApiError(400, "prompt: this model predicts each token from the one before; give a non-empty "
-                               "prompt", param="prompt")  # fmt: skip
-            if len(ids) + g > p.max_length:
-                raise ApiError(400, f"max_tokens: the prompt ({len(ids)} tokens) plus {g} generated tokens exceed "
-                               f"the model's {p.max_length} positions; shorten the prompt or lower max_tokens",
-                               param="max_tokens", code="context_length_exceeded")  # fmt: skip
 
 
 class Events:
@@ -286,11 +316,3 @@ class CountRequests:
             await send(message)
 
         await self.app(scope, receive, counted)
-
-
-def _has_messages(raw: bytes) -> bool:
-    try:
-        data = json.loads(raw or b"null")
-    except (ValueError, UnicodeDecodeError):
-        return False
-    return isinstance(data, dict) and "messages" in data

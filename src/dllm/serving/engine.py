@@ -32,8 +32,9 @@ from dllm.sampling.canvas import SpecialIds
 from dllm.sampling.generate import generate
 from dllm.sampling.results import GenerationResult, StepEvent
 from dllm.sampling.stops import cut_at_stop, stop_function
+from dllm.serving.errors import ApiError
 from dllm.serving.metrics import Metrics
-from dllm.serving.protocol import ApiError, Settings
+from dllm.serving.protocol import Settings
 from dllm.tokenization import Tokenizer
 
 MASK = None  # a masked position in a denoising frame
@@ -164,8 +165,10 @@ class Engine:
                 if job.key == first.key and (not batch or rows + len(job.rows) <= self.max_batch):
                     batch.append(job)
                     rows += len(job.rows)
+            now = time.monotonic()
             for job in batch:
                 self.queue.remove(job)
+                self.metrics.observe("dllm_request_queue_time_seconds", now - job.enqueued_at)
             return batch
 
     def _drop_cancelled(self) -> None:

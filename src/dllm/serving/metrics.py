@@ -9,8 +9,26 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
+# Bucket bounds: an idle sampler takes a request after the batching window (--max-wait-ms, 10 ms by
+# default) or sooner; a first token comes after one forward at least; a long canvas may decode for minutes.
+QUEUE_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+FIRST_TOKEN_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+REQUEST_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+HISTOGRAMS = {
+    "dllm_request_queue_time_seconds": (QUEUE_BUCKETS_S, "Time a request waited in the queue for its sampler call."),
+    "dllm_time_to_first_token_seconds": (
+        FIRST_TOKEN_BUCKETS_S,
+        "Time from a request's arrival to the first token sent to its client (a stream's first text or frame; "
+        "the response of a whole answer).",
+    ),
+    "dllm_request_latency_seconds": (REQUEST_BUCKETS_S, "End to end: from a request's arrival to its last byte."),
+    "dllm_batch_latency_seconds": (LATENCY_BUCKETS_S, "Time of one sampler call."),
+    "dllm_batch_size": (BATCH_BUCKETS, "Rows (choices) decoded together in one sampler call."),
+}
+"""Every histogram: its buckets and help. Requests are counted once answered (errors are not timed)."""
 
 
 class Histogram:
@@ -52,9 +70,7 @@ class Metrics:
         self._lock = threading.Lock()
         self.queue_length = queue_length
         self.counters: dict[str, dict[tuple[tuple[str, str], ...], float]] = {k: {} for k in self.COUNTERS}
-        self.request_latency_s = Histogram(LATENCY_BUCKETS_S)
-        self.batch_latency_s = Histogram(LATENCY_BUCKETS_S)
-        self.batch_rows = Histogram(BATCH_BUCKETS)
+        self.histograms = {name: Histogram(buckets) for name, (buckets, _) in HISTOGRAMS.items()}
 
     def inc(self, name: str, value: float = 1, **labels: str) -> None:
         key = tuple(sorted(labels.items()))
@@ -66,14 +82,13 @@ class Metrics:
         with self._lock:
             return sum(v for k, v in self.counters[name].items() if set(labels.items()) <= set(k))
 
-    def observe_request(self, seconds: float) -> None:
+    def observe(self, name: str, value: float) -> None:
         with self._lock:
-            self.request_latency_s.observe(seconds)
+            self.histograms[name].observe(value)
 
     def observe_batch(self, rows: int, seconds: float, nfe: int) -> None:
-        with self._lock:
-            self.batch_rows.observe(rows)
-            self.batch_latency_s.observe(seconds)
+        self.observe("dllm_batch_size", rows)
+        self.observe("dllm_batch_latency_seconds", seconds)
         self.inc("dllm_batches_total")
         self.inc("dllm_nfe_total", nfe)
 
@@ -88,10 +103,6 @@ class Metrics:
                     lines.append(f"{name}{{{labels}}} {v:g}" if labels else f"{name} {v:g}")
             lines += ["# HELP dllm_queue_length Requests waiting for the sampler.", "# TYPE dllm_queue_length gauge",
                       f"dllm_queue_length {self.queue_length()}"]  # fmt: skip
-            for name, hist, help_text in (
-                ("dllm_request_latency_seconds", self.request_latency_s, "Time from request to its last byte."),
-                ("dllm_batch_latency_seconds", self.batch_latency_s, "Time of one sampler call."),
-                ("dllm_batch_size", self.batch_rows, "Rows (choices) decoded together in one sampler call."),
-            ):
-                lines += [f"# HELP {name} {help_text}", f"# TYPE {name} histogram", *hist.lines(name)]
+            for name, (_, help_text) in HISTOGRAMS.items():
+                lines += [f"# HELP {name} {help_text}", f"# TYPE {name} histogram", *self.histograms[name].lines(name)]
         return "\n".join(lines) + "\n"

@@ -1,7 +1,10 @@
 """The OpenAI request shapes the server accepts, and the one way a request becomes a SamplerConfig.
 
 A request body is parsed here (never by FastAPI's own validation) so that every mistake comes back as
-an OpenAI error object naming the field: `ApiError(status, message, param, code)`. The diffusion
+an OpenAI error object naming the field: `ApiError(status, message, param, code)`. Types are strict, as
+OpenAI's reference gives them ("8" is not an integer, true is not a number, "yes" is not a boolean);
+ranges are OpenAI's (temperature in [0, 2], top_p in (0, 1], n in [1, MAX_N], at most 4 stop strings);
+fields the server does not honour are refused (serving/unserved.py), unknown ones too. The diffusion
 settings (policy, steps, block length, threshold, cache, guidance, ...) are extra fields of the body,
 validated by the SamplerConfig schema on top of the server's defaults and resolved against the
 model's decode profile exactly as `dllm generate` resolves its flags.
@@ -9,15 +12,17 @@ model's decode profile exactly as `dllm generate` resolves its flags.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
+from dllm.config.base import MAX_SEED
 from dllm.config.profile import DecodeProfile
 from dllm.config.sampler import SamplerConfig, resolve_sampler
 from dllm.errors import UserError
+from dllm.serving.errors import ApiError
+from dllm.serving.unserved import MESSAGE_FIELDS, REQUEST_FIELDS, refuse_unserved
 
 # SamplerConfig fields a request may set by name; the rest come from OpenAI fields (max_tokens ->
 # gen_length, temperature, top_p, stop -> stop_strings, seed) or belong to the server (compile,
@@ -26,47 +31,46 @@ DIFFUSION_FIELDS = (
     "policy", "steps", "block_length", "sub_block_length", "threshold", "factor", "cache", "refresh_every",
     "cfg_scale", "top_k", "stop_at_eos", "reuse_unchanged",
 )  # fmt: skip
-# OpenAI fields a client may send that change nothing here (accepted so that stock clients work).
-IGNORED_FIELDS = (
-    "user", "logprobs", "top_logprobs", "echo", "best_of", "suffix", "presence_penalty", "frequency_penalty",
-    "logit_bias", "stream_options", "response_format", "tools", "tool_choice", "parallel_tool_calls",
-    "metadata", "store", "service_tier",
-)  # fmt: skip
-# Not served yet: a request naming them is refused with a clear message.
-REFUSED_FIELDS = {
-    "draft_model": "speculative decoding is not served yet",
-    "speculative": "speculative decoding is not served yet",
-    "edits": "edit-flow decoding is not served yet",
-}
+MAX_N = 16
+"""Choices per prompt (OpenAI documents none): n in [1, 16]."""
+MAX_ROWS = 256
+"""Rows (prompts x n) one request may ask for."""
+MAX_STOP = 4
+"""Stop strings per request, as OpenAI allows."""
 
 
-class ApiError(Exception):
-    """An OpenAI-shaped error: HTTP status, one-line message, the offending field and a code."""
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error") -> None:  # fmt: skip
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+    include_usage: bool = False
+    """A last chunk with no choices and the usage of the whole request."""
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=False, allow_inf_nan=False)
+    # strict: JSON types as OpenAI's reference gives them ("8" is no integer, true is no number)
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
     model: str | None = None
     """The served model's id (GET /v1/models); null: the one model this server holds."""
     max_tokens: int | None = Field(default=None, gt=0)
     """Tokens to generate (the canvas length); null: the server's gen_length."""
-    temperature: float | None = Field(default=None, ge=0)
+    temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     stop: str | list[str] | None = None
-    seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)
+    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
     """Seed of a stochastic request (temperature > 0 or a random-order policy): it then runs in its own
     batch with its own generator, so the same seed gives the same text whatever else is queued."""
-    n: int = Field(default=1, ge=1, le=16)
+    n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    """The end user's id: metadata by OpenAI's definition (abuse monitoring); nothing here reads or keeps it."""
+    denoise: bool = False
+    """With stream: the canvas after every step rides the stream beside the text (as on /v1/denoise)."""
+
+    def max_tokens_field(self) -> str | None:
+        """The field that set the length to generate, if the request set it."""
+        return "max_tokens" if self.max_tokens is not None else None
 
 
 class CompletionRequest(_Request):
@@ -74,46 +78,153 @@ class CompletionRequest(_Request):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]] | None = None
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts(cls, content: Any) -> Any:
+        """Text parts only: an image or audio part would be dropped from the prompt without a word."""
+        if content is None or isinstance(content, str):
+            return content
+        if not isinstance(content, list):
+            raise ValueError("give a string or a list of text parts")
+        for i, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                raise ValueError(f"part {i} is {kind!r}: only text parts ({{\"type\": \"text\", \"text\": ...}}) "
+                                 "are served")  # fmt: skip
+            if not isinstance(part.get("text"), str) or set(part) != {"type", "text"}:
+                raise ValueError(f"part {i}: a text part holds exactly type and text (a string)")
+        return content
+
     def text(self) -> str:
-        """The message's text (content parts of type text, joined)."""
+        """The message's text (its text parts, joined)."""
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
-        return "".join(str(p.get("text", "")) for p in self.content if p.get("type") == "text")
+        return "".join(p["text"] for p in self.content)
 
 
 class ChatRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, gt=0)
 
+    def max_tokens_field(self) -> str | None:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else super().max_tokens_field()
 
-def parse_body(raw: bytes, cls: type[_Request]) -> _Request:
-    """The request from its JSON body; malformed JSON, a wrong type or an unknown field -> 400 naming it."""
-    try:
-        data = json.loads(raw or b"null")
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"the request body is not valid JSON ({e})", code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
-    for name, why in REFUSED_FIELDS.items():
-        if name in data:
-            raise ApiError(400, f"{name}: {why}", param=name, code="unsupported")
+
+def parse_request(data: dict[str, Any], kind: str) -> CompletionRequest | ChatRequest:
+    """The request of endpoint `kind` (completion, chat or denoise) from its JSON object. A wrong type or
+    range, an unknown field, or a field this server does not honour -> 400 naming it. Null in a top-level
+    field means what leaving it out means: the server's default."""
+    data = {k: v for k, v in data.items() if v is not None}
+    chat = kind == "chat" or (kind == "denoise" and "messages" in data)
+    data = refuse_unserved(data, REQUEST_FIELDS)
+    if chat:
+        data = _refuse_unserved_in_messages(data)
+    cls = ChatRequest if chat else CompletionRequest
     try:
         req = cls.model_validate(data)
     except ValidationError as e:
-        err = e.errors()[0]
-        param = _field_path(err["loc"])
-        raise ApiError(400, f"{param}: {err['msg']}", param=param, code="invalid_value") from None
-    known = set(DIFFUSION_FIELDS) | set(IGNORED_FIELDS) | {"denoise"}
+        raise invalid(e) from None
     for name in req.model_extra or {}:
-        if name not in known:
+        if name not in DIFFUSION_FIELDS:
             raise ApiError(400, f"{name}: unknown field (diffusion fields: {', '.join(DIFFUSION_FIELDS)})",
                            param=name, code="unknown_field")  # fmt: skip
+    _check_combinations(req, kind)
     return req
+
+
+class TokenizeRequest(BaseModel):
+    """POST /tokenize (vLLM's shape): a prompt, or a conversation rendered by the chat template."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_generation_prompt: bool = True
+    """With messages: end with the header of the assistant's turn, as a chat completion does."""
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize (vLLM's shape): token ids back to text."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str | None = None
+    tokens: list[int]
+
+
+def parse_tokenize(data: dict[str, Any]) -> TokenizeRequest:
+    try:
+        req = TokenizeRequest.model_validate(_refuse_unserved_in_messages(data))
+    except ValidationError as e:
+        raise invalid(e) from None
+    if (req.prompt is None) == (req.messages is None):
+        raise ApiError(400, "prompt: give a prompt or messages (one of them)", param="prompt", code="invalid_value")
+    if req.messages is None and "add_generation_prompt" in req.model_fields_set:
+        raise ApiError(400, "add_generation_prompt: only with messages", param="add_generation_prompt",
+                       code="invalid_value")  # fmt: skip
+    return req
+
+
+def parse_detokenize(data: dict[str, Any]) -> DetokenizeRequest:
+    try:
+        return DetokenizeRequest.model_validate(data)
+    except ValidationError as e:
+        raise invalid(e) from None
+
+
+def _refuse_unserved_in_messages(data: dict[str, Any]) -> dict[str, Any]:
+    messages = data.get("messages")
+    if not isinstance(messages, list):
+        return data
+    messages = [refuse_unserved(m, MESSAGE_FIELDS, f"messages.{i}.") if isinstance(m, dict) else m
+                for i, m in enumerate(messages)]  # fmt: skip
+    return {**data, "messages": messages}
+
+
+def _check_combinations(req: CompletionRequest | ChatRequest, kind: str) -> None:
+    """Rules between fields, each a 400 naming the field that would otherwise do nothing."""
+
+    def refuse(param: str, message: str) -> None:
+        raise ApiError(400, f"{param}: {message}", param=param, code="invalid_value")
+
+    given = req.model_fields_set
+    if isinstance(req.stop, list) and len(req.stop) > MAX_STOP:
+        refuse("stop", f"give at most {MAX_STOP} stop strings (got {len(req.stop)})")
+    if req.stop == "" or (isinstance(req.stop, list) and "" in req.stop):
+        refuse("stop", "an empty stop string would end every completion before it starts")
+    if (
+        isinstance(req, ChatRequest)
+        and {"max_tokens", "max_completion_tokens"} <= given
+        and (req.max_tokens != req.max_completion_tokens)
+    ):
+        refuse("max_tokens", "give max_completion_tokens or max_tokens, not two different lengths")
+    if kind == "denoise":
+        for name in ("stream", "denoise"):
+            if name in given and not getattr(req, name):
+                refuse(name, "/v1/denoise always streams the canvas after every step")
+        if "stream_options" in given:
+            refuse("stream_options", "the /v1/denoise stream always ends with the usage")
+        return
+    if "stream_options" in given and not req.stream:
+        refuse("stream_options", "only with stream: true")
+    if req.denoise and not req.stream:
+        refuse("denoise", "the denoising frames ride a stream: send stream: true too, or POST /v1/denoise")
+
+
+def invalid(e: ValidationError) -> ApiError:
+    """A pydantic error as a 400 naming the field (its first error; messages without pydantic's prefix)."""
+    err = e.errors()[0]
+    param = _field_path(err["loc"])
+    msg = str(err["msg"]).removeprefix("Value error, ")
+    if err["loc"][:1] == ("prompt",) and err["type"] != "missing":
+        param, msg = "prompt", "give a string, a list of strings, a list of token ids or a list of lists of them"
+    return ApiError(400, f"{param}: {msg}" if param else msg, param=param, code="invalid_value")
 
 
 @dataclass(frozen=True)
@@ -133,12 +244,14 @@ class Settings:
 RANDOM_POLICIES = frozenset({"random", "ancestral", "first_hitting", "uniform"})
 
 
-def sampler_settings(req: _Request, base: SamplerConfig, profile: DecodeProfile) -> Settings:
+def sampler_settings(req: _Request, base: SamplerConfig, profile: DecodeProfile, max_steps: int) -> Settings:
     """The request's SamplerConfig: the server's defaults < the request's fields, resolved against the
-    model's decode profile. A value the schema refuses -> 400 naming the field."""
+    model's decode profile. A value the schema refuses, or past the model's positions or `max_steps`
+    -> 400 naming the field."""
     values = base.model_dump()
     extra = {k: _field_value(k, v) for k, v in (req.model_extra or {}).items() if k in DIFFUSION_FIELDS}
     values.update(extra)
+    length_field = req.max_tokens_field() or "max_tokens"
     max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens or base.gen_length
     for name, v in (("temperature", req.temperature), ("top_p", req.top_p), ("seed", req.seed)):
         if v is not None:
@@ -146,8 +259,8 @@ def sampler_settings(req: _Request, base: SamplerConfig, profile: DecodeProfile)
     if req.stop is not None:  # else the server's own stop strings
         values["stop_strings"] = [req.stop] if isinstance(req.stop, str) else list(req.stop)
     if max_tokens >= profile.max_length:
-        raise ApiError(400, f"max_tokens: {max_tokens} leaves no room for a prompt in the model's "
-                       f"{profile.max_length} positions; lower it", param="max_tokens",
+        raise ApiError(400, f"{length_field}: {max_tokens} leaves no room for a prompt in the model's "
+                       f"{profile.max_length} positions; lower it", param=length_field,
                        code="context_length_exceeded")  # fmt: skip
     block = values.get("block_length") or (profile.block_size if profile.attention == "block" else None)
     gen_length = -(-max_tokens // block) * block if block else max_tokens  # whole blocks
@@ -156,6 +269,7 @@ def sampler_settings(req: _Request, base: SamplerConfig, profile: DecodeProfile)
         num_blocks = gen_length // block if block else 1
         per_block = max(round(gen_length * base.total_steps / base.gen_length / num_blocks), 1)
         values["steps"] = per_block * num_blocks
+    _check_steps(values["steps"] or gen_length, max_steps, "steps" if "steps" in extra else length_field)
     try:
         cfg = resolve_sampler(SamplerConfig.model_validate(values), profile)
     except ValidationError as e:
@@ -170,13 +284,23 @@ def sampler_settings(req: _Request, base: SamplerConfig, profile: DecodeProfile)
     return Settings(cfg, max_tokens, req.seed, stochastic)
 
 
+def _check_steps(steps: int, max_steps: int, field: str) -> None:
+    """Every step is a forward of the model: a request asks for at most `max_steps` of them."""
+    if steps <= max_steps:
+        return
+    how = "" if field == "steps" else f" (the server's steps per token at this {field})"
+    raise ApiError(400, f"{field}: {steps} steps{how} pass the server's limit of {max_steps} "
+                   "(dllm serve --max-steps); ask for fewer", param=field, code="invalid_value")  # fmt: skip
+
+
 def _field_value(name: str, value: Any) -> Any:
     """One diffusion field checked against its SamplerConfig declaration before it sizes the canvas."""
     info = SamplerConfig.model_fields[name]
     try:
-        return TypeAdapter(Annotated[info.annotation, info]).validate_python(value)
+        return TypeAdapter(Annotated[info.annotation, info]).validate_python(value, strict=True)
     except ValidationError as e:
-        raise ApiError(400, f"{name}: {e.errors()[0]['msg']}", param=name, code="invalid_value") from None
+        msg = str(e.errors()[0]["msg"]).removeprefix("Value error, ")
+        raise ApiError(400, f"{name}: {msg}", param=name, code="invalid_value") from None
 
 
 def _guess_param(msg: str) -> str | None:

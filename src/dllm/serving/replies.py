@@ -90,8 +90,7 @@ class Reply:
             choices = [{"index": i, "text": "", "finish_reason": r.finish_reason, "logprobs": None}
                        for i, r in enumerate(rows)]  # fmt: skip
             out = [{**self._head("text_completion"), "choices": choices}]
-        opts = (self.req.model_extra or {}).get("stream_options") or {}
-        if isinstance(opts, dict) and opts.get("include_usage"):
+        if self.req.stream_options is not None and self.req.stream_options.include_usage:
             obj = "chat.completion.chunk" if self.chat else "text_completion"
             out.append({**self._head(obj), "choices": [], "usage": self.usage(rows)})
         out[-1]["dllm"] = _sampler_counters(counters)

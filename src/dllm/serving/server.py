@@ -13,6 +13,7 @@ from dllm.errors import ConfigError
 from dllm.sampling.canvas import SpecialIds
 from dllm.serving.app import ServeState, build_app
 from dllm.serving.engine import Engine
+from dllm.serving.limits import DEFAULT_MAX_BODY_BYTES, Limits
 
 # Models the server does not decode yet: a drafter (it proposes beside a target), edit flows.
 NOT_SERVED_YET = {
@@ -23,22 +24,50 @@ NOT_SERVED_YET = {
 
 
 def make_state(loaded: LoadedModel, cfg: SamplerConfig, *, model_id: str | None = None, api_key: str | None = None,
-               max_batch: int = 8, max_wait_ms: float = 10.0, max_queue: int = 256) -> ServeState:  # fmt: skip
-    """A server's state over a `checkpoint.inference.LoadedModel` and the resolved default sampler."""
+               max_batch: int = 8, max_wait_ms: float = 10.0, max_queue: int = 256,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_prompt_tokens: int | None = None,
+               max_steps: int | None = None) -> ServeState:  # fmt: skip
+    """A server's state over a `checkpoint.inference.LoadedModel` and the resolved default sampler.
+    `max_prompt_tokens` None: the model's positions less one; `max_steps` None: see `default_max_steps`."""
     objective = loaded.profile.objective
     if objective in NOT_SERVED_YET:
         raise ConfigError(f"{loaded.source}: {NOT_SERVED_YET[objective]}")
-    for name, value, low in (
-        ("--max-batch", max_batch, 1),
-        ("--max-queue", max_queue, 1),
-        ("--max-wait-ms", max_wait_ms, 0),
+    if api_key is not None:
+        check_api_key(api_key)
+    positions = loaded.profile.max_length
+    prompt_cap = positions - 1 if max_prompt_tokens is None else max_prompt_tokens
+    limits = Limits(max_body_bytes, prompt_cap, default_max_steps(cfg, positions) if max_steps is None else max_steps)
+    for name, value, low, high, why in (
+        ("--max-batch", max_batch, 1, None, ""),
+        ("--max-queue", max_queue, 1, None, ""),
+        ("--max-wait-ms", max_wait_ms, 0, None, ""),
+        ("--max-body-bytes", max_body_bytes, 1, None, ""),
+        ("--max-prompt-tokens", prompt_cap, 1, positions - 1, f" (the model has {positions} positions)"),
+        ("--max-steps", limits.max_steps, cfg.total_steps, None, " (the server's own sampler takes that many)"),
     ):
-        if not math.isfinite(value) or value < low:
-            raise ConfigError(f"{name} must be a finite number >= {low} (got {value})")
+        if not math.isfinite(value) or value < low or (high is not None and value > high):
+            bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+            raise ConfigError(f"{name} must be a finite number {bound}{why} (got {value})")
     engine = Engine(loaded.model, loaded.tokenizer, SpecialIds.of(loaded.profile), max_batch=max_batch,
                     max_wait_ms=max_wait_ms, max_queue=max_queue)  # fmt: skip
     name = model_id or _model_name(loaded)
-    return ServeState(engine, cfg, loaded.profile, name, api_key)
+    return ServeState(engine, cfg, loaded.profile, name, limits, api_key)
+
+
+def check_api_key(key: str, source: str = "--api-key") -> None:
+    """A key a client can send: not empty (an unset variable must not turn the key off without a word)
+    and printable ASCII without spaces (it travels in the Authorization header)."""
+    if not key:
+        raise ConfigError(f"{source} is empty (an unset variable?): give the key, or leave it out to serve "
+                          "without one")  # fmt: skip
+    if not (key.isascii() and key.isprintable()) or any(c.isspace() for c in key):
+        raise ConfigError(f"{source}: an API key travels in an HTTP header; use printable ASCII without spaces")
+
+
+def default_max_steps(cfg: SamplerConfig, positions: int) -> int:
+    """The step cap when none is given: the model's positions at the server's steps per token (rounded
+    up, at least one): every request the server's defaults would decode fits, up to a whole context."""
+    return positions * max(math.ceil(cfg.total_steps / cfg.gen_length), 1)
 
 
 def _model_name(loaded: LoadedModel) -> str:

@@ -1,5 +1,6 @@
-// The live denoising view: POST /v1/denoise, read its server-sent events, and show each frame of the
-// canvas (masks as grey boxes, tokens committed at this step in green), then the final text.
+// The live denoising view: POST /v1/denoise, read its server-sent events, and show the prompt sent, each
+// frame of the canvas (masks as grey boxes, tokens committed at this step in green, spaces as middle dots),
+// then the final text (exact, its leading and trailing spaces marked). An error clears the old output.
 // Frames are replayed at most one per FRAME_MS so that a fast model still shows its steps.
 "use strict";
 const FRAME_MS = 60;
@@ -13,6 +14,10 @@ function headers() {
   return h;
 }
 
+// A token's text with its whitespace visible: a space as a middle dot, a tab as an arrow, a newline as a
+// return sign before the line break itself.
+const visible = (t) => t.replace(/ /g, "\u00b7").replace(/\t/g, "\u2192").replace(/\n/g, "\u21b5\n");
+
 function render(tokens, previous) {
   const canvas = $("canvas");
   canvas.textContent = "";
@@ -24,10 +29,38 @@ function render(tokens, previous) {
     } else {
       const special = t.startsWith("<|") && t.endsWith("|>");
       span.className = (special ? "tok special" : "tok") + (previous && previous[i] === null ? " new" : "");
-      span.textContent = special ? t.slice(2, -2) : t;
+      span.textContent = special ? t.slice(2, -2) : visible(t);
+      span.title = JSON.stringify(t);
     }
     canvas.appendChild(span);
   });
+}
+
+// Exact text in `el` (white-space: pre-wrap keeps every space), its leading and trailing whitespace in
+// marked spans: a completion that starts with a space shows it.
+function showText(el, text) {
+  el.textContent = "";
+  const m = /^(\s*)([\s\S]*?)(\s*)$/.exec(text);
+  [[m[1], "leading"], [m[2], null], [m[3], "trailing"]].forEach(([part, edge]) => {
+    if (!part) return;
+    if (!edge) return el.appendChild(document.createTextNode(part));
+    const span = document.createElement("span");
+    span.className = "edge-space";
+    span.title = edge + " whitespace: " + JSON.stringify(part);
+    span.textContent = part;
+    el.appendChild(span);
+  });
+}
+
+// Empty the canvas, the final text and the counters (a new run, or an error: no stale output stays).
+function clearOutput() {
+  $("canvas").textContent = "";
+  $("final").textContent = "";
+  $("final").dataset.done = "0";
+  $("step").textContent = "step 0";
+  $("masked").textContent = "masked \u2013";
+  $("nfe").textContent = "NFE \u2013";
+  $("tpf").textContent = "tokens/forward \u2013";
 }
 
 const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
@@ -56,8 +89,7 @@ async function run(ev) {
   ev.preventDefault();
   const key = $("api_key").value;
   if (key) localStorage.setItem("dllm_api_key", key);
-  $("final").textContent = "";
-  $("final").dataset.done = "0";
+  clearOutput();
   $("error").textContent = "";
   $("go").disabled = true;
   window.dllmFrames = [];
@@ -66,6 +98,8 @@ async function run(ev) {
   const text = $("prompt").value;
   if ($("chat").checked) body.messages = [{ role: "user", content: text }];
   else body.prompt = text;
+  $("sent").dataset.kind = $("chat").checked ? "chat" : "prompt";
+  showText($("sent"), text);
   let previous = null;
   try {
     const response = await fetch("/v1/denoise", { method: "POST", headers: headers(), body: JSON.stringify(body) });
@@ -95,11 +129,12 @@ async function run(ev) {
         $("nfe").textContent = "NFE " + d.nfe;
         $("tpf").textContent = "tokens/forward " + Number(d.tokens_per_forward).toFixed(2);
         $("masked").textContent = "masked 0";
-        $("final").textContent = e.choices[0].text;
+        showText($("final"), e.choices[0].text);
         $("final").dataset.done = "1";
       }
     }
   } catch (err) {
+    clearOutput();
     $("error").textContent = String(err.message || err);
   } finally {
     $("go").disabled = false;
