@@ -160,7 +160,9 @@ def test_generate_sampler_options_and_chat(project: Path):
     strings, JSONL to a file, the chat template, and an interactive chat fed on stdin."""
     (project / "sampler.yaml").write_text("gen_length: 16\nblock_length: 8\nsteps: 8\npolicy: margin\n")
     args = ["generate", "--run", "runs/latest", "--sampler-config", "sampler.yaml", "--cache", "dual"]
-    res = _ok(dllm([*args, "-p", "1 + 2 =", "-p", "13 + 4 =", "--stop", "\n", "-o", "out.jsonl"], project))
+    res = _ok(dllm([*args, "-p", "1 + 2 =", "-p", "13 + 4 =", "--stop", "\n", "-o", "out.jsonl", "--batch-size", "1"],
+                   project))  # fmt: skip
+    assert "1/2 prompts" in res.stderr and "2/2 prompts" in res.stderr  # progress of a job written to a file
     rows = [json.loads(x) for x in (project / "out.jsonl").read_text().splitlines()]
     assert [r["prompt"] for r in rows] == ["1 + 2 =", "13 + 4 ="] and res.stdout == ""
     assert all(r["cached_tokens"] > 0 and r["nfe"] >= 1 and "\n" not in r["completion"] for r in rows)

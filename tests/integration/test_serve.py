@@ -507,5 +507,5 @@ def test_models_not_served_yet_are_refused():
 
     loaded = tiny_loaded()
     loaded.profile = loaded.profile.model_copy(update={"objective": "dflash_distillation"})
-    with pytest.raises(ConfigError, match="not served yet"):
+    with pytest.raises(ConfigError, match="not served on its own; export the run"):
         make_server(loaded)

@@ -87,7 +87,8 @@ def generate(
                        draft_block_size=draft_block_size, causal_option=option)  # fmt: skip
     tok, cfg = s.loaded.tokenizer, s.sampler
     gen = torch.Generator(device=s.device).manual_seed(cfg.seed)
-    done = decode_batches(s, texts, lambda text: _encode(tok, text, chat), batch_size, gen)
+    progress = info if output is not None and len(texts) > batch_size else None  # a long job into a file
+    done = decode_batches(s, texts, lambda text: _encode(tok, text, chat), batch_size, gen, progress)
     if chat:  # the exchange as chat turns: `data prepare` (prompt_completion, chat.prompt / chat.completion) reads it
         for r in done.records:
             r["chat"] = {"prompt": [{"role": "user", "content": r["prompt"]}],

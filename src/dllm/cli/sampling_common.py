@@ -95,9 +95,10 @@ class Decoded:
 
 
 def decode_batches(s: SamplingSetup, prompts: list[str], encode: Callable[[str], list[int]], batch_size: int,
-                   generator: Any) -> Decoded:  # fmt: skip
+                   generator: Any, progress: Callable[[str], None] | None = None) -> Decoded:  # fmt: skip
     """Decode `prompts` `batch_size` at a time with the setup's sampler (and drafter): per prompt a record
-    {prompt, completion (cut at the stop strings), batch_wall_s, the batch's counters}."""
+    {prompt, completion (cut at the stop strings), batch_wall_s, the batch's counters}. `progress` gets a
+    line after each batch (prompts done, tokens, elapsed time)."""
     from dllm.sampling.generate import generate
     from dllm.sampling.results import Counters
     from dllm.sampling.stops import cut_at_stop, stop_function
@@ -118,5 +119,9 @@ def decode_batches(s: SamplingSetup, prompts: list[str], encode: Callable[[str],
         for text, seq in zip(chunk, result.sequences, strict=True):
             completion = cut_at_stop(tok.decode(seq), cfg.stop_strings)
             out.records.append({"prompt": text, "completion": completion, "batch_wall_s": round(wall, 4), **counters})
+        if progress is not None:
+            done, elapsed = len(out.records), time.perf_counter() - t0
+            progress(f"{done}/{len(prompts)} prompts, {out.total.tokens_committed} tokens, {elapsed:.0f}s "
+                     f"({out.total.tokens_committed / elapsed:.1f} tokens/s)")  # fmt: skip
     out.elapsed_s = time.perf_counter() - t0
     return out

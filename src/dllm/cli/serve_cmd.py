@@ -45,6 +45,13 @@ def serve(
     sampler_config: Path = SAMPLER_CONFIG_OPTION,
     overrides: list[str] = SET_OPTION,
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
+    ar: bool = typer.Option(False, "--ar", help="Serve a causal (AR) model token by token with a KV cache."),
+    draft: str = typer.Option(
+        None, "--draft", help="Serve a causal model with speculative decoding by this drafter (a folder or hub id)."
+    ),
+    draft_block_size: int = typer.Option(
+        None, "--draft-block-size", help="Verify blocks of this size: 2 to the drafter's own (default its own)."
+    ),
 ) -> None:
     """Serve a model over HTTP: OpenAI completions and chat, streaming, a live denoising page at /."""
     try:
@@ -62,14 +69,21 @@ def serve(
     if key is not None:  # an empty key (an unset variable) would serve without one: refused, not dropped
         check_api_key(key, "--api-key" if api_key is not None else f"${API_KEY_ENV}")
     _check_port(host, port)  # before the model loads: a busy port is a one-line error, not a log after a wait
-    s = setup_sampling(run, checkpoint, model, device, sampler_config, overrides, {})
+    if draft_block_size is not None and draft is None:
+        raise ConfigError("--draft-block-size applies to speculative decoding; give --draft DRAFTER_FOLDER too")
+    causal = ar or draft is not None
+    s = setup_sampling(run, checkpoint, model, device, sampler_config, overrides,
+                       {"generation": "causal"} if causal else {}, draft=draft, draft_block_size=draft_block_size,
+                       causal_option="--draft" if draft is not None else "--ar")  # fmt: skip
     state = make_state(s.loaded, s.sampler, model_id=model_id or hub_id(model), api_key=key, max_batch=max_batch,
                        max_wait_ms=max_wait_ms, max_queue=max_queue, max_body_bytes=max_body_bytes,
-                       max_prompt_tokens=max_prompt_tokens, max_steps=max_steps)  # fmt: skip
+                       max_prompt_tokens=max_prompt_tokens, max_steps=max_steps, drafter=s.drafter)  # fmt: skip
     if host not in ("127.0.0.1", "localhost", "::1") and key is None:
         info(f"dllm: warning: serving on {host} without an API key: anyone who can reach it can use it")
     lim = state.limits
-    info(f"{s.loaded.source}: serving {state.model_id!r} on http://{host}:{port} (page at /, API at /v1; "
+    mode = "" if not causal else "; ar (KV cache)" if s.drafter is None else "; speculative"
+    mode += f" (block {s.drafter.block_size})" if s.drafter is not None else ""
+    info(f"{s.loaded.source}: serving {state.model_id!r}{mode} on http://{host}:{port} (page at /, API at /v1; "
          f"max batch {max_batch}, {'API key required' if key else 'no API key'}; limits: body {lim.max_body_bytes} "
          f"bytes, prompt {lim.max_prompt_tokens} tokens, {lim.max_steps} steps, queue {max_queue})")  # fmt: skip
     uvicorn.run(build_app(state), host=host, port=port, log_level="warning", access_log=False)

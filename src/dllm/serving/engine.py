@@ -31,6 +31,7 @@ import torch
 from dllm.sampling.canvas import SpecialIds
 from dllm.sampling.generate import generate
 from dllm.sampling.results import GenerationResult, StepEvent
+from dllm.sampling.speculative import Drafter
 from dllm.sampling.stops import cut_at_stop, stop_function
 from dllm.serving.errors import ApiError
 from dllm.serving.metrics import Metrics
@@ -84,9 +85,11 @@ class Engine:
 
     def __init__(
         self, model: torch.nn.Module, tokenizer: Tokenizer, special: SpecialIds, metrics: Metrics | None = None, *,
-        max_batch: int = 8, max_wait_ms: float = 10.0, max_queue: int = 256,
+        max_batch: int = 8, max_wait_ms: float = 10.0, max_queue: int = 256, drafter: Drafter | None = None,
     ) -> None:  # fmt: skip
         self.model, self.tokenizer, self.special = model, tokenizer, special
+        self.drafter = drafter
+        """Speculative decoding of a causal model (its requests' sampler has generation causal); None: none."""
         self.max_batch, self.max_wait_s, self.max_queue = max_batch, max_wait_ms / 1000, max_queue
         self.metrics = metrics or Metrics(lambda: len(self.queue))
         self.queue: deque[Job] = deque()
@@ -184,7 +187,7 @@ class Engine:
         t0, self.call_start_forwards = time.perf_counter(), self.forwards
         stop = stop_function(self.tokenizer, cfg.stop_strings)
         result = generate(self.model, prompts, cfg, self.special, generator=generator,
-                          callback=self._callback(batch), stop=stop)  # fmt: skip
+                          callback=self._callback(batch), stop=stop, drafter=self.drafter)  # fmt: skip
         self.metrics.observe_batch(len(prompts), time.perf_counter() - t0, result.nfe)
         counters = {**result.counters.as_dict(), "batch_rows": len(prompts)}
         offset = 0

@@ -31,6 +31,9 @@ DIFFUSION_FIELDS = (
     "policy", "steps", "block_length", "sub_block_length", "threshold", "factor", "cache", "refresh_every",
     "cfg_scale", "top_k", "stop_at_eos", "reuse_unchanged",
 )  # fmt: skip
+CAUSAL_FIELDS = ("top_k", "stop_at_eos")
+"""The extra fields that also apply to a causal model (AR or speculative decoding: one token per position,
+no steps, no canvas policy); the others are a 400 there."""
 MAX_N = 16
 """Choices per prompt (OpenAI documents none): n in [1, 16]."""
 MAX_ROWS = 256
@@ -250,6 +253,12 @@ def sampler_settings(req: _Request, base: SamplerConfig, profile: DecodeProfile,
     -> 400 naming the field."""
     values = base.model_dump()
     extra = {k: _field_value(k, v) for k, v in (req.model_extra or {}).items() if k in DIFFUSION_FIELDS}
+    causal = base.generation == "causal"
+    for name in extra:
+        if causal and name not in CAUSAL_FIELDS:
+            raise ApiError(400, f"{name}: a diffusion setting; this server decodes a causal model one token per "
+                           f"position (fields that apply: {', '.join(CAUSAL_FIELDS)})", param=name,
+                           code="unsupported_field")  # fmt: skip
     values.update(extra)
     length_field = req.max_tokens_field() or "max_tokens"
     max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens or base.gen_length
@@ -263,13 +272,18 @@ def sampler_settings(req: _Request, base: SamplerConfig, profile: DecodeProfile,
                        f"{profile.max_length} positions; lower it", param=length_field,
                        code="context_length_exceeded")  # fmt: skip
     block = values.get("block_length") or (profile.block_size if profile.attention == "block" else None)
+    block = None if causal else block
     gen_length = -(-max_tokens // block) * block if block else max_tokens  # whole blocks
     values["gen_length"] = gen_length
-    if "steps" not in extra:  # the server's steps per token, in whole steps per block
+    if causal:  # at most one target forward per token (fewer with a drafter's accepted proposals)
+        values["steps"] = None
+        _check_steps(gen_length, max_steps, length_field)
+    elif "steps" not in extra:  # the server's steps per token, in whole steps per block
         num_blocks = gen_length // block if block else 1
         per_block = max(round(gen_length * base.total_steps / base.gen_length / num_blocks), 1)
         values["steps"] = per_block * num_blocks
-    _check_steps(values["steps"] or gen_length, max_steps, "steps" if "steps" in extra else length_field)
+    if not causal:
+        _check_steps(values["steps"] or gen_length, max_steps, "steps" if "steps" in extra else length_field)
     try:
         cfg = resolve_sampler(SamplerConfig.model_validate(values), profile)
     except ValidationError as e:

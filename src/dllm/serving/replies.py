@@ -98,6 +98,9 @@ class Reply:
 
 
 def _sampler_counters(counters: dict) -> dict[str, Any]:
-    """What the sampler call that answered spent (shared by the whole batch)."""
+    """What the sampler call that answered spent (shared by the whole batch); a causal model's also its rounds,
+    drafted and accepted tokens and tau (speculative decoding)."""
     keys = ("nfe", "steps", "tokens_committed", "tokens_per_forward", "batch_rows")
+    if "tau" in counters:  # the causal loop's
+        keys += ("rounds", "drafted", "accepted", "tau", "acceptance_rate")
     return {k: counters[k] for k in keys if k in counters}

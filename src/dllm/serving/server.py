@@ -11,14 +11,16 @@ from dllm.checkpoint.inference import LoadedModel
 from dllm.config.sampler import SamplerConfig
 from dllm.errors import ConfigError
 from dllm.sampling.canvas import SpecialIds
+from dllm.sampling.speculative import Drafter
 from dllm.serving.app import ServeState, build_app
 from dllm.serving.engine import Engine
 from dllm.serving.limits import DEFAULT_MAX_BODY_BYTES, Limits
 
-# Models the server does not decode yet: a drafter (it proposes beside a target), edit flows.
+# Models the server does not decode on their own: a drafter (it proposes beside its target), edit flows.
 NOT_SERVED_YET = {
-    "dflash": "a DFlash drafter decodes beside a target model (speculative decoding), which is not served yet",
-    "dflash_distillation": "a DFlash drafter decodes beside a target model (speculative decoding), not served yet",
+    "dflash": "a DFlash drafter is not served on its own; serve its target with --draft THIS_FOLDER",
+    "dflash_distillation": "a DFlash drafter is not served on its own; export the run (dllm convert --to-hf) and "
+    "serve its target with --draft",
     "edit_flow": "edit-flow models are not served yet",
 }
 
@@ -26,10 +28,14 @@ NOT_SERVED_YET = {
 def make_state(loaded: LoadedModel, cfg: SamplerConfig, *, model_id: str | None = None, api_key: str | None = None,
                max_batch: int = 8, max_wait_ms: float = 10.0, max_queue: int = 256,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_prompt_tokens: int | None = None,
-               max_steps: int | None = None) -> ServeState:  # fmt: skip
-    """A server's state over a `checkpoint.inference.LoadedModel` and the resolved default sampler.
-    `max_prompt_tokens` None: the model's positions less one; `max_steps` None: see `default_max_steps`."""
+               max_steps: int | None = None, drafter: Drafter | None = None) -> ServeState:  # fmt: skip
+    """A server's state over a `checkpoint.inference.LoadedModel` and the resolved default sampler (generation
+    causal: a causal model decoded token by token, or with `drafter` speculatively; see
+    `checkpoint.inference.setup_sampling`). `max_prompt_tokens` None: the model's positions less one;
+    `max_steps` None: see `default_max_steps`."""
     objective = loaded.profile.objective
+    if drafter is not None and cfg.generation != "causal":
+        raise ConfigError("--draft: a drafter proposes tokens for a causal model; serve it with generation causal")
     if objective in NOT_SERVED_YET:
         raise ConfigError(f"{loaded.source}: {NOT_SERVED_YET[objective]}")
     if api_key is not None:
@@ -49,7 +55,7 @@ def make_state(loaded: LoadedModel, cfg: SamplerConfig, *, model_id: str | None 
             bound = f">= {low}" if high is None else f"in [{low}, {high}]"
             raise ConfigError(f"{name} must be a finite number {bound}{why} (got {value})")
     engine = Engine(loaded.model, loaded.tokenizer, SpecialIds.of(loaded.profile), max_batch=max_batch,
-                    max_wait_ms=max_wait_ms, max_queue=max_queue)  # fmt: skip
+                    max_wait_ms=max_wait_ms, max_queue=max_queue, drafter=drafter)  # fmt: skip
     name = model_id or _model_name(loaded)
     return ServeState(engine, cfg, loaded.profile, name, limits, api_key)
 

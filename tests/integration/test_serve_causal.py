@@ -1,0 +1,97 @@
+"""Serving a causal model: AR decoding with a KV cache, and speculative decoding with a DFlash drafter, through
+the official openai client. The served text equals `generate` with generation causal on the same prompts
+(greedy), the speculative server's equals the AR server's token for token, streams carry the same text,
+and a diffusion-only field is a 400 naming it. (The DFlash drafter has random weights: it is accepted
+rarely, which the lossless check does not need.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+from dllm.config.model import DFlashConfig  # noqa: E402
+from dllm.config.sampler import SamplerConfig, resolve_sampler  # noqa: E402
+from dllm.errors import ConfigError  # noqa: E402
+from dllm.models.dflash import DFlashDrafter  # noqa: E402
+from dllm.sampling.canvas import SpecialIds  # noqa: E402
+from dllm.sampling.generate import generate  # noqa: E402
+from tests.integration.serve_support import tiny_loaded  # noqa: E402
+
+PROMPTS = ["hello", "a longer prompt than the first", "x"]
+
+
+def causal_base(loaded, gen_length: int = 16) -> SamplerConfig:
+    return resolve_sampler(SamplerConfig(generation="causal", gen_length=gen_length, stop_at_eos=False), loaded.profile)
+
+
+def random_drafter(loaded, block: int = 4) -> DFlashDrafter:
+    cfg = DFlashConfig(num_layers=1, block_size=block, target_layer_ids=(0, 1), mask_id=loaded.profile.mask_id,
+                       target=loaded.model_cfg)  # fmt: skip
+    drafter = DFlashDrafter(cfg)
+    drafter.init_weights(torch.Generator().manual_seed(3))
+    return drafter.attach(loaded.model).eval()
+
+
+def serve(loaded, drafter=None):
+    from dllm.serving.server import BackgroundServer, make_state
+    from tests.distributed.harness import free_port
+
+    state = make_state(loaded, causal_base(loaded), model_id="tiny", drafter=drafter, max_wait_ms=50)
+    return BackgroundServer(state, port=free_port())
+
+
+def client_of(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_ar_and_speculative_serving_equal_generate():
+    loaded = tiny_loaded()
+    tok = loaded.tokenizer
+    cfg = causal_base(loaded, 12)
+    expected = [tok.decode(s) for s in generate(loaded.model, [tok.encode(p) for p in PROMPTS], cfg,
+                                                SpecialIds.of(loaded.profile)).sequences]  # fmt: skip
+    served = {}
+    for name, drafter in (("ar", None), ("speculative", random_drafter(loaded))):
+        with serve(loaded, drafter) as srv:
+            client = client_of(srv)
+            r = client.completions.create(model="tiny", prompt=PROMPTS, max_tokens=12, temperature=0)
+            served[name] = [c.text for c in sorted(r.choices, key=lambda c: c.index)]
+            stats = r.model_extra["dllm"]
+            if drafter is None:
+                assert stats["tau"] == 1.0 and stats["drafted"] == 0
+            else:
+                assert stats["drafted"] == 3 * stats["rounds"] > 0
+            streamed = "".join(
+                chunk.choices[0].text
+                for chunk in client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=12, stream=True)
+            )
+            assert streamed == served[name][1]
+            chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                  max_tokens=6)  # fmt: skip
+            assert len(tok.encode(chat.choices[0].message.content)) <= 6
+            with pytest.raises(openai.BadRequestError, match="steps: a diffusion setting"):
+                client.completions.create(model="tiny", prompt="x", max_tokens=4, extra_body={"steps": 4})
+            top_k = client.completions.create(model="tiny", prompt="x", max_tokens=4, extra_body={"top_k": 1})
+            assert top_k.choices[0].text
+    assert served["ar"] == expected and served["speculative"] == expected
+
+
+def test_a_drafter_needs_a_causal_sampler():
+    from dllm.serving.server import make_state
+
+    loaded = tiny_loaded()
+    diffusion = resolve_sampler(SamplerConfig(gen_length=16), loaded.profile)
+    with pytest.raises(ConfigError, match="--draft: a drafter proposes tokens for a causal model"):
+        make_state(loaded, diffusion, drafter=random_drafter(loaded))
+
+
+def test_serve_cli_refuses_a_block_size_without_a_drafter(capsys):
+    from dllm.cli.main import main
+
+    assert main(["serve", "--model", "nowhere", "--ar", "--draft-block-size", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "--draft-block-size applies to speculative decoding" in err and err.strip().count("\n") == 0
