@@ -195,6 +195,52 @@ def right_pad(prompts: Sequence[Sequence[int]], device: torch.device) -> tuple[t
 
 
 # ---------------------------------------------------------------------------------------------------
+# scoring: the log-probability of every token of a sequence under a causal model
+
+
+@dataclass
+class TokenScores:
+    """A sequence's tokens scored by a causal model: per position i, log p(token_i | tokens_<i) (None at
+    position 0, which nothing predicts) and the `top` most likely ids there with theirs (empty at 0)."""
+
+    logprobs: list[float | None]
+    top: list[list[tuple[int, float]]]
+
+
+def score_tokens(model: nn.Module, rows: Sequence[Sequence[int]], top: int = 0, mask_id: int | None = None,
+                 max_rows_per_forward: int = 4) -> list[TokenScores]:  # fmt: skip
+    """Every token of each row scored in one causal forward (teacher forcing): the model's own log-softmax
+    in float32 over its raw logits (no temperature, top-k or top-p), the mask token excluded as in
+    decoding. Rows of a forward are right-padded; padding comes after every real token, so a causal
+    forward never reads it."""
+    device = next(model.parameters()).device
+    out: list[TokenScores] = []
+    with torch.inference_mode():
+        for i in range(0, len(rows), max_rows_per_forward):
+            chunk = rows[i : i + max_rows_per_forward]
+            tokens_BL, len_B = right_pad(chunk, device)
+            B, L = tokens_BL.shape
+            logits_BLV = model(tokens_BL, torch.arange(L, device=device).expand(B, L), AttentionMask("causal")).logits()
+            logits_BLV = logits_BLV[:, :-1].float()
+            if mask_id is not None:
+                logits_BLV[..., mask_id] = float("-inf")
+            logp_BLV = logits_BLV.log_softmax(-1)
+            chosen_BL = logp_BLV.gather(-1, tokens_BL[:, 1:, None])[..., 0]
+            if top:
+                top_lp, top_id = logp_BLV.topk(min(top, logp_BLV.shape[-1]), dim=-1)
+            for b, n in enumerate(len_B.tolist()):
+                logprobs: list[float | None] = [None, *chosen_BL[b, : n - 1].tolist()]
+                tops: list[list[tuple[int, float]]] = [[]]
+                if top:
+                    ids, lps = top_id[b, : n - 1].tolist(), top_lp[b, : n - 1].tolist()
+                    tops += [list(zip(i_, l_, strict=True)) for i_, l_ in zip(ids, lps, strict=True)]
+                else:
+                    tops += [[] for _ in range(n - 1)]
+                out.append(TokenScores(logprobs, tops))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
 # which models decode causally
 
 

@@ -92,7 +92,15 @@ def build_app(state: ServeState) -> FastAPI:
     app.post("/v1/denoise")(api.denoise)
     app.post("/tokenize")(api.tokenize)
     app.post("/detokenize")(api.detokenize)
+    app.get("/tokenizer_info")(api.tokenizer_info)
     return app
+
+
+def _top_logprobs(req: CompletionRequest | ChatRequest) -> int | None:
+    """How many most likely tokens a request wants at each place (0: only its own), None: no scores."""
+    if isinstance(req, ChatRequest):
+        return (req.top_logprobs or 0) if req.logprobs else None
+    return req.logprobs if req.logprobs is not None else (0 if req.echo else None)
 
 
 async def _api_error(_request: Request, e: ApiError) -> JSONResponse:
@@ -175,7 +183,8 @@ class Api:
         stream = req.stream or kind == "denoise"
         events = Events(asyncio.get_running_loop())
         job = Job([p for p in prompts for _ in range(req.n)], settings, events.push,
-                  stream_text=stream and kind != "denoise", denoise=kind == "denoise" or req.denoise)  # fmt: skip
+                  stream_text=stream and kind != "denoise", denoise=kind == "denoise" or req.denoise,
+                  top_logprobs=_top_logprobs(req), echo=isinstance(req, CompletionRequest) and req.echo)  # fmt: skip
         self.state.engine.submit(job)
         reply = Reply(kind, isinstance(req, ChatRequest), self.state.model_id, prompts, req, settings)
         if stream:
@@ -193,7 +202,7 @@ class Api:
 
     def prepare(self, raw: bytes, kind: str) -> tuple[CompletionRequest | ChatRequest, list[list[int]], Settings]:
         """The request, its prompts as token ids and its sampler (in a worker thread: this tokenizes)."""
-        req = parse_request(load_json(raw), kind)
+        req = parse_request(load_json(raw), kind, causal=self.state.base.generation == "causal")
         self.check_model(req.model)
         s = self.state
         settings = sampler_settings(req, s.base, s.profile, s.limits.max_steps)
@@ -216,6 +225,18 @@ class Api:
         tok = self.state.engine.tokenizer
         ids = tok.encode(req.prompt) if req.messages is None else chat_ids(tok, req.messages, req.add_generation_prompt)
         return {"tokens": ids, "count": len(ids), "max_model_len": self.state.profile.max_length}
+
+    async def tokenizer_info(self, request: Request) -> dict[str, Any]:
+        """The special tokens (as text) and the context length: what lm-eval's remote tokenizer reads. No chat
+        template: chats are rendered here (POST /tokenize with messages, or a chat completion)."""
+        self.authorize(request)
+        tok = self.state.engine.tokenizer
+
+        def text(token: int | None) -> str | None:
+            return None if token is None else tok.decode([token], skip_special=False)
+
+        return {"eos_token": text(tok.eos_id), "bos_token": text(tok.bos_id), "pad_token": text(tok.pad_id),
+                "chat_template": None, "model_max_length": self.state.profile.max_length}  # fmt: skip
 
     async def detokenize(self, request: Request) -> JSONResponse:
         self.authorize(request)

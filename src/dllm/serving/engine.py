@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from dllm.sampling.canvas import SpecialIds
+from dllm.sampling.causal import score_tokens
 from dllm.sampling.generate import generate
 from dllm.sampling.results import GenerationResult, StepEvent
 from dllm.sampling.speculative import Drafter
@@ -44,8 +45,16 @@ MASK = None  # a masked position in a denoising frame
 @dataclass
 class RowResult:
     text: str
+    """The completion (with echo: after the prompt's text)."""
     completion_tokens: int
     finish_reason: str  # "stop" (EOS or a stop string) or "length"
+    logprobs: list[float | None] | None = None
+    """With logprobs or echo (causal models): per token of prompt + completion, its log-probability under the
+    model given those before it (None for the first); None: not scored."""
+    pieces: list[str] = field(default_factory=list)
+    """With logprobs: the text of each of those tokens (special tokens by name)."""
+    top: list[list[tuple[str, float]]] = field(default_factory=list)
+    """With logprobs: per token, the most likely tokens at its place (their text) and their log-probabilities."""
 
 
 @dataclass
@@ -65,6 +74,10 @@ class Job:
     key: str = ""
     sent: list[str] = field(default_factory=list)
     """Text already streamed per row."""
+    top_logprobs: int | None = None
+    """Score the rows (causal models): the most likely tokens wanted at each place (0: none); None: no scores."""
+    echo: bool = False
+    """The prompt's text comes back before the completion."""
 
 
 class Cancelled(Exception):
@@ -202,7 +215,17 @@ class Engine:
         if job.denoise:
             canvas = result.canvas_BL[offset : offset + n].tolist()
             self._frame(job, canvas, result.gen_start_B[offset:], 0, result.counters.steps, -1, last=True)
-        rows = [self._row_result(result, offset + i, job.settings) for i in range(n)]
+        rows, ids = zip(*(self._row_result(result, offset + i, job.settings) for i in range(n)), strict=True)
+        rows = list(rows)
+        if job.top_logprobs is not None:  # one teacher-forced forward over prompt + completion per row
+            sequences = [prompt + list(out) for prompt, out in zip(job.rows, ids, strict=True)]
+            scored = score_tokens(self.model, sequences, job.top_logprobs, self.special.mask_id)
+            for r, seq, sc in zip(rows, sequences, scored, strict=True):
+                r.logprobs, r.pieces = sc.logprobs, [self.piece(t) for t in seq]
+                r.top = [[(self.piece(t), lp) for t, lp in place] for place in sc.top]
+        if job.echo:
+            for r, prompt in zip(rows, job.rows, strict=True):
+                r.text = self.tokenizer.decode(prompt) + r.text
         self.metrics.inc("dllm_prompt_tokens_total", sum(len(r) for r in job.rows))
         self.metrics.inc("dllm_generated_tokens_total", sum(r.completion_tokens for r in rows))
         for i, r in enumerate(rows if job.stream_text else []):
@@ -268,8 +291,9 @@ class Engine:
             job.sent[i] = cut
             job.sink("delta", (i, cut[len(sent) :]))
 
-    def _row_result(self, result: GenerationResult, b: int, s: Settings) -> RowResult:
-        """The text of row b cut at EOS, max_tokens and stop strings; its token count and why it ended."""
+    def _row_result(self, result: GenerationResult, b: int, s: Settings) -> tuple[RowResult, list[int]]:
+        """The text of row b cut at EOS, max_tokens and stop strings, its token count and why it ended; and
+        the ids of that text."""
         cfg = s.cfg
         ids = result.sequences[b][: s.max_tokens]
         g = result.gen_start_B[b]
@@ -281,7 +305,7 @@ class Engine:
             reason = "stop"
             ids = next((ids[:k] for k in range(1, len(ids) + 1) if len(cut_at_stop(self.tokenizer.decode(ids[:k]),
                         cfg.stop_strings)) < len(self.tokenizer.decode(ids[:k]))), ids)  # fmt: skip
-        return RowResult(text, len(ids), reason)
+        return RowResult(text, len(ids), reason), ids
 
     def piece(self, token: int) -> str:
         """The text of one token, special tokens by name (cached: the frames decode every position)."""

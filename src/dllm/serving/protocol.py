@@ -22,7 +22,7 @@ from dllm.config.profile import DecodeProfile
 from dllm.config.sampler import SamplerConfig, resolve_sampler
 from dllm.errors import UserError
 from dllm.serving.errors import ApiError
-from dllm.serving.unserved import MESSAGE_FIELDS, REQUEST_FIELDS, refuse_unserved
+from dllm.serving.unserved import LOGPROB_FIELDS, MESSAGE_FIELDS, REQUEST_FIELDS, refuse_unserved
 
 # SamplerConfig fields a request may set by name; the rest come from OpenAI fields (max_tokens ->
 # gen_length, temperature, top_p, stop -> stop_strings, seed) or belong to the server (compile,
@@ -40,6 +40,8 @@ MAX_ROWS = 256
 """Rows (prompts x n) one request may ask for."""
 MAX_STOP = 4
 """Stop strings per request, as OpenAI allows."""
+MAX_LOGPROBS, MAX_TOP_LOGPROBS = 5, 20
+"""The most likely tokens a completion (logprobs) or a chat completion (top_logprobs) may ask for, as OpenAI."""
 
 
 class StreamOptions(BaseModel):
@@ -55,8 +57,8 @@ class _Request(BaseModel):
 
     model: str | None = None
     """The served model's id (GET /v1/models); null: the one model this server holds."""
-    max_tokens: int | None = Field(default=None, gt=0)
-    """Tokens to generate (the canvas length); null: the server's gen_length."""
+    max_tokens: int | None = Field(default=None, ge=0)
+    """Tokens to generate (the canvas length); null: the server's gen_length; 0 only with echo (scoring)."""
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     stop: str | list[str] | None = None
@@ -78,6 +80,11 @@ class _Request(BaseModel):
 
 class CompletionRequest(_Request):
     prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    """Causal models: the log-probability of each returned token and the `logprobs` most likely at its place."""
+    echo: bool = False
+    """Causal models: the prompt comes back before the completion, its tokens scored too (with max_tokens 0:
+    scoring only, as lm-eval's log-likelihood requests do)."""
 
 
 class ChatMessage(BaseModel):
@@ -113,18 +120,24 @@ class ChatMessage(BaseModel):
 class ChatRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, gt=0)
+    logprobs: bool = False
+    """Causal models: the log-probability of each returned token."""
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    """With logprobs: the most likely tokens at each place, and theirs."""
 
     def max_tokens_field(self) -> str | None:
         return "max_completion_tokens" if self.max_completion_tokens is not None else super().max_tokens_field()
 
 
-def parse_request(data: dict[str, Any], kind: str) -> CompletionRequest | ChatRequest:
+def parse_request(data: dict[str, Any], kind: str, causal: bool = False) -> CompletionRequest | ChatRequest:
     """The request of endpoint `kind` (completion, chat or denoise) from its JSON object. A wrong type or
     range, an unknown field, or a field this server does not honour -> 400 naming it. Null in a top-level
-    field means what leaving it out means: the server's default."""
+    field means what leaving it out means: the server's default. A `causal` model's server honours the
+    log-probability fields (logprobs, top_logprobs, echo) on completions and chat completions."""
     data = {k: v for k, v in data.items() if v is not None}
     chat = kind == "chat" or (kind == "denoise" and "messages" in data)
-    data = refuse_unserved(data, REQUEST_FIELDS)
+    scored = causal and kind != "denoise"
+    data = refuse_unserved(data, {k: v for k, v in REQUEST_FIELDS.items() if not (scored and k in LOGPROB_FIELDS)})
     if chat:
         data = _refuse_unserved_in_messages(data)
     cls = ChatRequest if chat else CompletionRequest
@@ -150,6 +163,8 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_generation_prompt: bool = True
     """With messages: end with the header of the assistant's turn, as a chat completion does."""
+    add_special_tokens: Literal[False] = False
+    """Prompts are never given special tokens (a BOS) here: false is what the server does, true is refused."""
 
 
 class DetokenizeRequest(BaseModel):
@@ -216,6 +231,16 @@ def _check_combinations(req: CompletionRequest | ChatRequest, kind: str) -> None
         return
     if "stream_options" in given and not req.stream:
         refuse("stream_options", "only with stream: true")
+    scoring = req.logprobs is not None if isinstance(req, CompletionRequest) else req.logprobs
+    if isinstance(req, CompletionRequest) and req.echo:
+        scoring = True
+    if scoring and req.stream:
+        refuse("logprobs" if "logprobs" in given else "echo", "log-probabilities come with whole answers only; "
+               "drop stream")  # fmt: skip
+    if isinstance(req, ChatRequest) and req.top_logprobs is not None and not req.logprobs:
+        refuse("top_logprobs", "only with logprobs: true")
+    if req.max_tokens == 0 and not (isinstance(req, CompletionRequest) and req.echo):
+        refuse("max_tokens", "0 generates nothing; give at least 1 (0 only with echo, to score the prompt)")
     if req.denoise and not req.stream:
         refuse("denoise", "the denoising frames ride a stream: send stream: true too, or POST /v1/denoise")
 
@@ -261,7 +286,8 @@ def sampler_settings(req: _Request, base: SamplerConfig, profile: DecodeProfile,
                            code="unsupported_field")  # fmt: skip
     values.update(extra)
     length_field = req.max_tokens_field() or "max_tokens"
-    max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens or base.gen_length
+    max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens
+    max_tokens = base.gen_length if max_tokens is None else max_tokens  # 0: echo scores the prompt only
     for name, v in (("temperature", req.temperature), ("top_p", req.top_p), ("seed", req.seed)):
         if v is not None:
             values[name] = v
@@ -274,7 +300,7 @@ def sampler_settings(req: _Request, base: SamplerConfig, profile: DecodeProfile,
     block = values.get("block_length") or (profile.block_size if profile.attention == "block" else None)
     block = None if causal else block
     gen_length = -(-max_tokens // block) * block if block else max_tokens  # whole blocks
-    values["gen_length"] = gen_length
+    values["gen_length"] = max(gen_length, 1)  # max_tokens 0 (echo): one token decoded, none returned
     if causal:  # at most one target forward per token (fewer with a drafter's accepted proposals)
         values["steps"] = None
         _check_steps(gen_length, max_steps, length_field)

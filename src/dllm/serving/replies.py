@@ -43,13 +43,47 @@ class Reply:
     def final(self, rows: list[RowResult], counters: dict) -> dict[str, Any]:
         if self.chat:
             choices = [{"index": i, "message": {"role": "assistant", "content": r.text}, "finish_reason":
-                        r.finish_reason, "logprobs": None} for i, r in enumerate(rows)]  # fmt: skip
+                        r.finish_reason, "logprobs": self.chat_logprobs(r)} for i, r in enumerate(rows)]  # fmt: skip
             body = {**self._head("chat.completion"), "choices": choices}
         else:
-            choices = [{"index": i, "text": r.text, "finish_reason": r.finish_reason, "logprobs": None}
-                       for i, r in enumerate(rows)]  # fmt: skip
+            choices = [{"index": i, "text": r.text, "finish_reason": r.finish_reason,
+                        "logprobs": self.completion_logprobs(r)} for i, r in enumerate(rows)]  # fmt: skip
             body = {**self._head("text_completion"), "choices": choices}
         return {**body, "usage": self.usage(rows), "dllm": _sampler_counters(counters)}
+
+    def _scored(self, r: RowResult) -> range:
+        """The positions of a row's scores that the answer reports: the completion's, with echo the prompt's too."""
+        assert r.logprobs is not None
+        total = len(r.logprobs)
+        echo = isinstance(self.req, CompletionRequest) and self.req.echo
+        return range(0 if echo else total - r.completion_tokens, total)
+
+    def completion_logprobs(self, r: RowResult) -> dict[str, Any] | None:
+        """OpenAI's legacy shape: tokens, token_logprobs (null for a text's first token), top_logprobs
+        ({token: logprob} of the `logprobs` most likely) and text_offset (from the start of `text`)."""
+        if r.logprobs is None or not isinstance(self.req, CompletionRequest) or self.req.logprobs is None:
+            return None
+        at = self._scored(r)
+        tokens = [r.pieces[i] for i in at]
+        top = [dict(r.top[i]) if i else None for i in at] if self.req.logprobs else None
+        offsets, n = [], 0
+        for t in tokens:
+            offsets.append(n)
+            n += len(t)
+        return {"tokens": tokens, "token_logprobs": [r.logprobs[i] for i in at], "top_logprobs": top,
+                "text_offset": offsets}  # fmt: skip
+
+    def chat_logprobs(self, r: RowResult) -> dict[str, Any] | None:
+        """OpenAI's chat shape: per token of the reply its text, logprob, UTF-8 bytes and top_logprobs."""
+        if r.logprobs is None:
+            return None
+
+        def entry(text: str, logprob: float) -> dict[str, Any]:
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+        content = [{**entry(r.pieces[i], r.logprobs[i]),  # type: ignore[arg-type]
+                    "top_logprobs": [entry(t, lp) for t, lp in r.top[i]]} for i in self._scored(r)]  # fmt: skip
+        return {"content": content, "refusal": None}
 
     def opening(self) -> dict[str, Any]:
         """The first event: the chat role, or the canvas size of a denoising stream."""

@@ -25,15 +25,15 @@ class Unserved:
 
 
 _TOOLS = "tool and function calling are not served"
-_LOGPROBS = "log-probabilities are not served yet"
+_LOGPROBS = "log-probabilities are served for causal models only (dllm serve --ar or --draft)"
 _SPECULATIVE = "speculative decoding is not served yet"
 
 LOGPROB_FIELDS = {
     "logprobs": Unserved(_LOGPROBS, (False,)),
     "top_logprobs": Unserved(_LOGPROBS),
-    "echo": Unserved("echoing the prompt back (with its log-probabilities) is not served yet", (False,)),
+    "echo": Unserved("echoing the prompt back (with its log-probabilities) is served for causal models only", (False,)),
 }
-"""OpenAI's log-probability fields, in one group so that a model kind that computes them can lift it."""
+"""OpenAI's log-probability fields, in one group: a causal model's server honours them (protocol.parse_request)."""
 
 REQUEST_FIELDS = {
     **LOGPROB_FIELDS,
