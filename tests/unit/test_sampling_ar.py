@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dllm.attention.masks import AttentionMask
 from dllm.config.model import ModelConfig
 from dllm.config.profile import DecodeProfile
 from dllm.config.sampler import SamplerConfig
@@ -157,3 +158,22 @@ def test_rows_of_equal_length_take_the_slice_write_and_match_the_reference():
     cache.length_B = torch.tensor([5, 3])
     _, mask = cache.at(1)
     assert cache.write_start is None and mask.query_offset_B is not None
+
+
+def test_score_tokens_batched_rows_equal_each_row_alone_and_the_models_own_softmax():
+    """Ragged rows scored together (right padding) equal each scored alone; each score is the model's log-softmax."""
+    from dllm.sampling.causal import score_tokens
+
+    model = causal_model(seed=21, dtype=torch.float64)
+    rows = random_prompts(5, seed=22)
+    together = score_tokens(model, rows, top=3, mask_id=MASK_ID, max_rows_per_forward=5)
+    for ids, got in zip(rows, together, strict=True):
+        alone = score_tokens(model, [ids], top=3, mask_id=MASK_ID)[0]
+        assert got.logprobs[0] is None and got.top[0] == [] and len(got.logprobs) == len(ids)
+        assert got.logprobs[1:] == pytest.approx(alone.logprobs[1:], abs=1e-9)
+        x = torch.tensor([ids])
+        logits = model(x, torch.arange(len(ids))[None], AttentionMask("causal")).logits()[0, :-1].double()
+        logits[:, MASK_ID] = float("-inf")
+        want = logits.log_softmax(-1)
+        assert got.logprobs[1:] == pytest.approx(want.gather(1, x[0, 1:, None])[:, 0].tolist(), abs=1e-6)
+        assert [t for t, _ in got.top[1]] == want[0].topk(3).indices.tolist()
