@@ -312,11 +312,12 @@ def test_openai_client_raises_the_matching_errors(client):
 
 
 def test_queue_full_is_429_and_disconnect_cancels():
-    # a model that takes 10 ms a forward: a request of 120 steps takes 1.2 s or more on any machine
-    with make_server(slow_loaded(0.01), max_batch=1, max_wait_ms=0, max_queue=1) as srv:
+    # a model that takes 10 ms a forward: a request of 120 steps takes 1.2 s or more on any machine; one call at
+    # a time (max_calls 1), so that a second request waits in the queue
+    with make_server(slow_loaded(0.01), max_batch=1, max_wait_ms=0, max_queue=1, max_calls=1) as srv:
         long = {"prompt": "long", "max_tokens": 120, "steps": 120}
         hold = threading.Thread(target=httpx.post, args=(srv.url + "/v1/completions",),
-                                kwargs={"json": {**long, "max_tokens": 40, "steps": 40}, "timeout": 60})  # fmt: skip
+                                kwargs={"json": {**long, "max_tokens": 96, "steps": 96}, "timeout": 60})  # fmt: skip
         hold.start()
         _wait(lambda: httpx.get(srv.url + "/health").json()["running_rows"] == 1)
         queued = threading.Thread(target=httpx.post, args=(srv.url + "/v1/completions",),
@@ -343,6 +344,32 @@ def test_queue_full_is_429_and_disconnect_cancels():
         _wait(lambda: httpx.get(srv.url + "/health").json()["running_rows"] == 0)
         assert _metric(srv, "dllm_batches_total") == batches
         assert httpx.post(srv.url + "/v1/completions", json={"prompt": "next", "max_tokens": 4}).status_code == 200
+
+
+@pytest.mark.parametrize("max_calls", [1, 4])
+def test_a_short_request_behind_a_long_one(max_calls):
+    """One call at a time, a short request waits for the long one to end; with calls taking turns step by step it
+    starts at once and ends after about twice its own steps, while the long one still runs."""
+    with make_server(slow_loaded(0.01), max_batch=1, max_wait_ms=0, max_calls=max_calls) as srv:
+        ends: dict[str, float] = {}
+
+        def post(name: str, body: dict) -> None:
+            r = httpx.post(srv.url + "/v1/completions", json={"prompt": name, **body}, timeout=60)
+            assert r.status_code == 200, r.text
+            ends[name] = time.monotonic()
+
+        long = threading.Thread(target=post, args=("long", {"max_tokens": 96, "steps": 96}))
+        started = time.monotonic()
+        long.start()
+        _wait(lambda: httpx.get(srv.url + "/health").json()["running_rows"] == 1)
+        t0 = time.monotonic()
+        post("short", {"max_tokens": 8, "steps": 8})
+        long.join()
+        if max_calls == 1:
+            assert ends["short"] > ends["long"]  # it waited for the whole long call
+        else:
+            # ~16 turns of the slow model's 10 ms, against the long call's ~96: well under half of it, on any load
+            assert ends["short"] < ends["long"] and ends["short"] - t0 < 0.5 * (ends["long"] - started)
 
 
 def _wait(cond, timeout: float = 30) -> None:

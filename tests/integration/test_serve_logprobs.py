@@ -117,7 +117,7 @@ def test_a_diffusion_model_refuses_logprobs():
     with BackgroundServer(make_state(loaded, base, model_id="tiny"), port=free_port()) as srv:
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "logprobs": 1})
         assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
-        assert "not served" in r.json()["error"]["message"]
+        assert "causal models only" in r.json()["error"]["message"]
 
 
 def test_tokenizer_info(loaded, server):

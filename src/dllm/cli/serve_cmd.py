@@ -25,6 +25,9 @@ def serve(
         None, "--api-key", help=f"Require `Authorization: Bearer KEY` on every request (or set ${API_KEY_ENV})."
     ),
     max_batch: int = typer.Option(8, "--max-batch", help="Most rows (choices) decoded together in one sampler call."),
+    max_calls: int = typer.Option(
+        4, "--max-calls", help="Sampler calls in flight at once, taking turns step by step (1: one call at a time)."
+    ),
     max_wait_ms: float = typer.Option(
         10.0, "--max-wait-ms", callback=finite, help="How long a request waits for peers to batch with."
     ),
@@ -77,14 +80,16 @@ def serve(
                        causal_option="--draft" if draft is not None else "--ar")  # fmt: skip
     state = make_state(s.loaded, s.sampler, model_id=model_id or hub_id(model), api_key=key, max_batch=max_batch,
                        max_wait_ms=max_wait_ms, max_queue=max_queue, max_body_bytes=max_body_bytes,
-                       max_prompt_tokens=max_prompt_tokens, max_steps=max_steps, drafter=s.drafter)  # fmt: skip
+                       max_prompt_tokens=max_prompt_tokens, max_steps=max_steps, drafter=s.drafter,
+                       max_calls=max_calls)  # fmt: skip
     if host not in ("127.0.0.1", "localhost", "::1") and key is None:
         info(f"dllm: warning: serving on {host} without an API key: anyone who can reach it can use it")
     lim = state.limits
     mode = "" if not causal else "; ar (KV cache)" if s.drafter is None else "; speculative"
     mode += f" (block {s.drafter.block_size})" if s.drafter is not None else ""
     info(f"{s.loaded.source}: serving {state.model_id!r}{mode} on http://{host}:{port} (page at /, API at /v1; "
-         f"max batch {max_batch}, {'API key required' if key else 'no API key'}; limits: body {lim.max_body_bytes} "
+         f"max batch {max_batch}, {max_calls} calls in flight, {'API key required' if key else 'no API key'}; "
+         f"limits: body {lim.max_body_bytes} "
          f"bytes, prompt {lim.max_prompt_tokens} tokens, {lim.max_steps} steps, queue {max_queue})")  # fmt: skip
     uvicorn.run(build_app(state), host=host, port=port, log_level="warning", access_log=False)
 

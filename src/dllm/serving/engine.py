@@ -1,4 +1,8 @@
-"""The engine: one worker thread that drains a bounded queue of requests into batched sampler calls.
+"""The engine: a worker thread that drains a bounded queue of requests into batched sampler calls, up to
+`max_calls` of them in flight at once, each in its own thread, taking turns step by step (`Turns`): a
+long call no longer holds the model until it ends, and a short request queued behind it starts at once
+(when fewer than `max_calls` run) and finishes after its own steps times the calls in flight. `max_calls`
+1 is the one-call-at-a-time engine (each call to its end), kept for comparison (bench/serve_load.py).
 
 Requests waiting together (up to `max_batch` rows, within `max_wait_ms` of the oldest) whose sampler
 settings are compatible (the same resolved SamplerConfig and stop strings; max_tokens may differ, as
@@ -84,6 +88,37 @@ class Cancelled(Exception):
     """Every request of a running call has gone: the call stops at its next step."""
 
 
+class Turns:
+    """Round-robin turns between the sampler calls in flight: one runs its next step (a model forward and
+    what the loop does with it) while the others wait, then it goes to the back of the line. A long call
+    thus no longer holds the model until it ends: a short request started beside it finishes after about
+    its own steps times the number of calls in flight, and the calls never run their forwards at the
+    same time (they would fight over the same cores or device)."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.line: deque[int] = deque()
+
+    def join(self, me: int) -> None:
+        with self.cond:
+            self.line.append(me)
+            self.cond.wait_for(lambda: self.line[0] == me)
+
+    def next(self, me: int) -> None:
+        """End my step: the next call in line runs its step, I run mine after every other."""
+        with self.cond:
+            if len(self.line) > 1:
+                self.line.remove(me)
+                self.line.append(me)
+                self.cond.notify_all()
+                self.cond.wait_for(lambda: self.line[0] == me)
+
+    def leave(self, me: int) -> None:
+        with self.cond:
+            self.line.remove(me)
+            self.cond.notify_all()
+
+
 def batch_key(settings: Settings) -> str:
     """Requests with equal keys decode in one call."""
     if settings.stochastic and settings.seed is not None:
@@ -99,6 +134,7 @@ class Engine:
     def __init__(
         self, model: torch.nn.Module, tokenizer: Tokenizer, special: SpecialIds, metrics: Metrics | None = None, *,
         max_batch: int = 8, max_wait_ms: float = 10.0, max_queue: int = 256, drafter: Drafter | None = None,
+        max_calls: int = 4,
     ) -> None:  # fmt: skip
         self.model, self.tokenizer, self.special = model, tokenizer, special
         self.drafter = drafter
@@ -108,19 +144,27 @@ class Engine:
         self.queue: deque[Job] = deque()
         self.cond = threading.Condition()
         self.stopping = False
-        self.running = 0
-        """Rows in the sampler call under way (0: idle)."""
-        self.call_start_forwards = 0
+        self.max_calls = max_calls
+        """Sampler calls in flight at once, taking turns step by step (1: one call at a time, each to its end)."""
+        self.calls: dict[int, int] = {}
+        """The calls in flight: their rows."""
+        self.turns = Turns()
+        self._next_call = 0
         self.device = next(model.parameters()).device
         self._pieces: dict[int, str] = {}
-        self.forwards = 0
-        """Model calls so far (a forward hook: the denoising frames show the NFE of the call under way)."""
+        self._local = threading.local()
+        """Per call thread: the model calls of that call (a forward hook; the denoising frames show its NFE)."""
         model.register_forward_hook(self._count_forward)
         self.thread = threading.Thread(target=self._work, name="dllm-serve-engine", daemon=True)
 
     def start(self) -> Engine:
         self.thread.start()
         return self
+
+    @property
+    def running(self) -> int:
+        """Rows in the sampler calls under way (0: idle)."""
+        return sum(self.calls.values())
 
     def stop(self) -> None:
         with self.cond:
@@ -140,24 +184,36 @@ class Engine:
             self.cond.notify_all()
 
     def _count_forward(self, *_: Any) -> None:
-        self.forwards += 1
+        self._local.forwards = getattr(self._local, "forwards", 0) + 1
 
     def _work(self) -> None:
+        """Start a call for each batch, while fewer than `max_calls` are in flight."""
         while True:
             batch = self._take_batch()
             if batch is None:
                 return
-            self.running = sum(len(j.rows) for j in batch)
-            try:
-                self._run(batch)
-            except Cancelled:
-                pass
-            except Exception as e:  # nothing a request does may stop the worker
-                err = ApiError(500, f"the sampler failed: {type(e).__name__}: {e}", kind="server_error")
-                for job in batch:
-                    job.sink("error", err)  # the app's sink never raises (a closed loop is ignored)
-            finally:
-                self.running = 0
+            call = self._next_call
+            self._next_call += 1
+            with self.cond:
+                self.calls[call] = sum(len(j.rows) for j in batch)
+            threading.Thread(target=self._call, args=(call, batch), name=f"dllm-serve-call-{call}", daemon=True).start()
+
+    def _call(self, call: int, batch: list[Job]) -> None:
+        """One sampler call, in its own thread, taking turns with the others step by step."""
+        self.turns.join(call)
+        try:
+            self._run(batch, call)
+        except Cancelled:
+            pass
+        except Exception as e:  # nothing a request does may stop the server
+            err = ApiError(500, f"the sampler failed: {type(e).__name__}: {e}", kind="server_error")
+            for job in batch:
+                job.sink("error", err)  # the app's sink never raises (a closed loop is ignored)
+        finally:
+            self.turns.leave(call)
+            with self.cond:
+                del self.calls[call]
+                self.cond.notify_all()
 
     def _take_batch(self) -> list[Job] | None:
         """The oldest request and its compatible peers, once `max_batch` rows wait or the oldest has
@@ -167,7 +223,7 @@ class Engine:
                 self._drop_cancelled()
                 if self.stopping:
                     return None
-                if not self.queue:
+                if not self.queue or len(self.calls) >= self.max_calls:
                     self.cond.wait()
                     continue
                 first = self.queue[0]
@@ -191,16 +247,16 @@ class Engine:
         for job in [j for j in self.queue if j.cancelled.is_set()]:
             self.queue.remove(job)
 
-    def _run(self, batch: list[Job]) -> None:
+    def _run(self, batch: list[Job], call: int) -> None:
         settings = batch[0].settings
         cfg = settings.cfg
         prompts = [row for job in batch for row in job.rows]
         seed = settings.seed if settings.seed is not None and batch[0].key.startswith("seeded:") else None
         generator = torch.Generator(device=self.device).manual_seed(seed if seed is not None else secrets.randbits(63))
-        t0, self.call_start_forwards = time.perf_counter(), self.forwards
+        t0, self._local.forwards = time.perf_counter(), 0
         stop = stop_function(self.tokenizer, cfg.stop_strings)
         result = generate(self.model, prompts, cfg, self.special, generator=generator,
-                          callback=self._callback(batch), stop=stop, drafter=self.drafter)  # fmt: skip
+                          callback=self._callback(batch, call), stop=stop, drafter=self.drafter)  # fmt: skip
         self.metrics.observe_batch(len(prompts), time.perf_counter() - t0, result.nfe)
         counters = {**result.counters.as_dict(), "batch_rows": len(prompts)}
         offset = 0
@@ -233,7 +289,7 @@ class Engine:
                 job.sink("delta", (i, r.text[len(job.sent[i]) :]))
         job.sink("done", (rows, counters))
 
-    def _callback(self, batch: list[Job]) -> Callable[[StepEvent], None]:
+    def _callback(self, batch: list[Job], call: int) -> Callable[[StepEvent], None]:
         incremental = batch[0].settings.cfg.policy != "uniform"  # uniform: noise, not masks, until the end
         watched = [j for j in batch if (j.stream_text and incremental) or j.denoise]
         step = [0]
@@ -242,16 +298,20 @@ class Engine:
             if all(j.cancelled.is_set() for j in batch):
                 raise Cancelled
             step[0] += 1
-            if not watched:
-                return
-            canvas = event.canvas_BT.tolist()
-            offset = 0
-            for job in batch:
-                if job in watched and not job.cancelled.is_set():
-                    self._stream(job, canvas[offset : offset + len(job.rows)], event, offset, step[0])
-                offset += len(job.rows)
+            if watched:
+                self._show_step(batch, watched, event, step[0])
+            self.turns.next(call)  # the other calls in flight run a step each before this one's next
 
         return on_step
+
+    def _show_step(self, batch: list[Job], watched: list[Job], event: StepEvent, step: int) -> None:
+        """The step's text deltas and denoising frames of the jobs that watch them."""
+        canvas = event.canvas_BT.tolist()
+        offset = 0
+        for job in batch:
+            if job in watched and not job.cancelled.is_set():
+                self._stream(job, canvas[offset : offset + len(job.rows)], event, offset, step)
+            offset += len(job.rows)
 
     def _stream(self, job: Job, rows: list[list[int]], event: StepEvent, offset: int, step: int) -> None:
         s, mask_id = job.settings, self.special.mask_id
@@ -270,7 +330,7 @@ class Engine:
         n, mask_id = job.settings.max_tokens, self.special.mask_id
         gens = [row[g : g + n] for row, g in zip(rows, gen_start, strict=False)]
         frame = [[MASK if t == mask_id else self.piece(t) for t in ids] for ids in gens]
-        nfe = self.forwards - self.call_start_forwards
+        nfe = getattr(self._local, "forwards", 0)
         job.sink("frame", {"step": step, "block": block, "committed": committed, "rows": frame, "last": last,
                            "nfe": nfe})  # fmt: skip
 

@@ -28,7 +28,8 @@ NOT_SERVED_YET = {
 def make_state(loaded: LoadedModel, cfg: SamplerConfig, *, model_id: str | None = None, api_key: str | None = None,
                max_batch: int = 8, max_wait_ms: float = 10.0, max_queue: int = 256,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_prompt_tokens: int | None = None,
-               max_steps: int | None = None, drafter: Drafter | None = None) -> ServeState:  # fmt: skip
+               max_steps: int | None = None, drafter: Drafter | None = None,
+               max_calls: int = 4) -> ServeState:  # fmt: skip
     """A server's state over a `checkpoint.inference.LoadedModel` and the resolved default sampler (generation
     causal: a causal model decoded token by token, or with `drafter` speculatively; see
     `checkpoint.inference.setup_sampling`). `max_prompt_tokens` None: the model's positions less one;
@@ -45,6 +46,7 @@ def make_state(loaded: LoadedModel, cfg: SamplerConfig, *, model_id: str | None 
     limits = Limits(max_body_bytes, prompt_cap, default_max_steps(cfg, positions) if max_steps is None else max_steps)
     for name, value, low, high, why in (
         ("--max-batch", max_batch, 1, None, ""),
+        ("--max-calls", max_calls, 1, None, ""),
         ("--max-queue", max_queue, 1, None, ""),
         ("--max-wait-ms", max_wait_ms, 0, None, ""),
         ("--max-body-bytes", max_body_bytes, 1, None, ""),
@@ -55,7 +57,7 @@ def make_state(loaded: LoadedModel, cfg: SamplerConfig, *, model_id: str | None 
             bound = f">= {low}" if high is None else f"in [{low}, {high}]"
             raise ConfigError(f"{name} must be a finite number {bound}{why} (got {value})")
     engine = Engine(loaded.model, loaded.tokenizer, SpecialIds.of(loaded.profile), max_batch=max_batch,
-                    max_wait_ms=max_wait_ms, max_queue=max_queue, drafter=drafter)  # fmt: skip
+                    max_wait_ms=max_wait_ms, max_queue=max_queue, drafter=drafter, max_calls=max_calls)  # fmt: skip
     name = model_id or _model_name(loaded)
     return ServeState(engine, cfg, loaded.profile, name, limits, api_key)
 
