@@ -203,7 +203,7 @@ def _drafter_target(run: Path | None, checkpoint: Path | None) -> Path | None:
 def _export_drafter(stage: Path, out: Path, run: Path | None, checkpoint: Path | None) -> list[str]:
     """A DFlash drafter folder: config.json (block size, target layers, the target's identity) and its own weights."""
     from dllm.checkpoint.inference import load_drafter_run
-    from dllm.models.dflash import save_drafter
+    from dllm.models.dflash_io import save_drafter
 
     drafter, target, spec = load_drafter_run(run, checkpoint)
     save_drafter(stage, drafter, target_name=str(spec.objective.target))  # type: ignore[union-attr]

@@ -7,6 +7,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, model_validator
 
 from dllm.config.base import Float, Int, RelPath, Section
+from dllm.config.model import DrafterArchitecture
 from dllm.config.registries import SCHEDULES
 
 
@@ -151,6 +152,8 @@ class DFlashDistillationConfig(Section):
     """b: draft block length (the anchor and b - 1 proposals); generation must use the same."""
     num_layers: Int = Field(default=1, gt=0)
     """Drafter blocks."""
+    architecture: DrafterArchitecture = "dllm"
+    """dflash: the published DFlash drafter (exports a folder SGLang and vLLM load); dllm: dllm's first drafters."""
     num_anchors: Int = Field(default=16, gt=0)
     """Draft blocks per training sequence, all in one forward (anchors drawn where the next token is supervised)."""
     loss: Literal["ce", "kl"] = "ce"
