@@ -159,9 +159,7 @@ class DFlashDistillationConfig(Section):
     loss: Literal["ce", "kl"] = "ce"
     """ce: cross-entropy to the target's greedy next tokens; kl: KL(target || drafter) of next-token distributions."""
     labels: Literal["target", "data"] = "target"
-    """The next tokens of loss ce: target: the target's argmax (its LM head on every supervised row, each step);
-    data: the data's own next tokens, the same when the data are the target's own greedy answers (the recipe
-    regenerates them) and a third cheaper (no head pass for the teacher)."""
+    """ce's next tokens: target (its argmax: a head pass per step) or data (the same on its own greedy answers)."""
     decay: Float | None = Field(default=7.0, gt=0)
     """gamma of the weight exp(-(k-1)/gamma) of the k-th proposal (early ones decide acceptance); null: all 1."""
     feature_cache: RelPath | None = None
