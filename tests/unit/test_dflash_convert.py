@@ -187,3 +187,17 @@ def test_a_drafter_with_no_public_layout_is_refused_by_convert(tmp_path: Path, c
     assert not (tmp_path / "public").exists()
     code, _, err = run_cli(["convert", "--to-hf", tmp_path / "x", "--model", folder, "--target", "t"], capsys)
     one_line_error(code, err, "--target goes with --from-hf")
+
+
+def test_a_dflash_run_reading_the_targets_last_layer_is_refused_before_launch(workdir: Path, capsys):
+    """architecture dflash cannot read the target's last layer (the public code takes it after the final norm):
+    `dllm launch --dry-run` says so in one line, before any worker starts."""
+    from tests.helpers import tiny_train_values, write_yaml
+
+    write_causal_target(workdir / "target")
+    objective = {"name": "dflash_distillation", "target": "target", "target_layer_ids": [0, 2], "block_size": 4,
+                 "architecture": "dflash"}  # fmt: skip
+    train_yaml = write_yaml(workdir / "train.yaml", tiny_train_values(objective=objective))
+    code, _, err = run_cli(["launch", "--config", train_yaml, "--dry-run"], capsys)
+    one_line_error(code, err, "objective (dflash_distillation): architecture dflash: target_layer_ids include the "
+                              "target's last layer 2")  # fmt: skip
