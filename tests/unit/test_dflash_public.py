@@ -1,6 +1,7 @@
 """DFlash drafters in the public layout (z-lab's DFlashDraftModel: the folders SGLang, vLLM and the dflash
 package load): a drafter saved here computes the published drafter's draft logits from the same target
-features, a drafter written in that layout by the reference code loads here and proposes the same tokens,
+features (and decodes in the package's own loop as in dllm's), a drafter written in that layout by the
+reference code loads here and proposes the same tokens,
 the target's layers are indexed as the public code indexes Hugging Face's hidden states, speculative
 decoding with a public-layout drafter is lossless, and one that does not fit the target is refused.
 
@@ -418,3 +419,38 @@ def test_speculative_decoding_with_a_public_drafter_is_lossless(tmp_path: Path):
         totals["batched"] = [totals["batched"][0] + out.counters.accepted, totals["batched"][1] + out.counters.drafted]
     rate = {k: accepted / drafted for k, (accepted, drafted) in totals.items()}
     assert rate["alone"] > 0.3 and 0.02 < rate["batched"] < rate["alone"], rate
+
+
+def test_the_dflash_packages_own_loop_decodes_with_our_drafter_as_ours_does(tmp_path: Path, monkeypatch):
+    """The dflash package's speculative loop (dflash_generate: its drafter cache, context positions and greedy
+    verification), run with a drafter distilled and saved here and the target as a transformers model, returns
+    the target's greedy tokens in the same rounds, accepting as many drafts per round as dllm's loop (its last
+    round cut at max_new_tokens). Its stats are timed with torch.cuda.synchronize: on CPU the test times them
+    with perf_counter (only the timing changes)."""
+    import time
+
+    dflash = dflash_package()
+    from dllm.config.sampler import SamplerConfig
+    from dllm.sampling.canvas import SpecialIds
+    from dllm.sampling.generate import generate
+    from dllm.sampling.results import StepEvent
+    from tests.unit.test_sampling_ar import MASK_ID, causal_model, decode, random_prompts
+
+    monkeypatch.setattr(dflash.model, "_cuda_time", time.perf_counter)
+    N, b = 20, 4
+    known = random_prompts(8, seed=21)
+    folder = distilled_public_drafter(tmp_path / "public", known, N, b)
+    target = causal_model(seed=10, layers=3)
+    hf = hf_target(target, tmp_path / "target")
+    reference = dflash.DFlashDraftModel.from_pretrained(str(folder), dtype=torch.float32).eval()
+    ours = load_drafter(folder, target)
+    for p in known:
+        stats = dflash.model.dflash_generate(reference, hf, torch.tensor([p]), N, None, 0.0, return_stats=True)
+        events: list[StepEvent] = []
+        cfg = SamplerConfig(generation="causal", gen_length=N, stop_at_eos=False)
+        out = generate(target, [p], cfg, SpecialIds(MASK_ID, 0, 0), drafter=ours, callback=events.append)
+        kept = [int(e.committed_BT.sum()) for e in events]
+        assert stats.output_ids[0, len(p) :].tolist() == out.sequences[0] == decode(target, [p], N).sequences[0]
+        rounds = kept[1:]  # the first event is the prefill's token
+        assert len(stats.acceptance_lengths) == len(rounds) and stats.acceptance_lengths[:-1] == rounds[:-1]
+        assert stats.acceptance_lengths[-1] <= rounds[-1]
