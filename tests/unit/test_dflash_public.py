@@ -216,6 +216,28 @@ def test_a_saved_drafter_loads_into_the_dflash_package(tmp_path: Path):
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("anchors", [(12, 9), (10, 10)])
+def test_the_decoding_path_equals_the_training_forward(anchors):
+    """For architecture dflash (its context rows skip the block's input norm in propose's single pass): two
+    extends (one rewriting rejected positions, so one written without a block), then propose over rows at
+    different lengths (a mask) or at one (none) == the drafter's forward from scratch on each row."""
+    target = make_target()
+    drafter = make_drafter(target)
+    x = torch.randint(0, MASK, (2, 20), generator=torch.Generator().manual_seed(6))
+    feats = features(target, x)
+    state = drafter.start(2, 32)
+    drafter.extend(state, feats[:, :7], torch.arange(7).expand(2, 7))
+    drafter.extend(state, torch.randn(2, 6, feats.shape[-1]), torch.arange(7, 13).expand(2, 6))
+    drafter.extend(state, feats[:, 7:12], torch.arange(7, 12).expand(2, 5))
+    anchor_pos = torch.tensor(anchors)
+    logits = drafter.propose(state, x.gather(1, anchor_pos[:, None])[:, 0], anchor_pos)
+    for r, p in enumerate(anchors):
+        inp = DraftTokens(draft_block(int(x[r, p])), feats[r : r + 1, :p], torch.tensor([[p]]))
+        with torch.no_grad():
+            ref = drafter(inp, p + torch.arange(4)[None]).logits()[:, 1:]
+        torch.testing.assert_close(logits[r : r + 1], ref, atol=1e-5, rtol=1e-5)
+
+
 # --------------------------------------------------------------------------------------------------
 # a drafter built in the public layout elsewhere loads here
 
