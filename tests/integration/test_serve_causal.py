@@ -95,3 +95,29 @@ def test_serve_cli_refuses_a_block_size_without_a_drafter(capsys):
     assert main(["serve", "--model", "nowhere", "--ar", "--draft-block-size", "4"]) == 2
     err = capsys.readouterr().err
     assert "--draft-block-size applies to speculative decoding" in err and err.strip().count("\n") == 0
+
+
+def test_a_public_layout_drafter_serves_what_ar_serves(tmp_path):
+    """serve --draft with a drafter folder in the public DFlash layout (what SGLang and vLLM load), loaded as the
+    command loads it (setup_sampling): the served text equals the AR server's."""
+    from dllm.checkpoint.inference import setup_sampling
+    from dllm.models.dflash_io import save_drafter
+    from tests.unit.test_dflash import write_causal_target
+
+    write_causal_target(tmp_path / "target")  # 3 layers
+    sampler = SamplerConfig(generation="causal", gen_length=12, stop_at_eos=False)
+    ar = setup_sampling(sampler, torch.device("cpu"), model_dir=tmp_path / "target")
+    cfg = DFlashConfig(num_layers=1, block_size=4, target_layer_ids=(0, 1), mask_id=ar.loaded.profile.mask_id,
+                       target=ar.loaded.model_cfg, architecture="dflash")  # fmt: skip
+    drafter = DFlashDrafter(cfg)
+    drafter.init_weights(torch.Generator().manual_seed(3))
+    save_drafter(tmp_path / "drafter", drafter.attach(ar.loaded.model))
+    spec = setup_sampling(sampler, torch.device("cpu"), model_dir=tmp_path / "target", drafter_dir=tmp_path / "drafter")
+    assert spec.drafter is not None and spec.drafter.block_size == 4
+    served = []
+    for s in (ar, spec):
+        with serve(s.loaded, s.drafter) as srv:
+            r = client_of(srv).completions.create(model="tiny", prompt=PROMPTS, max_tokens=12, temperature=0)
+            served.append([c.text for c in sorted(r.choices, key=lambda c: c.index)])
+            assert (r.model_extra["dllm"]["drafted"] > 0) == (s.drafter is not None)
+    assert served[0] == served[1]

@@ -20,7 +20,8 @@ from dllm.diffusion.objectives.base import TokenIds
 from dllm.diffusion.objectives.dflash import DFlashDistillation, position_weights
 from dllm.errors import CheckpointError
 from dllm.models.capture import capture_layers
-from dllm.models.dflash import DFlashDrafter, DraftTokens, load_drafter, save_drafter
+from dllm.models.dflash import DFlashDrafter, DraftTokens
+from dllm.models.dflash_io import load_drafter, save_drafter
 from dllm.models.transformer import Transformer
 from dllm.training.trainer import run_model
 

@@ -299,10 +299,9 @@ def drafter_config(obj, target_cfg: ModelConfig, mask_id: int):
     try:
         return DFlashConfig(
             num_layers=obj.num_layers, block_size=obj.block_size, target_layer_ids=tuple(obj.target_layer_ids),
-            mask_id=mask_id, target=target_cfg,
+            mask_id=mask_id, target=target_cfg, architecture=obj.architecture,
         )  # fmt: skip
     except ValidationError as e:
         msg = e.errors()[0]["msg"].removeprefix("Value error, ")
-        raise ConfigError(
-            f"objective (dflash_distillation): {msg} (target {obj.target}); fix target_layer_ids"
-        ) from None
+        fix = "" if msg.startswith("architecture") else "; fix target_layer_ids"
+        raise ConfigError(f"objective (dflash_distillation): {msg} (target {obj.target}){fix}") from None

@@ -1,4 +1,5 @@
-"""`dllm convert`: Hugging Face folders in (`--from-hf`) and out (`--to-hf`); GGUF files in (`--from-gguf`).
+"""`dllm convert`: Hugging Face folders in (`--from-hf`) and out (`--to-hf`); GGUF files in (`--from-gguf`);
+DFlash drafter folders between dllm's format and the public layout (models/dflash_io.py).
 
 Every output folder is staged next to its place and renamed into place (dllm/staging.py), so a failure
 leaves nothing, and carries MARKER, which lists the files convert wrote: only such a folder, holding
@@ -23,13 +24,21 @@ _FORMAT = "dllm-convert"
 
 def convert(
     from_hf: str = typer.Option(
-        None, "--from-hf", help="A Hugging Face model folder, or a hub id org/name[@revision], to import."
+        None,
+        "--from-hf",
+        help="A Hugging Face model folder, or a hub id org/name[@revision], to import (or a public "
+        "DFlash drafter, with --target, to write in dllm's drafter format).",
     ),
-    to: Path = typer.Option(None, "--to", help="Where to write the dllm model folder (with --from-hf)."),
+    to: Path = typer.Option(None, "--to", help="Where to write the dllm model (or drafter) folder (with --from-hf)."),
     to_hf: Path = typer.Option(None, "--to-hf", help="Where to write a Hugging Face folder."),
     run: Path = typer.Option(None, "--run", help="Export the newest checkpoint of this run (with --to-hf)."),
     checkpoint: Path = typer.Option(None, "--checkpoint", help="Export this checkpoint (with --to-hf)."),
-    model: Path = typer.Option(None, "--model", help="Export this dllm model folder (with --to-hf)."),
+    model: Path = typer.Option(
+        None,
+        "--model",
+        help="Export this dllm model folder, or a drafter folder in dllm's format to the public "
+        "DFlash layout (with --to-hf).",
+    ),
     adapter_only: bool = typer.Option(
         False, "--adapter-only", help="With --to-hf and a LoRA run: write a PEFT adapter folder, not merged weights."
     ),
@@ -37,8 +46,15 @@ def convert(
     from_gguf: Path = typer.Option(
         None, "--from-gguf", help="A GGUF model file (llama.cpp's format; llama architecture) to import (with --to)."
     ),
+    target: str = typer.Option(
+        None,
+        "--target",
+        help="With --from-hf of a public DFlash drafter: the target model (folder or hub id) it "
+        "drafts for, checked against it and recorded.",
+    ),
 ) -> None:
-    """Import a Hugging Face checkpoint or a GGUF file as a dllm model folder, or export a run / model to one."""
+    """Import a Hugging Face checkpoint or a GGUF file as a dllm model folder, export a run / model to one, or
+    convert a DFlash drafter folder between dllm's format and the public DFlash layout."""
     if from_gguf is not None:
         others = {"--from-hf": from_hf, "--to-hf": to_hf, "--run": run, "--checkpoint": checkpoint, "--model": model}
         _import_gguf(from_gguf, to, overwrite, [flag for flag, v in others.items() if v is not None])
@@ -47,15 +63,21 @@ def convert(
         raise ConfigError("give --from-hf DIR --to OUT, or --to-hf OUT with --run, --checkpoint or --model")
     if from_hf is not None and (run or checkpoint or model or adapter_only):
         raise ConfigError("--run, --checkpoint, --model and --adapter-only go with --to-hf; --from-hf reads its folder")
+    if target is not None and from_hf is None:
+        raise ConfigError("--target goes with --from-hf DRAFTER (a public DFlash drafter to write in dllm's format)")
     out = to if from_hf is not None else to_hf
     if out is None:
         raise ConfigError("--from-hf needs --to OUT (the dllm model folder to write)")
     if from_hf is not None:
         check_output_folder(out, "--to")
     src = _hf_source(from_hf) if from_hf is not None else None
-    _check_apart(out, [src] if src is not None else _export_sources(run, checkpoint, model))
+    target_dir = _drafter_import_target(src, target, from_hf)
+    reads = [src, *([target_dir] if target_dir else [])] if src is not None else _export_sources(run, checkpoint, model)
+    _check_apart(out, reads)  # type: ignore[arg-type]
     with staged_folder(out, CONVERT, overwrite) as stage:
-        if src is not None:
+        if target_dir is not None:
+            said = _import_drafter(src, target_dir, stage, out)  # type: ignore[arg-type]
+        elif src is not None:
             said = _import(src, stage, out)
         elif adapter_only:
             said = _export_adapter(stage, out, run, checkpoint)
@@ -182,6 +204,8 @@ def _export(stage: Path, out: Path, run: Path | None, checkpoint: Path | None, m
 
     if model is None and _drafter_target(run, checkpoint) is not None:
         return _export_drafter(stage, out, run, checkpoint)
+    if model is not None and _drafter_format(model) is not None:
+        return _export_drafter_folder(stage, out, model)
     loaded = load_for_inference(run, checkpoint, model_dir=model)
     export_hf(loaded.model.state_dict(), loaded.model_cfg, stage)
     write_profile(loaded.profile, stage)  # sampling the exported folder decodes as the run did
@@ -201,15 +225,62 @@ def _drafter_target(run: Path | None, checkpoint: Path | None) -> Path | None:
 
 
 def _export_drafter(stage: Path, out: Path, run: Path | None, checkpoint: Path | None) -> list[str]:
-    """A DFlash drafter folder: config.json (block size, target layers, the target's identity) and its own weights."""
+    """A DFlash drafter folder: the public layout when the drafter has one (architecture dflash), else dllm's."""
     from dllm.checkpoint.inference import load_drafter_run
-    from dllm.models.dflash import save_drafter
+    from dllm.models.dflash_io import public_layout_problem, save_drafter
 
     drafter, target, spec = load_drafter_run(run, checkpoint)
     save_drafter(stage, drafter, target_name=str(spec.objective.target))  # type: ignore[union-attr]
-    return [f"wrote {out}: a DFlash drafter (block size {drafter.block_size}, target layers "
-            f"{list(drafter.target_layer_ids)}) for the target {target.source}",
-            f"use it with dllm generate --model TARGET --draft {out}"]  # fmt: skip
+    problem = public_layout_problem(drafter.dcfg)
+    return [f"wrote {out}: a DFlash drafter in {_LAYOUT[problem is None]} (block size {drafter.block_size}, target "
+            f"layers {list(drafter.target_layer_ids)}) for the target {target.source}",
+            *([f"{out}: not the public layout: {problem}"] if problem else []),
+            f"use it with dllm generate --model TARGET --draft {out}"
+            + ("; to serve it with SGLang or vLLM see docs/speculative.md" if problem is None else "")]  # fmt: skip
+
+
+_LAYOUT = {True: "the public DFlash layout (SGLang, vLLM and the dflash package load it)", False: "dllm's format"}
+
+
+def _drafter_format(folder: Path) -> str | None:
+    from dllm.models.dflash_io import drafter_format
+
+    return drafter_format(folder)
+
+
+def _export_drafter_folder(stage: Path, out: Path, model: Path) -> list[str]:
+    """A drafter folder in dllm's format rewritten in the public layout (refused when it has none)."""
+    from dllm.models.dflash_io import convert_dllm_folder
+
+    if _drafter_format(model) == "public":
+        raise ConfigError(f"--model {model}: already a drafter in the public DFlash layout; use that folder as it is")
+    drafter = convert_dllm_folder(model, stage)
+    return [f"wrote {out}: the DFlash drafter of {model} in {_LAYOUT[True]} (block size {drafter.block_size}, "
+            f"target layers {list(drafter.target_layer_ids)})"]  # fmt: skip
+
+
+def _drafter_import_target(src: Path | None, target: str | None, from_hf: str | None) -> Path | None:
+    """The target folder of a public drafter import (--from-hf DRAFTER --target TARGET); None for a model import."""
+    public = src is not None and _drafter_format(src) == "public"
+    if public and target is None:
+        raise ConfigError(f"--from-hf {from_hf}: a DFlash drafter; give --target TARGET, the model it drafts for "
+                          "(its dllm drafter folder records it)")  # fmt: skip
+    if target is not None and not public:
+        raise ConfigError(f"--target: --from-hf {from_hf} is not a public DFlash drafter; --target goes with one")
+    return model_folder(target, "--target") if public else None
+
+
+def _import_drafter(src: Path, target_dir: Path, stage: Path, out: Path) -> list[str]:
+    """A public-layout drafter written in dllm's drafter format, checked against and recording its target."""
+    from dllm.checkpoint.inference import load_target
+    from dllm.models.dflash_io import load_drafter, save_dllm, target_identity
+
+    target = load_target(target_dir)
+    drafter = load_drafter(src, target.model)  # type: ignore[arg-type]
+    save_dllm(stage, drafter, target_identity(target.model, str(target_dir)))  # type: ignore[arg-type]
+    return [f"wrote {out}: the DFlash drafter of {src} in {_LAYOUT[False]} (block size {drafter.block_size}, target "
+            f"layers {list(drafter.target_layer_ids)}) for the target {target_dir}",
+            f"use it with dllm generate --model {target_dir} --draft {out}"]  # fmt: skip
 
 
 def _export_adapter(stage: Path, out: Path, run: Path | None, checkpoint: Path | None) -> list[str]:

@@ -228,6 +228,9 @@ class LoraConfig(Section):
         return self
 
 
+DrafterArchitecture = Literal["dllm", "dflash"]
+
+
 class DFlashConfig(Section):
     """A DFlash drafter (Chen et al. 2025): a few bidirectional blocks that read the target's hidden states."""
 
@@ -241,6 +244,10 @@ class DFlashConfig(Section):
     """Token id of the MASK placeholders of a draft block (embedded with the target's embedding)."""
     target: ModelConfig
     """The target's architecture: the drafter's blocks copy its widths, heads, norms and RoPE (never its weights)."""
+    architecture: DrafterArchitecture = "dllm"
+    """dflash: the published drafter (Qwen3 blocks, raw fused context); dllm: target-layout blocks, context normed."""
+    blocks: ModelConfig | None = None
+    """The blocks' own architecture (a public drafter folder's widths, heads and RoPE); null: from the target."""
 
     @model_validator(mode="after")
     def _check_target(self) -> DFlashConfig:
@@ -250,7 +257,36 @@ class DFlashConfig(Section):
             raise ValueError(f"target_layer_ids {bad} are outside the target's {n} layers (0-based)")
         if self.target.vocab_size is not None and self.mask_id >= self.target.vocab_size:
             raise ValueError(f"mask_id {self.mask_id} is outside the target's vocabulary of {self.target.vocab_size}")
+        if self.blocks is not None and self.blocks.hidden_size != self.target.hidden_size:
+            raise ValueError(f"the drafter's hidden size {self.blocks.hidden_size} is not the target's "
+                             f"{self.target.hidden_size}")  # fmt: skip
+        if self.architecture == "dflash":
+            self._check_public()
         return self
+
+    def _check_public(self) -> None:
+        """What the published drafter reads of its target: hidden states after a block (Hugging Face's
+        hidden_states[i + 1], whose last entry is taken after the target's final norm) and its bare token
+        embedding (the dflash package, SGLang and vLLM embed a block with the embedding matrix alone)."""
+        t = self.target
+        if t.num_layers - 1 in self.target_layer_ids and t.final_norm:
+            raise ValueError(
+                f"architecture dflash: target_layer_ids include the target's last layer {t.num_layers - 1}, which the "
+                "public DFlash code reads after the target's final norm and dllm before it; read layers before the last"
+            )
+        if t.position != "rope" or t.embedding_norm or t.self_condition or t.head != "linear":
+            raise ValueError(
+                f"architecture dflash: the {t.family} target adds positions or a norm to its token embedding (or has "
+                "no linear head), which the public drafters do not; use architecture dllm"
+            )
+        c = self.blocks
+        if c is not None and not (
+            c.norm == "rmsnorm" and c.norm_position == "pre" and c.mlp == "gated" and c.position == "rope"
+            and c.qk_norm and c.qk_norm_width == "head" and c.qkv_bias == c.attn_out_bias and not c.mlp_bias
+            and not c.num_experts and c.attention_pattern is None
+        ):  # fmt: skip
+            raise ValueError("architecture dflash: the blocks are not Qwen3 decoder layers (RMSNorm, per-head q/k "
+                             "norms, a gated MLP, RoPE, one bias setting for q, k, v and o)")  # fmt: skip
 
     @property
     def hidden_size(self) -> int:
@@ -260,6 +296,23 @@ class DFlashConfig(Section):
     def feature_size(self) -> int:
         """F: the width of the concatenated target features."""
         return len(self.target_layer_ids) * self.target.hidden_size
+
+    @property
+    def block_config(self) -> ModelConfig:
+        """The architecture of the drafter's blocks: `blocks` if given, else the target's layout (dllm) or
+        Qwen3 blocks of the target's widths, heads and RoPE (dflash)."""
+        update = {"num_layers": self.num_layers, "init_from": None}
+        if self.blocks is not None:
+            return self.blocks.model_copy(update=update)
+        t = self.target
+        if self.architecture == "dllm":
+            return t.model_copy(update=update)
+        return ModelConfig(
+            family="qwen3", vocab_size=t.vocab_size, hidden_size=t.hidden_size, num_layers=self.num_layers,
+            num_heads=t.num_heads, num_kv_heads=t.kv_heads, head_dim=t.dim_per_head, intermediate_size=t.mlp_size,
+            max_seq_len=t.max_seq_len, rope_theta=t.rope_theta, norm_eps=t.norm_eps, init_std=t.init_std,
+            attention_backend=t.attention_backend, flex_compile=t.flex_compile,
+        )  # fmt: skip
 
 
 class DrafterKind(Section):

@@ -7,6 +7,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, model_validator
 
 from dllm.config.base import Float, Int, RelPath, Section
+from dllm.config.model import DrafterArchitecture
 from dllm.config.registries import SCHEDULES
 
 
@@ -151,14 +152,14 @@ class DFlashDistillationConfig(Section):
     """b: draft block length (the anchor and b - 1 proposals); generation must use the same."""
     num_layers: Int = Field(default=1, gt=0)
     """Drafter blocks."""
+    architecture: DrafterArchitecture = "dllm"
+    """dflash: the published DFlash drafter (exports a folder SGLang and vLLM load); dllm: dllm's first drafters."""
     num_anchors: Int = Field(default=16, gt=0)
     """Draft blocks per training sequence, all in one forward (anchors drawn where the next token is supervised)."""
     loss: Literal["ce", "kl"] = "ce"
     """ce: cross-entropy to the target's greedy next tokens; kl: KL(target || drafter) of next-token distributions."""
     labels: Literal["target", "data"] = "target"
-    """The next tokens of loss ce: target: the target's argmax (its LM head on every supervised row, each step);
-    data: the data's own next tokens, the same when the data are the target's own greedy answers (the recipe
-    regenerates them) and a third cheaper (no head pass for the teacher)."""
+    """ce's next tokens: target (its argmax: a head pass per step) or data (the same on its own greedy answers)."""
     decay: Float | None = Field(default=7.0, gt=0)
     """gamma of the weight exp(-(k-1)/gamma) of the k-th proposal (early ones decide acceptance); null: all 1."""
     feature_cache: RelPath | None = None

@@ -128,7 +128,9 @@ FAMILIES = Registry(
 )
 NORMS = Registry("norm", "models", {"rmsnorm": "layers:RMSNorm", "layernorm": "layers:LayerNorm"})
 # a drafter folder's config.json `model_type` picks its loader `(folder, target) -> Drafter` (generate --draft)
-DRAFTERS = Registry("drafter family", "models", {"dflash": "dflash:load_drafter"})
+DRAFTERS = Registry("drafter family", "models", {"dflash": "dflash_io:load_drafter"})
+# public drafter layouts name their family by `architectures` (their model_type is their blocks', e.g. qwen3)
+DRAFTER_ARCHITECTURES = {"DFlashDraftModel": "dflash", "DFlash2DraftModel": "dflash"}
 ACTIVATIONS = Registry(
     "activation",
     "models",

@@ -15,9 +15,10 @@ Drafter protocol of the speculative loop: the projected context keys/values are 
 one round is one drafter forward: `extend` defers its new positions to `propose`, which runs them as
 key/value rows next to its b block tokens, written in place into the cache: O(new positions + b)).
 
-A drafter folder (`save_drafter`/`load_drafter`): config.json (model_type "dflash", the block size,
-the target layer ids, the drafter and target architectures, the target's identity) and
-model.safetensors (drafter weights only).
+Two architectures (`DFlashConfig.architecture`): `dflash`, the published drafter (z-lab's
+DFlashDraftModel: Qwen3 blocks, the fused context straight into each block's key/value projections), and
+`dllm`, the first drafters trained here (blocks of the target's layout, the fused context through each
+block's input norm before its projections). Drafter folders, in both formats: models/dflash_io.py.
 
 Shapes: B batch, N draft tokens (A anchors x b), A anchors per row, b block size, C context
 positions, T state capacity, E hidden, F features, H/K query/key-value heads, D head width, V vocab.
@@ -25,11 +26,8 @@ positions, T state capacity, E hidden, F features, H/K query/key-value heads, D 
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,7 +35,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
-import dllm
 from dllm.attention.backends.flex import FlexBackend
 from dllm.attention.masks import MaskMod, dense_mask
 from dllm.config.model import DFlashConfig, ModelConfig
@@ -45,9 +42,6 @@ from dllm.errors import CheckpointError
 from dllm.models.output import ModelOutput
 from dllm.models.transformer import Block, Transformer, apply_rope, make_norm, rope_cos_sin, rope_inv_freq
 
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
-MODEL_TYPE = "dflash"
 FLEX_TILE = 128  # FlexAttention's default BlockMask tile
 
 
@@ -167,8 +161,9 @@ class DFlashDrafter(nn.Module):
     def __init__(self, cfg: DFlashConfig) -> None:
         super().__init__()
         self.dcfg = cfg
-        # the blocks copy the target's layout; `cfg` names it so Transformer's init helpers apply
-        self.cfg: ModelConfig = cfg.target.model_copy(update={"num_layers": cfg.num_layers, "init_from": None})
+        # the blocks' own layout (the target's, or Qwen3's); `cfg` names it so Transformer's init helpers apply
+        self.cfg: ModelConfig = cfg.block_config
+        self.context_norm = cfg.architecture == "dllm"  # the fused context through each block's input norm
         self.block_size = cfg.block_size
         self.target_layer_ids = tuple(cfg.target_layer_ids)
         self.mask_id = cfg.mask_id
@@ -245,10 +240,10 @@ class DFlashDrafter(nn.Module):
         return self.hidden_norm(self.fc(features_BLF.to(self.fc.weight.dtype)))
 
     def context_kv(self, layer: nn.Module, context_BLE: torch.Tensor, rope: tuple | None):
-        """A block's keys/values [B, K, L, D] of fused context states: its input norm, k/v projections,
-        k norm and RoPE, as `Attention` computes them for its own tokens."""
+        """A block's keys/values [B, K, L, D] of fused context states: its input norm (architecture dllm), k/v
+        projections, k norm and RoPE, as `Attention` computes them for its own tokens."""
         attn = layer.self_attn
-        x = layer.input_layernorm(context_BLE)
+        x = layer.input_layernorm(context_BLE) if self.context_norm else context_BLE
         B, L, _ = x.shape
         k = attn.k_proj(x).view(B, L, -1, attn.head_dim).transpose(1, 2)
         v = attn.v_proj(x).view(B, L, -1, attn.head_dim).transpose(1, 2)
@@ -352,122 +347,19 @@ class DFlashDrafter(nn.Module):
             mask_B1bT = (torch.arange(end, device=device) < (anchor_pos_B + b)[:, None])[:, None, None, :]
         rope = state.rope(positions_BL)
         for i, layer in enumerate(self.layers):
-            rows = x if context_BNE is None else torch.cat([x, context_BNE], dim=1)
-            x, _ = layer(rows, rope, mask_B1bT, b, BufferKV(state.k[i], state.v[i], positions_BL, b, end))
+            x = self._draft_layer(
+                layer, x, context_BNE, rope, mask_B1bT, BufferKV(state.k[i], state.v[i], positions_BL, b, end)
+            )
         return self.target.logits(self.norm(x[:, 1:]))
 
-
-# -- the target's identity -------------------------------------------------------------------------
-# fields that say how a model is loaded or computed, not what it is: an exported target and its run agree
-_NOT_IDENTITY = ("init_from", "preset", "attention_backend", "flex_compile", "init_std", "max_seq_len")
-
-
-def target_identity(target: Transformer, name: str | None = None) -> dict[str, Any]:
-    """What a drafter records of its target: the SHA-256 of its architecture, its embedding shape, a
-    fingerprint of its weights (a strided sample of the embedding and final norm, rounded to bfloat16 so a
-    bf16 copy of the same weights matches) and its path or name (for messages)."""
-    arch = {k: v for k, v in target.cfg.model_dump(mode="json").items() if k not in _NOT_IDENTITY}
-    emb = target.embed_tokens.weight.detach()
-    flat = emb.reshape(-1)
-    sample = [flat[:: max(1, flat.numel() // 65536)]]
-    if target.norm is not None and hasattr(target.norm, "weight"):
-        sample.append(target.norm.weight.detach().reshape(-1))
-    digest = hashlib.sha256()
-    for t in sample:
-        digest.update(t.to(torch.bfloat16).float().cpu().numpy().tobytes())
-    return {
-        "config_sha256": hashlib.sha256(json.dumps(arch, sort_keys=True).encode()).hexdigest(),
-        "embedding_shape": list(emb.shape),
-        "weights_sha256": digest.hexdigest(),
-        "name": name,
-    }
-
-
-def check_target(saved: dict[str, Any], target: Transformer, where: str) -> None:
-    """One-line CheckpointError when `target` is not the model the drafter was trained for."""
-    given = target_identity(target)
-    for key, what in (("config_sha256", "architecture"), ("embedding_shape", "embedding shape"),
-                      ("weights_sha256", "weights")):  # fmt: skip
-        if saved.get(key) != given[key]:
-            raise CheckpointError(
-                f"{where}: this drafter was trained for target {saved.get('name') or '(unnamed)'}, and the given "
-                f"target's {what} differs; pass that target, or train a drafter for this one (dflash_distillation)"
-            )
-
-
-# -- the drafter folder ----------------------------------------------------------------------------
-def save_drafter(folder: Path, drafter: DFlashDrafter, target_name: str | None = None) -> Path:
-    """config.json + model.safetensors (the drafter's own weights; the target's are never written)."""
-    from safetensors.torch import save_file
-
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    d = drafter.dcfg
-    config = {
-        "model_type": MODEL_TYPE,
-        "architectures": ["DFlashDrafter"],
-        "block_size": d.block_size,
-        "target_layer_ids": list(d.target_layer_ids),
-        "num_layers": d.num_layers,
-        "hidden_size": d.hidden_size,
-        "mask_id": d.mask_id,
-        "target_config": d.target.model_dump(mode="json", exclude={"init_from"}),
-        "target": target_identity(drafter.target, target_name),
-        "dllm_version": dllm.__version__,
-    }
-    state = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
-    save_file(state, str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
-    (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    return folder
-
-
-def is_drafter_folder(path: Path) -> bool:
-    cfg = Path(path) / CONFIG_FILE
-    if not cfg.is_file():
-        return False
-    try:
-        return json.loads(cfg.read_text(encoding="utf-8")).get("model_type") == MODEL_TYPE
-    except (ValueError, AttributeError):
-        return False
-
-
-def load_drafter(path: Path, target: Transformer, block_size: int | None = None) -> DFlashDrafter:
-    """The drafter in `path`, attached to `target` after checking that it is the target it was trained
-    for; `block_size` (if given) must be the one it was trained with."""
-    from pydantic import ValidationError
-    from safetensors.torch import load_file
-
-    folder = Path(path)
-    cfg_path = folder / CONFIG_FILE
-    if not cfg_path.is_file() or not (folder / WEIGHTS_FILE).is_file():
-        raise CheckpointError(f"{folder}: not a drafter folder (needs {CONFIG_FILE} and {WEIGHTS_FILE}); "
-                              "export one with dllm convert --to-hf --run DRAFTER_RUN")  # fmt: skip
-    try:
-        saved = json.loads(cfg_path.read_text(encoding="utf-8"))
-    except ValueError as e:
-        raise CheckpointError(f"{cfg_path}: not valid JSON ({e}); re-export the drafter") from None
-    if not isinstance(saved, dict) or saved.get("model_type") != MODEL_TYPE:
-        raise CheckpointError(f"{cfg_path}: model_type is not {MODEL_TYPE!r}; --draft takes a DFlash drafter folder")
-    check_target(saved.get("target") or {}, target, str(cfg_path))
-    if block_size is not None and block_size != saved.get("block_size"):
-        raise CheckpointError(
-            f"block size {block_size}: the drafter in {folder} was trained for block size {saved.get('block_size')}; "
-            "use that, or train a drafter with objective.block_size set to it"
-        )
-    try:
-        dcfg = DFlashConfig(
-            num_layers=saved["num_layers"], block_size=saved["block_size"], target_layer_ids=saved["target_layer_ids"],
-            mask_id=saved["mask_id"], target=target.cfg,
-        )  # fmt: skip
-    except (KeyError, ValidationError) as e:
-        raise CheckpointError(f"{cfg_path}: incomplete or invalid drafter config ({e!s:.200}); re-export it") from None
-    drafter = DFlashDrafter(dcfg)
-    state = load_file(str(folder / WEIGHTS_FILE))
-    missing, unexpected = drafter.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise CheckpointError(f"{folder / WEIGHTS_FILE}: weights do not fit the drafter config "
-                              f"(missing {missing[:3]}, unexpected {unexpected[:3]}); re-export it")  # fmt: skip
-    w = target.embed_tokens.weight
-    drafter.to(device=w.device, dtype=w.dtype)
-    drafter.eval()
-    return drafter.attach(target)
+    def _draft_layer(self, layer: nn.Module, x_BbE: torch.Tensor, context_BNE: torch.Tensor | None, rope, mask,
+                     kv: BufferKV) -> torch.Tensor:  # fmt: skip
+        """One block over the draft rows (queries) and the new context rows (keys/values only), as the
+        block's pre-norm forward: the context rows through its input norm (dllm) or as they are (dflash)."""
+        b = x_BbE.shape[1]
+        if context_BNE is None or self.context_norm:
+            rows = x_BbE if context_BNE is None else torch.cat([x_BbE, context_BNE], dim=1)
+            return layer(rows, rope, mask, b, kv)[0]
+        rows = torch.cat([layer.input_layernorm(x_BbE), context_BNE], dim=1)
+        x_BbE = x_BbE + layer.self_attn(rows, rope, mask, b, kv)
+        return x_BbE + layer.mlp(layer.post_attention_layernorm(x_BbE))  # dflash blocks are dense (Qwen3)

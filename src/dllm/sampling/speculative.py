@@ -37,7 +37,7 @@ from pydantic import ValidationError
 from torch import nn
 
 from dllm.config.model import DrafterKind
-from dllm.config.registries import DRAFTERS
+from dllm.config.registries import DRAFTER_ARCHITECTURES, DRAFTERS
 from dllm.config.sampler import SamplerConfig
 from dllm.errors import CheckpointError, ConfigError
 from dllm.sampling.canvas import SpecialIds
@@ -324,18 +324,21 @@ def _features(features: torch.Tensor | None, B: int, n: int, device: torch.devic
 
 def load_drafter(path: Path, target: nn.Module) -> Drafter:
     """The drafter saved in folder `path` for `target`. A drafter family (DFlash) fills this seam: its
-    entry in config/registries.py, chosen by the folder's config.json, loads the weights and refuses a
-    drafter trained for another target."""
+    entry in config/registries.py, chosen by the folder's config.json (`model_type`, or a public layout's
+    `architectures`), loads the weights and refuses a drafter trained for, or not fitting, another target."""
     path = Path(path)
     if not (path / "config.json").is_file():
         raise CheckpointError(f"--draft: {path} is not a drafter folder (no config.json)")
     try:
         header = json.loads((path / "config.json").read_text(encoding="utf-8"))
-        kind = DrafterKind.model_validate({"model_type": header.get("model_type")})
-    except (ValueError, AttributeError, ValidationError):
+        archs = header.get("architectures")
+        public = [DRAFTER_ARCHITECTURES[a] for a in archs or [] if a in DRAFTER_ARCHITECTURES]
+        kind = DrafterKind.model_validate({"model_type": public[0] if public else header.get("model_type")})
+    except (ValueError, AttributeError, TypeError, ValidationError):
         raise CheckpointError(
-            f"--draft: {path}/config.json names no drafter family (model_type one of {', '.join(DRAFTERS.names())}); "
-            "export a drafter run with dllm convert --to-hf"
+            f"--draft: {path}/config.json names no drafter family (model_type one of {', '.join(DRAFTERS.names())}, "
+            f"or architectures one of {', '.join(DRAFTER_ARCHITECTURES)}); export a drafter run with "
+            "dllm convert --to-hf"
         ) from None
     return DRAFTERS.resolve(kind.model_type)(path, target)
 

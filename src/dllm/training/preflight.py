@@ -53,6 +53,10 @@ def resolve_run_spec(
             f"model.vocab_size: {vocab} is smaller than the tokenizer's {tok.vocab_size}; raise it or set it to null"
         )
     spec = spec.model_copy(update={"model": model.model_copy(update={"vocab_size": max(vocab, tok.vocab_size)})})
+    if spec.objective.name == "dflash_distillation":  # its target layers and architecture fit the target
+        from dllm.checkpoint.inference import drafter_config
+
+        drafter_config(spec.objective, spec.model, tok.mask_id)
     check_topology(spec, world_size if world_size is not None else spec.topology.world_size)
     warnings += _check_context(spec)
     device_type = _check_device(spec)

@@ -31,7 +31,7 @@ from dllm.attention.masks import AttentionMask
 from dllm.data.loader import Batch
 from dllm.errors import CheckpointError
 from dllm.models.capture import capture_layers
-from dllm.models.dflash import target_identity
+from dllm.models.dflash_io import target_identity
 from dllm.models.transformer import Transformer
 
 FORMAT = "dllm.dflash_features.v1"
