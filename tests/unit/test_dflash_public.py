@@ -126,7 +126,7 @@ def draft_block(anchor: int, b: int = 4) -> torch.Tensor:
 
 
 def dflash_package():
-    dflash = pytest.importorskip("dflash", reason="the dflash package (dev extra: pip install --no-deps dflash)")
+    dflash = pytest.importorskip("dflash", reason="no dflash package (make venv: pip install --no-deps dflash)")
     if not hasattr(dflash, "DFlashDraftModel"):
         pytest.skip("this dflash release has no DFlashDraftModel")
     return dflash
