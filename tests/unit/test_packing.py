@@ -176,6 +176,9 @@ def test_packing_rules(tmp_path: Path):
     assert spec(max_length=64, packing="split").max_length == 64
     with pytest.raises(ConfigError, match="packing split does not apply to layout indexed"):
         spec(layout="indexed", packing="split")
+    with pytest.raises(ConfigError, match=r"must divide the length limit 32 \(seq_len: the longest record kept whole"):
+        spec(pad_to_multiple=24)  # a padded record could outgrow its row
+    assert spec(pad_to_multiple=24, packing="split").pad_to_multiple == 24
     text = {"sources": [{"path": "x.jsonl"}], "output": "o", "seq_len": 32, "max_length": 64}
     assert validate_config(PrepareSpec, text, source="prepare.yaml", base_dir=tmp_path).packing_mode == "split"
 

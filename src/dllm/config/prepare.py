@@ -212,7 +212,10 @@ class PrepareSpec(Section):
         if self.pad_to_multiple:
             for limit in sorted({self.length_limit_of(src) for src in self.sources} - {None}):
                 if limit % self.pad_to_multiple:
-                    raise ValueError(f"pad_to_multiple {self.pad_to_multiple} must divide the length limit {limit}")
+                    why = "" if self.max_length is not None else " (seq_len: the longest record kept whole in a row)"
+                    raise ValueError(
+                        f"pad_to_multiple {self.pad_to_multiple} must divide the length limit {limit}{why}"
+                    )
         return self
 
     def keeps_whole(self, src: RecordFields) -> bool:
