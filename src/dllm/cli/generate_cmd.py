@@ -9,7 +9,13 @@ from typing import Any
 import typer
 
 from dllm.cli.common import MODEL_HELP, check_output_file, finite, info, out, seed_option, warn, write_lines
-from dllm.cli.sampling_common import SAMPLER_CONFIG_OPTION, SET_OPTION, decode_batches, setup_sampling
+from dllm.cli.sampling_common import (
+    DRAFT_BLOCK_SIZE_OPTION,
+    SAMPLER_CONFIG_OPTION,
+    SET_OPTION,
+    decode_batches,
+    setup_sampling,
+)
 from dllm.errors import ConfigError, DataError
 
 
@@ -59,17 +65,13 @@ def generate(
     draft: str = typer.Option(
         None, "--draft", help="Speculative decoding of a causal target with this drafter (a folder or hub id)."
     ),
-    draft_block_size: int = typer.Option(
-        None, "--draft-block-size", help="Verify blocks of this size: 2 to the drafter's own (default its own)."
-    ),
+    draft_block_size: int = DRAFT_BLOCK_SIZE_OPTION,
 ) -> None:
     """Generate continuations of prompts with any sampler configuration."""
     import torch
 
     if batch_size < 1:
         raise ConfigError("--batch-size must be >= 1")
-    if draft_block_size is not None and draft is None:
-        raise ConfigError("--draft-block-size applies to speculative decoding; give --draft DRAFTER_FOLDER too")
     flags = {"gen_length": gen_length, "block_length": block_length, "steps": steps, "policy": policy,
              "cache": cache, "temperature": temperature, "seed": seed, "stop_strings": stop or None,
              "compile": compile_model or None}  # fmt: skip

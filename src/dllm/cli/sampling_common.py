@@ -23,6 +23,9 @@ if TYPE_CHECKING:  # torch and the model stack load with the command, not with t
 
 SAMPLER_CONFIG_OPTION = typer.Option(None, "--sampler-config", help="YAML file of sampler settings (SamplerConfig).")
 SET_OPTION = typer.Option(None, "--set", help="Override a sampler field: --set cache=dual (repeatable).")
+DRAFT_BLOCK_SIZE_OPTION = typer.Option(
+    None, "--draft-block-size", help="Verify blocks of this size: 2 to the drafter's own (default its own)."
+)
 
 
 def sampler_values(flags: dict[str, Any]) -> dict[str, Any]:
@@ -45,6 +48,8 @@ def setup_sampling(
 ) -> SamplingSetup:
     """Build the sampler (file < flags < --set), load the model and resolve the sampler against it.
     `model` and `draft` are folders or hub ids (cli.common.model_folder)."""
+    if draft_block_size is not None and draft is None:
+        raise ConfigError("--draft-block-size applies to speculative decoding; give --draft DRAFTER_FOLDER too")
     import torch
 
     from dllm.checkpoint.inference import setup_sampling as load_and_resolve

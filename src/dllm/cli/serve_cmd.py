@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 
 from dllm.cli.common import MODEL_HELP, finite, hub_id, info
-from dllm.cli.sampling_common import SAMPLER_CONFIG_OPTION, SET_OPTION, setup_sampling
+from dllm.cli.sampling_common import DRAFT_BLOCK_SIZE_OPTION, SAMPLER_CONFIG_OPTION, SET_OPTION, setup_sampling
 from dllm.errors import ConfigError
 from dllm.serving.limits import DEFAULT_MAX_BODY_BYTES
 
@@ -52,9 +52,7 @@ def serve(
     draft: str = typer.Option(
         None, "--draft", help="Serve a causal model with speculative decoding by this drafter (a folder or hub id)."
     ),
-    draft_block_size: int = typer.Option(
-        None, "--draft-block-size", help="Verify blocks of this size: 2 to the drafter's own (default its own)."
-    ),
+    draft_block_size: int = DRAFT_BLOCK_SIZE_OPTION,
 ) -> None:
     """Serve a model over HTTP: OpenAI completions and chat, streaming, a live denoising page at /."""
     try:
@@ -72,8 +70,6 @@ def serve(
     if key is not None:  # an empty key (an unset variable) would serve without one: refused, not dropped
         check_api_key(key, "--api-key" if api_key is not None else f"${API_KEY_ENV}")
     _check_port(host, port)  # before the model loads: a busy port is a one-line error, not a log after a wait
-    if draft_block_size is not None and draft is None:
-        raise ConfigError("--draft-block-size applies to speculative decoding; give --draft DRAFTER_FOLDER too")
     causal = ar or draft is not None
     s = setup_sampling(run, checkpoint, model, device, sampler_config, overrides,
                        {"generation": "causal"} if causal else {}, draft=draft, draft_block_size=draft_block_size,

@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from importlib import resources
@@ -215,9 +215,13 @@ class Api:
 
     # -- the tokenizer, as vLLM serves it
     async def tokenize(self, request: Request) -> JSONResponse:
+        return await self.off_loop(request, self.tokenize_now)
+
+    async def off_loop(self, request: Request, work: Callable[[bytes], dict[str, Any]]) -> JSONResponse:
+        """An authorized request's body handled by `work` in a worker thread (tokenizing is not for the event loop)."""
         self.authorize(request)
         raw = await self.read(request)
-        return JSONResponse(await asyncio.to_thread(self.tokenize_now, raw))
+        return JSONResponse(await asyncio.to_thread(work, raw))
 
     def tokenize_now(self, raw: bytes) -> dict[str, Any]:
         req = parse_tokenize(load_json(raw))
@@ -230,18 +234,14 @@ class Api:
         """The special tokens (as text) and the context length: what lm-eval's remote tokenizer reads. No chat
         template: chats are rendered here (POST /tokenize with messages, or a chat completion)."""
         self.authorize(request)
-        tok = self.state.engine.tokenizer
-
-        def text(token: int | None) -> str | None:
-            return None if token is None else tok.decode([token], skip_special=False)
-
-        return {"eos_token": text(tok.eos_id), "bos_token": text(tok.bos_id), "pad_token": text(tok.pad_id),
+        engine = self.state.engine
+        tok = engine.tokenizer
+        bos = None if tok.bos_id is None else engine.piece(tok.bos_id)
+        return {"eos_token": engine.piece(tok.eos_id), "bos_token": bos, "pad_token": engine.piece(tok.pad_id),
                 "chat_template": None, "model_max_length": self.state.profile.max_length}  # fmt: skip
 
     async def detokenize(self, request: Request) -> JSONResponse:
-        self.authorize(request)
-        raw = await self.read(request)
-        return JSONResponse(await asyncio.to_thread(self.detokenize_now, raw))
+        return await self.off_loop(request, self.detokenize_now)
 
     def detokenize_now(self, raw: bytes) -> dict[str, Any]:
         req = parse_detokenize(load_json(raw))

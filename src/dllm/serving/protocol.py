@@ -231,9 +231,7 @@ def _check_combinations(req: CompletionRequest | ChatRequest, kind: str) -> None
         return
     if "stream_options" in given and not req.stream:
         refuse("stream_options", "only with stream: true")
-    scoring = req.logprobs is not None if isinstance(req, CompletionRequest) else req.logprobs
-    if isinstance(req, CompletionRequest) and req.echo:
-        scoring = True
+    scoring = (req.logprobs is not None or req.echo) if isinstance(req, CompletionRequest) else req.logprobs
     if scoring and req.stream:
         refuse("logprobs" if "logprobs" in given else "echo", "log-probabilities come with whole answers only; "
                "drop stream")  # fmt: skip
