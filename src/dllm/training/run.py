@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import yaml
+from pydantic import BaseModel
+from pydantic_core import to_jsonable_python
 
 from dllm.checkpoint.files import disk_full_error, write_text_durably
 from dllm.config.loading import dump_config, load_config
@@ -110,15 +112,29 @@ def _progress(run_dir: Path) -> tuple[object, ...]:
 _KERNEL_FIELDS = ("attention_backend", "flex_compile")
 
 
+def _with_new_defaults(saved: dict | None, section: BaseModel) -> dict | None:
+    """A saved section with the fields this version added since filled in with their defaults: a run
+    saved before a field existed behaved as its default, so it resumes."""
+    if not isinstance(saved, dict) or saved.get("name", None) != getattr(section, "name", None):
+        return saved
+    filled = dict(saved)
+    for key, field in type(section).model_fields.items():
+        if key not in filled and not field.is_required():
+            filled[key] = to_jsonable_python(field.get_default(call_default_factory=True))
+    return filled
+
+
 def _check_same_model(spec: RunSpec, cfg_path: Path) -> None:
-    old = yaml.safe_load(cfg_path.read_text(encoding="utf-8")) or {}
+    saved = yaml.safe_load(cfg_path.read_text(encoding="utf-8")) or {}
     new = spec.model_dump(mode="json")
+    old = {s: _with_new_defaults(saved.get(s), getattr(spec, s)) for s in ("model", "tokenizer", "objective")}
     for cfg in (old.get("model") or {}, new["model"]):
         for key in _KERNEL_FIELDS:
             cfg.pop(key, None)
     for section in ("model", "tokenizer", "objective"):
-        if old.get(section) != new[section]:
-            diff = sorted(k for k in new[section] if old.get(section, {}).get(k) != new[section][k])
+        before = old[section]
+        if before != new[section]:
+            diff = sorted(k for k in new[section] if (before or {}).get(k) != new[section][k])
             where = ", ".join(f"{section}.{k}" for k in diff) or section
             raise CheckpointError(
                 f"{cfg_path.parent} holds checkpoints of a different {section} ({where} changed); "
