@@ -6,6 +6,9 @@ rarely, which the lossless check does not need.)"""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
@@ -121,3 +124,82 @@ def test_a_public_layout_drafter_serves_what_ar_serves(tmp_path):
             served.append([c.text for c in sorted(r.choices, key=lambda c: c.index)])
             assert (r.model_extra["dllm"]["drafted"] > 0) == (s.drafter is not None)
     assert served[0] == served[1]
+
+
+def _post(url: str, ends: dict, name: str, body: dict) -> None:
+    import httpx
+
+    r = httpx.post(
+        url + "/v1/completions", json={"model": "tiny", "prompt": name, "temperature": 0, **body}, timeout=60
+    )
+    assert r.status_code == 200, r.text
+    ends[name] = (time.monotonic(), r.json())
+
+
+def _health(url: str) -> dict:
+    import httpx
+
+    return httpx.get(url + "/health").json()
+
+
+def _wait(cond, timeout: float = 30) -> None:
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < timeout, "timed out"
+        time.sleep(0.01)
+
+
+def test_requests_join_the_running_batch_between_forwards():
+    """A causal model's running batch: short requests that arrive while a long one decodes join it at the next
+    forward (they share its forwards: batch_rows > 1), end long before it, and decode what they decode alone."""
+    from dllm.serving.server import BackgroundServer, make_state
+    from tests.distributed.harness import free_port
+    from tests.integration.serve_support import slow_loaded
+
+    loaded = slow_loaded(0.02)
+    tok, special = loaded.tokenizer, SpecialIds.of(loaded.profile)
+    state = make_state(loaded, causal_base(loaded, 96), model_id="tiny", max_batch=8, max_wait_ms=0)
+    ends: dict[str, tuple[float, dict]] = {}
+    with BackgroundServer(state, port=free_port()) as srv:
+        long = threading.Thread(target=_post, args=(srv.url, ends, "the long one", {"max_tokens": 96}))
+        started = time.monotonic()
+        long.start()
+        _wait(lambda: _health(srv.url)["running_rows"] == 1)
+        t0 = time.monotonic()
+        shorts = [threading.Thread(target=_post, args=(srv.url, ends, p, {"max_tokens": 8})) for p in ("a", "bc", "d")]
+        for t in shorts:
+            t.start()
+        for t in shorts:
+            t.join()
+        long.join()
+        _wait(lambda: _health(srv.url)["running_rows"] == 0)
+    end_long = ends["the long one"][0]
+    for p in ("a", "bc", "d"):
+        end, body = ends[p]
+        # ~9 forwards of 20 ms beside the long one's ~96: well under half of it, on any load
+        assert end < end_long and end - t0 < 0.5 * (end_long - started)
+        assert body["dllm"]["batch_rows"] > 1  # it shared forwards with the long one (and its peers)
+    for name, (_, body) in ends.items():  # each decodes what it decodes alone
+        cfg = causal_base(loaded, 96 if name == "the long one" else 8)
+        alone = generate(loaded.model, [tok.encode(name)], cfg, special).sequences[0]
+        assert body["choices"][0]["text"] == tok.decode(alone)
+
+
+def test_a_client_that_goes_away_frees_its_rows():
+    """A streamed request whose client disconnects leaves the running batch at the next forward."""
+    import httpx
+
+    from dllm.serving.server import BackgroundServer, make_state
+    from tests.distributed.harness import free_port
+    from tests.integration.serve_support import slow_loaded
+
+    loaded = slow_loaded(0.02)
+    state = make_state(loaded, causal_base(loaded, 96), model_id="tiny", max_batch=8, max_wait_ms=0)
+    with BackgroundServer(state, port=free_port()) as srv:
+        body = {"model": "tiny", "prompt": "go", "max_tokens": 96, "stream": True, "n": 2}
+        with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()  # (kept: a dropped iterator closes the response)
+            next(lines)  # the stream is open
+            _wait(lambda: _health(srv.url)["running_rows"] == 2)  # its two rows run
+        _wait(lambda: _health(srv.url)["running_rows"] == 0, timeout=10)  # long before its 96 forwards of 20 ms

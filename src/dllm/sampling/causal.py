@@ -83,6 +83,38 @@ class RaggedKVCache:
             self.layers[i] = RaggedLayerKV(self)
         return self.layers[i]
 
+    def rebuild(self, rows: Sequence[int], capacity: int) -> None:
+        """Buffers of rows `rows` of these (in that order; -1: a new, empty row) and `capacity` positions:
+        rows join and leave a running batch between forwards (sampling/continuous.py). One copy."""
+        index = torch.tensor(rows, dtype=torch.long, device=self.length_B.device)
+        kept = index >= 0
+        for layer in self.layers.values():
+            for name in ("k_BKTD", "v_BKTD"):
+                old = getattr(layer, name)
+                if old is None:
+                    continue
+                B, K, T, D = old.shape
+                new = old.new_zeros(len(rows), K, capacity, D)
+                keep = min(T, capacity)
+                new[kept, :, :keep] = old[index[kept], :, :keep]
+                setattr(layer, name, new)
+        self.capacity = capacity
+
+    def put(self, rows: Sequence[int], other: RaggedKVCache, length: int, num_rows: int) -> None:
+        """Copy positions [0, length) of every row of `other` (a prefill's cache) into rows `rows` of these
+        buffers (allocated with `num_rows` rows on the first copy)."""
+        index = torch.tensor(rows, dtype=torch.long, device=self.length_B.device)
+        for i, src in other.layers.items():
+            dst = self.layer(i)
+            for name in ("k_BKTD", "v_BKTD"):
+                values = getattr(src, name)
+                if values is None:
+                    continue
+                if getattr(dst, name) is None:
+                    _, K, _, D = values.shape
+                    setattr(dst, name, values.new_zeros(num_rows, K, self.capacity, D))
+                getattr(dst, name)[index, :, :length] = values[:, :, :length]
+
     def at(self, num_queries: int) -> tuple[torch.Tensor, AttentionMask]:
         """Place the next forward of Q tokens per row after each row's cached tokens: their positions
         [B, Q] (= buffer indices) and the causal mask with per-row query offsets."""
@@ -118,7 +150,10 @@ class Target:
     @contextmanager
     def capturing(self) -> Iterator[Target]:
         """Keep the hooks that capture `layer_ids` registered over many forwards (a decoding call) rather
-        than registering and removing them in every forward."""
+        than registering and removing them in every forward (none without `layer_ids`: AR decoding)."""
+        if not self.layer_ids:
+            yield self
+            return
         with capture_layers(self.model, self.layer_ids) as captured:
             self._captured = captured
             try:
@@ -142,7 +177,7 @@ class Target:
     def _run(self, tokens_BL, positions_BL, mask, cache, rows_BQ, logit_rows_BR):
         """The one model call: features at rows `rows_BQ` of its output (None: all rows) and logits at
         `logit_rows_BR` of those (None: all), the mask token excluded."""
-        if self._captured is None:  # a forward outside `capturing()`: hooks for it alone
+        if self._captured is None and self.layer_ids:  # a forward outside `capturing()`: hooks for it alone
             with self.capturing():
                 return self._run(tokens_BL, positions_BL, mask, cache, rows_BQ, logit_rows_BR)
         self.counters.nfe += 1

@@ -208,10 +208,7 @@ class CausalLoop:
         return self.live_rows > 0
 
     def choose(self, logits_BV: torch.Tensor) -> torch.Tensor:
-        """The target's own token: the argmax when greedy, else a draw from its sampling distribution."""
-        if self.cfg.temperature == 0:
-            return logits_BV.argmax(-1)
-        return draw(self.probs(logits_BV), self.generator)
+        return choose(self.cfg, logits_BV, self.generator)
 
     def probs(self, logits_XV: torch.Tensor) -> torch.Tensor:
         return token_probs(logits_XV, self.cfg.temperature, self.cfg.top_k, self.cfg.top_p)
@@ -311,6 +308,13 @@ class CausalLoop:
             at_BN = self.len_B[:, None] + self.arange_N
             logits = self.logits_BTV.gather(1, at_BN[..., None].expand(B, N, self.logits_BTV.shape[-1]))
         return GenerationResult(sequences, canvas_BL, c, self.len_B.tolist(), logits)
+
+
+def choose(cfg: SamplerConfig, logits_BV: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """The target's own token: the argmax when greedy, else a draw from its sampling distribution."""
+    if cfg.temperature == 0:
+        return logits_BV.argmax(-1)
+    return draw(token_probs(logits_BV, cfg.temperature, cfg.top_k, cfg.top_p), generator)
 
 
 def _features(features: torch.Tensor | None, B: int, n: int, device: torch.device) -> torch.Tensor:

@@ -34,6 +34,7 @@ import torch
 
 from dllm.sampling.canvas import SpecialIds
 from dllm.sampling.causal import score_tokens
+from dllm.sampling.continuous import Group, RunningBatch
 from dllm.sampling.generate import generate
 from dllm.sampling.results import GenerationResult, StepEvent
 from dllm.sampling.speculative import Drafter
@@ -140,7 +141,7 @@ class Engine:
         self.drafter = drafter
         """Speculative decoding of a causal model (its requests' sampler has generation causal); None: none."""
         self.max_batch, self.max_wait_s, self.max_queue = max_batch, max_wait_ms / 1000, max_queue
-        self.metrics = metrics or Metrics(lambda: len(self.queue))
+        self.metrics = metrics or Metrics(lambda: len(self.queue) + len(self.joining))
         self.queue: deque[Job] = deque()
         self.cond = threading.Condition()
         self.stopping = False
@@ -148,6 +149,9 @@ class Engine:
         """Sampler calls in flight at once, taking turns step by step (1: one call at a time, each to its end)."""
         self.calls: dict[int, int] = {}
         """The calls in flight: their rows."""
+        self.joining: deque[Job] = deque()
+        """Requests of a causal model waiting to join its running batch (`_batch_loop`)."""
+        self.batch_thread: threading.Thread | None = None
         self.turns = Turns()
         self._next_call = 0
         self.device = next(model.parameters()).device
@@ -171,16 +175,28 @@ class Engine:
             self.stopping = True
             self.cond.notify_all()
         self.thread.join(timeout=30)
+        if self.batch_thread is not None:
+            self.batch_thread.join(timeout=30)
+
+    def joins_running_batch(self, job: Job) -> bool:
+        """Whether a request joins the running batch (AR decoding of a causal model, step-level continuous
+        batching) rather than a sampler call of its own (diffusion, speculative decoding, or `max_calls` 1:
+        the one-call-at-a-time engine kept for comparison)."""
+        return job.settings.cfg.generation == "causal" and self.drafter is None and self.max_calls > 1
 
     def submit(self, job: Job) -> None:
         """Queue a request; 429 when the queue is full."""
         job.key = batch_key(job.settings)
         job.sent = [""] * len(job.rows)
+        joins = self.joins_running_batch(job)
         with self.cond:
-            if len(self.queue) >= self.max_queue:
+            if len(self.queue) + len(self.joining) >= self.max_queue:
                 raise ApiError(429, f"the server's queue is full ({self.max_queue} requests waiting); retry later",
                                code="queue_full", kind="rate_limit_error")  # fmt: skip
-            self.queue.append(job)
+            (self.joining if joins else self.queue).append(job)
+            if joins and self.batch_thread is None:
+                self.batch_thread = threading.Thread(target=self._batch_loop, name="dllm-serve-batch", daemon=True)
+                self.batch_thread.start()
             self.cond.notify_all()
 
     def _count_forward(self, *_: Any) -> None:
@@ -244,8 +260,108 @@ class Engine:
             return batch
 
     def _drop_cancelled(self) -> None:
-        for job in [j for j in self.queue if j.cancelled.is_set()]:
-            self.queue.remove(job)
+        for waiting in (self.queue, self.joining):
+            for job in [j for j in waiting if j.cancelled.is_set()]:
+                waiting.remove(job)
+
+    # -- the running batch of a causal model --------------------------------------------------------
+    def _batch_loop(self) -> None:
+        """A causal model's running batch (sampling/continuous.py): waiting requests join it between
+        forwards while their rows fit in `max_batch`, every row advances one token per forward, and a
+        request leaves when its rows have ended or its client has gone. While it runs it is one of the
+        calls in flight, taking its turn step by step."""
+        batch = RunningBatch(self.model, self.special, self.max_batch)
+        running: dict[Group, tuple[Job, float]] = {}
+        call: int | None = None
+        in_line = False
+        while True:
+            with self.cond:
+                self._drop_cancelled()
+                while not self.stopping and not self.joining and not running:
+                    self.cond.wait()
+                    self._drop_cancelled()
+                if self.stopping:
+                    return
+                admitted = []
+                rows = batch.rows
+                while self.joining and (rows == 0 or rows + len(self.joining[0].rows) <= self.max_batch):
+                    admitted.append(self.joining.popleft())
+                    rows += len(admitted[-1].rows)
+                if call is None:
+                    call, self._next_call = self._next_call, self._next_call + 1
+                self.calls[call] = rows
+            if not in_line:  # work to do: wait for the batch's turn
+                self.turns.join(call)
+                in_line = True
+            now = time.monotonic()
+            for job in admitted:
+                self.metrics.observe("dllm_request_queue_time_seconds", now - job.enqueued_at)
+                self._join(batch, job, running)
+            for group, (job, _) in list(running.items()):
+                if job.cancelled.is_set():
+                    batch.leave(group)
+                    del running[group]
+            try:
+                finished = batch.step()
+            except Exception as e:  # nothing a request does may stop the server
+                err = ApiError(500, f"the sampler failed: {type(e).__name__}: {e}", kind="server_error")
+                for job, _ in running.values():
+                    job.sink("error", err)
+                running.clear()
+                batch = RunningBatch(self.model, self.special, self.max_batch)
+                finished = []
+            for group in finished:
+                self._batch_done(group, *running.pop(group))
+            self._batch_show(running)
+            with self.cond:
+                self.calls[call] = batch.rows
+            if running or self.joining:
+                self.turns.next(call)
+            else:
+                self.turns.leave(call)
+                in_line = False
+                with self.cond:
+                    del self.calls[call]
+                    call = None
+                    self.cond.notify_all()
+
+    def _join(self, batch: RunningBatch, job: Job, running: dict[Group, tuple[Job, float]]) -> None:
+        """Prefill a request into the running batch (answered at once when its rows end with their first token)."""
+        s = job.settings
+        seed = s.seed if s.seed is not None and job.key.startswith("seeded:") else None
+        generator = torch.Generator(device=self.device).manual_seed(seed if seed is not None else secrets.randbits(63))
+        t0 = time.perf_counter()
+        try:
+            group = batch.join(job.rows, s.cfg, generator, stop_function(self.tokenizer, s.cfg.stop_strings))
+        except Exception as e:
+            job.sink("error", ApiError(500, f"the sampler failed: {type(e).__name__}: {e}", kind="server_error"))
+            return
+        if group.done:
+            self._batch_done(group, job, t0)
+        else:
+            running[group] = (job, t0)
+
+    def _batch_done(self, group: Group, job: Job, t0: float) -> None:
+        result = group.result()
+        self.metrics.observe_batch(len(job.rows), time.perf_counter() - t0, result.nfe)
+        mean_rows = round(group.batch_rows / max(group.counters.nfe, 1), 2)
+        self._finish(job, result, 0, {**result.counters.as_dict(), "batch_rows": mean_rows})
+
+    def _batch_show(self, running: dict[Group, tuple[Job, float]]) -> None:
+        """The step's text deltas and frames of the requests that watch them (their tokens so far; masks after)."""
+        mask_id = self.special.mask_id
+        for group, (job, _) in running.items():
+            if job.cancelled.is_set():
+                continue
+            if job.stream_text:
+                for i, ids in enumerate(group.sequences()):
+                    self._send_text(job, i, ids, final=False)
+            if job.denoise:
+                n = job.settings.max_tokens
+                rows = [(t[:n] + [mask_id] * (n - len(t[:n]))) for t in group.tokens]
+                self._local.forwards = group.counters.nfe
+                live = group.ended.count(False)
+                self._frame(job, rows, [0] * len(rows), live, group.counters.steps, 0)
 
     def _run(self, batch: list[Job], call: int) -> None:
         settings = batch[0].settings

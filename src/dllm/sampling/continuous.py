@@ -1,0 +1,228 @@
+"""Continuous batching of AR decoding: rows join a running batch between forwards and leave when done.
+
+A server's requests arrive while others decode. `RunningBatch` keeps every running row of a causal
+model in one ragged KV cache (causal.py), and each `step` is one target forward of one token per row.
+A request that arrives is prefilled alone (its prompts in one forward, into a cache of its own that is
+then copied into free rows of the batch's), and its rows decode from the next step on; a request whose
+rows have all ended, or that is cancelled (`leave`), frees its rows for the next one.
+
+Each request is a `Group` of rows (the choices of one prompt, or several prompts) with its own sampler
+settings and generator, so its tokens are those of a `generate` call of it alone: greedy rows token for
+token (up to the floating-point sums of a different batch), sampled rows from the same generator in the
+same order: the prefill draws once over the group's rows and each step once more, rows that ended riding
+along until the whole group has, as in the causal loop (speculative.py). tests/unit/test_continuous.py
+checks both against `generate`.
+
+Rows: buffer row s holds one row's tokens at positions [0, length). A free row runs a dummy token at
+position 0 (its output unread) until a request takes it; when more than half the rows are free they
+are compacted (one copy), and with none running the buffers are released. The capacity in positions
+grows to the longest prompt + max tokens among the running rows.
+
+Speculative decoding (a drafter's own per-row state) and diffusion canvases do not join a running batch:
+the server interleaves those calls step by step instead (serving/engine.py).
+
+Shapes: R buffer rows, n a group's rows, P prompt length, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from dllm.config.sampler import SamplerConfig
+from dllm.sampling.canvas import SpecialIds
+from dllm.sampling.causal import Target, right_pad
+from dllm.sampling.results import Counters, GenerationResult
+from dllm.sampling.speculative import choose
+
+
+@dataclass(eq=False)
+class Group:
+    """One request's rows in a running batch: its prompts, sampler settings and generator, and what it decoded."""
+
+    prompts: list[list[int]]
+    cfg: SamplerConfig
+    generator: torch.Generator | None
+    stop: Callable[[list[int]], bool] | None
+    eos_id: int
+    pad_id: int
+    rows: list[int] = field(default_factory=list)
+    """The buffer rows it holds (one per prompt, in order), while it runs."""
+    tokens: list[list[int]] = field(default_factory=list)
+    """Per row, the tokens decoded (an EOS included)."""
+    ended: list[bool] = field(default_factory=list)
+    counters: Counters = field(default_factory=lambda: Counters(loop="causal"))
+    batch_rows: int = 0
+    """Rows of the forwards it took part in, summed (their mean: `batch_rows / counters.steps`)."""
+
+    @property
+    def done(self) -> bool:
+        return all(self.ended)
+
+    def take(self, chosen: list[int]) -> None:
+        """This forward's token of every row that has not ended; which rows end with it."""
+        live = [not e for e in self.ended] if self.ended else [True] * len(chosen)
+        if not self.tokens:
+            self.tokens = [[] for _ in chosen]
+            self.ended = [False] * len(chosen)
+        for r, token in enumerate(chosen):
+            if live[r]:
+                self.tokens[r].append(token)
+        self.counters.rounds += sum(live) if self.counters.nfe > 1 else 0  # the prefill's token is no round
+        eos = self.eos_id if self.cfg.stop_at_eos else None
+        for r, seq in enumerate(self.sequences()):
+            if live[r]:
+                self.ended[r] = (len(self.tokens[r]) >= self.cfg.gen_length or (eos is not None and
+                                 self.tokens[r][-1] == eos) or (self.stop is not None and self.stop(seq)))  # fmt: skip
+
+    def sequences(self) -> list[list[int]]:
+        """Each row's decided tokens (at most gen_length), cut before its first EOS."""
+        out = []
+        for tokens in self.tokens:
+            row = tokens[: self.cfg.gen_length]
+            if self.cfg.stop_at_eos and self.eos_id in row:
+                row = row[: row.index(self.eos_id)]
+            out.append(row)
+        return out
+
+    def result(self) -> GenerationResult:
+        """As the causal loop returns it: the sequences, the canvas [n, P + N] (each row's prompt, its tokens,
+        EOS on the positions of N it did not reach, then padding) and the group's counters."""
+        N, P = self.cfg.gen_length, max(len(p) for p in self.prompts)
+        sequences = self.sequences()
+        canvas = []
+        for prompt, tokens in zip(self.prompts, self.tokens, strict=True):
+            made = tokens[:N]
+            row = prompt + made + [self.eos_id] * (N - len(made))
+            canvas.append(row + [self.pad_id] * (P + N - len(row)))
+        c = self.counters
+        c.tokens_committed = sum(min(len(s) + 1, len(t[:N])) for s, t in zip(sequences, self.tokens, strict=True))
+        return GenerationResult(sequences, torch.tensor(canvas, dtype=torch.long), c, [len(p) for p in self.prompts])
+
+
+class RunningBatch:
+    """The running rows of a causal model: `join` a request, `step` them all one token, `leave` a request."""
+
+    def __init__(self, model: nn.Module, special: SpecialIds, max_rows: int) -> None:
+        self.model, self.special, self.max_rows = model, special, max_rows
+        self.device = next(model.parameters()).device
+        self.counters = Counters(loop="causal")
+        """Every forward of the batch (the prefills are counted in their groups')."""
+        self.groups: list[Group] = []
+        self._release()
+
+    def _release(self) -> None:
+        """No row runs: drop the buffers."""
+        self.target = Target(self.model, 0, 0, self.counters, (), self.special.mask_id)
+        self.owner: list[Group | None] = []
+        """Per buffer row, the group holding it."""
+        self.anchor_R = torch.zeros(0, dtype=torch.long, device=self.device)
+        """Per buffer row, the token it runs next (decided, not yet in the cache)."""
+
+    @property
+    def rows(self) -> int:
+        """Rows held by running requests."""
+        return sum(len(g.rows) for g in self.groups)
+
+    def fits(self, num_rows: int) -> bool:
+        """Whether a request of `num_rows` rows may join now (an empty batch takes any)."""
+        return not self.groups or self.rows + num_rows <= self.max_rows
+
+    @torch.inference_mode()
+    def join(self, prompts: Sequence[Sequence[int]], cfg: SamplerConfig, generator: torch.Generator | None = None,
+             stop: Callable[[list[int]], bool] | None = None) -> Group:  # fmt: skip
+        """Prefill `prompts` alone and choose their first tokens; the rows run from the next `step` (none
+        when every row ended with its first token: the group is then done already)."""
+        group = Group([list(p) for p in prompts], cfg, generator, stop, self.special.eos_id, self.special.pad_id)
+        tokens_nP, len_n = right_pad(group.prompts, self.device)
+        n, P = tokens_nP.shape
+        prefill = Target(self.model, n, P, group.counters, (), self.special.mask_id)
+        logits_n1V, _ = prefill.forward(tokens_nP, (len_n - 1)[:, None])
+        first_n = choose(cfg, logits_n1V[:, 0], generator)
+        group.take(first_n.tolist())
+        group.batch_rows += n
+        if group.done:
+            return group
+        free = [r for r, g in enumerate(self.owner) if g is None][:n]
+        capacity = max(self.target.cache.capacity, max(len_n.tolist()) + cfg.gen_length + 1)
+        grown = len(self.owner) + n - len(free)
+        if grown > len(self.owner) or capacity > self.target.cache.capacity:
+            self._rebuild(list(range(len(self.owner))) + [-1] * (grown - len(self.owner)), capacity)
+        rows = free + [r for r in range(len(self.owner)) if self.owner[r] is None and r not in free][: n - len(free)]
+        self.target.cache.put(rows, prefill.cache, P, len(self.owner))
+        index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        self.target.length_B[index] = len_n
+        self.anchor_R[index] = first_n
+        for r in rows:
+            self.owner[r] = group
+        group.rows = rows
+        self.groups.append(group)
+        return group
+
+    @torch.inference_mode()
+    def step(self) -> list[Group]:
+        """One forward of every running row; each row keeps the token its request's settings choose. The
+        requests that ended with it, which leave the batch."""
+        if not self.groups:
+            return []
+        logits_R1V, _ = self.target.forward(self.anchor_R[:, None])
+        logits_RV = logits_R1V[:, 0]
+        greedy = logits_RV.argmax(-1)
+        greedy_rows = greedy.tolist()  # the step's host sync
+        next_R, keep_R = greedy.clone(), torch.zeros_like(self.anchor_R)
+        cached, live_rows, finished = self.target.cache.key_end - 1, self.rows, []
+        for g in self.groups:
+            if g.cfg.temperature == 0:
+                chosen = [greedy_rows[r] for r in g.rows]
+            else:  # one draw over the group's rows from its own generator, as its causal loop alone draws
+                index = torch.tensor(g.rows, dtype=torch.long, device=self.device)
+                drawn = choose(g.cfg, logits_RV[index], g.generator)
+                next_R[index] = drawn
+                chosen = drawn.tolist()
+            keep_R[[r for r, e in zip(g.rows, g.ended, strict=True) if not e]] = 1
+            c = g.counters
+            c.nfe, c.steps = c.nfe + 1, c.steps + 1
+            c.query_tokens, c.cached_tokens = c.query_tokens + len(g.rows), c.cached_tokens + len(g.rows) * cached
+            g.batch_rows += live_rows
+            g.take(chosen)
+            if g.done:
+                finished.append(g)
+        self.target.commit(keep_R)  # the anchors ran: cached now (an ended row's stays where it was)
+        self.anchor_R = next_R
+        for g in finished:
+            self.leave(g)
+        return finished
+
+    @torch.inference_mode()
+    def leave(self, group: Group) -> None:
+        """The group's rows stop (it ended, or its client went away) and are free for others."""
+        if group not in self.groups:
+            return
+        self.groups.remove(group)
+        for r in group.rows:
+            self.owner[r] = None
+        index = torch.tensor(group.rows, dtype=torch.long, device=self.device)
+        self.target.length_B[index] = 0
+        self.anchor_R[index] = 0
+        if not self.groups:
+            self._release()
+        elif 2 * self.rows < len(self.owner):
+            self._rebuild([r for r, g in enumerate(self.owner) if g is not None], self.target.cache.capacity)
+
+    def _rebuild(self, rows: list[int], capacity: int) -> None:
+        """Keep buffer rows `rows` (in that order; -1: a new free row) in buffers of `capacity` positions."""
+        index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        kept = index >= 0
+        length_R = torch.zeros(len(rows), dtype=torch.long, device=self.device)
+        anchor_R = torch.zeros(len(rows), dtype=torch.long, device=self.device)
+        length_R[kept] = self.target.length_B[index[kept]]
+        anchor_R[kept] = self.anchor_R[index[kept]]
+        self.target.cache.rebuild(rows, capacity)
+        self.target.length_B, self.target.capacity, self.anchor_R = length_R, capacity, anchor_R
+        self.owner = [self.owner[r] if r >= 0 else None for r in rows]
+        moved = {old: new for new, old in enumerate(rows) if old >= 0}
+        for g in self.groups:
+            g.rows = [moved[r] for r in g.rows]
