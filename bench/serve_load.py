@@ -1,19 +1,28 @@
-"""Load on `dllm serve` over loopback: batching across requests vs --max-batch 1, then an RSS soak.
+"""Load on `dllm serve` over loopback: mixed lengths through the step-level scheduler vs the one-call-at-a-time
+engine (default, `--mode mixed`), or batching across requests vs --max-batch 1 (`--mode batching`); then an
+RSS soak.
 
-Writes a random model folder (the `tiny` preset over bytes by default, no training needed: the cost of a request
-does not depend on what the weights say), starts two servers on it as subprocesses (`dllm serve
---max-batch 64` and `--max-batch 1`, loopback only), and runs --rounds rounds of --clients concurrent
-clients, each sending one completion of --max-tokens tokens per round, alternating the two servers
-round by round (A B A B: the machine's drift hits both). Prints one JSON line per round, then the
-summary: generated tokens/s of each (median over rounds) and their ratio (target >= 2.5), p50/p99
-latency, errors (target 0), and the ceiling: the same decode as one generate call of all the rows vs
-one call per row, without a server (on a small CPU the model's compute, not the loop's overhead,
-bounds what batching can win). Then the batched server is kept under the same load for --soak-s seconds
-(default 300) and its resident memory (VmRSS) is read at the start and end of the soak (target:
-growth < 10%). Everything is bounded: a round has --clients requests and a timeout, the soak stops
-by itself.
+--mode mixed (the serving engine's comparison): random models (the `tiny` preset over bytes, no training
+needed: a request's cost does not depend on what the weights say), served twice each as subprocesses on
+loopback: the default engine (--max-calls 4: a causal model's requests join one running batch between
+forwards, diffusion calls take turns step by step) and --max-calls 1 (each call to its end, the engine
+before). For a causal model (`serve --ar`, a random llama) and a diffusion model (MDLM), --rounds rounds
+of --clients concurrent requests whose max_tokens cycle through 8..512 (EOS off, so every request makes
+its length), alternating the two servers round by round. Reported per model and engine: generated
+tokens/s (median over rounds) and the ratio (target >= 1.5), p50/p99 latency, errors (target 0); and
+the latency of an 8-token request sent while a 512-token one runs, over its latency alone (target <=
+3x). Then the default causal server runs the same mixed load for --soak-s seconds (default 300) and its
+resident memory (VmRSS) is read at the start and end (target: growth < 10%).
 
-    PYTHONPATH=src python bench/serve_load.py [--soak-s 300] [--clients 64] [--rounds 4]
+--mode batching (one length for every request): --rounds rounds of --clients concurrent requests of
+--max-tokens tokens against `--max-batch 64` and `--max-batch 1`: tokens/s of each and their ratio
+(target >= 2.5), p50/p99 latency, errors, and the ceiling: the same decode as one generate call of all
+the rows vs one call per row, without a server (on a small CPU the model's compute, not the loop's
+overhead, bounds what batching can win); then the soak of the batched server.
+
+Everything is bounded: a round has --clients requests and a timeout, the soak stops by itself.
+
+    PYTHONPATH=src python bench/serve_load.py [--mode mixed|batching] [--soak-s 300] [--clients 64] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -22,26 +31,30 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import signal
 import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 import httpx
 
 
-def write_model(folder: Path, preset: str, max_len: int) -> Path:
+def write_model(folder: Path, preset: str, max_len: int, family: str | None = None) -> Path:
+    """A random model folder (`family` llama: an AR model, served with --ar; None: the preset's, MDLM)."""
     import torch
 
     from dllm.config.model import ModelConfig
     from dllm.models.hf_io import export_hf
     from dllm.models.transformer import Transformer
 
-    cfg = ModelConfig(preset=preset, vocab_size=260, max_seq_len=max_len)
+    extra = {"family": family} if family is not None else {}
+    cfg = ModelConfig(preset=preset, vocab_size=260, max_seq_len=max_len, **extra)
     model = Transformer(cfg)
     model.init_weights(torch.Generator().manual_seed(0))
     return export_hf(model.state_dict(), cfg, folder)
@@ -56,11 +69,12 @@ def free_port() -> int:
 class Server:
     """`dllm serve` in a subprocess on a free loopback port."""
 
-    def __init__(self, model: Path, max_batch: int, max_wait_ms: float) -> None:
+    def __init__(self, model: Path, max_batch: int, max_wait_ms: float, extra: tuple[str, ...] = ()) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "dllm.cli.main", "serve", "--model", str(model), "--port", str(self.port),
-               "--max-batch", str(max_batch), "--max-wait-ms", str(max_wait_ms), "--max-queue", "1024"]  # fmt: skip
+               "--max-batch", str(max_batch), "--max-wait-ms", str(max_wait_ms), "--max-queue", "1024",
+               *extra]  # fmt: skip
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         t0 = time.monotonic()
         while True:
@@ -133,9 +147,12 @@ def percentile(xs: list[float], q: float) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mode", choices=("mixed", "batching"), default="mixed")
     ap.add_argument("--clients", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=None, help="Rounds per server (default: mixed 2, batching 4).")
+    ap.add_argument("--kinds", default="ar,diffusion", help="mixed: the models compared (ar, diffusion).")
+    ap.add_argument("--lengths", default="8,16,32,64,128,256,512", help="mixed: the max_tokens the clients cycle.")
+    ap.add_argument("--max-tokens", type=int, default=32, help="batching: every request's max_tokens.")
     ap.add_argument("--max-batch", type=int, default=64, help="The batched server's --max-batch.")
     ap.add_argument(
         "--max-wait-ms",
@@ -151,6 +168,10 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a `timeout` or kill still stops the servers
     # one intra-op thread per server: on a shared 2-core box a busy-waiting second thread costs more than it gives
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    if args.mode == "mixed":
+        args.rounds = args.rounds or 2
+        return mixed(args)
+    args.rounds = args.rounds or 4
     work = Path(tempfile.mkdtemp(prefix="dllm-serve-load-"))
     model = write_model(work / "model", args.preset, max_len=args.max_tokens + 64)
     servers = {"batched": Server(model, args.max_batch, args.max_wait_ms), "max_batch_1": Server(model, 1, 0.0)}
@@ -186,6 +207,137 @@ def main() -> int:
         for srv in servers.values():
             srv.stop()
     return 0
+
+
+# ---------------------------------------------------------------------------------------------------
+# --mode mixed: the step-level scheduler against the one-call-at-a-time engine
+
+
+def load_avg() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+async def mixed_round(url: str, lengths: list[int], round_idx: int, timeout_s: float) -> dict:
+    """One request per entry of `lengths` (its max_tokens), all at once; tokens/s over the round, latencies, errors."""
+    latencies: list[float] = []
+    tokens, errors = 0, 0
+
+    async def client(i: int, n: int, http: httpx.AsyncClient) -> None:
+        nonlocal tokens, errors
+        body = {"prompt": f"{(i * 7 + round_idx) % 50} + {(i * 3) % 50} =", "max_tokens": n, "temperature": 0}
+        t0 = time.perf_counter()
+        try:
+            r = await http.post(url + "/v1/completions", json=body)
+            if r.status_code != 200:
+                errors += 1
+                return
+            tokens += r.json()["usage"]["completion_tokens"]
+            latencies.append(time.perf_counter() - t0)
+        except httpx.HTTPError:
+            errors += 1
+
+    limits = httpx.Limits(max_connections=len(lengths), max_keepalive_connections=len(lengths))
+    async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as http:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client(i, n, http) for i, n in enumerate(lengths)))
+        wall = time.perf_counter() - t0
+    latencies.sort()
+    return {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall, "errors": errors, "latencies": latencies}
+
+
+def short_behind_long(srv: Server, short: int, long: int, repeats: int = 3) -> dict:
+    """The latency of a `short`-token request alone (median of `repeats`), and sent while a `long`-token one runs."""
+
+    def post(n: int) -> float:
+        t0 = time.perf_counter()
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "7 + 5 =", "max_tokens": n, "temperature": 0},
+                       timeout=900)  # fmt: skip
+        r.raise_for_status()
+        return time.perf_counter() - t0
+
+    alone = statistics.median(post(short) for _ in range(repeats))
+    behind = []
+    for _ in range(repeats):
+        t = threading.Thread(target=post, args=(long,))
+        t.start()
+        t0 = time.monotonic()
+        while httpx.get(srv.url + "/health").json()["running_rows"] < 1 and time.monotonic() - t0 < 60:
+            time.sleep(0.005)
+        time.sleep(0.05)  # the long one is decoding
+        behind.append(post(short))
+        t.join()
+    med = statistics.median(behind)
+    return {f"short_{short}_alone_s": round(alone, 3), f"short_{short}_behind_{long}_s": round(med, 3),
+            "behind_over_alone": round(med / alone, 2)}  # fmt: skip
+
+
+def mixed(args: argparse.Namespace) -> int:
+    lengths = [int(x) for x in args.lengths.split(",")]
+    plan = [lengths[i % len(lengths)] for i in range(args.clients)]
+    random.Random(0).shuffle(plan)
+    work = Path(tempfile.mkdtemp(prefix="dllm-serve-load-"))
+    summary: dict = {"bench": "serve_load", "mode": "mixed", "clients": args.clients, "rounds": args.rounds,
+                     "lengths": lengths, "preset": args.preset, "max_batch": args.max_batch, "threads": args.threads,
+                     "load_average_before": load_avg()}  # fmt: skip
+    soak_server = None
+    try:
+        for kind in args.kinds.split(","):
+            model = write_model(work / kind, args.preset, max(lengths) + 64, "llama" if kind == "ar" else None)
+            extra = ("--set", "stop_at_eos=false") + (("--ar",) if kind == "ar" else ())
+            servers = {"continuous": Server(model, args.max_batch, 10.0, (*extra, "--max-calls", "4")),
+                       "one_call": Server(model, args.max_batch, 10.0, (*extra, "--max-calls", "1"))}  # fmt: skip
+            results: dict[str, list[dict]] = {k: [] for k in servers}
+            try:
+                for srv in servers.values():  # warm-up: first calls pay for lazy init
+                    asyncio.run(mixed_round(srv.url, [8, 8], -1, args.round_timeout_s))
+                for r in range(args.rounds):
+                    for name, srv in servers.items():
+                        res = asyncio.run(mixed_round(srv.url, plan, r, args.round_timeout_s))
+                        results[name].append(res)
+                        print(json.dumps({"bench": "serve_load_round", "model": kind, "engine": name, "round": r,
+                                          "tokens": res["tokens"], "wall_s": round(res["wall_s"], 2),
+                                          "tokens_per_s": round(res["tokens_per_s"], 1), "errors": res["errors"]}),
+                              flush=True)  # fmt: skip
+                out: dict = {}
+                for name, rounds in results.items():
+                    lat = sorted(x for res in rounds for x in res["latencies"])
+                    out[name] = {"tokens_per_s": round(statistics.median(res["tokens_per_s"] for res in rounds), 1),
+                                 "p50_s": round(percentile(lat, 0.5), 3), "p99_s": round(percentile(lat, 0.99), 3),
+                                 "errors": sum(res["errors"] for res in rounds)}  # fmt: skip
+                    out[name].update(short_behind_long(servers[name], min(lengths), max(lengths)))
+                    print(json.dumps({"bench": "serve_load_engine", "model": kind, "engine": name, **out[name]}),
+                          flush=True)  # fmt: skip
+                out["throughput_ratio"] = round(out["continuous"]["tokens_per_s"] / out["one_call"]["tokens_per_s"], 2)
+                summary[kind] = out
+            finally:
+                servers["one_call"].stop()
+                if kind == "ar" and args.soak_s > 0:
+                    soak_server = servers["continuous"]
+                else:
+                    servers["continuous"].stop()
+        if soak_server is not None:
+            summary["soak_ar_continuous"] = mixed_soak(soak_server, plan, args)
+        summary["load_average_after"] = load_avg()
+        print(json.dumps(summary), flush=True)
+    finally:
+        if soak_server is not None:
+            soak_server.stop()
+    return 0
+
+
+def mixed_soak(srv: Server, plan: list[int], args: argparse.Namespace) -> dict:
+    """The mixed load, round after round, for soak_s seconds: RSS at the start and end and every tenth of the way."""
+    start_mb = srv.rss_mb()
+    t0, requests, errors, series, r = time.monotonic(), 0, 0, [round(start_mb, 1)], 0
+    while time.monotonic() - t0 < args.soak_s:
+        res = asyncio.run(mixed_round(srv.url, plan, 100 + r, args.round_timeout_s))
+        requests, errors, r = requests + len(plan), errors + res["errors"], r + 1
+        if time.monotonic() - t0 >= len(series) * args.soak_s / 10:
+            series.append(round(srv.rss_mb(), 1))
+    end_mb = srv.rss_mb()
+    return {"soak_s": round(time.monotonic() - t0, 1), "requests": requests, "errors": errors,
+            "rss_start_mb": round(start_mb, 1), "rss_end_mb": round(end_mb, 1),
+            "rss_growth": round(end_mb / start_mb - 1, 4), "rss_series_mb": series}  # fmt: skip
 
 
 def soak(srv: Server, args: argparse.Namespace) -> dict:

@@ -24,7 +24,11 @@ def serve(
     api_key: str = typer.Option(
         None, "--api-key", help=f"Require `Authorization: Bearer KEY` on every request (or set ${API_KEY_ENV})."
     ),
-    max_batch: int = typer.Option(8, "--max-batch", help="Most rows (choices) decoded together in one sampler call."),
+    max_batch: int = typer.Option(
+        8,
+        "--max-batch",
+        help="Most rows (choices) decoded together: in one sampler call, or in a causal model's running batch.",
+    ),
     max_calls: int = typer.Option(
         4, "--max-calls", help="Sampler calls in flight at once, taking turns step by step (1: one call at a time)."
     ),
