@@ -140,7 +140,8 @@ class TrainLoop(Generic[U]):
         progress = Progress(self.log_cfg, self.cfg.steps, self.step, enabled=self.env.is_main)
         self.metrics.start(self.step)  # the log now ends at this step: no duplicate after a resume
         start_step, losses = self.step, []
-        pending: dict[str, Any] = {}  # the warm-up's compile_s, for the next metrics record
+        # for the next metrics record: this process's CPU threads (training.threads), the warm-up's compile_s
+        pending: dict[str, Any] = {"threads": torch.get_num_threads()}
         try:
             while self.step < self.cfg.steps:
                 unit, step_s, (record, shown) = self._timed_unit()
