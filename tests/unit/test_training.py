@@ -124,6 +124,8 @@ def test_resume_is_bit_identical(train_yaml: Path, monkeypatch: pytest.MonkeyPat
     assert resumed == full[4:]  # exact float equality: same bits
     logged = [r["loss"] for r in read_metrics(run_dir)]
     assert logged == full  # the metrics file holds each step once
+    # the run's threads in the log's first record only: the resume adds them to no record of its own
+    assert [r.get("threads") for r in read_metrics(run_dir)] == [torch.get_num_threads()] + [None] * 5
 
 
 def test_checkpoint_keep_last_n_and_latest(train_yaml: Path):
