@@ -228,17 +228,20 @@ def latest_name(project: Path) -> str:
 
 def test_data_inspect_stats_and_workers(project: Path):
     res = _ok(dllm(["data", "prepare", "--config", "prepare.yaml", "-q", "--workers", "2", "--output", "w2"], project))
-    assert "wrote" in res.stdout
+    # text split across rows as it comes, the prompt/completion records kept whole
+    assert "wrote w2 (packed, packing mixed)" in res.stdout and "records split across rows" in res.stdout
     a = (project / "data" / "prepared" / "tokens.bin").read_bytes()
     assert (project / "w2" / "tokens.bin").read_bytes() == a  # the same bytes with 2 worker processes
     res = _ok(dllm(["data", "inspect", "data/prepared", "-i", "0", "-i", "3"], project))
     assert "packed sample 0 of" in res.stdout and "packed sample 3 of" in res.stdout and "<|eos|>" in res.stdout
+    assert "data/prepared: packed, packing mixed;" in res.stdout
     res = _ok(dllm(["data", "stats", "data/prepared", "--json", "--plot", "lengths.png"], project))
     stats = json.loads(res.stdout)
     assert stats["records_read"] == 1500 and stats["supervised_tokens"] > 0
+    assert 0 < stats["split_across_rows"] < 1500  # sentences only: every sum lies inside one row
     assert (project / "lengths.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     res = _ok(dllm(["data", "stats", "data/prepared"], project))
-    assert "records read" in res.stdout
+    assert "records read" in res.stdout and "split across rows" in res.stdout
 
 
 def test_doctor(project: Path):

@@ -690,16 +690,16 @@ def test_prompt_completion_supervision(tmp_path: Path, supervision: str):
     src = {"path": "data/sums.jsonl", "format": "prompt_completion", "supervision": supervision}
     spec = _spec(tmp_path, sources=[src], seq_len=16)
     m = prepare(spec, tmp_path)
-    tokens = _array(spec.output, "tokens")
-    mask = _array(spec.output, "loss_mask")
-    expected_ids, expected_mask = [], []
-    for p, c in pairs:
+    tokens = _array(spec.output, "tokens").tolist()
+    mask = _array(spec.output, "loss_mask").tolist()
+    starts = _array(spec.output, "doc_starts").tolist()
+    expected_mask = []
+    for (p, c), start in zip(pairs, starts[::2], strict=True):  # 10, 12, 11 tokens: one row each, then padding
         prompt_sup = 1 if supervision == "full" else 0
-        expected_ids += [*TOK.encode(p + c), TOK.eos_id]
-        expected_mask += [prompt_sup] * len(p) + [1] * (len(c) + 1)
-    n = len(expected_ids)
-    assert tokens[:n].tolist() == expected_ids
-    assert mask[:n].tolist() == expected_mask
+        n = len(p) + len(c) + 1
+        assert tokens[start : start + n] == [*TOK.encode(p + c), TOK.eos_id]
+        assert mask[start : start + n] == [prompt_sup] * len(p) + [1] * (len(c) + 1)
+        expected_mask += mask[start : start + n]
     assert m["stats"]["supervised_tokens"] == sum(expected_mask)
 
 

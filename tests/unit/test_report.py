@@ -115,6 +115,7 @@ def _manifest(**stats: Any) -> dict[str, Any]:
     }
     return {
         "layout": "packed",
+        "packing": "split",
         "seq_len": 256,
         "num_sequences": 160,
         "tokenizer": TOK.identity(),
@@ -240,8 +241,15 @@ def test_stats_table_shows_the_manifest_numbers():
         assert needle in out
     assert "160 × 256" in out and "3 / 32.547 / 700" in out
     rows = dict(stats_rows(_manifest(rejected=7, truncated=11, split=2)))
-    assert (rows["records rejected"], rows["documents truncated"], rows["documents split"]) == ("7", "11", "2")
+    assert (rows["records rejected"], rows["documents truncated"], rows["split by overflow"]) == (
+        "7",
+        "11",
+        "2",
+    )
     assert rows["records skipped"] == "5" and rows["layout"] == "packed" and rows["tokenizer"] == "byte (vocab 260)"
+    rows = dict(stats_rows(_manifest(split_across_rows=300, split_supervised_tokens=6000)))
+    assert (rows["packing"], rows["split across rows"]) == ("split", "300")
+    assert rows["supervised after a cut"] == "6,000 (20.0% of supervised)"
     for label, count in (("16–31", "400"), ("32–63", "700"), ("512–1023", "29")):
         line = next(ln for ln in out.splitlines() if f"doc length {label}" in ln)
         assert count in line and "█" in line
@@ -251,6 +259,7 @@ def test_stats_rows_tolerate_missing_keys():
     rows = dict(stats_rows({"layout": "packed", "stats": {"records_read": 3}}))
     assert rows["records read"] == "3"
     assert rows["records rejected"] == rows["documents truncated"] == rows["supervised tokens"] == "—"
+    assert rows["packing"] == rows["split across rows"] == "—"  # a manifest from before packing modes
     _render_to_str(stats_table({"stats": {}}))  # renders without a histogram
 
 

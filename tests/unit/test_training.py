@@ -124,6 +124,8 @@ def test_resume_is_bit_identical(train_yaml: Path, monkeypatch: pytest.MonkeyPat
     assert resumed == full[4:]  # exact float equality: same bits
     logged = [r["loss"] for r in read_metrics(run_dir)]
     assert logged == full  # the metrics file holds each step once
+    # the run's threads in the log's first record only: the resume adds them to no record of its own
+    assert [r.get("threads") for r in read_metrics(run_dir)] == [torch.get_num_threads()] + [None] * 5
 
 
 def test_checkpoint_keep_last_n_and_latest(train_yaml: Path):
@@ -283,13 +285,13 @@ def test_cpu_workers_start_with_the_retain_tunables_unless_told_not_to(train_yam
 
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")  # the user's own tunables are kept
     spec = load_spec(train_yaml, "training.device=cpu")
-    env = _worker_env(spec)
-    assert env is not None and memory_retained(env)
+    env, _ = _worker_env(spec)
+    assert memory_retained(env)
     assert env["GLIBC_TUNABLES"].startswith("glibc.malloc.arena_max=2:glibc.malloc.mmap_max=0:")
     assert env["PATH"] == os.environ["PATH"]
     assert retaining_env(env) == env  # idempotent
     system = spec.model_copy(update={"training": spec.training.model_copy(update={"cpu_allocator": "system"})})
-    assert _worker_env(system) is None
+    assert _worker_env(system)[0]["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2"  # the user's, untouched
     assert not memory_retained({"GLIBC_TUNABLES": "glibc.malloc.mmap_max=0"})
 
 

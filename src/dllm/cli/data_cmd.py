@@ -84,12 +84,31 @@ def prepare(
         if st["records_skipped"] or st["rejected"]
         else ""
     )
+    slots = manifest["num_sequences"] * manifest["seq_len"]
     out(
-        f"wrote {target} ({manifest['layout']}): {manifest['num_sequences']:,} rows x {manifest['seq_len']} from "
+        f"wrote {target} ({_layout(manifest)}): {manifest['num_sequences']:,} rows x {manifest['seq_len']} from "
         f"{st['records_read']:,} records{dropped} ({st['tokens']:,} tokens, {st['supervised_tokens']:,} supervised, "
-        f"{st['padding_tokens']:,} padding) in {time.perf_counter() - t0:.1f}s; "
-        f"fingerprint {manifest['fingerprint'][:16]}"
+        f"{st['padding_tokens']:,} padding = {100 * st['padding_tokens'] / max(slots, 1):.1f}% of rows; "
+        f"{_split_note(st)}) in {time.perf_counter() - t0:.1f}s; fingerprint {manifest['fingerprint'][:16]}"
     )
+
+
+def _layout(manifest: dict) -> str:
+    """The layout, and for packed rows the packing (a manifest from before packing modes has none)."""
+    packing = manifest.get("packing")
+    return (
+        f"{manifest['layout']}, packing {packing}" if manifest["layout"] == "packed" and packing else manifest["layout"]
+    )
+
+
+def _split_note(stats: dict) -> str:
+    """How many records a row boundary cut, and the supervised tokens that lost their row's context."""
+    cut = stats.get("split_across_rows")
+    if cut is None:
+        return "records split across rows: not recorded"
+    note = f"{cut:,} records split across rows"
+    lost = stats.get("split_supervised_tokens", 0)
+    return note + (f", {lost:,} supervised tokens trained apart from their record's start" if lost else "")
 
 
 @app.command()
@@ -149,6 +168,7 @@ def inspect(
     tok = _artifact_tokenizer(art, tokenizer)
     console = Console(highlight=False)
     total = num_samples(art)
+    console.print(f"{artifact}: {_layout(art.manifest)}; {_split_note(art.manifest.get('stats', {}))}")
     for i in index or [0]:
         tokens, mask = sample_tokens(art, i)
         console.rule(f"{art.manifest['layout']} sample {i} of {total}: {int(mask.sum())}/{len(mask)} supervised")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import typer
 
-from dllm.cli.common import SetOption, out
+from dllm.cli.common import SetOption, out, warn
 
 
 def _version(pkg: str) -> str:
@@ -32,13 +32,39 @@ def doctor(
     """Print versions, devices, distributed backends and optional features; with --config, check that
     this machine has what the run needs (exit 1 naming what is missing)."""
     rows = _machine_rows()
+    busy = _busy_warning()
+    if busy is not None:
+        warn(busy)
     if config is None:
         if as_json:
-            out(json.dumps(dict(rows), indent=2))
+            out(json.dumps({**dict(rows), "warnings": [busy] if busy else []}, indent=2))
             return
         _print_rows(rows)
         return
     _doctor_config(config, overrides or [], rows, as_json)
+
+
+def _busy_warning() -> str | None:
+    """Other jobs keep this machine busy (the 1-minute load average far above the cores): parallel/threads.py."""
+    from dllm.parallel.threads import busy_warning, usable_cores
+
+    if not hasattr(os, "getloadavg"):
+        return None
+    return busy_warning(os.getloadavg()[0], usable_cores())
+
+
+def _thread_rows() -> list[tuple[str, str]]:
+    """Cores, the threads `auto` gives one process (parallel/threads.py), and the load average."""
+    from dllm.parallel.threads import THREADS_ENV, resolve_threads, usable_cores
+
+    why = f"{THREADS_ENV} is set" if THREADS_ENV in os.environ else "usable cores / workers per node"
+    rows = [
+        ("usable cores", str(usable_cores())),
+        ("threads (auto)", f"{resolve_threads('auto', 1, os.environ)} for one process ({why})"),
+    ]
+    if hasattr(os, "getloadavg"):
+        rows.append(("load average", " ".join(f"{x:.2f}" for x in os.getloadavg()) + " (1, 5, 15 min)"))
+    return rows
 
 
 def _doctor_config(config: Path, overrides: list[str], rows: list[tuple[str, str]], as_json: bool) -> None:
@@ -83,6 +109,7 @@ def _machine_rows() -> list[tuple[str, str]]:
         ("python", platform.python_version() + f" ({sys.executable})"),
         ("platform", platform.platform()),
         ("cpu cores", str(os.cpu_count())),
+        *_thread_rows(),
         ("torch", torch.__version__),
         ("cuda", f"{torch.cuda.device_count()} GPU(s)" if torch.cuda.is_available() else "not available"),
         (

@@ -33,6 +33,9 @@ PREPARE_VALUES: dict[str, Any] = {
     ],
     "output": "data/prepared",
     "seq_len": 64,
+    # written out so the template shows the choice: sentences split across rows, each sum whole in one row
+    "layout": "packed",
+    "packing": "auto",
     "append_eos": True,
     "pad_to_multiple": 16,
 }
@@ -67,6 +70,9 @@ README = """# A dllm run folder
 The data is generated so that you can see the model learn: `data/sentences.jsonl` holds templated
 sentences ({"text": ...} records, every token trained on) and `data/arithmetic.jsonl` addition
 problems ({"prompt": "12 + 7 =", "completion": " 19"}; only the completion is noised and trained on).
+Rows of 64 tokens hold several records: sentences are cut across rows wherever a row ends, and each
+prompt/completion record is kept whole in one row (`packing: auto`), so that no completion trains
+without its prompt; `dllm data stats data/prepared` shows how many records a row boundary split.
 Replace them with your own JSONL records and edit `sources` in prepare.yaml.
 Every config field is described in `dllm config schema`.
 """

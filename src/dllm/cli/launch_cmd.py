@@ -20,11 +20,15 @@ def launch(
     nnodes: int = typer.Option(None, "--nnodes", min=1, help="Machines taking part."),
     node_rank: int = typer.Option(None, "--node-rank", min=0, help="This machine's rank (multi-node)."),
     rdzv_endpoint: str = typer.Option(None, "--rdzv-endpoint", help="HOST:PORT of the rendezvous (multi-node)."),
+    threads: str = typer.Option(
+        None, "--threads", help="CPU threads per worker process, or auto (training.threads; see dllm doctor)."
+    ),
     dry_run: bool = typer.Option(False, "--dry-run", help="Validate and print the command, start nothing."),
 ) -> None:
     """Train: checks the config and world size before any worker starts."""
     from dllm.config.loading import dump_config
     from dllm.parallel.launch import check_nodes, format_command, worker_command
+    from dllm.parallel.threads import parse_threads
     from dllm.training.preflight import resolve_run_spec
     from dllm.training.run import CONFIG_NAME, config_digest, launching, run_dir_of
     from dllm.training.run_lock import lock_run_dir
@@ -34,6 +38,8 @@ def launch(
         overrides.append(f"topology.nproc_per_node={nproc_per_node}")
     if nnodes is not None:
         overrides.append(f"topology.nnodes={nnodes}")
+    if threads is not None:
+        overrides.append(f"training.threads={parse_threads(threads, '--threads')}")
     spec = load_config(RunSpec, config, overrides)
     warnings = check_nodes(spec.topology.nnodes, node_rank, rdzv_endpoint)
     spec, more = resolve_run_spec(spec)
@@ -43,7 +49,7 @@ def launch(
     node_rank = node_rank if node_rank is not None and topo.nnodes > 1 else 0
     spec_path = run_dir_of(spec) / CONFIG_NAME
     in_process = topo.world_size == 1
-    worker_env = _worker_env(spec)
+    worker_env, num_threads = _worker_env(spec)
     cmd = (
         ["python", "-m", "dllm.training.worker", str(spec_path)]
         if in_process
@@ -52,14 +58,15 @@ def launch(
     if dry_run:
         out(format_command(cmd))
         writer = "at launch" if node_rank == 0 else "by node rank 0 at its launch"
-        info(f"dry run: config ok for {topo.world_size} process(es); {spec_path} is written {writer}")
+        info(f"dry run: config ok for {topo.world_size} process(es), {num_threads} CPU thread(s) each; {spec_path} "
+             f"is written {writer}")  # fmt: skip
         return
     lock = lock_run_dir(run_dir_of(spec), node_rank)
     try:  # the lock is held until every worker has ended
         # node rank 0 writes the shared run folder; the workers of every node read its config.yaml
         with launching(spec) if node_rank == 0 else nullcontext(run_dir_of(spec)) as run_dir:
-            info(f"run folder: {run_dir}")
-            if in_process and worker_env is not None and not memory_retained():
+            info(f"run folder: {run_dir} ({num_threads} CPU thread(s) per process, training.threads)")
+            if in_process and _retains_memory(spec) and not memory_retained():
                 info(
                     "note: training.cpu_allocator: retain takes effect in a process started with "
                     f"GLIBC_TUNABLES={worker_env['GLIBC_TUNABLES']} (`dllm launch` sets it for the workers it "
@@ -75,20 +82,29 @@ def launch(
     info(f"done: {run_dir} (next: dllm generate --run {run_dir})")
 
 
-def _worker_env(spec) -> dict[str, str] | None:
-    """The workers' environment: glibc's retain tunables for CPU training (training/host_memory.py)."""
-    import os
-
+def _retains_memory(spec) -> bool:
+    """Whether the run trains on the CPU with training.cpu_allocator: retain (training/host_memory.py)."""
     import torch
-
-    from dllm.training.host_memory import retaining_env
 
     device = spec.training.device
     cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
-    return retaining_env(os.environ) if cpu and spec.training.cpu_allocator == "retain" else None
+    return cpu and spec.training.cpu_allocator == "retain"
 
 
-def _train(run_dir: Path, torchrun_cmd: list[str] | None, lock_fd: int, env: dict[str, str] | None) -> None:
+def _worker_env(spec) -> tuple[dict[str, str], int]:
+    """The workers' environment and their CPU threads: OMP_NUM_THREADS (parallel/threads.py; a one-process
+    run sets torch's threads itself, in training/build.py) and glibc's retain tunables."""
+    import os
+
+    from dllm.parallel.threads import resolve_threads, threads_env
+    from dllm.training.host_memory import retaining_env
+
+    env = retaining_env(os.environ) if _retains_memory(spec) else dict(os.environ)
+    num_threads = resolve_threads(spec.training.threads, spec.topology.nproc_per_node, os.environ)
+    return threads_env(env, num_threads), num_threads
+
+
+def _train(run_dir: Path, torchrun_cmd: list[str] | None, lock_fd: int, env: dict[str, str]) -> None:
     """Train in this process, or under torchrun; SIGINT/SIGTERM end every worker, with a last word."""
     from dllm.parallel.launch import Stopped, format_command, run_command, stop_on_signals
     from dllm.training.run import train_from_run_dir

@@ -10,6 +10,7 @@ import typer
 from dllm.cli.common import MODEL_HELP, finite, hub_id, info
 from dllm.cli.sampling_common import DRAFT_BLOCK_SIZE_OPTION, SAMPLER_CONFIG_OPTION, SET_OPTION, setup_sampling
 from dllm.errors import ConfigError
+from dllm.parallel.threads import parse_threads, resolve_threads, use_threads
 from dllm.serving.limits import DEFAULT_MAX_BODY_BYTES
 
 API_KEY_ENV = "DLLM_API_KEY"
@@ -57,6 +58,9 @@ def serve(
         None, "--draft", help="Serve a causal model with speculative decoding by this drafter (a folder or hub id)."
     ),
     draft_block_size: int = DRAFT_BLOCK_SIZE_OPTION,
+    threads: str = typer.Option(
+        "auto", "--threads", help="CPU threads of the server: auto (OMP_NUM_THREADS if set, else every usable core)."
+    ),
 ) -> None:
     """Serve a model over HTTP: OpenAI completions and chat, streaming, a live denoising page at /."""
     try:
@@ -74,6 +78,8 @@ def serve(
     if key is not None:  # an empty key (an unset variable) would serve without one: refused, not dropped
         check_api_key(key, "--api-key" if api_key is not None else f"${API_KEY_ENV}")
     _check_port(host, port)  # before the model loads: a busy port is a one-line error, not a log after a wait
+    num_threads = resolve_threads(parse_threads(threads, "--threads"), 1, os.environ)
+    use_threads(num_threads)  # before the model loads: every op of the server runs on this many threads
     causal = ar or draft is not None
     s = setup_sampling(run, checkpoint, model, device, sampler_config, overrides,
                        {"generation": "causal"} if causal else {}, draft=draft, draft_block_size=draft_block_size,
@@ -88,7 +94,8 @@ def serve(
     mode = "" if not causal else "; ar (KV cache)" if s.drafter is None else "; speculative"
     mode += f" (block {s.drafter.block_size})" if s.drafter is not None else ""
     info(f"{s.loaded.source}: serving {state.model_id!r}{mode} on http://{host}:{port} (page at /, API at /v1; "
-         f"max batch {max_batch}, {max_calls} calls in flight, {'API key required' if key else 'no API key'}; "
+         f"{num_threads} CPU thread(s), max batch {max_batch}, {max_calls} calls in flight, "
+         f"{'API key required' if key else 'no API key'}; "
          f"limits: body {lim.max_body_bytes} "
          f"bytes, prompt {lim.max_prompt_tokens} tokens, {lim.max_steps} steps, queue {max_queue})")  # fmt: skip
     uvicorn.run(build_app(state), host=host, port=port, log_level="warning", access_log=False)

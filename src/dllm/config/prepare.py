@@ -159,13 +159,15 @@ class PrepareSpec(Section):
     seq_len: Int = Field(gt=1, le=MAX_ROW_TOKENS)
     """Tokens per training row (the training data.seq_len); the longest sample in layout indexed."""
     layout: Literal[LAYOUTS.names()] = "packed"  # type: ignore[valid-type]
-    """packed: documents joined by EOS and cut into rows (pretraining); indexed: one sample per row (SFT)."""
+    """packed: several documents per row (see packing); indexed: one sample per row, stored at its own length."""
+    packing: Literal["auto", "whole", "split"] = "auto"
+    """Layout packed: whole keeps each record in one row (best fit), split cuts anywhere; auto: split text, bare ids."""
     append_eos: bool = True
     """Put EOS after every document (the separator between packed documents)."""
     add_bos: bool = False
     """Put BOS before every document (when the tokenizer has one)."""
     max_length: Int | None = Field(default=None, gt=0)
-    """Longest document in tokens (EOS/BOS included); null: no limit (packed) or seq_len (indexed)."""
+    """Longest document in tokens (EOS/BOS included); null: seq_len for records kept whole, else no limit."""
     overflow: Literal["reject", "truncate_left", "truncate_right", "split"] = "reject"
     """A longer document is skipped (counted), cut keeping its end or its start, or split in pieces."""
     pad_to_multiple: Int | None = Field(default=None, gt=0, le=MAX_ROW_TOKENS)
@@ -191,6 +193,8 @@ class PrepareSpec(Section):
 
     @model_validator(mode="after")
     def _check_lengths(self) -> PrepareSpec:
+        if self.layout == "indexed" and self.packing == "split":
+            raise ValueError("packing split does not apply to layout indexed (a sample is one row); remove it")
         if self.layout == "indexed" and self.max_length is not None and self.max_length > self.seq_len:
             raise ValueError(
                 f"max_length {self.max_length} exceeds seq_len {self.seq_len}: an indexed sample fills one row"
@@ -199,11 +203,41 @@ class PrepareSpec(Section):
             raise ValueError(
                 "overflow split does not apply to layout indexed (a sample is one row); use reject or truncate_*"
             )
-        if self.pad_to_multiple and self.length_limit and self.length_limit % self.pad_to_multiple:
-            raise ValueError(f"pad_to_multiple {self.pad_to_multiple} must divide the length limit {self.length_limit}")
+        whole = [src for src in self.sources if self.keeps_whole(src)]
+        if self.layout == "packed" and whole and self.max_length is not None and self.max_length > self.seq_len:
+            raise ValueError(
+                f"max_length {self.max_length} exceeds seq_len {self.seq_len}: packing {self.packing} keeps each "
+                f"{whole[0].format} record whole in one row; lower max_length or set packing: split"
+            )
+        if self.pad_to_multiple:
+            for limit in sorted({self.length_limit_of(src) for src in self.sources} - {None}):
+                if limit % self.pad_to_multiple:
+                    why = "" if self.max_length is not None else " (seq_len: the longest record kept whole in a row)"
+                    raise ValueError(
+                        f"pad_to_multiple {self.pad_to_multiple} must divide the length limit {limit}{why}"
+                    )
         return self
 
+    def keeps_whole(self, src: RecordFields) -> bool:
+        """Whether the records of `src` are each kept in one row (always, in layout indexed).
+
+        `auto` keeps whole the records whose supervised tokens need the rest of the record as context
+        (a prompt, the earlier turns of a chat, tokens labelled by the user): a row boundary inside
+        one would train its targets without that context. Text is split across rows as it comes."""
+        if self.layout == "indexed" or self.packing == "whole":
+            return True
+        if self.packing == "split":
+            return False
+        return src.format in ("prompt_completion", "messages") or src.resolved_supervision == "provided"
+
+    def length_limit_of(self, src: RecordFields) -> int | None:
+        """The longest document of `src`: max_length, else seq_len when its records are kept whole."""
+        if self.max_length is not None:
+            return self.max_length
+        return self.seq_len if self.keeps_whole(src) else None
+
     @property
-    def length_limit(self) -> int | None:
-        """The effective longest document."""
-        return self.max_length if self.max_length is not None else (self.seq_len if self.layout == "indexed" else None)
+    def packing_mode(self) -> str:
+        """What the artifact records: whole or split (every source alike), or mixed."""
+        modes = {"whole" if self.keeps_whole(src) else "split" for src in self.sources}
+        return modes.pop() if len(modes) == 1 else "mixed"

@@ -113,12 +113,18 @@ def stats_rows(manifest: dict[str, Any]) -> list[tuple[str, str]]:
     tok = manifest.get("tokenizer", {})
     return [
         ("layout", str(manifest.get("layout", "—"))),
+        ("packing", str(manifest.get("packing", "—"))),
         ("tokenizer", f"{tok.get('kind', '—')} (vocab {tok.get('vocab_size', '—')})"),
         ("records read", _count(stats, "records_read")),
         ("records skipped", _count(stats, "records_skipped")),
         ("records rejected", _count(stats, "rejected")),
         ("documents truncated", _count(stats, "truncated")),
-        ("documents split", _count(stats, "split")),
+        ("split by overflow", _count(stats, "split")),
+        ("split across rows", _count(stats, "split_across_rows")),
+        (
+            "supervised after a cut",
+            _share(stats.get("split_supervised_tokens"), stats.get("supervised_tokens"), "supervised"),
+        ),
         ("documents", _count(stats, "documents")),
         ("tokens", _count(stats, "tokens")),
         ("supervised tokens", _share(stats.get("supervised_tokens"), stats.get("tokens"), "tokens")),

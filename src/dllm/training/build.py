@@ -9,6 +9,7 @@ supervised and the rl trainer; each adds only its own parts.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,6 +32,7 @@ from dllm.models import factory
 from dllm.parallel.apply import after_materialize, apply_parallelism, unwrap
 from dllm.parallel.context import ShardPlan, build_plan
 from dllm.parallel.dims import DistEnv, ParallelDims, init_process_group, pick_device
+from dllm.parallel.threads import resolve_threads, use_threads
 from dllm.tokenization import Tokenizer, build_tokenizer
 from dllm.training.loop import TrainParts
 from dllm.training.lr import LRSchedule
@@ -183,6 +185,8 @@ def build_trainer(spec: RunSpec, run_dir: Path, env: DistEnv | None = None) -> T
 
 def _start(spec: RunSpec, run_dir: Path, env: DistEnv) -> _Run:
     check_topology(spec, env.world_size)  # a worker started by hand with another world size
+    # every process of the run: the launcher's workers (which it gave OMP_NUM_THREADS) and a one-process run
+    use_threads(resolve_threads(spec.training.threads, spec.topology.nproc_per_node, os.environ))
     device = pick_device(spec.training.device, env)
     # an rl run is uncompiled (config/rules.py check_rl); elsewhere the preflight resolved training.compile:
     # auto already, and a spec built without it resolves here

@@ -140,7 +140,10 @@ class TrainLoop(Generic[U]):
         progress = Progress(self.log_cfg, self.cfg.steps, self.step, enabled=self.env.is_main)
         self.metrics.start(self.step)  # the log now ends at this step: no duplicate after a resume
         start_step, losses = self.step, []
-        pending: dict[str, Any] = {}  # the warm-up's compile_s, for the next metrics record
+        # for the next metrics record: the warm-up's compile_s; and when it is the log's first, the run's CPU
+        # threads (training.threads): a fact of the run, not of a step, so a resume that goes on with a log
+        # writes the same records as a run never stopped (the launch line shows each start's threads)
+        pending: dict[str, Any] = {"threads": torch.get_num_threads()} if self.metrics.first else {}
         try:
             while self.step < self.cfg.steps:
                 unit, step_s, (record, shown) = self._timed_unit()

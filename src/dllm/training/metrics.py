@@ -22,22 +22,24 @@ class MetricsLogger:
         self._tb: Any = None
         self._wandb: Any = None
         self._fh: TextIO | None = None
+        self.first = True  # the next record is the log's first (start() says)
 
     def start(self, step: int) -> None:
         """Open the sinks for a run that goes on after `step` (not before: a resume that is refused writes
         nothing). From a checkpoint (step > 0), the records after it were written by the interrupted run
         and are written again, so they go (and so does a line torn by a kill). From scratch (no checkpoint
         yet, or `resume: never`) the old records are history of another start: kept aside as
-        metrics.jsonl.N, never deleted."""
+        metrics.jsonl.N, never deleted. `first` then says whether the log holds no record yet."""
         if not self.enabled:
             return
         self._close_file()
         self._open_sinks()
+        self.first = True
         if self.path.exists() and step == 0 and self.path.stat().st_size > 0:
             kept = _set_aside(self.path)
             print(f"dllm: starting at step 0: kept the earlier metrics as {kept}", file=sys.stderr)
         elif self.path.exists():
-            _truncate_after(self.path, step)
+            self.first = _truncate_after(self.path, step) == 0
         self._fh = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
 
     def _open_sinks(self) -> None:
@@ -61,6 +63,7 @@ class MetricsLogger:
             return
         assert self._fh is not None, "MetricsLogger.start(step) comes before the first record"
         record = {"step": step, **values}
+        self.first = False
         self._fh.write(json.dumps(record) + "\n")
         self._fh.flush()
         if self._tb is not None:
@@ -99,20 +102,21 @@ def _records(text: str) -> list[dict[str, Any]]:
     return records
 
 
-def _truncate_after(path: Path, step: int) -> None:
+def _truncate_after(path: Path, step: int) -> int:
     """Keep the whole records up to `step`; rewritten through a temp file, so a kill leaves either
-    the old file or the new one."""
+    the old file or the new one. Returns how many records are kept."""
     text = path.read_text(encoding="utf-8", errors="replace")
     kept = [r for r in _records(text) if r["step"] <= step]
     new_text = "".join(json.dumps(r) + "\n" for r in kept)
     if new_text == text:
-        return
+        return len(kept)
     tmp = path.with_suffix(".jsonl.tmp")
     with open(tmp, "w", encoding="utf-8") as fh:
         fh.write(new_text)
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
+    return len(kept)
 
 
 def _set_aside(path: Path) -> Path:

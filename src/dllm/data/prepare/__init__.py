@@ -51,11 +51,13 @@ class Outcome:
     status: str  # ok | truncated | split | rejected | skipped
     length: int = 0
     error: str = ""
+    whole: bool = False  # each piece is kept in one row (PrepareSpec.keeps_whole)
 
 
 def process_record(record: Record, src: Any, spec: PrepareSpec, tok: Tokenizer, max_chars: int | None) -> Outcome:
+    whole = spec.keeps_whole(src)
     if max_chars is not None and record.error is None and text_chars(record, src) > max_chars:
-        return Outcome([], "rejected")  # cannot fit the length limit: never tokenized (a 50 MB line took 3 GB)
+        return Outcome([], "rejected", whole=whole)  # cannot fit the limit: never tokenized (a 50 MB line took 3 GB)
     try:
         if record.error is not None:  # a line that is not a JSON object
             raise DataError(record.error)
@@ -63,8 +65,8 @@ def process_record(record: Record, src: Any, spec: PrepareSpec, tok: Tokenizer, 
     except DataError as e:
         if spec.on_bad_record == "fail":
             raise
-        return Outcome([], "skipped", error=str(e))
-    pieces = fit_length(doc, spec.length_limit, spec.overflow)
+        return Outcome([], "skipped", error=str(e), whole=whole)
+    pieces = fit_length(doc, spec.length_limit_of(src), spec.overflow)
     if not pieces:
         status = "rejected"
     elif len(pieces) > 1:
@@ -72,14 +74,14 @@ def process_record(record: Record, src: Any, spec: PrepareSpec, tok: Tokenizer, 
     else:
         status = "ok" if len(pieces[0]) == len(doc) else "truncated"
     pieces = [pad_to_multiple(p, spec.pad_to_multiple, tok.eos_id) for p in pieces]
-    return Outcome(pieces, status, len(doc))
+    return Outcome(pieces, status, len(doc), whole=whole)
 
 
 # -- worker processes: each builds its tokenizer once ------------------------------------------------
 _WORKER: dict[str, Any] = {}
 
 
-def _init_worker(spec: PrepareSpec, max_chars: int | None) -> None:
+def _init_worker(spec: PrepareSpec, max_chars: list[int | None]) -> None:
     _WORKER["spec"] = spec
     _WORKER["tok"] = build_tokenizer(spec.tokenizer)
     _WORKER["max_chars"] = max_chars
@@ -87,20 +89,22 @@ def _init_worker(spec: PrepareSpec, max_chars: int | None) -> None:
 
 def _process_chunk(chunk: list[tuple[int, Record]]) -> list[Outcome]:
     spec, tok, max_chars = _WORKER["spec"], _WORKER["tok"], _WORKER["max_chars"]
-    return [process_record(rec, spec.sources[i], spec, tok, max_chars) for i, rec in chunk]
+    return [process_record(rec, spec.sources[i], spec, tok, max_chars[i]) for i, rec in chunk]
 
 
-def max_text_chars(spec: PrepareSpec, tok: Tokenizer) -> int | None:
-    """The most characters a record may hold and still fit the length limit, when overflow is reject.
+def max_text_chars(spec: PrepareSpec, tok: Tokenizer) -> list[int | None]:
+    """Per source, the most characters a record may hold and still fit its length limit, when overflow
+    is reject (None: no limit).
 
     A token stands for at most `M` bytes of text (M: its longest decoded form), and a character is
     at least a byte, so text of more than limit * M characters needs more than `limit` tokens. The
     factor 2 leaves room for decoders that drop a byte (a leading space) and normalizers that merge
     characters; only a normalizer that deletes most of a text would make this reject a record that fits."""
-    if spec.overflow != "reject" or spec.length_limit is None:
-        return None
+    limits = [spec.length_limit_of(src) if spec.overflow == "reject" else None for src in spec.sources]
+    if all(limit is None for limit in limits):
+        return limits
     longest = max(len(tok.decode([i], skip_special=False).encode("utf-8", "replace")) for i in range(tok.vocab_size))
-    return 2 * spec.length_limit * max(longest, 1)
+    return [None if limit is None else 2 * limit * max(longest, 1) for limit in limits]
 
 
 def _chunks(spec: PrepareSpec, base_dir: Path) -> Iterator[list[tuple[int, Record]]]:
@@ -132,7 +136,7 @@ def outcomes(spec: PrepareSpec, base_dir: Path, tok: Tokenizer, workers: int) ->
     max_chars = max_text_chars(spec, tok)
     if workers <= 1:
         for chunk in chunks:
-            yield from (process_record(rec, spec.sources[i], spec, tok, max_chars) for i, rec in chunk)
+            yield from (process_record(rec, spec.sources[i], spec, tok, max_chars[i]) for i, rec in chunk)
         return
     ctx = mp.get_context("spawn" if os.name == "nt" else "fork")
     with ctx.Pool(workers, initializer=_init_worker, initargs=(spec, max_chars)) as pool:
@@ -166,16 +170,18 @@ class PrepareStats:
     supervised: int = 0
     skip_examples: list[str] = field(default_factory=list)
 
-    def add(self, out: Outcome) -> None:
+    def add(self, out: Outcome, cut: bool) -> None:
+        """One record's outcome; `cut`: a row boundary fell inside one of its pieces."""
         self.counts["records_read"] += 1
         self.counts[out.status] += 1
+        self.counts["split_across_rows"] += cut
         if out.error and len(self.skip_examples) < 5:
             self.skip_examples.append(out.error)
         for piece in out.pieces:
             self.lengths.add(len(piece))
             self.supervised += sum(piece.loss_mask)
 
-    def to_dict(self, padding: int, layout_rows: int) -> dict[str, Any]:
+    def to_dict(self, layout: Layout) -> dict[str, Any]:
         L = self.lengths
         return {
             "records_read": self.counts["records_read"],
@@ -183,12 +189,14 @@ class PrepareStats:
             "rejected": self.counts["rejected"],
             "truncated": self.counts["truncated"],
             "split": self.counts["split"],
+            "split_across_rows": self.counts["split_across_rows"],
+            "split_supervised_tokens": layout.num_split_supervised,
             "skip_examples": self.skip_examples,
             "documents": L.count,
             "tokens": L.total,
             "supervised_tokens": self.supervised,
-            "padding_tokens": padding,
-            "rows": layout_rows,
+            "padding_tokens": layout.num_padding,
+            "rows": layout.num_sequences,
             "doc_length": {"min": L.min, "max": L.max, "mean": round(L.total / L.count, 3) if L.count else 0.0},
             "doc_length_histogram": {"edges": list(LengthStats.EDGES), "counts": L.hist},
         }
@@ -257,9 +265,8 @@ def prepare(
         layout_cls: type[Layout] = LAYOUTS.resolve(spec.layout)
         layout = layout_cls(spec.seq_len, tok.pad_id, *writers.values())
         for outcome in outcomes(spec, base_dir, tok, workers):
-            stats.add(outcome)
-            for piece in outcome.pieces:
-                layout.add(piece)
+            cuts = [layout.add(piece, outcome.whole) for piece in outcome.pieces]
+            stats.add(outcome, any(cuts))
             if progress is not None:
                 progress(stats.counts["records_read"], sum(len(p) for p in outcome.pieces))
         layout.finish()
@@ -272,6 +279,7 @@ def prepare(
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
             "layout": spec.layout,
+            "packing": spec.packing_mode,
             "seq_len": spec.seq_len,
             "num_sequences": layout.num_sequences,
             "files": files,
@@ -279,7 +287,7 @@ def prepare(
             "fingerprint": fingerprint(portable, identity, files),
             "prepare_config": portable,
             "provenance": _provenance(spec, base_dir),
-            "stats": stats.to_dict(layout.num_padding, layout.num_sequences),
+            "stats": stats.to_dict(layout),
         }
         if isinstance(spec.tokenizer.path, Path):  # not a hub id
             # relative, so that the artifact and its tokenizer can move together

@@ -1,0 +1,129 @@
+"""CPU threads per process: the `auto` rule, `training.threads` / `dllm launch --threads` reaching torch in
+every process the launcher starts, `dllm serve --threads`, and `dllm doctor`'s warning on a busy machine."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from dllm.cli.main import main
+from dllm.errors import ConfigError
+from dllm.parallel import threads
+from dllm.training.metrics import read_metrics
+from tests.distributed.harness import free_port
+from tests.helpers import load_spec
+
+
+@pytest.fixture
+def keep_threads() -> Iterator[None]:
+    """The commands below set this process's torch threads: put them back."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def test_the_auto_rule(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(threads, "usable_cores", lambda: 8)
+    assert threads.resolve_threads("auto", 1, {}) == 8  # one process: every core
+    assert threads.resolve_threads("auto", 3, {}) == 2  # cores // workers on the node
+    assert threads.resolve_threads("auto", 16, {}) == 1  # at least one
+    assert threads.resolve_threads("auto", 2, {"OMP_NUM_THREADS": "3"}) == 3  # the user's own setting
+    assert threads.resolve_threads("auto", 2, {"OMP_NUM_THREADS": "0"}) == 4  # not a thread count: ignored
+    assert threads.resolve_threads(5, 2, {"OMP_NUM_THREADS": "3"}) == 5  # an explicit setting wins
+    assert threads.threads_env({"A": "1"}, 3) == {"A": "1", "OMP_NUM_THREADS": "3"}
+    assert threads.parse_threads("auto", "--threads") == "auto" and threads.parse_threads("4", "--threads") == 4
+    for bad in ("0", "-1", "two", ""):
+        with pytest.raises(ConfigError, match=f"--threads: expected a positive number of threads or auto, got {bad!r}"):
+            threads.parse_threads(bad, "--threads")
+
+
+def test_a_busy_machine_is_named():
+    assert threads.busy_warning(2.5, 2) is None
+    assert "load average (9.0) is far above the 2 cores" in threads.busy_warning(9.0, 2)
+
+
+def test_doctor_shows_the_threads_and_warns_when_busy(monkeypatch: pytest.MonkeyPatch, capsys):
+    monkeypatch.setattr(os, "getloadavg", lambda: (40.0, 30.0, 20.0))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert main(["doctor"]) == 0
+    out, err = capsys.readouterr()
+    rows = {line.split("  ")[0]: line.split("  ", 1)[1].strip() for line in out.splitlines()}
+    assert rows["threads (auto)"] == "1 for one process (OMP_NUM_THREADS is set)"
+    assert rows["load average"] == "40.00 30.00 20.00 (1, 5, 15 min)"
+    assert "dllm: warning: the load average (40.0) is far above" in err and "--threads 1" in err
+    assert main(["doctor", "--json"]) == 0
+    assert "far above" in json.loads(capsys.readouterr().out)["warnings"][0]
+
+
+def test_the_launcher_hands_its_workers_the_thread_count(train_yaml: Path, monkeypatch: pytest.MonkeyPatch):
+    from dllm.cli.launch_cmd import _worker_env
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    env, n = _worker_env(load_spec(train_yaml, "training.threads=3", "topology.nproc_per_node=2"))
+    assert n == 3 and env["OMP_NUM_THREADS"] == "3"
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    monkeypatch.setattr(threads, "usable_cores", lambda: 6)
+    env, n = _worker_env(load_spec(train_yaml, "topology.nproc_per_node=2"))
+    assert n == 3 and env["OMP_NUM_THREADS"] == "3"  # auto: 6 cores / 2 workers
+
+
+def test_launch_threads_reach_torch_in_a_one_process_run(
+    train_yaml: Path, monkeypatch: pytest.MonkeyPatch, capsys, keep_threads: None
+):
+    """--threads 2 against the test environment's OMP_NUM_THREADS=1: the setting wins and torch trains with it."""
+    monkeypatch.chdir(train_yaml.parent)
+    assert main(["launch", "--config", "train.yaml", "--dry-run", "--threads", "0"]) == 2
+    assert "dllm: error: --threads: expected a positive number" in capsys.readouterr().err
+    assert main(["launch", "--config", "train.yaml", "--threads", "2", "--set", "training.steps=2"]) == 0
+    assert "(2 CPU thread(s) per process, training.threads)" in capsys.readouterr().err
+    assert read_metrics(train_yaml.parent / "runs" / "t")[0]["threads"] == 2
+
+
+PROBE = """
+import os, sys, torch
+open(os.path.join(sys.argv[1], "rank" + os.environ["RANK"]), "w").write(str(torch.get_num_threads()))
+"""
+
+
+@pytest.mark.distributed
+def test_launch_threads_reach_torch_in_every_worker(train_yaml: Path):
+    """Two workers under torchrun: each starts with the launcher's OMP_NUM_THREADS (torchrun would set 1), and
+    the trainer of each sets torch's threads from training.threads (rank 0 records it)."""
+    from dllm.cli.launch_cmd import _worker_env
+
+    spec = load_spec(train_yaml, "training.threads=2", "topology.nproc_per_node=2")
+    env, _ = _worker_env(spec)
+    (train_yaml.parent / "probe.py").write_text(PROBE)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "probe.py", "."]
+    subprocess.run(cmd, cwd=train_yaml.parent, env=env, check=True, capture_output=True, timeout=120)
+    assert [(train_yaml.parent / f"rank{r}").read_text() for r in (0, 1)] == ["2", "2"]
+    args = ["launch", "--config", "train.yaml", "--nproc-per-node", "2", "--threads", "2", "--set", "training.steps=2"]
+    res = subprocess.run([sys.executable, "-m", "dllm.cli.main", *args], cwd=train_yaml.parent, capture_output=True,
+                         text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert read_metrics(train_yaml.parent / "runs" / "t")[0]["threads"] == 2
+
+
+def test_serve_threads_reach_torch(train_yaml: Path, monkeypatch: pytest.MonkeyPatch, capsys, keep_threads: None):
+    import uvicorn
+
+    from dllm.training.preflight import resolve_run_spec
+    from dllm.training.run import prepare_run_dir, train_from_run_dir
+
+    spec, _ = resolve_run_spec(load_spec(train_yaml, "training.steps=1"))
+    train_from_run_dir(prepare_run_dir(spec))
+    seen: list[int] = []
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **k: seen.append(torch.get_num_threads()))
+    port = ["--port", str(free_port())]
+    for n in (2, 1):
+        assert main(["serve", "--run", str(train_yaml.parent / "runs" / "t"), "--threads", str(n), *port]) == 0
+        assert f"{n} CPU thread(s), max batch" in capsys.readouterr().err
+    assert seen == [2, 1]
+    assert main(["serve", "--run", str(train_yaml.parent / "runs" / "t"), "--threads", "many", *port]) == 2
