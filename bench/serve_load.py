@@ -308,6 +308,8 @@ def mixed(args: argparse.Namespace) -> int:
                     print(json.dumps({"bench": "serve_load_engine", "model": kind, "engine": name, **out[name]}),
                           flush=True)  # fmt: skip
                 out["throughput_ratio"] = round(out["continuous"]["tokens_per_s"] / out["one_call"]["tokens_per_s"], 2)
+                if kind == "ar":
+                    out["sampler_ceiling_ratio"] = running_batch_ceiling(model, plan, args)
                 summary[kind] = out
             finally:
                 servers["one_call"].stop()
@@ -323,6 +325,48 @@ def mixed(args: argparse.Namespace) -> int:
         if soak_server is not None:
             soak_server.stop()
     return 0
+
+
+def running_batch_ceiling(model_dir: Path, plan: list[int], args: argparse.Namespace) -> float:
+    """The same mixed AR load without a server: every request in one running batch (sampling/continuous.py)
+    vs one `generate` call per length (what the one-call engine batches), median ratio of 3 interleaved
+    rounds. On a CPU a forward's cost grows with its rows, so sharing forwards saves only their fixed part."""
+    import torch
+
+    from dllm.checkpoint.inference import load_for_inference
+    from dllm.config.sampler import SamplerConfig, resolve_sampler
+    from dllm.sampling.canvas import SpecialIds
+    from dllm.sampling.continuous import RunningBatch
+    from dllm.sampling.generate import generate
+
+    torch.set_num_threads(args.threads)
+    loaded = load_for_inference(model_dir=model_dir)
+    special = SpecialIds.of(loaded.profile)
+    prompts = [loaded.tokenizer.encode(f"{(i * 7) % 50} + {(i * 3) % 50} =") for i in range(len(plan))]
+
+    def cfg(n: int) -> SamplerConfig:
+        return resolve_sampler(SamplerConfig(generation="causal", gen_length=n, stop_at_eos=False), loaded.profile)
+
+    def running() -> None:
+        batch = RunningBatch(loaded.model, special, len(plan))
+        batch.reserve(len(plan), max(len(p) for p in prompts) + max(plan))
+        for p, n in zip(prompts, plan, strict=True):
+            batch.join([p], cfg(n))
+        while batch.groups:
+            batch.step()
+
+    def calls() -> None:
+        for n in sorted(set(plan)):
+            generate(loaded.model, [p for p, k in zip(prompts, plan, strict=True) if k == n], cfg(n), special)
+
+    ratios = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        calls()
+        t1 = time.perf_counter()
+        running()
+        ratios.append((t1 - t0) / (time.perf_counter() - t1))
+    return round(statistics.median(ratios), 2)
 
 
 def mixed_soak(srv: Server, plan: list[int], args: argparse.Namespace) -> dict:

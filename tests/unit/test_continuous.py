@@ -100,29 +100,33 @@ def test_a_stop_function_ends_a_row_as_it_does_alone(model):
     batch.leave(other)
 
 
-def test_leaving_frees_rows_for_the_next_request_and_compacts(model):
+def test_leaving_moves_the_last_rows_into_the_freed_ones(model):
+    """A request that leaves (done, or its client gone) frees its rows: the last running rows move into them
+    and the buffers end after the running rows, so no forward runs a free row; the others decode on unchanged."""
     batch = RunningBatch(model, SPECIAL, max_rows=16)
     long = [batch.join(random_prompts(2, seed=20 + i), _cfg(40, eos=False)) for i in range(4)]  # 8 rows
     assert len(batch.owner) == 8 and batch.rows == 8
     assert batch.fits(8) and not batch.fits(9)
     batch.step()
-    batch.leave(long[1])  # a client went away: its rows are free, the others run on
-    assert batch.rows == 6 and len(batch.owner) == 8
+    batch.leave(long[1])  # a client went away
+    assert len(batch.owner) == 6 == batch.rows == batch.target.length_B.shape[0]
+    assert sorted(r for g in batch.groups for r in g.rows) == list(range(6))
     late = batch.join(random_prompts(2, seed=30), _cfg(5, eos=False))
-    assert len(batch.owner) == 8 and sorted(late.rows) == sorted(long[1].rows)  # its rows reused, no growth
+    assert len(batch.owner) == 8 and batch.rows == 8
     for _ in range(3):
         batch.step()
     batch.leave(long[0])
     batch.leave(long[2])
-    assert len(batch.owner) == 8 and batch.rows == 4  # half free: kept
+    assert len(batch.owner) == 4 == batch.rows
+    assert all(k.shape[0] == 4 for layer in batch.target.cache.layers.values() for k in (layer.k_BKTD, layer.v_BKTD))
     while not late.done:
         batch.step()
-    assert len(batch.owner) == 2 and batch.rows == 2  # more than half free: compacted to the running rows
+    assert len(batch.owner) == 2 == batch.rows
     while not long[3].done:
         batch.step()
     _same(long[3], _alone(model, long[3].prompts, _cfg(40, eos=False)))
     _same(late, _alone(model, late.prompts, _cfg(5, eos=False)))
-    assert batch.owner == []
+    assert batch.owner == [] and batch.target.cache.layers == {}  # released
 
 
 def test_a_request_that_ends_with_its_first_token_never_takes_a_row(model):

@@ -100,6 +100,20 @@ class RaggedKVCache:
                 setattr(layer, name, new)
         self.capacity = capacity
 
+    def move(self, src: Sequence[int], dst: Sequence[int], num_rows: int) -> None:
+        """Copy buffer rows `src` to rows `dst`, then keep the first `num_rows` rows (a view: the memory
+        stays, to be reused when rows join again)."""
+        s = torch.tensor(src, dtype=torch.long, device=self.length_B.device)
+        d = torch.tensor(dst, dtype=torch.long, device=self.length_B.device)
+        for layer in self.layers.values():
+            for name in ("k_BKTD", "v_BKTD"):
+                buf = getattr(layer, name)
+                if buf is None:
+                    continue
+                if len(src):
+                    buf[d] = buf[s]
+                setattr(layer, name, buf[:num_rows])
+
     def put(self, rows: Sequence[int], other: RaggedKVCache, length: int, num_rows: int) -> None:
         """Copy positions [0, length) of every row of `other` (a prefill's cache) into rows `rows` of these
         buffers (allocated with `num_rows` rows on the first copy)."""

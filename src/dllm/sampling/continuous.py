@@ -13,10 +13,11 @@ same order: the prefill draws once over the group's rows and each step once more
 along until the whole group has, as in the causal loop (speculative.py). tests/unit/test_continuous.py
 checks both against `generate`.
 
-Rows: buffer row s holds one row's tokens at positions [0, length). A free row runs a dummy token at
-position 0 (its output unread) until a request takes it; when more than half the rows are free they
-are compacted (one copy), and with none running the buffers are released. The capacity in positions
-grows to the longest prompt + max tokens among the running rows.
+Rows: buffer row s holds one row's tokens at positions [0, length). When a request leaves, the last
+running rows move into its rows (a copy of those rows only) and the buffers end after the running rows,
+so a forward runs running rows only (a request's rows that ended ride along until the whole request
+has, as in the causal loop); with none running the buffers are released. Room for arriving requests is
+made in one copy (`reserve`), the capacity in positions growing by half at least.
 
 Speculative decoding (a drafter's own per-row state) and diffusion canvases do not join a running batch:
 the server interleaves those calls step by step instead (serving/engine.py).
@@ -63,20 +64,22 @@ class Group:
         return all(self.ended)
 
     def take(self, chosen: list[int]) -> None:
-        """This forward's token of every row that has not ended; which rows end with it."""
-        live = [not e for e in self.ended] if self.ended else [True] * len(chosen)
+        """This forward's token of every row that has not ended; which rows end with it (N tokens, an EOS,
+        or the stop function on its tokens)."""
         if not self.tokens:
-            self.tokens = [[] for _ in chosen]
-            self.ended = [False] * len(chosen)
-        for r, token in enumerate(chosen):
-            if live[r]:
-                self.tokens[r].append(token)
-        self.counters.rounds += sum(live) if self.counters.nfe > 1 else 0  # the prefill's token is no round
+            self.tokens, self.ended = [[] for _ in chosen], [False] * len(chosen)
+        else:  # the prefill's token is no round
+            self.counters.rounds += self.ended.count(False)
         eos = self.eos_id if self.cfg.stop_at_eos else None
-        for r, seq in enumerate(self.sequences()):
-            if live[r]:
-                self.ended[r] = (len(self.tokens[r]) >= self.cfg.gen_length or (eos is not None and
-                                 self.tokens[r][-1] == eos) or (self.stop is not None and self.stop(seq)))  # fmt: skip
+        for r, token in enumerate(chosen):
+            if self.ended[r]:
+                continue
+            row = self.tokens[r]
+            row.append(token)
+            # a running row's tokens are its decided text (with stop_at_eos, an EOS has ended it)
+            self.ended[r] = (
+                len(row) >= self.cfg.gen_length or token == eos or (self.stop is not None and self.stop(row))
+            )
 
     def sequences(self) -> list[list[int]]:
         """Each row's decided tokens (at most gen_length), cut before its first EOS."""
@@ -146,12 +149,8 @@ class RunningBatch:
         group.batch_rows += n
         if group.done:
             return group
-        free = [r for r, g in enumerate(self.owner) if g is None][:n]
-        capacity = max(self.target.cache.capacity, max(len_n.tolist()) + cfg.gen_length + 1)
-        grown = len(self.owner) + n - len(free)
-        if grown > len(self.owner) or capacity > self.target.cache.capacity:
-            self._rebuild(list(range(len(self.owner))) + [-1] * (grown - len(self.owner)), capacity)
-        rows = free + [r for r in range(len(self.owner)) if self.owner[r] is None and r not in free][: n - len(free)]
+        self.reserve(n, max(len_n.tolist()) + cfg.gen_length)
+        rows = [r for r, g in enumerate(self.owner) if g is None][:n]
         self.target.cache.put(rows, prefill.cache, P, len(self.owner))
         index = torch.tensor(rows, dtype=torch.long, device=self.device)
         self.target.length_B[index] = len_n
@@ -163,6 +162,18 @@ class RunningBatch:
         return group
 
     @torch.inference_mode()
+    def reserve(self, num_rows: int, length: int) -> None:
+        """Make room for `num_rows` more rows of up to `length` tokens (prompt + new) in one copy of the
+        buffers: a caller that admits several requests at once reserves for all of them first. The
+        capacity grows by half at least, so that rows of growing lengths do not copy at every join."""
+        free = self.owner.count(None)
+        capacity = self.target.cache.capacity
+        if length + 1 > capacity:
+            capacity = max(length + 1, capacity + capacity // 2)
+        if num_rows > free or capacity > self.target.cache.capacity:
+            self._rebuild(list(range(len(self.owner))) + [-1] * max(num_rows - free, 0), capacity)
+
+    @torch.inference_mode()
     def step(self) -> list[Group]:
         """One forward of every running row; each row keeps the token its request's settings choose. The
         requests that ended with it, which leave the batch."""
@@ -172,7 +183,7 @@ class RunningBatch:
         logits_RV = logits_R1V[:, 0]
         greedy = logits_RV.argmax(-1)
         greedy_rows = greedy.tolist()  # the step's host sync
-        next_R, keep_R = greedy.clone(), torch.zeros_like(self.anchor_R)
+        next_R, keep = greedy.clone(), [0] * len(self.owner)
         cached, live_rows, finished = self.target.cache.key_end - 1, self.rows, []
         for g in self.groups:
             if g.cfg.temperature == 0:
@@ -182,7 +193,8 @@ class RunningBatch:
                 drawn = choose(g.cfg, logits_RV[index], g.generator)
                 next_R[index] = drawn
                 chosen = drawn.tolist()
-            keep_R[[r for r, e in zip(g.rows, g.ended, strict=True) if not e]] = 1
+            for r, ended in zip(g.rows, g.ended, strict=True):
+                keep[r] = 0 if ended else 1
             c = g.counters
             c.nfe, c.steps = c.nfe + 1, c.steps + 1
             c.query_tokens, c.cached_tokens = c.query_tokens + len(g.rows), c.cached_tokens + len(g.rows) * cached
@@ -190,7 +202,9 @@ class RunningBatch:
             g.take(chosen)
             if g.done:
                 finished.append(g)
-        self.target.commit(keep_R)  # the anchors ran: cached now (an ended row's stays where it was)
+        self.target.commit(
+            torch.tensor(keep, device=self.device)
+        )  # the anchors ran: cached now (an ended row's stays where it was)
         self.anchor_R = next_R
         for g in finished:
             self.leave(g)
@@ -204,13 +218,26 @@ class RunningBatch:
         self.groups.remove(group)
         for r in group.rows:
             self.owner[r] = None
-        index = torch.tensor(group.rows, dtype=torch.long, device=self.device)
-        self.target.length_B[index] = 0
-        self.anchor_R[index] = 0
         if not self.groups:
             self._release()
-        elif 2 * self.rows < len(self.owner):
-            self._rebuild([r for r, g in enumerate(self.owner) if g is not None], self.target.cache.capacity)
+            return
+        # the last running rows move into the freed ones (a copy of those rows only), and the buffers end
+        # after the running rows: a forward never runs a free row
+        running = len(self.owner) - self.owner.count(None)
+        holes = [r for r in range(running) if self.owner[r] is None]
+        tail = [r for r in range(running, len(self.owner)) if self.owner[r] is not None]
+        self.target.cache.move(tail, holes, running)
+        moved = dict(zip(tail, holes, strict=True))
+        src = torch.tensor(tail, dtype=torch.long, device=self.device)
+        dst = torch.tensor(holes, dtype=torch.long, device=self.device)
+        length_R, anchor_R = self.target.length_B.clone(), self.anchor_R.clone()
+        length_R[dst], anchor_R[dst] = self.target.length_B[src], self.anchor_R[src]
+        self.target.length_B, self.anchor_R = length_R[:running], anchor_R[:running]
+        for old, new in moved.items():
+            self.owner[new] = self.owner[old]
+        del self.owner[running:]
+        for g in self.groups:
+            g.rows = [moved.get(r, r) for r in g.rows]
 
     def _rebuild(self, rows: list[int], capacity: int) -> None:
         """Keep buffer rows `rows` (in that order; -1: a new free row) in buffers of `capacity` positions."""

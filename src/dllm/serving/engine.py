@@ -294,6 +294,10 @@ class Engine:
                 self.turns.join(call)
                 in_line = True
             now = time.monotonic()
+            if admitted:  # the rows of all of them in one copy of the buffers
+                longest = max(len(r) for job in admitted for r in job.rows) + max(j.settings.cfg.gen_length
+                                                                                   for j in admitted)  # fmt: skip
+                batch.reserve(sum(len(job.rows) for job in admitted), longest)
             for job in admitted:
                 self.metrics.observe("dllm_request_queue_time_seconds", now - job.enqueued_at)
                 self._join(batch, job, running)
