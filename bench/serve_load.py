@@ -12,7 +12,7 @@ its length), alternating the two servers round by round. Reported per model and 
 tokens/s (median over rounds) and the ratio (target >= 1.5), p50/p99 latency, errors (target 0); and
 the latency of an 8-token request sent while a 512-token one runs, over its latency alone (target <=
 3x). Then the default causal server runs the same mixed load for --soak-s seconds (default 300) and its
-resident memory (VmRSS) is read at the start and end (target: growth < 10%).
+resident memory (VmRSS) is read after a first round at full load and at the end (target: growth < 10%).
 
 --mode batching (one length for every request): --rounds rounds of --clients concurrent requests of
 --max-tokens tokens against `--max-batch 64` and `--max-batch 1`: tokens/s of each and their ratio
@@ -370,9 +370,12 @@ def running_batch_ceiling(model_dir: Path, plan: list[int], args: argparse.Names
 
 
 def mixed_soak(srv: Server, plan: list[int], args: argparse.Namespace) -> dict:
-    """The mixed load, round after round, for soak_s seconds: RSS at the start and end and every tenth of the way."""
+    """The mixed load, round after round, for soak_s seconds: RSS after a first round at full load (the running
+    batch's buffers at their working size), then every tenth of the way and at the end."""
+    before_mb = srv.rss_mb()
+    first = asyncio.run(mixed_round(srv.url, plan, 99, args.round_timeout_s))
     start_mb = srv.rss_mb()
-    t0, requests, errors, series, r = time.monotonic(), 0, 0, [round(start_mb, 1)], 0
+    t0, requests, errors, series, r = time.monotonic(), len(plan), first["errors"], [round(start_mb, 1)], 0
     while time.monotonic() - t0 < args.soak_s:
         res = asyncio.run(mixed_round(srv.url, plan, 100 + r, args.round_timeout_s))
         requests, errors, r = requests + len(plan), errors + res["errors"], r + 1
@@ -380,7 +383,8 @@ def mixed_soak(srv: Server, plan: list[int], args: argparse.Namespace) -> dict:
             series.append(round(srv.rss_mb(), 1))
     end_mb = srv.rss_mb()
     return {"soak_s": round(time.monotonic() - t0, 1), "requests": requests, "errors": errors,
-            "rss_start_mb": round(start_mb, 1), "rss_end_mb": round(end_mb, 1),
+            "rss_before_first_round_mb": round(before_mb, 1), "rss_start_mb": round(start_mb, 1),
+            "rss_end_mb": round(end_mb, 1),
             "rss_growth": round(end_mb / start_mb - 1, 4), "rss_series_mb": series}  # fmt: skip
 
 
