@@ -104,32 +104,8 @@ class Server:
 
 
 async def one_round(url: str, clients: int, max_tokens: int, round_idx: int, timeout_s: float) -> dict:
-    """`clients` concurrent requests; tokens/s over the round's wall time, latencies, errors."""
-    latencies: list[float] = []
-    tokens, errors = 0, 0
-
-    async def client(i: int, http: httpx.AsyncClient) -> None:
-        nonlocal tokens, errors
-        prompt = f"{(i * 7 + round_idx) % 50} + {(i * 3) % 50} ="
-        t0 = time.perf_counter()
-        try:
-            r = await http.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens})
-            if r.status_code != 200:
-                errors += 1
-                return
-            tokens += r.json()["usage"]["completion_tokens"]
-            latencies.append(time.perf_counter() - t0)
-        except httpx.HTTPError:
-            errors += 1
-
-    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
-    async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as http:
-        t0 = time.perf_counter()
-        await asyncio.gather(*(client(i, http) for i in range(clients)))
-        wall = time.perf_counter() - t0
-    latencies.sort()
-    return {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall, "errors": errors,
-            "latencies": latencies}  # fmt: skip
+    """`clients` concurrent requests of `max_tokens` each (the server's temperature)."""
+    return await mixed_round(url, [max_tokens] * clients, round_idx, timeout_s, greedy=False)
 
 
 def mean_batch_rows(srv: Server) -> float:
@@ -217,14 +193,17 @@ def load_avg() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
-async def mixed_round(url: str, lengths: list[int], round_idx: int, timeout_s: float) -> dict:
-    """One request per entry of `lengths` (its max_tokens), all at once; tokens/s over the round, latencies, errors."""
+async def mixed_round(url: str, lengths: list[int], round_idx: int, timeout_s: float, greedy: bool = True) -> dict:
+    """One request per entry of `lengths` (its max_tokens), all at once (`greedy`: temperature 0, else the
+    server's); tokens/s over the round's wall time, latencies, errors."""
     latencies: list[float] = []
     tokens, errors = 0, 0
 
     async def client(i: int, n: int, http: httpx.AsyncClient) -> None:
         nonlocal tokens, errors
-        body = {"prompt": f"{(i * 7 + round_idx) % 50} + {(i * 3) % 50} =", "max_tokens": n, "temperature": 0}
+        body = {"prompt": f"{(i * 7 + round_idx) % 50} + {(i * 3) % 50} =", "max_tokens": n}
+        if greedy:
+            body["temperature"] = 0
         t0 = time.perf_counter()
         try:
             r = await http.post(url + "/v1/completions", json=body)
@@ -261,7 +240,7 @@ def short_behind_long(srv: Server, short: int, long: int, repeats: int = 3) -> d
         t = threading.Thread(target=post, args=(long,))
         t.start()
         t0 = time.monotonic()
-        while httpx.get(srv.url + "/health").json()["running_rows"] < 1 and time.monotonic() - t0 < 60:
+        while t.is_alive() and httpx.get(srv.url + "/health").json()["running_rows"] < 1 and time.monotonic() - t0 < 60:
             time.sleep(0.005)
         time.sleep(0.05)  # the long one is decoding
         behind.append(post(short))

@@ -84,3 +84,11 @@ class SlowTokenizer:
 
     def __getattr__(self, name: str):
         return getattr(self.inner, name)
+
+
+def wait_until(cond, timeout: float = 30) -> None:
+    """Poll `cond` every 10 ms until it holds; fail after `timeout` seconds."""
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < timeout, "timed out"
+        time.sleep(0.01)

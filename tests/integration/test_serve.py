@@ -21,7 +21,14 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-from tests.integration.serve_support import MAX_LEN, make_server, slow_loaded, tiny_loaded, tiny_model  # noqa: E402
+from tests.integration.serve_support import (  # noqa: E402
+    MAX_LEN,
+    make_server,
+    slow_loaded,
+    tiny_loaded,
+    tiny_model,
+    wait_until,
+)
 
 KEY = "sk-test"
 
@@ -319,11 +326,11 @@ def test_queue_full_is_429_and_disconnect_cancels():
         hold = threading.Thread(target=httpx.post, args=(srv.url + "/v1/completions",),
                                 kwargs={"json": {**long, "max_tokens": 96, "steps": 96}, "timeout": 60})  # fmt: skip
         hold.start()
-        _wait(lambda: httpx.get(srv.url + "/health").json()["running_rows"] == 1)
+        wait_until(lambda: httpx.get(srv.url + "/health").json()["running_rows"] == 1)
         queued = threading.Thread(target=httpx.post, args=(srv.url + "/v1/completions",),
                                   kwargs={"json": {"prompt": "q", "max_tokens": 4}, "timeout": 60})  # fmt: skip
         queued.start()
-        _wait(lambda: httpx.get(srv.url + "/health").json()["queue_length"] == 1)
+        wait_until(lambda: httpx.get(srv.url + "/health").json()["queue_length"] == 1)
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": "over", "max_tokens": 4})
         assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
         hold.join()
@@ -333,15 +340,15 @@ def test_queue_full_is_429_and_disconnect_cancels():
         t0 = time.monotonic()
         with httpx.stream("POST", srv.url + "/v1/completions", json={**long, "stream": True}) as resp:
             next(resp.iter_lines())
-        _wait(lambda: _metric(srv, "dllm_cancelled_total") == 1)
-        _wait(lambda: httpx.get(srv.url + "/health").json()["running_rows"] == 0)
+        wait_until(lambda: _metric(srv, "dllm_cancelled_total") == 1)
+        wait_until(lambda: httpx.get(srv.url + "/health").json()["running_rows"] == 0)
         assert _metric(srv, "dllm_batches_total") == batches  # aborted, not finished
         assert time.monotonic() - t0 < 30
         # a plain (not streamed) request whose client gives up: cancelled as well
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(srv.url + "/v1/completions", json=long, timeout=0.2)
-        _wait(lambda: _metric(srv, "dllm_cancelled_total") == 2)
-        _wait(lambda: httpx.get(srv.url + "/health").json()["running_rows"] == 0)
+        wait_until(lambda: _metric(srv, "dllm_cancelled_total") == 2)
+        wait_until(lambda: httpx.get(srv.url + "/health").json()["running_rows"] == 0)
         assert _metric(srv, "dllm_batches_total") == batches
         assert httpx.post(srv.url + "/v1/completions", json={"prompt": "next", "max_tokens": 4}).status_code == 200
 
@@ -361,7 +368,7 @@ def test_a_short_request_behind_a_long_one(max_calls):
         long = threading.Thread(target=post, args=("long", {"max_tokens": 96, "steps": 96}))
         started = time.monotonic()
         long.start()
-        _wait(lambda: httpx.get(srv.url + "/health").json()["running_rows"] == 1)
+        wait_until(lambda: httpx.get(srv.url + "/health").json()["running_rows"] == 1)
         t0 = time.monotonic()
         post("short", {"max_tokens": 8, "steps": 8})
         long.join()
@@ -370,13 +377,6 @@ def test_a_short_request_behind_a_long_one(max_calls):
         else:
             # ~16 turns of the slow model's 10 ms, against the long call's ~96: well under half of it, on any load
             assert ends["short"] < ends["long"] and ends["short"] - t0 < 0.5 * (ends["long"] - started)
-
-
-def _wait(cond, timeout: float = 30) -> None:
-    t0 = time.monotonic()
-    while not cond():
-        assert time.monotonic() - t0 < timeout, "timed out"
-        time.sleep(0.01)
 
 
 def test_api_key_in_process():
@@ -413,7 +413,7 @@ def test_cli_serve_over_loopback(tmp_path: Path):
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
-        _wait(lambda: proc.poll() is not None or _up(url), timeout=120)
+        wait_until(lambda: proc.poll() is not None or _up(url), timeout=120)
         assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
         cli = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
         assert [m.id for m in cli.models.list().data] == ["tiny-model"]

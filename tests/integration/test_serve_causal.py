@@ -22,7 +22,7 @@ from dllm.errors import ConfigError  # noqa: E402
 from dllm.models.dflash import DFlashDrafter  # noqa: E402
 from dllm.sampling.canvas import SpecialIds  # noqa: E402
 from dllm.sampling.generate import generate  # noqa: E402
-from tests.integration.serve_support import tiny_loaded  # noqa: E402
+from tests.integration.serve_support import slow_loaded, tiny_loaded, wait_until  # noqa: E402
 
 PROMPTS = ["hello", "a longer prompt than the first", "x"]
 
@@ -142,19 +142,11 @@ def _health(url: str) -> dict:
     return httpx.get(url + "/health").json()
 
 
-def _wait(cond, timeout: float = 30) -> None:
-    t0 = time.monotonic()
-    while not cond():
-        assert time.monotonic() - t0 < timeout, "timed out"
-        time.sleep(0.01)
-
-
 def test_requests_join_the_running_batch_between_forwards():
     """A causal model's running batch: short requests that arrive while a long one decodes join it at the next
     forward (they share its forwards: batch_rows > 1), end long before it, and decode what they decode alone."""
     from dllm.serving.server import BackgroundServer, make_state
     from tests.distributed.harness import free_port
-    from tests.integration.serve_support import slow_loaded
 
     loaded = slow_loaded(0.02)
     tok, special = loaded.tokenizer, SpecialIds.of(loaded.profile)
@@ -164,7 +156,7 @@ def test_requests_join_the_running_batch_between_forwards():
         long = threading.Thread(target=_post, args=(srv.url, ends, "the long one", {"max_tokens": 96}))
         started = time.monotonic()
         long.start()
-        _wait(lambda: _health(srv.url)["running_rows"] == 1)
+        wait_until(lambda: _health(srv.url)["running_rows"] == 1)
         t0 = time.monotonic()
         shorts = [threading.Thread(target=_post, args=(srv.url, ends, p, {"max_tokens": 8})) for p in ("a", "bc", "d")]
         for t in shorts:
@@ -172,7 +164,7 @@ def test_requests_join_the_running_batch_between_forwards():
         for t in shorts:
             t.join()
         long.join()
-        _wait(lambda: _health(srv.url)["running_rows"] == 0)
+        wait_until(lambda: _health(srv.url)["running_rows"] == 0)
     end_long = ends["the long one"][0]
     for p in ("a", "bc", "d"):
         end, body = ends[p]
@@ -191,7 +183,6 @@ def test_a_client_that_goes_away_frees_its_rows():
 
     from dllm.serving.server import BackgroundServer, make_state
     from tests.distributed.harness import free_port
-    from tests.integration.serve_support import slow_loaded
 
     loaded = slow_loaded(0.02)
     state = make_state(loaded, causal_base(loaded, 96), model_id="tiny", max_batch=8, max_wait_ms=0)
@@ -201,5 +192,5 @@ def test_a_client_that_goes_away_frees_its_rows():
             assert r.status_code == 200
             lines = r.iter_lines()  # (kept: a dropped iterator closes the response)
             next(lines)  # the stream is open
-            _wait(lambda: _health(srv.url)["running_rows"] == 2)  # its two rows run
-        _wait(lambda: _health(srv.url)["running_rows"] == 0, timeout=10)  # long before its 96 forwards of 20 ms
+            wait_until(lambda: _health(srv.url)["running_rows"] == 2)  # its two rows run
+        wait_until(lambda: _health(srv.url)["running_rows"] == 0, timeout=10)  # long before its 96 forwards of 20 ms

@@ -83,21 +83,25 @@ class RaggedKVCache:
             self.layers[i] = RaggedLayerKV(self)
         return self.layers[i]
 
+    def _buffers(self) -> Iterator[tuple[RaggedLayerKV, str, torch.Tensor]]:
+        """Every allocated key and value buffer: (its layer, its attribute name, the buffer)."""
+        for layer in self.layers.values():
+            for name in ("k_BKTD", "v_BKTD"):
+                buf = getattr(layer, name)
+                if buf is not None:
+                    yield layer, name, buf
+
     def rebuild(self, rows: Sequence[int], capacity: int) -> None:
         """Buffers of rows `rows` of these (in that order; -1: a new, empty row) and `capacity` positions:
         rows join and leave a running batch between forwards (sampling/continuous.py). One copy."""
         index = torch.tensor(rows, dtype=torch.long, device=self.length_B.device)
         kept = index >= 0
-        for layer in self.layers.values():
-            for name in ("k_BKTD", "v_BKTD"):
-                old = getattr(layer, name)
-                if old is None:
-                    continue
-                B, K, T, D = old.shape
-                new = old.new_zeros(len(rows), K, capacity, D)
-                keep = min(T, capacity)
-                new[kept, :, :keep] = old[index[kept], :, :keep]
-                setattr(layer, name, new)
+        for layer, name, old in list(self._buffers()):
+            _, K, T, D = old.shape
+            new = old.new_zeros(len(rows), K, capacity, D)
+            keep = min(T, capacity)
+            new[kept, :, :keep] = old[index[kept], :, :keep]
+            setattr(layer, name, new)
         self.capacity = capacity
 
     def move(self, src: Sequence[int], dst: Sequence[int], num_rows: int) -> None:
@@ -105,14 +109,10 @@ class RaggedKVCache:
         stays, to be reused when rows join again)."""
         s = torch.tensor(src, dtype=torch.long, device=self.length_B.device)
         d = torch.tensor(dst, dtype=torch.long, device=self.length_B.device)
-        for layer in self.layers.values():
-            for name in ("k_BKTD", "v_BKTD"):
-                buf = getattr(layer, name)
-                if buf is None:
-                    continue
-                if len(src):
-                    buf[d] = buf[s]
-                setattr(layer, name, buf[:num_rows])
+        for layer, name, buf in list(self._buffers()):
+            if len(src):
+                buf[d] = buf[s]
+            setattr(layer, name, buf[:num_rows])
 
     def put(self, rows: Sequence[int], other: RaggedKVCache, length: int, num_rows: int) -> None:
         """Copy positions [0, length) of every row of `other` (a prefill's cache) into rows `rows` of these

@@ -42,6 +42,7 @@ from dllm.sampling.stops import cut_at_stop, stop_function
 from dllm.serving.errors import ApiError
 from dllm.serving.metrics import Metrics
 from dllm.serving.protocol import Settings
+from dllm.serving.turns import Turns
 from dllm.tokenization import Tokenizer
 
 MASK = None  # a masked position in a denoising frame
@@ -89,35 +90,9 @@ class Cancelled(Exception):
     """Every request of a running call has gone: the call stops at its next step."""
 
 
-class Turns:
-    """Round-robin turns between the sampler calls in flight: one runs its next step (a model forward and
-    what the loop does with it) while the others wait, then it goes to the back of the line. A long call
-    thus no longer holds the model until it ends: a short request started beside it finishes after about
-    its own steps times the number of calls in flight, and the calls never run their forwards at the
-    same time (they would fight over the same cores or device)."""
-
-    def __init__(self) -> None:
-        self.cond = threading.Condition()
-        self.line: deque[int] = deque()
-
-    def join(self, me: int) -> None:
-        with self.cond:
-            self.line.append(me)
-            self.cond.wait_for(lambda: self.line[0] == me)
-
-    def next(self, me: int) -> None:
-        """End my step: the next call in line runs its step, I run mine after every other."""
-        with self.cond:
-            if len(self.line) > 1:
-                self.line.remove(me)
-                self.line.append(me)
-                self.cond.notify_all()
-                self.cond.wait_for(lambda: self.line[0] == me)
-
-    def leave(self, me: int) -> None:
-        with self.cond:
-            self.line.remove(me)
-            self.cond.notify_all()
+def sampler_failed(e: Exception) -> ApiError:
+    """The 500 of a sampler call that raised (nothing a request does may stop the server)."""
+    return ApiError(500, f"the sampler failed: {type(e).__name__}: {e}", kind="server_error")
 
 
 def batch_key(settings: Settings) -> str:
@@ -222,7 +197,7 @@ class Engine:
         except Cancelled:
             pass
         except Exception as e:  # nothing a request does may stop the server
-            err = ApiError(500, f"the sampler failed: {type(e).__name__}: {e}", kind="server_error")
+            err = sampler_failed(e)
             for job in batch:
                 job.sink("error", err)  # the app's sink never raises (a closed loop is ignored)
         finally:
@@ -308,7 +283,7 @@ class Engine:
             try:
                 finished = batch.step()
             except Exception as e:  # nothing a request does may stop the server
-                err = ApiError(500, f"the sampler failed: {type(e).__name__}: {e}", kind="server_error")
+                err = sampler_failed(e)
                 for job, _ in running.values():
                     job.sink("error", err)
                 running.clear()
@@ -332,18 +307,23 @@ class Engine:
     def _join(self, batch: RunningBatch, job: Job, running: dict[Group, tuple[Job, float]]) -> None:
         """Prefill a request into the running batch (answered at once when its rows end with their first token)."""
         s = job.settings
-        seed = s.seed if s.seed is not None and job.key.startswith("seeded:") else None
-        generator = torch.Generator(device=self.device).manual_seed(seed if seed is not None else secrets.randbits(63))
+        generator = self._generator(job)
         t0 = time.perf_counter()
         try:
             group = batch.join(job.rows, s.cfg, generator, stop_function(self.tokenizer, s.cfg.stop_strings))
         except Exception as e:
-            job.sink("error", ApiError(500, f"the sampler failed: {type(e).__name__}: {e}", kind="server_error"))
+            job.sink("error", sampler_failed(e))
             return
         if group.done:
             self._batch_done(group, job, t0)
         else:
             running[group] = (job, t0)
+
+    def _generator(self, job: Job) -> torch.Generator:
+        """The generator of a call or a request: seeded by the request's seed when it runs alone (a seeded
+        stochastic request), else freshly seeded."""
+        seed = job.settings.seed if job.settings.seed is not None and job.key.startswith("seeded:") else None
+        return torch.Generator(device=self.device).manual_seed(seed if seed is not None else secrets.randbits(63))
 
     def _batch_done(self, group: Group, job: Job, t0: float) -> None:
         result = group.result()
@@ -371,8 +351,7 @@ class Engine:
         settings = batch[0].settings
         cfg = settings.cfg
         prompts = [row for job in batch for row in job.rows]
-        seed = settings.seed if settings.seed is not None and batch[0].key.startswith("seeded:") else None
-        generator = torch.Generator(device=self.device).manual_seed(seed if seed is not None else secrets.randbits(63))
+        generator = self._generator(batch[0])
         t0, self._local.forwards = time.perf_counter(), 0
         stop = stop_function(self.tokenizer, cfg.stop_strings)
         result = generate(self.model, prompts, cfg, self.special, generator=generator,
