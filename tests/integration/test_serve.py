@@ -204,8 +204,8 @@ def test_batched_results_equal_each_request_alone(server, client):
     with ThreadPoolExecutor(len(prompts)) as pool:
         together = list(pool.map(lambda p: client.completions.create(model="tiny", prompt=p, max_tokens=16), prompts))
     assert {p: r.choices[0].text for p, r in zip(prompts, together, strict=True)} == alone
-    assert _metric(server, "dllm_batches_total") - batches < len(prompts)  # some were decoded together
-    assert max(r.model_extra["dllm"]["batch_rows"] for r in together) > 1
+    assert _metric(server, "dllm_batches_total") - batches == len(prompts)  # each its own request of the running batch
+    assert max(r.model_extra["dllm"]["batch_rows"] for r in together) > 1  # some shared forwards
 
 
 def test_denoise_stream_shows_masks_turning_into_tokens(server):
@@ -353,17 +353,22 @@ def test_queue_full_is_429_and_disconnect_cancels():
         assert httpx.post(srv.url + "/v1/completions", json={"prompt": "next", "max_tokens": 4}).status_code == 200
 
 
-@pytest.mark.parametrize("max_calls", [1, 4])
-def test_a_short_request_behind_a_long_one(max_calls):
-    """One call at a time, a short request waits for the long one to end; with calls taking turns step by step it
-    starts at once and ends after about twice its own steps, while the long one still runs."""
-    with make_server(slow_loaded(0.01), max_batch=1, max_wait_ms=0, max_calls=max_calls) as srv:
+@pytest.mark.parametrize("mode", ["one call", "turns", "running batch"])
+def test_a_short_request_behind_a_long_one(mode):
+    """One call at a time, a short request waits for the long one to end. A cached request (prefix cache: a call
+    of its own) starts at once with calls taking turns step by step, and ends after about twice its own steps; an
+    uncached one joins the long one's running canvas batch at its next step and shares its forwards. Either way
+    it ends while the long one still runs."""
+    max_calls, max_batch = (1, 1) if mode == "one call" else (4, 1 if mode == "turns" else 8)
+    extra = {"cache": "prefix"} if mode == "turns" else {}
+    with make_server(slow_loaded(0.01), max_batch=max_batch, max_wait_ms=0, max_calls=max_calls) as srv:
         ends: dict[str, float] = {}
+        shared: dict[str, float] = {}
 
         def post(name: str, body: dict) -> None:
-            r = httpx.post(srv.url + "/v1/completions", json={"prompt": name, **body}, timeout=60)
+            r = httpx.post(srv.url + "/v1/completions", json={"prompt": name, **body, **extra}, timeout=60)
             assert r.status_code == 200, r.text
-            ends[name] = time.monotonic()
+            ends[name], shared[name] = time.monotonic(), r.json()["dllm"]["batch_rows"]
 
         long = threading.Thread(target=post, args=("long", {"max_tokens": 96, "steps": 96}))
         started = time.monotonic()
@@ -372,11 +377,12 @@ def test_a_short_request_behind_a_long_one(max_calls):
         t0 = time.monotonic()
         post("short", {"max_tokens": 8, "steps": 8})
         long.join()
-        if max_calls == 1:
+        if mode == "one call":
             assert ends["short"] > ends["long"]  # it waited for the whole long call
         else:
-            # ~16 turns of the slow model's 10 ms, against the long call's ~96: well under half of it, on any load
+            # ~8-16 forwards of the slow model's 10 ms, against the long call's ~96: well under half of it, on any load
             assert ends["short"] < ends["long"] and ends["short"] - t0 < 0.5 * (ends["long"] - started)
+        assert (shared["short"] == 2) == (mode == "running batch")  # every forward of the short one ran both
 
 
 def test_api_key_in_process():

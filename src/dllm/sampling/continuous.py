@@ -19,8 +19,9 @@ so a forward runs running rows only (a request's rows that ended ride along unti
 has, as in the causal loop); with none running the buffers are released. Room for arriving requests is
 made in one copy (`reserve`), the capacity in positions growing by half at least.
 
-Speculative decoding (a drafter's own per-row state) and diffusion canvases do not join a running batch:
-the server interleaves those calls step by step instead (serving/engine.py).
+Speculative decoding (a drafter's own per-row state) does not join a running batch: the server
+interleaves those calls step by step instead (serving/engine.py). Diffusion canvases have a running
+batch of their own (canvas_batch.py).
 
 Shapes: R buffer rows, n a group's rows, P prompt length, V vocabulary.
 """
@@ -36,7 +37,7 @@ from torch import nn
 from dllm.config.sampler import SamplerConfig
 from dllm.sampling.canvas import SpecialIds
 from dllm.sampling.causal import Target, right_pad
-from dllm.sampling.results import Counters, GenerationResult
+from dllm.sampling.results import Counters, GenerationResult, StepEvent
 from dllm.sampling.speculative import choose
 
 
@@ -50,6 +51,9 @@ class Group:
     stop: Callable[[list[int]], bool] | None
     eos_id: int
     pad_id: int
+    mask_id: int
+    callback: Callable[[StepEvent], None] | None = None
+    """Sees the request's canvas after every step (`show`); None: nobody watches."""
     rows: list[int] = field(default_factory=list)
     """The buffer rows it holds (one per prompt, in order), while it runs."""
     tokens: list[list[int]] = field(default_factory=list)
@@ -58,10 +62,28 @@ class Group:
     counters: Counters = field(default_factory=lambda: Counters(loop="causal"))
     batch_rows: int = 0
     """Rows of the forwards it took part in, summed (their mean: `batch_rows / counters.steps`)."""
+    error: Exception | None = None
+    """What its decoding raised (as a canvas batch's requests); the causal batch fails as a whole instead."""
 
     @property
     def done(self) -> bool:
         return all(self.ended)
+
+    def show(self, took: list[bool]) -> None:
+        """The step callback, as the causal loop's: the request's canvas [n, P + N] (each row's prompt, its
+        tokens, masks where nothing is decided yet, then padding) and the positions decided with this step."""
+        if self.callback is None:
+            return
+        N, P = self.cfg.gen_length, max(len(p) for p in self.prompts)
+        canvas, committed = [], []
+        for prompt, tokens, new in zip(self.prompts, self.tokens, took, strict=True):
+            made = tokens[:N]
+            row = prompt + made + [self.mask_id] * (N - len(made))
+            canvas.append(row + [self.pad_id] * (P + N - len(row)))
+            committed.append([new and t == len(prompt) + len(made) - 1 for t in range(P + N)])
+        event = StepEvent(torch.tensor(canvas), torch.tensor(committed), 0, self.counters.steps,
+                          [len(p) for p in self.prompts], self.mask_id)  # fmt: skip
+        self.callback(event)
 
     def take(self, chosen: list[int]) -> None:
         """This forward's token of every row that has not ended; which rows end with it (N tokens, an EOS,
@@ -136,10 +158,13 @@ class RunningBatch:
 
     @torch.inference_mode()
     def join(self, prompts: Sequence[Sequence[int]], cfg: SamplerConfig, generator: torch.Generator | None = None,
-             stop: Callable[[list[int]], bool] | None = None) -> Group:  # fmt: skip
+             stop: Callable[[list[int]], bool] | None = None,
+             callback: Callable[[StepEvent], None] | None = None) -> Group:  # fmt: skip
         """Prefill `prompts` alone and choose their first tokens; the rows run from the next `step` (none
-        when every row ended with its first token: the group is then done already)."""
-        group = Group([list(p) for p in prompts], cfg, generator, stop, self.special.eos_id, self.special.pad_id)
+        when every row ended with its first token: the group is then done already). `callback` sees the
+        request's canvas after each step (`Group.show`)."""
+        group = Group([list(p) for p in prompts], cfg, generator, stop, self.special.eos_id, self.special.pad_id,
+                      self.special.mask_id, callback)  # fmt: skip
         tokens_nP, len_n = right_pad(group.prompts, self.device)
         n, P = tokens_nP.shape
         prefill = Target(self.model, n, P, group.counters, (), self.special.mask_id)
@@ -199,7 +224,9 @@ class RunningBatch:
             c.nfe, c.steps = c.nfe + 1, c.steps + 1
             c.query_tokens, c.cached_tokens = c.query_tokens + len(g.rows), c.cached_tokens + len(g.rows) * cached
             g.batch_rows += live_rows
+            took = [not e for e in g.ended]
             g.take(chosen)
+            g.show(took)
             if g.done:
                 finished.append(g)
         self.target.commit(

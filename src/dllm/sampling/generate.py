@@ -22,7 +22,7 @@ Shapes: B batch, T canvas, V vocabulary, R region.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 
 import torch
 
@@ -35,6 +35,9 @@ from dllm.sampling.proposals import commit_schedule, full_proposal
 from dllm.sampling.results import Counters, GenerationResult, StepEvent
 from dllm.sampling.runner import Runner
 from dllm.sampling.speculative import Drafter, causal_generate
+
+Need = tuple[int, int, bool]
+"""A model call the canvas loop needs: the active block [lo, hi) and whether it refreshes a cache."""
 
 
 def generate(
@@ -98,8 +101,23 @@ class Loop:
         self.written = True
 
     def run(self) -> GenerationResult:
+        """Decode alone: each model call the loop asks for is this loop's runner's."""
+        steps = self.decode()
+        try:
+            need = next(steps)
+            while True:
+                need = steps.send(self.runner.predict(self.x, *need))
+        except StopIteration as done:
+            return done.value
+
+    def decode(self) -> Generator[Need, torch.Tensor, GenerationResult]:
+        """The loop as a coroutine: it yields each model call it needs (the active block [lo, hi) and
+        whether the call refreshes a cache) and is sent that call's logits [B, hi - lo, V]. `run` answers
+        with the loop's own runner; a running canvas batch (canvas_batch.py) answers many loops' calls
+        with one forward."""
         for b, (lo, hi) in enumerate(self.canvas.blocks):
-            if self.decode_block(b, lo, hi) or (self.stop is not None and self.all_rows_ended()):
+            ended = yield from self.decode_block(b, lo, hi)
+            if ended or (self.stop is not None and self.all_rows_ended()):
                 # every row has ended: what is left lies after each row's end and is cut from the output
                 self.x = torch.where(self.undecided_BT, self.special.eos_id, self.x)
                 break
@@ -112,7 +130,7 @@ class Loop:
             sequences.append(out)
         return GenerationResult(sequences, self.x, self.counters, self.canvas.gen_start_B)
 
-    def decode_block(self, b: int, lo: int, hi: int) -> bool:
+    def decode_block(self, b: int, lo: int, hi: int) -> Generator[Need, torch.Tensor, bool]:
         """Decode block b = [lo, hi) one region (sub-block) at a time; True once every row has ended."""
         cfg = self.cfg
         sub = cfg.sub_block_length or hi - lo
@@ -130,7 +148,7 @@ class Loop:
             while bool((eligible := self.undecided_BT[:, rlo:rhi]).any()):
                 every = cfg.refresh_every  # prefix / dual caches: a full forward every N steps as well
                 refresh = step_in_block == 0 or (every is not None and step_in_block % every == 0)
-                logits = self.predict(lo, hi, refresh)[:, rlo - lo : rhi - lo]
+                logits = (yield from self.predict(lo, hi, refresh))[:, rlo - lo : rhi - lo]
                 prop = full_proposal(logits, cfg.temperature, self.generator, cfg.top_k, cfg.top_p)
                 self.counters.overrun_steps += int(k >= budget)
                 commit = self.policy.step(prop, StepState(eligible, schedule_BS, k, budget, self.generator))
@@ -140,10 +158,10 @@ class Loop:
                     return True
         return False
 
-    def predict(self, lo: int, hi: int, refresh: bool) -> torch.Tensor:
-        """Logits of the block: a forward, or the last one when nothing was written since (exact)."""
+    def predict(self, lo: int, hi: int, refresh: bool) -> Generator[Need, torch.Tensor, torch.Tensor]:
+        """Logits of the block: a model call, or the last one when nothing was written since (exact)."""
         if self.last_logits is None or self.written or not self.cfg.reuse_unchanged:
-            self.last_logits = self.runner.predict(self.x, lo, hi, refresh)
+            self.last_logits = yield (lo, hi, refresh)
         else:
             self.counters.reused_forwards += 1
         return self.last_logits

@@ -33,8 +33,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from dllm.config.profile import DecodeProfile
 from dllm.config.sampler import SamplerConfig
 from dllm.serving.body import check_content_type, load_json, read_body
-from dllm.serving.engine import Engine, Job, RowResult
+from dllm.serving.engine import Engine
 from dllm.serving.errors import ApiError
+from dllm.serving.jobs import Job, RowResult
 from dllm.serving.limits import Limits
 from dllm.serving.prompts import chat_ids, check_prompts, completion_prompts
 from dllm.serving.protocol import (
@@ -236,8 +237,9 @@ class Api:
         self.authorize(request)
         engine = self.state.engine
         tok = engine.tokenizer
-        bos = None if tok.bos_id is None else engine.piece(tok.bos_id)
-        return {"eos_token": engine.piece(tok.eos_id), "bos_token": bos, "pad_token": engine.piece(tok.pad_id),
+        piece = engine.streams.piece
+        bos = None if tok.bos_id is None else piece(tok.bos_id)
+        return {"eos_token": piece(tok.eos_id), "bos_token": bos, "pad_token": piece(tok.pad_id),
                 "chat_template": None, "model_max_length": self.state.profile.max_length}  # fmt: skip
 
     async def detokenize(self, request: Request) -> JSONResponse:

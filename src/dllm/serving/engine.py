@@ -27,63 +27,25 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from dllm.config.sampler import SamplerConfig
 from dllm.sampling.canvas import SpecialIds
+from dllm.sampling.canvas_batch import CanvasBatch, CanvasGroup
 from dllm.sampling.causal import score_tokens
 from dllm.sampling.continuous import Group, RunningBatch
 from dllm.sampling.generate import generate
 from dllm.sampling.results import GenerationResult, StepEvent
 from dllm.sampling.speculative import Drafter
-from dllm.sampling.stops import cut_at_stop, stop_function
+from dllm.sampling.stops import stop_function
 from dllm.serving.errors import ApiError
+from dllm.serving.jobs import Job, Streams
 from dllm.serving.metrics import Metrics
 from dllm.serving.protocol import Settings
 from dllm.serving.turns import Turns
 from dllm.tokenization import Tokenizer
-
-MASK = None  # a masked position in a denoising frame
-
-
-@dataclass
-class RowResult:
-    text: str
-    """The completion (with echo: after the prompt's text)."""
-    completion_tokens: int
-    finish_reason: str  # "stop" (EOS or a stop string) or "length"
-    logprobs: list[float | None] | None = None
-    """With logprobs or echo (causal models): per token of prompt + completion, its log-probability under the
-    model given those before it (None for the first); None: not scored."""
-    pieces: list[str] = field(default_factory=list)
-    """With logprobs: the text of each of those tokens (special tokens by name)."""
-    top: list[list[tuple[str, float]]] = field(default_factory=list)
-    """With logprobs: per token, the most likely tokens at its place (their text) and their log-probabilities."""
-
-
-@dataclass
-class Job:
-    """One request: its rows (prompt ids per choice), settings, and where its events go.
-
-    `sink(kind, payload)` is called from the worker thread with ("delta", (row, text)),
-    ("frame", dict), ("done", (list[RowResult], counters)) or ("error", ApiError)."""
-
-    rows: list[list[int]]
-    settings: Settings
-    sink: Callable[[str, Any], None]
-    stream_text: bool = False
-    denoise: bool = False
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    enqueued_at: float = field(default_factory=time.monotonic)
-    key: str = ""
-    sent: list[str] = field(default_factory=list)
-    """Text already streamed per row."""
-    top_logprobs: int | None = None
-    """Score the rows (causal models): the most likely tokens wanted at each place (0: none); None: no scores."""
-    echo: bool = False
-    """The prompt's text comes back before the completion."""
 
 
 class Cancelled(Exception):
@@ -130,7 +92,7 @@ class Engine:
         self.turns = Turns()
         self._next_call = 0
         self.device = next(model.parameters()).device
-        self._pieces: dict[int, str] = {}
+        self.streams = Streams(tokenizer, special)
         self._local = threading.local()
         """Per call thread: the model calls of that call (a forward hook; the denoising frames show its NFE)."""
         model.register_forward_hook(self._count_forward)
@@ -154,10 +116,19 @@ class Engine:
             self.batch_thread.join(timeout=30)
 
     def joins_running_batch(self, job: Job) -> bool:
-        """Whether a request joins the running batch (AR decoding of a causal model, step-level continuous
-        batching) rather than a sampler call of its own (diffusion, speculative decoding, or `max_calls` 1:
-        the one-call-at-a-time engine kept for comparison)."""
-        return job.settings.cfg.generation == "causal" and self.drafter is None and self.max_calls > 1
+        """Whether a request joins the running batch (step-level continuous batching: AR decoding of a causal
+        model, or uncached, unguided diffusion, `CanvasBatch.takes`) rather than a sampler call of its own
+        (speculative decoding, cached or guided diffusion, or `max_calls` 1: the one-call-at-a-time engine
+        kept for comparison)."""
+        cfg = job.settings.cfg
+        if self.max_calls <= 1:
+            return False
+        return self.drafter is None if cfg.generation == "causal" else CanvasBatch.takes(cfg)
+
+    def _new_batch(self, cfg: SamplerConfig) -> RunningBatch | CanvasBatch:
+        """The running batch of the model's decoding (a server's model decodes causally or on canvases)."""
+        kind = RunningBatch if cfg.generation == "causal" else CanvasBatch
+        return kind(self.model, self.special, self.max_batch)
 
     def submit(self, job: Job) -> None:
         """Queue a request; 429 when the queue is full."""
@@ -170,7 +141,8 @@ class Engine:
                                code="queue_full", kind="rate_limit_error")  # fmt: skip
             (self.joining if joins else self.queue).append(job)
             if joins and self.batch_thread is None:
-                self.batch_thread = threading.Thread(target=self._batch_loop, name="dllm-serve-batch", daemon=True)
+                self.batch_thread = threading.Thread(target=self._batch_loop, args=(job.settings.cfg,),
+                                                     name="dllm-serve-batch", daemon=True)  # fmt: skip
                 self.batch_thread.start()
             self.cond.notify_all()
 
@@ -239,14 +211,15 @@ class Engine:
             for job in [j for j in waiting if j.cancelled.is_set()]:
                 waiting.remove(job)
 
-    # -- the running batch of a causal model --------------------------------------------------------
-    def _batch_loop(self) -> None:
-        """A causal model's running batch (sampling/continuous.py): waiting requests join it between
-        forwards while their rows fit in `max_batch`, every row advances one token per forward, and a
-        request leaves when its rows have ended or its client has gone. While it runs it is one of the
-        calls in flight, taking its turn step by step."""
-        batch = RunningBatch(self.model, self.special, self.max_batch)
-        running: dict[Group, tuple[Job, float]] = {}
+    # -- the running batch ----------------------------------------------------------------------------
+    def _batch_loop(self, cfg: SamplerConfig) -> None:
+        """The running batch (sampling/continuous.py for a causal model, sampling/canvas_batch.py for
+        diffusion): waiting requests join it between forwards while their rows fit in `max_batch`, every
+        row advances one step per forward (a token, or a denoising step), and a request leaves when its
+        rows have ended or its client has gone. While it runs it is one of the calls in flight, taking its
+        turn step by step."""
+        batch = self._new_batch(cfg)
+        running: dict[Group | CanvasGroup, tuple[Job, float]] = {}
         call: int | None = None
         in_line = False
         while True:
@@ -287,11 +260,10 @@ class Engine:
                 for job, _ in running.values():
                     job.sink("error", err)
                 running.clear()
-                batch = RunningBatch(self.model, self.special, self.max_batch)
+                batch = self._new_batch(cfg)
                 finished = []
             for group in finished:
                 self._batch_done(group, *running.pop(group))
-            self._batch_show(running)
             with self.cond:
                 self.calls[call] = batch.rows
             if running or self.joining:
@@ -304,16 +276,20 @@ class Engine:
                     call = None
                     self.cond.notify_all()
 
-    def _join(self, batch: RunningBatch, job: Job, running: dict[Group, tuple[Job, float]]) -> None:
-        """Prefill a request into the running batch (answered at once when its rows end with their first token)."""
+    def _join(self, batch: RunningBatch | CanvasBatch, job: Job, running: dict) -> None:
+        """Start a request in the running batch (a causal model prefills it; answered at once when its rows
+        end with their first token)."""
         s = job.settings
         generator = self._generator(job)
         t0 = time.perf_counter()
+        box: list[Group | CanvasGroup] = []
         try:
-            group = batch.join(job.rows, s.cfg, generator, stop_function(self.tokenizer, s.cfg.stop_strings))
+            group = batch.join(job.rows, s.cfg, generator, stop_function(self.tokenizer, s.cfg.stop_strings),
+                               self._watcher(job, box))  # fmt: skip
         except Exception as e:
             job.sink("error", sampler_failed(e))
             return
+        box.append(group)
         if group.done:
             self._batch_done(group, job, t0)
         else:
@@ -325,27 +301,27 @@ class Engine:
         seed = job.settings.seed if job.settings.seed is not None and job.key.startswith("seeded:") else None
         return torch.Generator(device=self.device).manual_seed(seed if seed is not None else secrets.randbits(63))
 
-    def _batch_done(self, group: Group, job: Job, t0: float) -> None:
+    def _batch_done(self, group: Group | CanvasGroup, job: Job, t0: float) -> None:
+        if group.error is not None:  # its decoding raised (the others in the batch go on)
+            job.sink("error", sampler_failed(group.error))
+            return
         result = group.result()
         self.metrics.observe_batch(len(job.rows), time.perf_counter() - t0, result.nfe)
         mean_rows = round(group.batch_rows / max(group.counters.nfe, 1), 2)
         self._finish(job, result, 0, {**result.counters.as_dict(), "batch_rows": mean_rows})
 
-    def _batch_show(self, running: dict[Group, tuple[Job, float]]) -> None:
-        """The step's text deltas and frames of the requests that watch them (their tokens so far; masks after)."""
-        mask_id = self.special.mask_id
-        for group, (job, _) in running.items():
-            if job.cancelled.is_set():
-                continue
-            if job.stream_text:
-                for i, ids in enumerate(group.sequences()):
-                    self._send_text(job, i, ids, final=False)
-            if job.denoise:
-                n = job.settings.max_tokens
-                rows = [(t[:n] + [mask_id] * (n - len(t[:n]))) for t in group.tokens]
-                self._local.forwards = group.counters.nfe
-                live = group.ended.count(False)
-                self._frame(job, rows, [0] * len(rows), live, group.counters.steps, 0)
+    def _watcher(self, job: Job, box: list) -> Callable[[StepEvent], None] | None:
+        """The step callback of a request in the running batch that streams text or frames (None: it
+        watches nothing); `box` holds its group once joined (the frames show its steps and forwards)."""
+        if not ((job.stream_text and job.settings.cfg.policy != "uniform") or job.denoise):
+            return None
+
+        def on_step(event: StepEvent) -> None:
+            if not job.cancelled.is_set() and box:
+                c = box[0].counters
+                self.streams.stream(job, event.canvas_BT.tolist(), event, 0, c.steps, c.nfe)
+
+        return on_step
 
     def _run(self, batch: list[Job], call: int) -> None:
         settings = batch[0].settings
@@ -369,15 +345,16 @@ class Engine:
         n = len(job.rows)
         if job.denoise:
             canvas = result.canvas_BL[offset : offset + n].tolist()
-            self._frame(job, canvas, result.gen_start_B[offset:], 0, result.counters.steps, -1, last=True)
-        rows, ids = zip(*(self._row_result(result, offset + i, job.settings) for i in range(n)), strict=True)
+            self.streams.frame(job, canvas, result.gen_start_B[offset:], 0, result.counters.steps, -1, result.nfe,
+                               last=True)  # fmt: skip
+        rows, ids = zip(*(self.streams.row_result(result, offset + i, job.settings) for i in range(n)), strict=True)
         rows = list(rows)
         if job.top_logprobs is not None:  # one teacher-forced forward over prompt + completion per row
             sequences = [prompt + list(out) for prompt, out in zip(job.rows, ids, strict=True)]
             scored = score_tokens(self.model, sequences, job.top_logprobs, self.special.mask_id)
             for r, seq, sc in zip(rows, sequences, scored, strict=True):
-                r.logprobs, r.pieces = sc.logprobs, [self.piece(t) for t in seq]
-                r.top = [[(self.piece(t), lp) for t, lp in place] for place in sc.top]
+                r.logprobs, r.pieces = sc.logprobs, [self.streams.piece(t) for t in seq]
+                r.top = [[(self.streams.piece(t), lp) for t, lp in place] for place in sc.top]
         if job.echo:
             for r, prompt in zip(rows, job.rows, strict=True):
                 r.text = self.tokenizer.decode(prompt) + r.text
@@ -398,76 +375,7 @@ class Engine:
                 raise Cancelled
             step[0] += 1
             if watched:
-                self._show_step(batch, watched, event, step[0])
+                self.streams.show_step(batch, watched, event, step[0], self._local.forwards)
             self.turns.next(call)  # the other calls in flight run a step each before this one's next
 
         return on_step
-
-    def _show_step(self, batch: list[Job], watched: list[Job], event: StepEvent, step: int) -> None:
-        """The step's text deltas and denoising frames of the jobs that watch them."""
-        canvas = event.canvas_BT.tolist()
-        offset = 0
-        for job in batch:
-            if job in watched and not job.cancelled.is_set():
-                self._stream(job, canvas[offset : offset + len(job.rows)], event, offset, step)
-            offset += len(job.rows)
-
-    def _stream(self, job: Job, rows: list[list[int]], event: StepEvent, offset: int, step: int) -> None:
-        s, mask_id = job.settings, self.special.mask_id
-        if job.denoise:
-            committed = int(event.committed_BT[offset : offset + len(rows)].sum())
-            self._frame(job, rows, event.gen_start_B[offset:], committed, step, event.block)
-        if job.stream_text and s.cfg.policy != "uniform":
-            gens = [row[g : g + s.max_tokens] for row, g in zip(rows, event.gen_start_B[offset:], strict=False)]
-            for i, ids in enumerate(gens):
-                decided = ids[: ids.index(mask_id)] if mask_id in ids else ids
-                self._send_text(job, i, decided, final=False)
-
-    def _frame(self, job: Job, rows: list[list[int]], gen_start: list[int], committed: int, step: int, block: int,
-               last: bool = False) -> None:  # fmt: skip
-        """The canvas of the job's rows (their first max_tokens positions), masks as MASK."""
-        n, mask_id = job.settings.max_tokens, self.special.mask_id
-        gens = [row[g : g + n] for row, g in zip(rows, gen_start, strict=False)]
-        frame = [[MASK if t == mask_id else self.piece(t) for t in ids] for ids in gens]
-        nfe = getattr(self._local, "forwards", 0)
-        job.sink("frame", {"step": step, "block": block, "committed": committed, "rows": frame, "last": last,
-                           "nfe": nfe})  # fmt: skip
-
-    def _send_text(self, job: Job, i: int, ids: list[int], final: bool) -> None:
-        """Send the new text of row i: its decided ids, cut at EOS and stop strings; while not final,
-        hold back a partial character and what could still become a stop string."""
-        cfg = job.settings.cfg
-        eos = self.special.eos_id
-        ended = cfg.stop_at_eos and eos in ids
-        text = self.tokenizer.decode(ids[: ids.index(eos)] if ended else ids)
-        cut = cut_at_stop(text, cfg.stop_strings)
-        if not final and not ended and len(cut) == len(text):
-            text = text.rstrip("\ufffd")
-            hold = max((len(x) for x in cfg.stop_strings), default=1) - 1
-            cut = text[: len(text) - hold] if hold else text
-        sent = job.sent[i]
-        if len(cut) > len(sent) and cut.startswith(sent):
-            job.sent[i] = cut
-            job.sink("delta", (i, cut[len(sent) :]))
-
-    def _row_result(self, result: GenerationResult, b: int, s: Settings) -> tuple[RowResult, list[int]]:
-        """The text of row b cut at EOS, max_tokens and stop strings, its token count and why it ended; and
-        the ids of that text."""
-        cfg = s.cfg
-        ids = result.sequences[b][: s.max_tokens]
-        g = result.gen_start_B[b]
-        raw = result.canvas_BL[b, g : g + s.max_tokens].tolist()
-        reason = "stop" if cfg.stop_at_eos and self.special.eos_id in raw else "length"
-        full = self.tokenizer.decode(ids)
-        text = cut_at_stop(full, cfg.stop_strings)
-        if len(text) < len(full):  # the tokens up to the one that completed the stop string
-            reason = "stop"
-            ids = next((ids[:k] for k in range(1, len(ids) + 1) if len(cut_at_stop(self.tokenizer.decode(ids[:k]),
-                        cfg.stop_strings)) < len(self.tokenizer.decode(ids[:k]))), ids)  # fmt: skip
-        return RowResult(text, len(ids), reason), ids
-
-    def piece(self, token: int) -> str:
-        """The text of one token, special tokens by name (cached: the frames decode every position)."""
-        if token not in self._pieces:
-            self._pieces[token] = self.tokenizer.decode([token], skip_special=False)
-        return self._pieces[token]

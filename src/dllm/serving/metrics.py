@@ -62,7 +62,7 @@ class Metrics:
         "dllm_prompt_tokens_total": "Prompt tokens of the rows decoded (a prompt counts once per choice).",
         "dllm_generated_tokens_total": "Tokens returned to clients.",
         "dllm_nfe_total": "Model forward calls of the sampler.",
-        "dllm_batches_total": "Sampler calls (one per batch of requests).",
+        "dllm_batches_total": "Sampler calls (one per batch of requests; a running batch: one per request).",
         "dllm_cancelled_total": "Requests whose client went away before their result.",
     }
 

@@ -9,7 +9,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from dllm.serving.engine import RowResult
+from dllm.serving.jobs import RowResult
 from dllm.serving.protocol import ChatRequest, CompletionRequest, Settings
 
 
