@@ -160,3 +160,25 @@ def test_the_steps_stream_through_each_requests_callback(model):
     while batch.groups:
         batch.step()
     assert seen == [1] * 8 and g.counters.steps == 8 and g.counters.nfe == 8
+
+
+def test_a_step_runs_one_forward_per_mask_and_length_bucket(model):
+    """Requests share a forward when their masks agree (a block model's block size) and their canvases are
+    longer than half of the forward's longest; the others run in forwards of their own in the same step."""
+    shapes: list[tuple[int, int]] = []
+    hook = model.register_forward_hook(lambda m, args, out: shapes.append(tuple(args[0].shape)))
+    try:
+        batch = CanvasBatch(model, SPECIAL, max_rows=64)
+        batch.join([[1, 2]], _cfg(gen_length=8))  # canvas 10
+        batch.join([[3, 4, 5], [6]], _cfg(gen_length=8))  # 11
+        batch.join([[7]], _cfg(gen_length=32, block_length=8, steps=32))  # 33: more than twice 11
+        batch.step()
+        assert sorted(shapes) == [(1, 33), (3, 11)]
+        shapes.clear()
+        blocks = CanvasBatch(model, SPECIAL, max_rows=64)
+        blocks.join([[1, 2]], _cfg(attention="block", block_length=4))
+        blocks.join([[3]], _cfg(attention="block", block_length=2))
+        blocks.step()
+        assert len(shapes) == 2  # one per block size
+    finally:
+        hook.remove()

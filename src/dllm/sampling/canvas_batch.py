@@ -3,9 +3,11 @@
 A server's requests arrive while others decode. Each request is the canvas loop of a `generate` call of
 it alone (generate.py: `Loop`, with its own canvas, sampler settings, policy, step budget, generator and
 stop function), run as a coroutine (`Loop.decode`) that yields each model call it needs. `CanvasBatch.step`
-answers the calls of every running request with one forward: each request's canvas rows up to the end of
+answers the calls of every running request in one forward: each request's canvas rows up to the end of
 what its call reads, right-padded to the longest (padding is masked out of every key), under the
-model's mask (bidirectional, or block-causal with padding as a document of its own). A request joins
+model's mask (bidirectional, or block-causal with padding as a document of its own). Rows much shorter
+than the longest would mostly compute padding, so a step runs one forward per length bucket (canvases
+longer than half of the bucket's longest) and per mask (`_forwards`). A request joins
 before any step and its first call runs in the next forward; one whose loop has returned, or that is
 cancelled (`leave`), is gone from the next.
 
@@ -17,8 +19,7 @@ Which requests join (`CanvasBatch.takes`): canvas decoding (masked or uniform-st
 policy) without a KV cache and without classifier-free guidance, whose call reads every key from 0: the
 uncached loop. Cached loops (prefix, dual and block caches hold per-row keys of their own canvas) and
 guided ones run as calls of their own, taking turns step by step (serving/engine.py). A block model's
-requests share a forward per block size (the mask's): requests of another block size run in a forward
-of their own in the same step.
+requests share a forward per block size (the mask's).
 
 Shapes: R batch rows, n a request's rows, L the forward's length, Q a request's block, V vocabulary.
 """
@@ -134,18 +135,36 @@ class CanvasBatch:
         requests: the mask's); the requests that returned (or failed) with it, which leave the batch."""
         if not self.groups:
             return []
-        parts: dict[int | None, list[CanvasGroup]] = {}
-        for g in self.groups:
-            c = g.loop.canvas
-            parts.setdefault(c.block_length if c.block_attention else None, []).append(g)
         finished = []
-        for block, groups in parts.items():
+        for block, groups in self._forwards():
             for g, logits_nQV in zip(groups, self._forward(groups, block), strict=True):
                 g.answer(logits_nQV)
                 if g.done:
                     self.groups.remove(g)
                     finished.append(g)
         return finished
+
+    def _forwards(self) -> list[tuple[int | None, list[CanvasGroup]]]:
+        """The step's forwards: the requests of one mask (a block model's block size; None: bidirectional),
+        longest first, a forward running those whose canvas is longer than half of its longest (padding
+        at most doubles a row's cost: a forward's cost grows with its rows' padded length)."""
+        masks: dict[int | None, list[CanvasGroup]] = {}
+        for g in self.groups:
+            c = g.loop.canvas
+            masks.setdefault(c.block_length if c.block_attention else None, []).append(g)
+        forwards: list[tuple[int | None, list[CanvasGroup]]] = []
+        for block, groups in masks.items():
+            bucket: list[CanvasGroup] = []
+            longest = 0
+            for g in sorted(groups, key=self._key_end, reverse=True):
+                if bucket and self._key_end(g) * 2 <= longest:
+                    forwards.append((block, bucket))
+                    bucket = []
+                if not bucket:
+                    longest = self._key_end(g)
+                bucket.append(g)
+            forwards.append((block, bucket))
+        return forwards
 
     def _forward(self, groups: list[CanvasGroup], block: int | None) -> list[torch.Tensor]:
         """One model call for the calls of `groups` (block: the block-causal mask's block size; None:
