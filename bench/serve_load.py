@@ -287,8 +287,7 @@ def mixed(args: argparse.Namespace) -> int:
                     print(json.dumps({"bench": "serve_load_engine", "model": kind, "engine": name, **out[name]}),
                           flush=True)  # fmt: skip
                 out["throughput_ratio"] = round(out["continuous"]["tokens_per_s"] / out["one_call"]["tokens_per_s"], 2)
-                if kind == "ar":
-                    out["sampler_ceiling_ratio"] = running_batch_ceiling(model, plan, args)
+                out["sampler_ceiling_ratio"] = running_batch_ceiling(model, plan, args, causal=kind == "ar")
                 summary[kind] = out
             finally:
                 servers["one_call"].stop()
@@ -306,15 +305,17 @@ def mixed(args: argparse.Namespace) -> int:
     return 0
 
 
-def running_batch_ceiling(model_dir: Path, plan: list[int], args: argparse.Namespace) -> float:
-    """The same mixed AR load without a server: every request in one running batch (sampling/continuous.py)
-    vs one `generate` call per length (what the one-call engine batches), median ratio of 3 interleaved
-    rounds. On a CPU a forward's cost grows with its rows, so sharing forwards saves only their fixed part."""
+def running_batch_ceiling(model_dir: Path, plan: list[int], args: argparse.Namespace, causal: bool) -> float:
+    """The same mixed load without a server: every request in one running batch (sampling/continuous.py
+    for AR, sampling/canvas_batch.py for diffusion) vs one `generate` call per length (what the one-call
+    engine batches), median ratio of interleaved rounds (3 AR, 1 diffusion). On a CPU a forward's cost grows
+    with its rows (and a canvas's with its padded length), so sharing forwards saves only their fixed part."""
     import torch
 
     from dllm.checkpoint.inference import load_for_inference
     from dllm.config.sampler import SamplerConfig, resolve_sampler
     from dllm.sampling.canvas import SpecialIds
+    from dllm.sampling.canvas_batch import CanvasBatch
     from dllm.sampling.continuous import RunningBatch
     from dllm.sampling.generate import generate
 
@@ -324,10 +325,11 @@ def running_batch_ceiling(model_dir: Path, plan: list[int], args: argparse.Names
     prompts = [loaded.tokenizer.encode(f"{(i * 7) % 50} + {(i * 3) % 50} =") for i in range(len(plan))]
 
     def cfg(n: int) -> SamplerConfig:
-        return resolve_sampler(SamplerConfig(generation="causal", gen_length=n, stop_at_eos=False), loaded.profile)
+        base = SamplerConfig(gen_length=n, stop_at_eos=False, **({"generation": "causal"} if causal else {}))
+        return resolve_sampler(base, loaded.profile)
 
     def running() -> None:
-        batch = RunningBatch(loaded.model, special, len(plan))
+        batch = (RunningBatch if causal else CanvasBatch)(loaded.model, special, len(plan))
         batch.reserve(len(plan), max(len(p) for p in prompts) + max(plan))
         for p, n in zip(prompts, plan, strict=True):
             batch.join([p], cfg(n))
@@ -339,7 +341,7 @@ def running_batch_ceiling(model_dir: Path, plan: list[int], args: argparse.Names
             generate(loaded.model, [p for p, k in zip(prompts, plan, strict=True) if k == n], cfg(n), special)
 
     ratios = []
-    for _ in range(3):
+    for _ in range(3 if causal else 1):
         t0 = time.perf_counter()
         calls()
         t1 = time.perf_counter()

@@ -204,7 +204,7 @@ def test_batched_results_equal_each_request_alone(server, client):
     with ThreadPoolExecutor(len(prompts)) as pool:
         together = list(pool.map(lambda p: client.completions.create(model="tiny", prompt=p, max_tokens=16), prompts))
     assert {p: r.choices[0].text for p, r in zip(prompts, together, strict=True)} == alone
-    assert _metric(server, "dllm_batches_total") - batches == len(prompts)  # each its own request of the running batch
+    assert _metric(server, "dllm_batches_total") - batches <= len(prompts)  # a group per arrival of equal settings
     assert max(r.model_extra["dllm"]["batch_rows"] for r in together) > 1  # some shared forwards
 
 
@@ -357,8 +357,8 @@ def test_queue_full_is_429_and_disconnect_cancels():
 def test_a_short_request_behind_a_long_one(mode):
     """One call at a time, a short request waits for the long one to end. A cached request (prefix cache: a call
     of its own) starts at once with calls taking turns step by step, and ends after about twice its own steps; an
-    uncached one joins the long one's running canvas batch at its next step and shares its forwards. Either way
-    it ends while the long one still runs."""
+    uncached one joins the running canvas batch at its next step (in a forward of its own: its canvas is under
+    half the long one's). Either way it ends while the long one still runs."""
     max_calls, max_batch = (1, 1) if mode == "one call" else (4, 1 if mode == "turns" else 8)
     extra = {"cache": "prefix"} if mode == "turns" else {}
     with make_server(slow_loaded(0.01), max_batch=max_batch, max_wait_ms=0, max_calls=max_calls) as srv:
@@ -382,7 +382,8 @@ def test_a_short_request_behind_a_long_one(mode):
         else:
             # ~8-16 forwards of the slow model's 10 ms, against the long call's ~96: well under half of it, on any load
             assert ends["short"] < ends["long"] and ends["short"] - t0 < 0.5 * (ends["long"] - started)
-        assert (shared["short"] == 2) == (mode == "running batch")  # every forward of the short one ran both
+        # in the running batch too: a canvas under half the longest of a forward gets a forward of its own
+        assert shared["short"] == 1
 
 
 def test_api_key_in_process():

@@ -73,7 +73,8 @@ def test_greedy_requests_joining_at_different_steps_decode_as_alone(model):
     groups = _run(batch, arrivals)
     for group, (_, prompts, cfg, _) in zip(groups, arrivals, strict=True):
         _same(group, _alone(model, prompts, cfg))
-    assert batch.groups == [] and batch.owner == [] and batch.target.cache.layers == {}  # released
+    assert batch.groups == [] and batch.owner == [] and batch.rows == 0
+    assert all(k.shape[0] == 0 for layer in batch.target.cache.layers.values() for k in (layer.k_BKTD, layer.v_BKTD))
 
 
 def test_sampled_requests_draw_what_they_draw_alone(model):
@@ -126,7 +127,26 @@ def test_leaving_moves_the_last_rows_into_the_freed_ones(model):
         batch.step()
     _same(long[3], _alone(model, long[3].prompts, _cfg(40, eos=False)))
     _same(late, _alone(model, late.prompts, _cfg(5, eos=False)))
-    assert batch.owner == [] and batch.target.cache.layers == {}  # released
+    assert batch.owner == [] and all(layer.k_BKTD.shape[0] == 0 for layer in batch.target.cache.layers.values())
+
+
+def test_the_buffers_memory_stays_for_the_next_wave(model):
+    """When the batch empties its rows go, not their memory: the next requests join into it without a new
+    allocation (as long as they fit its rows and capacity), and decode as alone."""
+    batch = RunningBatch(model, SPECIAL, max_rows=16)
+    first = [batch.join(random_prompts(2, seed=40 + i), _cfg(12, eos=False)) for i in range(3)]  # 6 rows
+    while batch.groups:
+        batch.step()
+    layer = batch.target.cache.layers[0]
+    memory = layer.bases["k_BKTD"].data_ptr()
+    assert layer.k_BKTD.shape[0] == 0 and layer.bases["k_BKTD"].shape[0] >= 6
+    batch.reserve(4, 20)
+    second = [batch.join(random_prompts(2, seed=50 + i), _cfg(8, eos=False)) for i in range(2)]  # 4 rows
+    assert layer.k_BKTD.shape[0] == 4 and layer.k_BKTD.data_ptr() == memory  # the same memory
+    while batch.groups:
+        batch.step()
+    for group in first + second:
+        _same(group, _alone(model, group.prompts, _cfg(group.cfg.gen_length, eos=False)))
 
 
 def test_a_request_that_ends_with_its_first_token_never_takes_a_row(model):

@@ -46,14 +46,25 @@ class RaggedLayerKV:
     owner: RaggedKVCache
     k_BKTD: torch.Tensor | None = None
     v_BKTD: torch.Tensor | None = None
+    bases: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Per buffer name, the memory its rows are the first rows of (kept when rows leave a running batch,
+    reused when rows join it again)."""
+
+    def allocate(self, name: str, like: torch.Tensor, rows: int, capacity: int) -> torch.Tensor:
+        """A zeroed buffer [rows, K, capacity, D] of `like`'s kind, as the buffer `name` and its base."""
+        _, K, _, D = like.shape
+        buf = like.new_zeros(rows, K, capacity, D)
+        setattr(self, name, buf)
+        self.bases[name] = buf
+        return buf
 
     def update(self, k_BKQD: torch.Tensor, v_BKQD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write this forward's keys/values at each row's `owner.write_BQ`; return the buffers [0, key_end)."""
         c = self.owner
         B, K, Q, D = k_BKQD.shape
         if self.k_BKTD is None or self.v_BKTD is None:
-            self.k_BKTD = k_BKQD.new_zeros(B, K, c.capacity, D)
-            self.v_BKTD = v_BKQD.new_zeros(B, K, c.capacity, D)
+            self.allocate("k_BKTD", k_BKQD, B, c.capacity)
+            self.allocate("v_BKTD", v_BKQD, B, c.capacity)
         if c.write_start is not None:  # every row at the same length: one slice (a copy, no index tensor)
             self.k_BKTD[:, :, c.write_start : c.write_start + Q] = k_BKQD
             self.v_BKTD[:, :, c.write_start : c.write_start + Q] = v_BKQD
@@ -93,15 +104,27 @@ class RaggedKVCache:
 
     def rebuild(self, rows: Sequence[int], capacity: int) -> None:
         """Buffers of rows `rows` of these (in that order; -1: a new, empty row) and `capacity` positions:
-        rows join and leave a running batch between forwards (sampling/continuous.py). One copy."""
+        rows join and leave a running batch between forwards (sampling/continuous.py). Rows that join
+        after the kept ones, at the same capacity, take the next rows of the buffers' memory when it has
+        them (no copy: a server's buffers reach their working size and stay there); otherwise one copy
+        into new memory of at least half as many rows more."""
+        new_rows = list(rows).count(-1)
+        n, kept_rows = len(rows), len(rows) - new_rows
+        in_place = capacity == self.capacity and list(rows) == [*range(kept_rows), *([-1] * new_rows)]
         index = torch.tensor(rows, dtype=torch.long, device=self.length_B.device)
         kept = index >= 0
         for layer, name, old in list(self._buffers()):
-            _, K, T, D = old.shape
-            new = old.new_zeros(len(rows), K, capacity, D)
-            keep = min(T, capacity)
-            new[kept, :, :keep] = old[index[kept], :, :keep]
-            setattr(layer, name, new)
+            base = layer.bases.get(name, old)
+            if in_place and base.shape[0] >= n:
+                buf = base[:n]
+                buf[kept_rows:].zero_()
+                setattr(layer, name, buf)
+                continue
+            grown = base.shape[0] if n <= base.shape[0] else max(n, base.shape[0] + base.shape[0] // 2)
+            keep = min(old.shape[2], capacity)
+            new = layer.allocate(name, old, grown, capacity)
+            new[:n][kept, :, :keep] = old[index[kept], :, :keep]
+            setattr(layer, name, new[:n])
         self.capacity = capacity
 
     def move(self, src: Sequence[int], dst: Sequence[int], num_rows: int) -> None:
@@ -125,8 +148,7 @@ class RaggedKVCache:
                 if values is None:
                     continue
                 if getattr(dst, name) is None:
-                    _, K, _, D = values.shape
-                    setattr(dst, name, values.new_zeros(num_rows, K, self.capacity, D))
+                    dst.allocate(name, values, num_rows, self.capacity)
                 getattr(dst, name)[index, :, :length] = values[:, :, :length]
 
     def at(self, num_queries: int) -> tuple[torch.Tensor, AttentionMask]:

@@ -16,8 +16,10 @@ checks both against `generate`.
 Rows: buffer row s holds one row's tokens at positions [0, length). When a request leaves, the last
 running rows move into its rows (a copy of those rows only) and the buffers end after the running rows,
 so a forward runs running rows only (a request's rows that ended ride along until the whole request
-has, as in the causal loop); with none running the buffers are released. Room for arriving requests is
-made in one copy (`reserve`), the capacity in positions growing by half at least.
+has, as in the causal loop); with none running no row is left, but the buffers' memory stays. Room
+for arriving requests is made in one copy (`reserve`), or none where the memory already has the rows
+(RaggedKVCache.rebuild); the capacity in positions grows by half at least. So a server's buffers reach
+their working size once and stay at it, rather than being allocated and freed with every wave of requests.
 
 Speculative decoding (a drafter's own per-row state) does not join a running batch: the server
 interleaves those calls step by step instead (serving/engine.py). Diffusion canvases have a running
@@ -137,15 +139,19 @@ class RunningBatch:
         self.counters = Counters(loop="causal")
         """Every forward of the batch (the prefills are counted in their groups')."""
         self.groups: list[Group] = []
-        self._release()
-
-    def _release(self) -> None:
-        """No row runs: drop the buffers."""
         self.target = Target(self.model, 0, 0, self.counters, (), self.special.mask_id)
         self.owner: list[Group | None] = []
         """Per buffer row, the group holding it."""
         self.anchor_R = torch.zeros(0, dtype=torch.long, device=self.device)
         """Per buffer row, the token it runs next (decided, not yet in the cache)."""
+
+    def _release(self) -> None:
+        """No row runs: no buffer row either. The buffers' memory stays, for the next requests to join
+        into without allocating (a server's working set: its size is reached once, not at every wave)."""
+        self.target.cache.move([], [], 0)
+        self.target.length_B = self.target.length_B[:0]
+        self.owner = []
+        self.anchor_R = self.anchor_R[:0]
 
     @property
     def rows(self) -> int:

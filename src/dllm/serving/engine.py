@@ -219,7 +219,7 @@ class Engine:
         rows have ended or its client has gone. While it runs it is one of the calls in flight, taking its
         turn step by step."""
         batch = self._new_batch(cfg)
-        running: dict[Group | CanvasGroup, tuple[Job, float]] = {}
+        running: dict[Group | CanvasGroup, tuple[list[Job], float]] = {}
         call: int | None = None
         in_line = False
         while True:
@@ -248,17 +248,19 @@ class Engine:
                 batch.reserve(sum(len(job.rows) for job in admitted), longest)
             for job in admitted:
                 self.metrics.observe("dllm_request_queue_time_seconds", now - job.enqueued_at)
-                self._join(batch, job, running)
-            for group, (job, _) in list(running.items()):
-                if job.cancelled.is_set():
+            for key in dict.fromkeys(job.key for job in admitted):  # requests of equal settings: one group
+                self._join(batch, [job for job in admitted if job.key == key], running)
+            for group, (jobs, _) in list(running.items()):
+                if all(job.cancelled.is_set() for job in jobs):
                     batch.leave(group)
                     del running[group]
             try:
                 finished = batch.step()
             except Exception as e:  # nothing a request does may stop the server
                 err = sampler_failed(e)
-                for job, _ in running.values():
-                    job.sink("error", err)
+                for jobs, _ in running.values():
+                    for job in jobs:
+                        job.sink("error", err)
                 running.clear()
                 batch = self._new_batch(cfg)
                 finished = []
@@ -276,24 +278,27 @@ class Engine:
                     call = None
                     self.cond.notify_all()
 
-    def _join(self, batch: RunningBatch | CanvasBatch, job: Job, running: dict) -> None:
-        """Start a request in the running batch (a causal model prefills it; answered at once when its rows
-        end with their first token)."""
-        s = job.settings
-        generator = self._generator(job)
+    def _join(self, batch: RunningBatch | CanvasBatch, jobs: list[Job], running: dict) -> None:
+        """Start requests of equal settings that arrived together in the running batch, as one group (their
+        rows decoded as one `generate` call of them would; a causal model prefills them; answered at once
+        when their rows end with their first token)."""
+        s = jobs[0].settings
+        generator = self._generator(jobs[0])
         t0 = time.perf_counter()
         box: list[Group | CanvasGroup] = []
+        rows = [row for job in jobs for row in job.rows]
         try:
-            group = batch.join(job.rows, s.cfg, generator, stop_function(self.tokenizer, s.cfg.stop_strings),
-                               self._watcher(job, box))  # fmt: skip
+            group = batch.join(rows, s.cfg, generator, stop_function(self.tokenizer, s.cfg.stop_strings),
+                               self._watcher(jobs, box))  # fmt: skip
         except Exception as e:
-            job.sink("error", sampler_failed(e))
+            for job in jobs:
+                job.sink("error", sampler_failed(e))
             return
         box.append(group)
         if group.done:
-            self._batch_done(group, job, t0)
+            self._batch_done(group, jobs, t0)
         else:
-            running[group] = (job, t0)
+            running[group] = (jobs, t0)
 
     def _generator(self, job: Job) -> torch.Generator:
         """The generator of a call or a request: seeded by the request's seed when it runs alone (a seeded
@@ -301,25 +306,31 @@ class Engine:
         seed = job.settings.seed if job.settings.seed is not None and job.key.startswith("seeded:") else None
         return torch.Generator(device=self.device).manual_seed(seed if seed is not None else secrets.randbits(63))
 
-    def _batch_done(self, group: Group | CanvasGroup, job: Job, t0: float) -> None:
+    def _batch_done(self, group: Group | CanvasGroup, jobs: list[Job], t0: float) -> None:
         if group.error is not None:  # its decoding raised (the others in the batch go on)
-            job.sink("error", sampler_failed(group.error))
+            for job in jobs:
+                job.sink("error", sampler_failed(group.error))
             return
         result = group.result()
-        self.metrics.observe_batch(len(job.rows), time.perf_counter() - t0, result.nfe)
+        self.metrics.observe_batch(len(result.sequences), time.perf_counter() - t0, result.nfe)
         mean_rows = round(group.batch_rows / max(group.counters.nfe, 1), 2)
-        self._finish(job, result, 0, {**result.counters.as_dict(), "batch_rows": mean_rows})
+        offset = 0
+        for job in jobs:
+            self._finish(job, result, offset, {**result.counters.as_dict(), "batch_rows": mean_rows})
+            offset += len(job.rows)
 
-    def _watcher(self, job: Job, box: list) -> Callable[[StepEvent], None] | None:
-        """The step callback of a request in the running batch that streams text or frames (None: it
-        watches nothing); `box` holds its group once joined (the frames show its steps and forwards)."""
-        if not ((job.stream_text and job.settings.cfg.policy != "uniform") or job.denoise):
+    def _watcher(self, jobs: list[Job], box: list) -> Callable[[StepEvent], None] | None:
+        """The step callback of a group in the running batch whose requests stream text or frames (None:
+        none watches); `box` holds the group once joined (the frames show its steps and forwards)."""
+        incremental = jobs[0].settings.cfg.policy != "uniform"  # uniform: noise, not masks, until the end
+        watched = [j for j in jobs if (j.stream_text and incremental) or j.denoise]
+        if not watched:
             return None
 
         def on_step(event: StepEvent) -> None:
-            if not job.cancelled.is_set() and box:
+            if box:
                 c = box[0].counters
-                self.streams.stream(job, event.canvas_BT.tolist(), event, 0, c.steps, c.nfe)
+                self.streams.show_step(jobs, watched, event, c.steps, c.nfe)
 
         return on_step
 
