@@ -99,6 +99,48 @@ def test_greedy_requests_joining_at_different_steps_decode_as_alone(model, atten
     assert max(g.batch_rows / g.counters.nfe for g in groups) > max(g.rows for g in groups)  # forwards were shared
 
 
+@pytest.mark.parametrize("shift", ["off", "on"])
+def test_block_cached_requests_share_forwards_and_decode_as_alone(model, shift):
+    """Block models with the exact block cache: each request's first call (prompt and first block) runs alone,
+    then its rows' keys live in the batch's ragged cache and its windows (a block, or the previous block's
+    clean rows with the next) share one forward per block size with the other cached requests, beside
+    uncached ones; equal to alone, forwards counted the same."""
+    rng = random.Random(11 if shift == "off" else 12)
+    arrivals = []
+    for i in range(10):
+        bl = rng.choice([4, 4, 2])
+        G = bl * rng.choice([1, 2, 3])
+        policy = rng.choice(["low_confidence", "threshold"])
+        cfg = _cfg(attention="block", shift=shift, cache=rng.choice(["block", "block", "none"]), block_length=bl,
+                   gen_length=G, steps=G * rng.choice([1, 2]) // 2 or G, sub_block_length=rng.choice([None, 2]),
+                   policy=policy, threshold=0.2, stop_at_eos=i % 3 == 0)  # fmt: skip
+        arrivals.append((rng.randrange(0, 10), _prompts(rng), cfg, None))
+    batch = CanvasBatch(model, SPECIAL, max_rows=64)
+    groups = _run(batch, arrivals)
+    for group, (_, prompts, cfg, _) in zip(groups, arrivals, strict=True):
+        _same(group, model, prompts, cfg, None)
+    assert batch.groups == [] and all(rows.num_rows == 0 for rows in batch.cached.values())
+    cached = [g for g in groups if g.loop.cfg.cache == "block"]
+    assert max(g.batch_rows / g.counters.nfe for g in cached) > max(g.rows for g in cached)  # forwards were shared
+
+
+def test_a_block_cached_request_that_leaves_moves_the_last_rows(model):
+    batch = CanvasBatch(model, SPECIAL, max_rows=64)
+    kw = {"attention": "block", "cache": "block", "block_length": 4, "gen_length": 12, "steps": 12}
+    a = batch.join([[1, 2, 3], [4]], _cfg(**kw))
+    b = batch.join([[5, 6]], _cfg(**kw))
+    c = batch.join([[7, 8, 9, 10, 11], [12, 13]], _cfg(**kw))
+    batch.step()
+    batch.leave(a)
+    rows = batch.cached[4]
+    assert rows.num_rows == 3 and sorted(r for g in rows.groups for r in rows.rows[g]) == [0, 1, 2]
+    assert rows.kv.layers[0].k_BKTD.shape[0] == 3
+    while batch.groups:
+        batch.step()
+    _same(b, model, [[5, 6]], _cfg(**kw), None)
+    _same(c, model, [[7, 8, 9, 10, 11], [12, 13]], _cfg(**kw), None)
+
+
 @pytest.mark.parametrize("policy", ["random", "low_confidence", "ancestral", "uniform"])
 def test_sampled_requests_draw_what_they_draw_alone(model, policy):
     rng = random.Random(7)
@@ -142,7 +184,8 @@ def test_a_failing_request_leaves_alone(model):
 
 def test_what_joins_and_what_fits():
     assert CanvasBatch.takes(_cfg())
-    assert not CanvasBatch.takes(_cfg(cache="prefix"))  # cached loops hold keys of their own canvas
+    assert not CanvasBatch.takes(_cfg(cache="prefix"))  # approximate caches hold keys of their own canvas
+    assert CanvasBatch.takes(_cfg(cache="block", attention="block"))
     assert not CanvasBatch.takes(_cfg(cfg_scale=1.0))
     assert not CanvasBatch.takes(SamplerConfig(generation="causal", gen_length=4))
     batch = CanvasBatch(tiny_transformer(), SPECIAL, max_rows=3)

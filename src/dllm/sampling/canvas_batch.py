@@ -16,9 +16,12 @@ same objects and see the same logits, up to the floating-point sums of a batch o
 (tests/unit/test_canvas_batch.py checks greedy and sampled requests against `generate`, in float64).
 
 Which requests join (`CanvasBatch.takes`): canvas decoding (masked or uniform-state diffusion, any
-policy) without a KV cache and without classifier-free guidance, whose call reads every key from 0: the
-uncached loop. Cached loops (prefix, dual and block caches hold per-row keys of their own canvas) and
-guided ones run as calls of their own, taking turns step by step (serving/engine.py). A block model's
+policy) without classifier-free guidance, uncached or with the exact block cache of a block model. The
+block-cached ones keep their keys in one ragged cache per block size (canvas_kv.py: `CachedRows`): each
+runs its first call (prompt and first block) alone, then its windows share one forward with the other
+block-cached requests at each step. The approximate caches (prefix, dual: refreshed keys of a whole
+bidirectional canvas) and guided requests run as calls of their own, taking turns step by step
+(serving/engine.py). A block model's
 requests share a forward per block size (the mask's).
 
 Shapes: R batch rows, n a request's rows, L the forward's length, Q a request's block, V vocabulary.
@@ -35,6 +38,7 @@ from torch import nn
 from dllm.attention.masks import AttentionMask
 from dllm.config.sampler import SamplerConfig
 from dllm.sampling.canvas import SpecialIds
+from dllm.sampling.canvas_kv import CachedRows
 from dllm.sampling.generate import Loop, Need
 from dllm.sampling.results import GenerationResult, StepEvent
 
@@ -89,12 +93,14 @@ class CanvasBatch:
         self.model, self.special, self.max_rows = model, special, max_rows
         self.device = next(model.parameters()).device
         self.groups: list[CanvasGroup] = []
+        self.cached: dict[int, CachedRows] = {}
+        """Per block size, the rows of the requests decoding with the exact block cache."""
         self.mask_col = torch.tensor([special.mask_id], device=self.device)
 
     @staticmethod
     def takes(cfg: SamplerConfig) -> bool:
         """Whether a request of these (resolved) settings can join a running canvas batch."""
-        return cfg.generation not in ("causal", "edit_flow") and cfg.cache == "none" and cfg.cfg_scale == 0
+        return cfg.generation not in ("causal", "edit_flow") and cfg.cache in ("none", "block") and cfg.cfg_scale == 0
 
     @property
     def rows(self) -> int:
@@ -118,16 +124,28 @@ class CanvasBatch:
         loop = Loop(self.model, [list(p) for p in prompts], cfg, self.special, generator, callback, stop)
         group = CanvasGroup(loop, loop.decode())
         group.answer(None)
+        if not group.done and loop.runner.cache is not None:  # the block cache: its first call runs alone
+            block = loop.canvas.block_length
+            if block not in self.cached:
+                self.cached[block] = CachedRows(self.model, block, self.special.pad_id, self.device)
+            self.cached[block].join(group)
         if not group.done:
             self.groups.append(group)
         return group
 
+    @torch.inference_mode()
     def leave(self, group: CanvasGroup) -> None:
         """The request stops (its client went away); its rows are gone from the next forward."""
         if group in self.groups:
             self.groups.remove(group)
+            self._leave_rows(group)
             group.steps.close()
             group.need = None
+
+    def _leave_rows(self, group: CanvasGroup) -> None:
+        for rows in self.cached.values():
+            if group in rows.rows:
+                rows.leave(group)
 
     @torch.inference_mode()
     def step(self) -> list[CanvasGroup]:
@@ -135,12 +153,17 @@ class CanvasBatch:
         requests: the mask's); the requests that returned (or failed) with it, which leave the batch."""
         if not self.groups:
             return []
+        calls = [(groups, lambda groups=groups, block=block: self._forward(groups, block))
+                 for block, groups in self._forwards()]  # fmt: skip
+        calls += [(list(rows.groups), lambda rows=rows: self._logits(*rows.forward()))
+                  for rows in self.cached.values() if rows.groups]  # fmt: skip
         finished = []
-        for block, groups in self._forwards():
-            for g, logits_nQV in zip(groups, self._forward(groups, block), strict=True):
+        for groups, forward in calls:
+            for g, logits_nQV in zip(groups, forward(), strict=True):
                 g.answer(logits_nQV)
                 if g.done:
                     self.groups.remove(g)
+                    self._leave_rows(g)
                     finished.append(g)
         return finished
 
@@ -150,6 +173,8 @@ class CanvasBatch:
         at most doubles a row's cost: a forward's cost grows with its rows' padded length)."""
         masks: dict[int | None, list[CanvasGroup]] = {}
         for g in self.groups:
+            if g.loop.runner.mode.buffers:
+                continue  # the block cache: its rows' forward is CachedRows'
             c = g.loop.canvas
             masks.setdefault(c.block_length if c.block_attention else None, []).append(g)
         forwards: list[tuple[int | None, list[CanvasGroup]]] = []
@@ -208,17 +233,20 @@ class CanvasBatch:
         return tokens, positions, valid
 
     def _block_logits(self, out, groups: list[CanvasGroup]) -> list[torch.Tensor]:
-        """Each request's logits of its active block [n, Q, V] (a shifted model's from the rows before),
-        the head run on those rows only; float32 at least, the mask token never a prediction."""
+        """Each request's logits of its active block [n, Q, V] (a shifted model's from the rows before)."""
         hidden, r = [], 0
         for g in groups:
             lo, hi, _ = g.need  # type: ignore[misc]
             s = g.loop.runner.shift
             hidden.append(out.hidden_BLE[r : r + g.rows, lo - s : hi - s])
             r += g.rows
+        return self._logits(out.head, hidden)
+
+    def _logits(self, head, hidden: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The head run on each request's rows only; float32 at least, the mask token never a prediction."""
         logits = []
         for h in hidden:
-            features, weight, bias = out.head(h)
+            features, weight, bias = head(h)
             z = torch.nn.functional.linear(features, weight, bias)
             z = z if z.dtype == torch.float64 else z.float()
             logits.append(z.index_fill(-1, self.mask_col, float("-inf")))
