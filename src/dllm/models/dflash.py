@@ -15,10 +15,13 @@ Drafter protocol of the speculative loop: the projected context keys/values are 
 one round is one drafter forward: `extend` defers its new positions to `propose`, which runs them as
 key/value rows next to its b block tokens, written in place into the cache: O(new positions + b)).
 
-Two architectures (`DFlashConfig.architecture`): `dflash`, the published drafter (z-lab's
-DFlashDraftModel: Qwen3 blocks, the fused context straight into each block's key/value projections), and
-`dllm`, the first drafters trained here (blocks of the target's layout, the fused context through each
-block's input norm before its projections). Drafter folders, in both formats: models/dflash_io.py.
+Architectures (`DFlashConfig.architecture`): `dflash`, the published drafter (z-lab's DFlashDraftModel:
+Qwen3 blocks, the fused context straight into each block's key/value projections), `dllm`, the first
+drafters trained here (blocks of the target's layout, the fused context through each block's input norm
+before its projections), and `dflash2` (z-lab's DFlash2DraftModel: models/dflash2.py, a subclass).
+The public configs' input_embedding_scale, output_multiplier and final_logit_softcapping act on the embedded
+block and on the draft logits (`draft_logits`; `head`, which training's chunked cross-entropy takes, holds the
+multiplier but not the softcapping, which training never sets). Drafter folders: models/dflash_io.py.
 
 Shapes: B batch, N draft tokens (A anchors x b), A anchors per row, b block size, C context
 positions, T state capacity, E hidden, F features, H/K query/key-value heads, D head width, V vocab.
@@ -126,6 +129,8 @@ class DraftState:
     """RoPE's cos and signed sin of every position [0, T), computed once per call (None: no RoPE)."""
     arange_b: torch.Tensor | None = None
     """[0, b): the offsets of propose's block rows from its anchor's position."""
+    hidden_BdE: torch.Tensor | None = None
+    """The final states of the last `propose`'s draft rows (DFlash2's candidate selector reads them)."""
 
     def rope(self, positions_BL: torch.Tensor) -> tuple | None:
         """The RoPE tables [B, 1, L, D] of these positions (rows of the per-call table)."""
@@ -197,8 +202,25 @@ class DFlashDrafter(nn.Module):
         return self._target[0]
 
     def head(self, hidden_BLE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """The target's output head (its weight stays the target's: frozen, not the drafter's)."""
-        return self.target.head(hidden_BLE)
+        """The target's output head (its weight stays the target's: frozen, not the drafter's), the features
+        times output_multiplier (a factor on the logits; no softcapping: `draft_logits`)."""
+        features, weight, bias = self.target.head(hidden_BLE)
+        scale = self.dcfg.output_multiplier
+        return (features if scale == 1.0 else features * scale), weight, None if bias is None else bias * scale
+
+    def draft_logits(self, hidden_BLE: torch.Tensor) -> torch.Tensor:
+        """The draft logits of final states: the target's head, output_multiplier, final_logit_softcapping."""
+        logits = self.target.logits(hidden_BLE)
+        if self.dcfg.output_multiplier != 1.0:
+            logits = logits * self.dcfg.output_multiplier
+        cap = self.dcfg.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def embed(self, ids_BL: torch.Tensor, positions_BL: torch.Tensor) -> torch.Tensor:
+        """A draft block embedded by the target's embedding (times input_embedding_scale), in the drafter's dtype."""
+        x = self.target.embed(ids_BL, positions_BL).to(self.fc.weight.dtype)
+        scale = self.dcfg.input_embedding_scale
+        return x if scale == 1.0 else x * scale
 
     # -- weights -----------------------------------------------------------------------------------
     @torch.no_grad()
@@ -269,7 +291,7 @@ class DFlashDrafter(nn.Module):
         """The training pass (decoding: `propose`, tested equal to it): embed the blocks with the target's
         embedding, run the blocks over [context ; blocks] under the draft mask (a BlockMask if `flex`), final norm."""
         B, N = ids_BN.shape
-        x = self.target.embed(ids_BN, positions_BN).to(self.fc.weight.dtype)
+        x = self.embed(ids_BN, positions_BN)
         mask_B1NK: torch.Tensor | BlockMask | None = None  # one block that sees the whole context: no mask
         if (
             context_len_BA.shape[1] > 1
@@ -283,8 +305,12 @@ class DFlashDrafter(nn.Module):
                 mask_B1NK = dense_mask(mod, B, N, num_context + N, ids_BN.device)
         rope = self._rope(positions_BN)
         for i, layer in enumerate(self.layers):
-            x, _ = layer(x, rope, mask_B1NK, None, context_kv(i, layer))
+            x = self._train_layer(layer, x, rope, mask_B1NK, context_kv(i, layer))
         return self.norm(x)
+
+    def _train_layer(self, layer: nn.Module, x_BNE: torch.Tensor, rope, mask, kv: PrefixKV) -> torch.Tensor:
+        """One block of the training pass over the draft rows, the context's keys/values before theirs."""
+        return layer(x_BNE, rope, mask, None, kv)[0]
 
     # -- the Drafter protocol (decoding) -----------------------------------------------------------
     def start(self, batch_size: int, max_length: int) -> DraftState:
@@ -335,7 +361,7 @@ class DFlashDrafter(nn.Module):
         ids_Bb = torch.full((B, b), self.mask_id, dtype=anchor_B.dtype, device=device)
         ids_Bb[:, 0] = anchor_B
         positions_BL = anchor_pos_B[:, None] + state.arange_b
-        x = self.target.embed(ids_Bb, positions_BL).to(self.fc.weight.dtype)
+        x = self.embed(ids_Bb, positions_BL)
         context_BNE = None
         if state.pending is not None:
             features_BNF, context_pos_BN = state.pending
@@ -350,7 +376,8 @@ class DFlashDrafter(nn.Module):
             x = self._draft_layer(
                 layer, x, context_BNE, rope, mask_B1bT, BufferKV(state.k[i], state.v[i], positions_BL, b, end)
             )
-        return self.target.logits(self.norm(x[:, 1:]))
+        state.hidden_BdE = self.norm(x[:, 1:])
+        return self.draft_logits(state.hidden_BdE)
 
     def _draft_layer(self, layer: nn.Module, x_BbE: torch.Tensor, context_BNE: torch.Tensor | None, rope, mask,
                      kv: BufferKV) -> torch.Tensor:  # fmt: skip

@@ -1,0 +1,290 @@
+"""DFlash2 drafters in the public layout (z-lab's DFlash2DraftModel): a drafter saved here loads into the dflash
+package and gives its draft logits and selected drafts from the same target features; a drafter built and saved by
+the package loads here and proposes its tokens; speculative decoding with a public-layout DFlash2 drafter (its
+candidate selector picking the drafts) is lossless at batch 1 and 8; one that does not fit the target is refused in
+one line by the CLI.
+
+The reference is the `dflash` package (release 0.1.0, an optional test dependency of the dev extra): tests that need
+it skip without it. Helpers (the tiny target, its features) are test_dflash_public's.
+
+Shapes: B batch, C context positions, b block size, E hidden, F features, V vocab.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from dllm.config.model import DFlashConfig, DynamicConvConfig, SelectorConfig
+from dllm.models.dflash import DraftTokens
+from dllm.models.dflash2 import DFlash2Drafter, dynamic_causal_conv
+from dllm.models.dflash_io import load_drafter, save_drafter
+from dllm.models.transformer import Transformer
+from tests.unit.test_dflash_public import (
+    LAYERS,
+    MASK,
+    V,
+    dflash_package,
+    draft_block,
+    features,
+    hf_target,
+    make_target,
+    tokens,
+)
+
+CONV, SELECTOR = DynamicConvConfig(kernel_size=3, group_size=8), SelectorConfig(rank=8, top_k=6)
+
+
+def dflash2_config(target_cfg, **over) -> DFlashConfig:
+    values = {"num_layers": 2, "block_size": 4, "target_layer_ids": LAYERS, "mask_id": MASK, "target": target_cfg,
+              "architecture": "dflash2", "conv": CONV, "selector": SELECTOR, **over}  # fmt: skip
+    return DFlashConfig(**values)
+
+
+def randomize(drafter: torch.nn.Module, seed: int) -> None:
+    """Every parameter random (norms in [0.5, 1.5], the rest 0.3 N(0, 1)): nothing near an identity hides a
+    misplaced part."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            noise = (
+                torch.rand(p.shape, generator=g) if name.endswith("norm.weight") else torch.randn(p.shape, generator=g)
+            )
+            p.copy_(0.5 + noise if name.endswith("norm.weight") else 0.3 * noise)
+
+
+def make_dflash2(target: Transformer, seed: int = 1, **over) -> DFlash2Drafter:
+    drafter = DFlash2Drafter(dflash2_config(target.cfg, **over))
+    randomize(drafter, seed)
+    return drafter.attach(target).eval()
+
+
+def reference_conv(x_BLE, dynamic_BLkG, base_kE, group):
+    """The public convolution as its docstring states it, one row and tap at a time (the plain reference)."""
+    B, L, E = x_BLE.shape
+    y = torch.zeros_like(x_BLE)
+    for l in range(L):  # noqa: E741
+        for o in range(min(base_kE.shape[0], l + 1)):
+            y[:, l] += (base_kE[o] + dynamic_BLkG[:, l, o].repeat_interleave(group, -1)) * x_BLE[:, l - o]
+    return y
+
+
+def test_the_convolution_is_causal_inside_each_block():
+    """Blocks of 4 rows in one sequence: each convolved as on its own (the row-and-tap reference), nothing
+    read across a block boundary."""
+    g = torch.Generator().manual_seed(0)
+    x, dyn, base = (
+        torch.randn(2, 12, 16, generator=g),
+        torch.randn(2, 12, 3, 2, generator=g),
+        torch.randn(3, 16, generator=g),
+    )
+    y = dynamic_causal_conv(x, dyn, base, 4)
+    for a in range(3):
+        rows = slice(4 * a, 4 * a + 4)
+        torch.testing.assert_close(y[:, rows], reference_conv(x[:, rows], dyn[:, rows], base, 8), atol=1e-6, rtol=0)
+
+
+def test_a_dflash2_config_names_both_parts_and_fits_the_target():
+    target = make_target()
+    with pytest.raises(ValueError, match="conv and selector are required"):
+        dflash2_config(target.cfg, selector=None)
+    with pytest.raises(ValueError, match="conv and selector are DFlash2 parts"):
+        dflash2_config(target.cfg, architecture="dflash")
+    with pytest.raises(ValueError, match="conv.group_size 5 does not divide the hidden size 32"):
+        dflash2_config(target.cfg, conv=DynamicConvConfig(kernel_size=3, group_size=5))
+    with pytest.raises(ValueError, match="selector.top_k 99 is more than the vocabulary of 64"):
+        dflash2_config(target.cfg, selector=SelectorConfig(rank=4, top_k=99))
+    with pytest.raises(ValueError, match="output_multiplier and final_logit_softcapping"):
+        DFlashConfig(target_layer_ids=LAYERS, mask_id=MASK, target=target.cfg, output_multiplier=2.0)
+
+
+# --------------------------------------------------------------------------------------------------
+# a DFlash2 drafter saved here is the package's DFlash2DraftModel
+
+
+def test_a_saved_dflash2_drafter_loads_into_the_dflash_package(tmp_path: Path):
+    """Saved in the public layout (its config and weight names as the package reads them), loaded by
+    DFlash2DraftModel.from_pretrained: the same draft logits from the target's features (the package's own
+    extract_context_feature over Hugging Face hidden states; float32, 1e-4), output multiplier and softcapping
+    included, and its selector picks the same drafts, greedy."""
+    dflash = dflash_package()
+    target = make_target()
+    drafter = make_dflash2(target, output_multiplier=0.8, final_logit_softcapping=6.0, input_embedding_scale=1.5)
+    with torch.no_grad():  # a selector strong enough that its chain is not the argmax
+        drafter.candidate_selector.predecessor_codebook.mul_(4.0)
+    folder = save_drafter(tmp_path / "drafter", drafter)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == ["DFlash2DraftModel"] and config["model_type"] == "qwen3"
+    assert config["dflash_config"] == {
+        "block_size": 4, "target_layer_ids": [0, 2], "mask_token_id": MASK, "conv_kernel_size": 3,
+        "conv_group_size": 8, "selector_rank": 8, "selector_top_k": 6, "input_embedding_scale": 1.5,
+        "output_multiplier": 0.8, "final_logit_softcapping": 6.0,
+    }  # fmt: skip
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
+    assert shapes["layers.1.attention_conv.base_kernel"] == (2, 3, 32)
+    assert shapes["layers.0.mlp_conv.kernel_projection.weight"] == (2 * 3 * 4, 32)
+    assert (
+        shapes["candidate_selector.predecessor_codebook"] == shapes["candidate_selector.successor_codebook"] == (V, 8)
+    )
+    assert shapes["candidate_selector.hidden_projection.weight"] == (8, 32)
+
+    ref = dflash.DFlash2DraftModel.from_pretrained(str(folder), dtype=torch.float32).eval()
+    hf = hf_target(target, tmp_path / "target")
+    x, C = tokens(), 12
+    with torch.no_grad():
+        context = dflash.extract_context_feature(hf(x, output_hidden_states=True).hidden_states, ref.target_layer_ids)
+        block = draft_block(9)
+        hidden = ref(position_ids=torch.arange(C + 4)[None], noise_embedding=1.5 * hf.model.embed_tokens(block),
+                     target_hidden=context)[:, 1:]  # fmt: skip
+        theirs = ref.compute_logits(hidden, hf.lm_head)
+        their_drafts, _, _ = ref.propose(hidden, block[:, 0], hf.lm_head, 0.0)
+        out = drafter(DraftTokens(block, features(target, x), torch.tensor([[C]])), C + torch.arange(4)[None])
+        ours = drafter.draft_logits(out.hidden_BLE[:, 1:])
+        our_drafts, q = drafter.candidate_selector.select(out.hidden_BLE[:, 1:], ours, block[:, 0], 0.0)
+    diff = (ours - theirs).abs().max().item()
+    print(f"dflash2 saved here vs the package: max |logit diff| {diff:.2e}")
+    assert diff <= 1e-4 and q is None
+    assert torch.equal(our_drafts, their_drafts) and not torch.equal(our_drafts, ours.argmax(-1))
+
+
+def proposals(drafter, target: Transformer, x: torch.Tensor, anchors: list[int]):
+    """(logits [1, b-1, V], selected drafts [1, b-1]) at each anchor through the decoding path (one state)."""
+    feats = features(target, x, drafter.target_layer_ids)
+    state, done, out = drafter.start(1, 32), 0, []
+    for p in anchors:
+        drafter.extend(state, feats[:, done:p], torch.arange(done, p)[None])
+        logits = drafter.propose(state, x[:, p], torch.tensor([p]))
+        out.append((logits, drafter.select_drafts(state, logits, x[:, p], 0.0)[0]))
+        done = p
+    return out
+
+
+def test_a_dflash2_drafter_built_by_the_dflash_package_proposes_its_tokens(tmp_path: Path):
+    """DFlash2DraftModel built by the package (blocks of their own widths and RoPE base, random weights), saved with
+    its save_pretrained, loads here; at anchors 4, 9 and 15 the decoding path gives the package forward's logits
+    (1e-4) and its selector's drafts."""
+    dflash = dflash_package()
+    from transformers import Qwen3Config
+
+    dflash_config = {"target_layer_ids": [1, 2], "mask_token_id": MASK, "conv_kernel_size": 2, "conv_group_size": 16,
+                     "selector_rank": 4, "selector_top_k": 5, "output_multiplier": 1.25}  # fmt: skip
+    config = Qwen3Config(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, head_dim=16, vocab_size=V, rope_theta=5000.0, rms_norm_eps=1e-5,
+                         max_position_embeddings=256, tie_word_embeddings=False, layer_types=["full_attention"] * 2,
+                         num_target_layers=4, block_size=4, dflash_config=dflash_config,
+                         architectures=["DFlash2DraftModel"])  # fmt: skip
+    ref = dflash.DFlash2DraftModel(config).eval()
+    randomize(ref, seed=3)
+    ref.save_pretrained(str(tmp_path / "public"))
+    target = make_target()
+    drafter = load_drafter(tmp_path / "public", target)
+    assert isinstance(drafter, DFlash2Drafter) and drafter.dcfg.conv == DynamicConvConfig(kernel_size=2, group_size=16)
+    x, anchors, worst = tokens(20), [4, 9, 15], 0.0
+    feats = features(target, x, (1, 2))
+    for p, (logits, drafts) in zip(anchors, proposals(drafter, target, x, anchors), strict=True):
+        block = draft_block(int(x[0, p]))
+        with torch.no_grad():
+            hidden = ref(position_ids=torch.arange(p + 4)[None], target_hidden=feats[:, :p],
+                         noise_embedding=target.embed_tokens(block))[:, 1:]  # fmt: skip
+            theirs = ref.compute_logits(hidden, target.lm_head)
+            their_drafts = ref.propose(hidden, block[:, 0], target.lm_head, 0.0)[0]
+        worst = max(worst, (logits - theirs).abs().max().item())
+        assert torch.equal(drafts, their_drafts)
+    print(f"dflash2 built by the package vs ours: max |logit diff| {worst:.2e}")
+    assert worst <= 1e-4
+
+
+# --------------------------------------------------------------------------------------------------
+# speculative decoding with a public-layout DFlash2 drafter
+
+
+def dflash2_of(v1_folder: Path, folder: Path) -> Path:
+    """The distilled DFlash drafter of `v1_folder` turned into a public-layout DFlash2 drafter that still drafts
+    well: its blocks' weights, convolutions near the identity (tap 0 of the base kernels 1, the rest and the
+    dynamic kernels small and random) and a random selector of small codebooks (its chains differ from the argmax
+    now and then)."""
+    from tests.unit.test_sampling_ar import causal_model
+
+    target = causal_model(seed=10, layers=3)
+    v1 = load_drafter(v1_folder, target)
+    drafter = DFlash2Drafter(v1.dcfg.model_copy(update={"architecture": "dflash2", "conv": CONV,
+                                                        "selector": SelectorConfig(rank=4, top_k=4)}))  # fmt: skip
+    randomize(drafter, seed=5)
+    g = torch.Generator().manual_seed(6)
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if "_conv." in name:
+                p.copy_(0.02 * torch.randn(p.shape, generator=g))
+                if name.endswith("base_kernel"):
+                    p[:, 0] = 1.0
+    drafter.load_state_dict(v1.state_dict(), strict=False)
+    return save_drafter(folder, drafter.attach(target).eval())
+
+
+def test_speculative_decoding_with_a_public_dflash2_drafter_is_lossless(tmp_path: Path):
+    """A public-layout DFlash2 drafter on the float64 target: greedy output equals AR token for token on 200 prompts
+    one at a time and the same 200 in batches of 8 (rows accepting different lengths), drafts picked by the
+    selector and many accepted; sampled decoding (q from the selector's candidates) runs and accepts some."""
+    from tests.unit.test_dflash_public import distilled_public_drafter
+    from tests.unit.test_sampling_ar import causal_model, decode, random_prompts
+
+    N, b = 12, 4
+    known, new = random_prompts(40, seed=21), random_prompts(160, seed=22)
+    folder = dflash2_of(distilled_public_drafter(tmp_path / "v1", known, N, b), tmp_path / "v2")
+    assert json.loads((folder / "config.json").read_text())["architectures"] == ["DFlash2DraftModel"]
+    target = causal_model(seed=10, layers=3, dtype=torch.float64)
+    drafter = load_drafter(folder, target)
+    assert isinstance(drafter, DFlash2Drafter) and drafter.fc.weight.dtype == torch.float64
+    prompts = known + new
+    ar = [s for i in range(0, 200, 8) for s in decode(target, prompts[i : i + 8], N).sequences]
+    accepted = {1: 0, 8: 0}
+    for batch in (1, 8):
+        for i in range(0, 200, batch):
+            out = decode(target, prompts[i : i + batch], N, drafter=drafter)
+            assert out.sequences == ar[i : i + batch]
+            accepted[batch] += out.counters.accepted
+    assert accepted[1] == accepted[8] > 200, accepted
+    sampled = decode(target, known[:8], N, drafter=drafter, temperature=1.0, generator=torch.Generator().manual_seed(0))
+    assert sampled.counters.accepted > 0 and all(len(s) == N for s in sampled.sequences)
+
+
+# --------------------------------------------------------------------------------------------------
+# a DFlash2 drafter that does not fit the target
+
+
+def test_a_dflash2_drafter_that_does_not_fit_the_target_is_one_line(tmp_path: Path, capsys):
+    """generate --draft with a public DFlash2 folder whose target layers or hidden size do not fit the target, or
+    whose config lacks the selector's sizes: one line, exit 2."""
+    from dllm.checkpoint.inference import load_target
+    from tests.unit.test_dflash import write_causal_target
+    from tests.unit.test_dflash_convert import one_line_error, run_cli
+
+    write_causal_target(tmp_path / "target")
+    target = load_target(tmp_path / "target").model
+    cfg = dflash2_config(target.cfg, num_layers=1, target_layer_ids=(0, 1), mask_id=target.cfg.vocab_size - 1)
+    drafter = DFlash2Drafter(cfg)
+    drafter.init_weights(torch.Generator().manual_seed(0))
+    folder = save_drafter(tmp_path / "drafter", drafter.attach(target))  # type: ignore[arg-type]
+    original = json.loads((folder / "config.json").read_text())
+    cases = [
+        (("dflash_config", "target_layer_ids", [0, 5]), "target_layer_ids [5] are outside the target's 3 layers"),
+        ((None, "hidden_size", 32), "the drafter's hidden size 32 is not the target's 64"),
+        (("dflash_config", "selector_top_k", None), "a DFlash2 drafter without selector_top_k"),
+        ((None, "layer_types", ["sliding_attention"]), "full-attention layers only"),
+    ]
+    for (section, key, value), message in cases:
+        config = json.loads(json.dumps(original))
+        where = config if section is None else config[section]
+        if value is None:
+            del where[key]
+        else:
+            where[key] = value
+        (folder / "config.json").write_text(json.dumps(config))
+        code, _, err = run_cli(["generate", "--model", tmp_path / "target", "--draft", folder, "-p", "x"], capsys)
+        one_line_error(code, err, message)
