@@ -97,7 +97,7 @@ def test_a_dflash2_config_names_both_parts_and_fits_the_target():
         dflash2_config(target.cfg, conv=DynamicConvConfig(kernel_size=3, group_size=5))
     with pytest.raises(ValueError, match="selector.top_k 99 is more than the vocabulary of 64"):
         dflash2_config(target.cfg, selector=SelectorConfig(rank=4, top_k=99))
-    with pytest.raises(ValueError, match="output_multiplier and final_logit_softcapping"):
+    with pytest.raises(ValueError, match="output_multiplier, final_logit_softcapping"):
         DFlashConfig(target_layer_ids=LAYERS, mask_id=MASK, target=target.cfg, output_multiplier=2.0)
 
 
@@ -151,6 +151,91 @@ def test_a_saved_dflash2_drafter_loads_into_the_dflash_package(tmp_path: Path):
     print(f"dflash2 saved here vs the package: max |logit diff| {diff:.2e}")
     assert diff <= 1e-4 and q is None
     assert torch.equal(our_drafts, their_drafts) and not torch.equal(our_drafts, ours.argmax(-1))
+
+
+KINDS = [  # (layer_types, is_causal): sliding and causal blocks as the public config names them
+    (["sliding_attention", "full_attention"], None),
+    (["full_attention", "full_attention"], True),
+    (["sliding_attention", "sliding_attention"], False),
+]
+
+
+@pytest.mark.parametrize(("layer_types", "causal"), KINDS)
+def test_sliding_and_causal_blocks_compute_the_package_forward(tmp_path: Path, layer_types, causal):
+    """Blocks with a sliding window of 5 (shorter than the 12 context positions) and/or causal inside the draft
+    block, saved here and loaded by the package: the same draft logits (1e-4)."""
+    dflash = dflash_package()
+    target = make_target()
+    drafter = make_dflash2(target, layer_types=layer_types, sliding_window=5, causal=causal)
+    folder = save_drafter(tmp_path / "drafter", drafter)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["layer_types"] == layer_types and config["sliding_window"] == 5 and config.get("is_causal") == causal
+    ref = dflash.DFlash2DraftModel.from_pretrained(str(folder), dtype=torch.float32).eval()
+    x, C, block = tokens(), 12, draft_block(9)
+    with torch.no_grad():
+        feats = features(target, x)
+        hidden = ref(position_ids=torch.arange(C + 4)[None], noise_embedding=target.embed_tokens(block),
+                     target_hidden=feats)[:, 1:]  # fmt: skip
+        theirs = ref.compute_logits(hidden, target.lm_head)
+        ours = drafter(DraftTokens(block, feats, torch.tensor([[C]])), C + torch.arange(4)[None]).logits()[:, 1:]
+        plain = make_dflash2(target)(DraftTokens(block, feats, torch.tensor([[C]])), C + torch.arange(4)[None])
+    diff = (ours - theirs).abs().max().item()
+    print(f"dflash2 {layer_types} causal={causal} vs the package: max |logit diff| {diff:.2e}")
+    assert diff <= 1e-4 and not torch.allclose(ours, plain.logits()[:, 1:], atol=1e-3)
+
+
+@pytest.mark.parametrize(("layer_types", "causal"), [(None, None), *KINDS])
+def test_the_dflash2_decoding_path_equals_the_training_forward(layer_types, causal):
+    """Two rows at anchors 12 and 9 (one rewrite of rejected positions between the extends) through start, extend
+    and propose == the training forward of each row alone; and one training forward over both anchors of a row
+    == two forwards of one anchor each (each block convolved and masked on its own)."""
+    target = make_target()
+    drafter = make_dflash2(target, layer_types=layer_types, sliding_window=5, causal=causal)
+    x = torch.randint(0, MASK, (2, 20), generator=torch.Generator().manual_seed(6))
+    feats = features(target, x)
+    state = drafter.start(2, 32)
+    drafter.extend(state, feats[:, :7], torch.arange(7).expand(2, 7))
+    drafter.extend(state, torch.randn(2, 6, feats.shape[-1]), torch.arange(7, 13).expand(2, 6))
+    drafter.extend(state, feats[:, 7:12], torch.arange(7, 12).expand(2, 5))
+    anchor_pos = torch.tensor([12, 9])
+    logits = drafter.propose(state, x.gather(1, anchor_pos[:, None])[:, 0], anchor_pos)
+    alone = []
+    for r, p in enumerate(anchor_pos.tolist()):
+        inp = DraftTokens(draft_block(int(x[r, p])), feats[r : r + 1, :p], torch.tensor([[p]]))
+        with torch.no_grad():
+            alone.append(drafter(inp, p + torch.arange(4)[None]).logits())
+        torch.testing.assert_close(logits[r : r + 1], alone[-1][:, 1:], atol=1e-5, rtol=1e-5)
+    both = DraftTokens(torch.cat([draft_block(int(x[1, 9])), draft_block(int(x[1, 12]))], 1), feats[1:, :12],
+                       torch.tensor([[9, 12]]))  # fmt: skip
+    with torch.no_grad():
+        out = drafter(both, torch.cat([9 + torch.arange(4), 12 + torch.arange(4)])[None]).logits()
+        first = drafter(DraftTokens(draft_block(int(x[1, 12])), feats[1:, :12], torch.tensor([[12]])),
+                        12 + torch.arange(4)[None]).logits()  # fmt: skip
+    torch.testing.assert_close(out[:, :4], alone[1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out[:, 4:], first, atol=1e-5, rtol=1e-5)
+
+
+def test_dflash2_folders_convert_between_the_formats(tmp_path: Path):
+    """A public DFlash2 folder written in dllm's format (with its target) and back: the same weights, config
+    entries and proposals."""
+    from dllm.models.dflash_io import convert_dllm_folder, save_dllm, target_identity
+
+    target = make_target()
+    drafter = make_dflash2(target, layer_types=["sliding_attention", "full_attention"], sliding_window=5,
+                           output_multiplier=0.5)  # fmt: skip
+    public = save_drafter(tmp_path / "public", drafter)
+    save_dllm(tmp_path / "dllm", load_drafter(public, target), target_identity(target))
+    assert json.loads((tmp_path / "dllm" / "config.json").read_text())["conv"] == CONV.model_dump()
+    again = convert_dllm_folder(tmp_path / "dllm", tmp_path / "again")
+    configs = [json.loads((f / "config.json").read_text()) for f in (tmp_path / "again", public)]
+    for c in configs:
+        c.pop("initializer_range")  # the blocks' init std: not recorded in dllm's format (the weights are)
+    assert configs[0] == configs[1]
+    assert (tmp_path / "again" / "model.safetensors").read_bytes() == (public / "model.safetensors").read_bytes()
+    x = tokens(20)
+    ours, theirs = proposals(drafter, target, x, [5, 11]), proposals(again.attach(target).eval(), target, x, [5, 11])
+    for (a, da), (b, db) in zip(ours, theirs, strict=True):
+        assert torch.equal(a, b) and torch.equal(da, db)
 
 
 def proposals(drafter, target: Transformer, x: torch.Tensor, anchors: list[int]):
@@ -276,7 +361,8 @@ def test_a_dflash2_drafter_that_does_not_fit_the_target_is_one_line(tmp_path: Pa
         (("dflash_config", "target_layer_ids", [0, 5]), "target_layer_ids [5] are outside the target's 3 layers"),
         ((None, "hidden_size", 32), "the drafter's hidden size 32 is not the target's 64"),
         (("dflash_config", "selector_top_k", None), "a DFlash2 drafter without selector_top_k"),
-        ((None, "layer_types", ["sliding_attention"]), "full-attention layers only"),
+        ((None, "layer_types", ["sliding_attention"]), "sliding_attention blocks but sliding_window is not set"),
+        ((None, "layer_types", ["local"]), "full_attention and sliding_attention blocks only"),
     ]
     for (section, key, value), message in cases:
         config = json.loads(json.dumps(original))

@@ -280,6 +280,14 @@ class DFlashConfig(Section):
     """Factor on the draft logits (public key output_multiplier)."""
     final_logit_softcapping: Float | None = Field(default=None, gt=0)
     """Draft logits through c * tanh(logits / c) (public key final_logit_softcapping); null: none."""
+    layer_types: tuple[Literal["full_attention", "sliding_attention"], ...] | None = None
+    """Per block (public key layer_types): sliding_attention sees keys fewer than sliding_window positions away
+    and is causal unless `causal` is false; null: all full_attention."""
+    sliding_window: Int | None = Field(default=None, gt=0)
+    """The window of the sliding_attention blocks (public key sliding_window)."""
+    causal: bool | None = None
+    """Public key is_causal: true makes every block causal inside its draft block, false none; null: the
+    sliding_attention blocks only."""
 
     @model_validator(mode="after")
     def _check_target(self) -> DFlashConfig:
@@ -294,11 +302,26 @@ class DFlashConfig(Section):
                              f"{self.target.hidden_size}")  # fmt: skip
         if self.architecture != "dllm":
             self._check_public()
-        elif (self.input_embedding_scale, self.output_multiplier, self.final_logit_softcapping) != (1.0, 1.0, None):
-            raise ValueError("architecture dllm: input_embedding_scale, output_multiplier and final_logit_softcapping "
-                             "are settings of the public drafters; leave them at 1, 1 and null")  # fmt: skip
+        elif (self.input_embedding_scale, self.output_multiplier, self.final_logit_softcapping, self.layer_types,
+              bool(self.causal)) != (1.0, 1.0, None, None, False):  # fmt: skip
+            raise ValueError("architecture dllm: input_embedding_scale, output_multiplier, final_logit_softcapping, "
+                             "layer_types and causal are public drafter settings; leave them unset")  # fmt: skip
         self._check_dflash2()
+        self._check_layer_types()
         return self
+
+    def _check_layer_types(self) -> None:
+        types = self.layer_types
+        if types is not None and len(types) != self.num_layers:
+            raise ValueError(f"layer_types has {len(types)} entries for {self.num_layers} drafter blocks")
+        if types is not None and "sliding_attention" in types and self.sliding_window is None:
+            raise ValueError("layer_types has sliding_attention blocks but sliding_window is not set")
+
+    def layer_kind(self, index: int) -> tuple[bool, int | None]:
+        """(causal inside the draft block, sliding window or None) of drafter block `index`, as the public code
+        reads layer_types and is_causal."""
+        sliding = self.layer_types is not None and self.layer_types[index] == "sliding_attention"
+        return (sliding if self.causal is None else self.causal), (self.sliding_window if sliding else None)
 
     def _check_dflash2(self) -> None:
         """conv and selector: both set for dflash2 (the public DFlash2DraftModel builds both), neither otherwise."""

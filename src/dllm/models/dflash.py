@@ -75,12 +75,31 @@ class PrefixKV:
         return torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2)
 
 
+LayerKind = tuple[bool, int | None]
+"""(causal inside the draft block, sliding window or None) of a drafter block (`DFlashConfig.layer_kind`)."""
+FULL: LayerKind = (False, None)
+
+
+def layer_sees(q_pos: torch.Tensor, k_pos: torch.Tensor, kind: LayerKind) -> torch.Tensor:
+    """Whether a query at position q_pos sees a key at k_pos in a block of `kind` (the public code's rule for
+    layer_types and is_causal): causal: k <= q; window W: q - k < W, and k - q < W when not causal."""
+    causal, window = kind
+    sees = (k_pos <= q_pos) if causal else torch.ones_like(k_pos + q_pos, dtype=torch.bool)
+    if window is not None:
+        sees = sees & (q_pos - k_pos < window)
+        if not causal:
+            sees = sees & (k_pos - q_pos < window)
+    return sees
+
+
 def draft_mask_mod(
-    context_len_BA: torch.Tensor, block_size: int, num_context: int, context_start_BA: torch.Tensor | None = None
-) -> MaskMod:
+    context_len_BA: torch.Tensor, block_size: int, num_context: int, context_start_BA: torch.Tensor | None = None,
+    kind: LayerKind = FULL,
+) -> MaskMod:  # fmt: skip
     """Keys [context (C) ; draft blocks (N)], queries the N draft tokens: query q of block a = q // b
     sees context key kv iff context_start[a] <= kv < context_len[a] (features of its document before its
-    anchor) and block key kv iff it is in the same block (bidirectional inside it); never another block."""
+    anchor) and block key kv iff it is in the same block (bidirectional inside it); never another block.
+    A causal or sliding-window `kind` also needs `layer_sees` of their positions (the anchor's is context_len[a])."""
 
     def mod(b, h, q, kv):
         block = q // block_size
@@ -89,7 +108,12 @@ def draft_mask_mod(
         if context_start_BA is not None:
             before_anchor = before_anchor & (kv >= context_start_BA[b, block])
         same_block = (kv - num_context).clamp_min(0) // block_size == block
-        return (in_context & before_anchor) | (~in_context & same_block)
+        sees = (in_context & before_anchor) | (~in_context & same_block)
+        if kind == FULL:
+            return sees
+        anchor = context_len_BA[b, block]
+        k_pos = torch.where(in_context, kv, anchor + (kv - num_context) % block_size)
+        return sees & layer_sees(anchor + q % block_size, k_pos, kind)
 
     return mod
 
@@ -172,6 +196,7 @@ class DFlashDrafter(nn.Module):
         self.block_size = cfg.block_size
         self.target_layer_ids = tuple(cfg.target_layer_ids)
         self.mask_id = cfg.mask_id
+        self.layer_kinds = [cfg.layer_kind(i) for i in range(cfg.num_layers)]
         E = self.cfg.hidden_size
         self.fc = nn.Linear(cfg.feature_size, E, bias=False)
         self.hidden_norm = make_norm(self.cfg)
@@ -292,20 +317,24 @@ class DFlashDrafter(nn.Module):
         embedding, run the blocks over [context ; blocks] under the draft mask (a BlockMask if `flex`), final norm."""
         B, N = ids_BN.shape
         x = self.embed(ids_BN, positions_BN)
-        mask_B1NK: torch.Tensor | BlockMask | None = None  # one block that sees the whole context: no mask
-        if (
-            context_len_BA.shape[1] > 1
-            or not bool((context_len_BA == num_context).all())
-            or (context_start_BA is not None and bool(context_start_BA.any()))
-        ):
-            mod = draft_mask_mod(context_len_BA, self.block_size, num_context, context_start_BA)
+        one_block = (  # one block that sees the whole context: a full-attention block needs no mask
+            context_len_BA.shape[1] == 1
+            and bool((context_len_BA == num_context).all())
+            and (context_start_BA is None or not bool(context_start_BA.any()))
+        )
+        masks: dict[LayerKind, torch.Tensor | BlockMask | None] = {}
+        for kind in set(self.layer_kinds):
+            if kind == FULL and one_block:
+                masks[kind] = None
+                continue
+            mod = draft_mask_mod(context_len_BA, self.block_size, num_context, context_start_BA, kind)
             if flex:
-                mask_B1NK = create_block_mask(mod, B, None, N, num_context + N, device=ids_BN.device)
+                masks[kind] = create_block_mask(mod, B, None, N, num_context + N, device=ids_BN.device)
             else:
-                mask_B1NK = dense_mask(mod, B, N, num_context + N, ids_BN.device)
+                masks[kind] = dense_mask(mod, B, N, num_context + N, ids_BN.device)
         rope = self._rope(positions_BN)
         for i, layer in enumerate(self.layers):
-            x = self._train_layer(layer, x, rope, mask_B1NK, context_kv(i, layer))
+            x = self._train_layer(layer, x, rope, masks[self.layer_kinds[i]], context_kv(i, layer))
         return self.norm(x)
 
     def _train_layer(self, layer: nn.Module, x_BNE: torch.Tensor, rope, mask, kv: PrefixKV) -> torch.Tensor:
@@ -368,16 +397,25 @@ class DFlashDrafter(nn.Module):
             state.pending = None
             context_BNE = self.fuse(features_BNF)
             positions_BL = torch.cat([positions_BL, context_pos_BN], dim=1)
-        mask_B1bT = None  # rows at one length: every row reads the whole buffer [0, end)
-        if lo != hi:
-            mask_B1bT = (torch.arange(end, device=device) < (anchor_pos_B + b)[:, None])[:, None, None, :]
+        masks = {kind: self._propose_mask(kind, anchor_pos_B, end, lo != hi) for kind in set(self.layer_kinds)}
         rope = state.rope(positions_BL)
         for i, layer in enumerate(self.layers):
-            x = self._draft_layer(
-                layer, x, context_BNE, rope, mask_B1bT, BufferKV(state.k[i], state.v[i], positions_BL, b, end)
-            )
+            kv = BufferKV(state.k[i], state.v[i], positions_BL, b, end)
+            x = self._draft_layer(layer, x, context_BNE, rope, masks[self.layer_kinds[i]], kv)
         state.hidden_BdE = self.norm(x[:, 1:])
         return self.draft_logits(state.hidden_BdE)
+
+    def _propose_mask(self, kind: LayerKind, anchor_pos_B: torch.Tensor, end: int, ragged: bool):
+        """propose's mask [B, 1, b, end] over the buffer: row r's keys before anchor_pos_B[r] + b, seen as `kind`
+        sees them; None when every key is seen (full attention, rows at one length)."""
+        if kind == FULL and not ragged:
+            return None
+        k_T = torch.arange(end, device=anchor_pos_B.device)
+        sees_BbT = (k_T < (anchor_pos_B + self.block_size)[:, None])[:, None, :]
+        if kind != FULL:
+            q_Bb = anchor_pos_B[:, None] + torch.arange(self.block_size, device=k_T.device)
+            sees_BbT = sees_BbT & layer_sees(q_Bb[:, :, None], k_T[None, None, :], kind)
+        return sees_BbT[:, None]
 
     def _draft_layer(self, layer: nn.Module, x_BbE: torch.Tensor, context_BNE: torch.Tensor | None, rope, mask,
                      kv: BufferKV) -> torch.Tensor:  # fmt: skip

@@ -4,7 +4,7 @@ has one.
 
 The public layout (z-lab's DFlashDraftModel; architectures ["DFlashDraftModel"], model_type "qwen3"):
 config.json is a Qwen3 config of the drafter's blocks (num_hidden_layers = drafter blocks, their widths,
-heads, RoPE and norm epsilon) plus num_target_layers, block_size, layer_types (all full attention) and a
+heads, RoPE and norm epsilon) plus num_target_layers, block_size, layer_types and a
 `dflash_config` block {block_size, target_layer_ids, mask_token_id}; model.safetensors holds fc,
 hidden_norm, layers.N.{input_layernorm, post_attention_layernorm, self_attn.{q,k,v,o}_proj,
 self_attn.{q,k}_norm, mlp.{gate,up,down}_proj} and norm, which are dllm's drafter's own parameter names.
@@ -32,7 +32,9 @@ candidate_selector.{hidden_projection.weight,predecessor_codebook,successor_code
 `.weight`, as the public checkpoints store them; a `.weight` suffix, which transformers' save_pretrained of the
 reference module writes, is read too). Either layout's input_embedding_scale, output_multiplier and
 final_logit_softcapping (in `dflash_config` or at the top level) are read, and written when not 1, 1, none.
-Sliding-window or causal draft layers (layer_types other than full_attention, is_causal) are refused.
+layer_types (full_attention or sliding_attention, with the top-level sliding_window) and the top-level
+is_causal are read as the reference reads them (DFlashConfig.layer_kind); a config without layer_types but
+with use_sliding_window is refused (the reference's attention follows layer_types alone).
 
 dllm's format (model_type "dflash"): config.json with the block size, the target layer ids, the
 architecture, the drafter and target architectures and the target's identity; model.safetensors.
@@ -132,6 +134,11 @@ def _write(folder: Path, config: dict[str, Any], drafter: DFlashDrafter) -> Path
     return folder
 
 
+# DFlashConfig fields of the public architectures that dllm's format records as they are
+_PUBLIC_SETTINGS = ("conv", "selector", "input_embedding_scale", "output_multiplier", "final_logit_softcapping",
+                    "layer_types", "sliding_window", "causal")  # fmt: skip
+
+
 def save_dllm(folder: Path, drafter: DFlashDrafter, identity: dict[str, Any]) -> Path:
     """dllm's drafter format (either architecture); `identity`: its target's (`target_identity`)."""
     d = drafter.dcfg
@@ -146,6 +153,7 @@ def save_dllm(folder: Path, drafter: DFlashDrafter, identity: dict[str, Any]) ->
         "mask_id": d.mask_id,
         "blocks": None if d.blocks is None else d.blocks.model_dump(mode="json", exclude={"init_from"}),
         "target_config": d.target.model_dump(mode="json", exclude={"init_from"}),
+        **d.model_dump(mode="json", include=set(_PUBLIC_SETTINGS)),
         "target": identity,
         "dllm_version": dllm.__version__,
     }
@@ -174,10 +182,11 @@ def public_config(drafter: DFlashDrafter, identity: dict[str, Any]) -> dict[str,
         "tie_word_embeddings": False,  # the drafter has no embedding or head of its own
         "attention_dropout": 0.0,
         "initializer_range": blocks.init_std,
-        "layer_types": ["full_attention"] * d.num_layers,
-        "sliding_window": None,
-        "use_sliding_window": False,
+        "layer_types": list(d.layer_types or ["full_attention"] * d.num_layers),
+        "sliding_window": d.sliding_window,
+        "use_sliding_window": "sliding_attention" in (d.layer_types or ()),
         "max_window_layers": d.num_layers,
+        **({} if d.causal is None else {"is_causal": d.causal}),
         "dtype": dtype,
         "num_target_layers": target.num_layers,
         "block_size": d.block_size,
@@ -293,6 +302,7 @@ def dllm_drafter_config(saved: dict[str, Any], target: ModelConfig, where: Path)
             num_layers=saved["num_layers"], block_size=saved["block_size"], target_layer_ids=saved["target_layer_ids"],
             mask_id=saved["mask_id"], target=target, architecture=saved.get("architecture", "dllm"),
             blocks=None if blocks is None else _with_backend(ModelConfig.model_validate(blocks), target),
+            **{k: saved[k] for k in _PUBLIC_SETTINGS if k in saved},
         )  # fmt: skip
     except (KeyError, TypeError, ValidationError) as e:
         raise CheckpointError(f"{where}: incomplete or invalid drafter config ({e!s:.200}); re-export it") from None
@@ -357,11 +367,8 @@ def public_drafter_config(hf: dict[str, Any], target: Transformer, where: Path) 
         err = e.errors(include_url=False)[0]
         field = ".".join(str(p) for p in err["loc"])
         msg = str(err["msg"]).removeprefix("Value error, ")
-        fix = (
-            ""
-            if msg.startswith("architecture")
-            else "; this drafter does not fit the given target: pass the target it was trained for"
-        )
+        about_target = "target" in msg and not msg.startswith("architecture")
+        fix = "; this drafter does not fit the given target: pass the target it was trained for" if about_target else ""
         raise CheckpointError(f"{where}: {field + ': ' if field else ''}{msg}{fix}") from None
 
 
@@ -394,13 +401,29 @@ def _public_parts(hf: dict[str, Any], where: Path) -> dict[str, Any]:
     cap = _dflash_value(hf, "final_logit_softcapping")
     if isinstance(cap, int | float) and cap > 0:
         parts["final_logit_softcapping"] = cap
-    return parts
+    return parts | _layer_settings(hf, where)
+
+
+def _layer_settings(hf: dict[str, Any], where: Path) -> dict[str, Any]:
+    """DFlashConfig's layer_types, sliding_window and causal of a public config.json (top-level keys)."""
+    types = hf.get("layer_types")
+    if types is None and hf.get("use_sliding_window"):
+        raise CheckpointError(f"{where}: use_sliding_window without layer_types; give layer_types (full_attention or "
+                              "sliding_attention per drafter block)")  # fmt: skip
+    if types is not None and (
+        not isinstance(types, list) or any(t not in ("full_attention", "sliding_attention") for t in types)
+    ):
+        raise CheckpointError(f"{where}: layer_types {types!r}: dllm's drafter has full_attention and "
+                              "sliding_attention blocks only")  # fmt: skip
+    out: dict[str, Any] = {"layer_types": types, "causal": hf.get("is_causal")}
+    if types is not None and "sliding_attention" in types:
+        out["sliding_window"] = hf.get("sliding_window")
+    return out
 
 
 # public settings dllm's drafter does not compute, with the values that mean "off"
 _OFF: dict[str, tuple[Any, ...]] = {
-    "is_causal": (None, False), "causal": (None, False), "use_swa": (None, False), "use_sliding_window": (None, False),
-    "attention_sink_bias": (None, False),
+    "causal": (None, False), "use_swa": (None, False), "attention_sink_bias": (None, False),
 }  # fmt: skip
 
 
@@ -413,10 +436,6 @@ def _refuse_unsupported(hf: dict[str, Any], where: Path) -> None:
     if hf.get("draft_vocab_size") not in (None, hf.get("vocab_size")):
         raise CheckpointError(f"{where}: a reduced draft vocabulary (draft_vocab_size) is not supported; the drafter "
                               "must propose over the target's vocabulary")  # fmt: skip
-    types = hf.get("layer_types")
-    if types is not None and (not isinstance(types, list) or any(t != "full_attention" for t in types)):
-        raise CheckpointError(f"{where}: layer_types {types!r}: dllm's drafter has full-attention layers only "
-                              "(no sliding windows)")  # fmt: skip
 
 
 def _public_blocks(hf: dict[str, Any], target: ModelConfig, where: Path) -> ModelConfig:
