@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dllm.attention.masks import AttentionMask
 from dllm.config.model import DFlashConfig, DynamicConvConfig, SelectorConfig
 from dllm.models.dflash import DraftTokens
 from dllm.models.dflash2 import DFlash2Drafter, dynamic_causal_conv
@@ -339,13 +340,56 @@ def test_speculative_decoding_with_a_public_dflash2_drafter_is_lossless(tmp_path
     assert sampled.counters.accepted > 0 and all(len(s) == N for s in sampled.sequences)
 
 
+def test_sampled_decoding_with_the_selector_follows_the_target(tmp_path: Path):
+    """10,000 rows of a 1-token prompt in one call, 3 tokens each at temperature 1 with the DFlash2 drafter (its
+    selector draws a chain over 4 candidates per position; q is 0 outside them): the second and third tokens
+    (drafted, then verified by the rejection rule) follow the target's marginals (chi-square, p > 0.01); some
+    drafts are accepted, not all. And with --draft-block-size 3 (the first proposals of its chain) greedy output
+    is still AR's."""
+    from dllm.sampling.proposals import token_probs
+    from dllm.sampling.speculative import check_drafter
+    from tests.unit.test_dflash_public import distilled_public_drafter
+    from tests.unit.test_sampling_ar import MASK_ID, causal_model, decode, new_tokens, random_prompts
+    from tests.unit.test_sampling_ar import V as TV
+    from tests.unit.test_sampling_speculative import chi_square_p
+
+    known = random_prompts(40, seed=21)
+    folder = dflash2_of(distilled_public_drafter(tmp_path / "v1", known, 12, 4), tmp_path / "v2")
+    target = causal_model(seed=10, layers=3, dtype=torch.float64)
+    drafter = load_drafter(folder, target)
+    R, prompt = 10_000, [known[0][0]]
+
+    def next_probs(rows_BL: torch.Tensor) -> torch.Tensor:
+        L = rows_BL.shape[1]
+        with torch.no_grad():
+            logits = target(rows_BL, torch.arange(L).expand_as(rows_BL), AttentionMask("causal")).logits()[:, -1]
+        return token_probs(logits.index_fill(-1, torch.tensor([MASK_ID]), float("-inf")), 1.0, None, None)
+
+    p1 = next_probs(torch.tensor([prompt]))[0]
+    t = torch.arange(TV)
+    p2_given = next_probs(torch.stack([torch.full((TV,), prompt[0]), t], 1))  # [t1, V]
+    pairs = torch.stack([torch.full((TV * TV,), prompt[0]), t.repeat_interleave(TV), t.repeat(TV)], 1)
+    p3_given = next_probs(pairs).view(TV, TV, TV)  # [t1, t2, V]
+    p2 = (p1[:, None] * p2_given).sum(0)
+    p3 = (p1[:, None, None] * p2_given[:, :, None] * p3_given).sum((0, 1))
+    out = decode(target, [prompt] * R, 3, drafter=drafter, temperature=1.0, generator=torch.Generator().manual_seed(3))
+    assert 0 < out.counters.accepted < out.counters.drafted
+    tokens_R3 = new_tokens(out, 3)
+    for position, probs in ((1, p2), (2, p3)):
+        assert chi_square_p(torch.bincount(tokens_R3[:, position], minlength=TV), probs) > 0.01, position
+    short = check_drafter(drafter, target, 3)
+    for chunk in (known[:8], known[8:16]):
+        assert decode(target, chunk, 12, drafter=short).sequences == decode(target, chunk, 12).sequences
+
+
 # --------------------------------------------------------------------------------------------------
 # a DFlash2 drafter that does not fit the target
 
 
 def test_a_dflash2_drafter_that_does_not_fit_the_target_is_one_line(tmp_path: Path, capsys):
-    """generate --draft with a public DFlash2 folder whose target layers or hidden size do not fit the target, or
-    whose config lacks the selector's sizes: one line, exit 2."""
+    """generate --draft with a public DFlash2 folder whose target layers or hidden size do not fit the target, whose
+    config lacks the selector's sizes or has layer types dllm does not compute: one line, exit 2; the folder as
+    saved decodes what --ar decodes."""
     from dllm.checkpoint.inference import load_target
     from tests.unit.test_dflash import write_causal_target
     from tests.unit.test_dflash_convert import one_line_error, run_cli
@@ -374,3 +418,7 @@ def test_a_dflash2_drafter_that_does_not_fit_the_target_is_one_line(tmp_path: Pa
         (folder / "config.json").write_text(json.dumps(config))
         code, _, err = run_cli(["generate", "--model", tmp_path / "target", "--draft", folder, "-p", "x"], capsys)
         one_line_error(code, err, message)
+    (folder / "config.json").write_text(json.dumps(original))  # as saved: generates what --ar generates
+    base = ["generate", "--model", tmp_path / "target", "-p", "12 + 7 =", "--gen-length", "16"]
+    (ar_code, ar, _), (code, spec, _) = (run_cli([*base, *flag], capsys) for flag in (["--ar"], ["--draft", folder]))
+    assert ar_code == code == 0 and ar == spec and ar.strip()
