@@ -216,6 +216,24 @@ def test_the_dflash2_decoding_path_equals_the_training_forward(layer_types, caus
     torch.testing.assert_close(out[:, 4:], first, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize(("layer_types", "causal"), KINDS)
+def test_flex_block_masks_of_sliding_and_causal_blocks_equal_the_dense_masks(layer_types, causal):
+    """attention_backend flex (eager FlexAttention, forward on CPU): the training forward over two anchors of two
+    documents, with sliding or causal blocks, equals the dense-mask SDPA forward."""
+    target = make_target()
+    dense = make_dflash2(target, layer_types=layer_types, sliding_window=5, causal=causal)
+    flex_target = target.cfg.model_copy(update={"attention_backend": "flex", "flex_compile": False})
+    flex = DFlash2Drafter(dense.dcfg.model_copy(update={"target": flex_target})).attach(target).eval()
+    flex.load_state_dict(dense.state_dict())
+    x = torch.randint(0, MASK, (1, 20), generator=torch.Generator().manual_seed(6))
+    ids = torch.cat([draft_block(int(x[0, 9])), draft_block(int(x[0, 16]))], 1)
+    inp = DraftTokens(ids, features(target, x), torch.tensor([[9, 16]]), torch.tensor([[0, 11]]))
+    positions = torch.cat([9 + torch.arange(4), 5 + torch.arange(4)])[None]  # the second document restarts at 11
+    with torch.no_grad():
+        torch.testing.assert_close(flex(inp, positions).hidden_BLE, dense(inp, positions).hidden_BLE, atol=1e-5,
+                                   rtol=1e-5)  # fmt: skip
+
+
 def test_dflash2_folders_convert_between_the_formats(tmp_path: Path):
     """A public DFlash2 folder written in dllm's format (with its target) and back: the same weights, config
     entries and proposals."""
