@@ -100,6 +100,13 @@ def test_a_dflash2_config_names_both_parts_and_fits_the_target():
         dflash2_config(target.cfg, selector=SelectorConfig(rank=4, top_k=99))
     with pytest.raises(ValueError, match="output_multiplier, final_logit_softcapping"):
         DFlashConfig(target_layer_ids=LAYERS, mask_id=MASK, target=target.cfg, output_multiplier=2.0)
+    with pytest.raises(ValueError, match="layer_types has 1 entries for 2 drafter blocks"):
+        dflash2_config(target.cfg, layer_types=["full_attention"])
+    with pytest.raises(ValueError, match="sliding_attention blocks but sliding_window is not set"):
+        dflash2_config(target.cfg, layer_types=["sliding_attention", "full_attention"])
+    kinds = dflash2_config(target.cfg, layer_types=["sliding_attention", "full_attention"], sliding_window=3)
+    assert [kinds.layer_kind(i) for i in (0, 1)] == [(True, 3), (False, None)]
+    assert dflash2_config(target.cfg, causal=True).layer_kind(1) == (True, None)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -21,7 +21,9 @@ drafters trained here (blocks of the target's layout, the fused context through 
 before its projections), and `dflash2` (z-lab's DFlash2DraftModel: models/dflash2.py, a subclass).
 The public configs' input_embedding_scale, output_multiplier and final_logit_softcapping act on the embedded
 block and on the draft logits (`draft_logits`; `head`, which training's chunked cross-entropy takes, holds the
-multiplier but not the softcapping, which training never sets). Drafter folders: models/dflash_io.py.
+multiplier but not the softcapping, which training never sets). Their `layer_types` / `is_causal` make a block
+causal inside its draft block and/or limit it to a sliding window (`layer_sees`, in the training mask and in
+propose's). Drafter folders: models/dflash_io.py.
 
 Shapes: B batch, N draft tokens (A anchors x b), A anchors per row, b block size, C context
 positions, T state capacity, E hidden, F features, H/K query/key-value heads, D head width, V vocab.

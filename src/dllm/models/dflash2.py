@@ -20,13 +20,15 @@ math, not its code), on top of the DFlash drafter (models/dflash.py, architectur
   (h: the drafter's final state at that position); greedy takes the best, temperature T > 0 draws from
   softmax(score / T) over the candidates, and that distribution (0 outside the candidates) is the q of the
   speculative rejection rule. So a draft is a chain, not b - 1 independent choices (`select_drafts`, which the
-  causal loop calls in place of its own argmax or draw; sampling/speculative.py).
+  causal loop calls in place of its own argmax or draw; sampling/speculative.py). One difference: dllm's loop
+  sets the MASK token's logit to -inf before (as for DFlash drafters), so MASK is never a candidate.
+- sliding-window and causal draft blocks (public `layer_types`, `sliding_window`, `is_causal`) are DFlash's
+  (models/dflash.py: `layer_sees`), for either version.
 
 Not here: training. The public package holds the architecture and its decoding, no training objective or
 loss for the convolutions or the selector, so dllm trains DFlash (v1) drafters only (objective
-dflash_distillation, architecture dllm or dflash) and loads DFlash2 drafters from the public layout
-(models/dflash_io.py). Nor are sliding-window or causal draft layers (public `layer_types`, `is_causal`):
-DFlash2 configs that use them are refused when loaded.
+dflash_distillation, architecture dllm or dflash) and loads, decodes with and writes DFlash2 drafters in the
+public layout (models/dflash_io.py).
 
 Shapes: B batch, L rows (A blocks x b), b block size, d drafts (b - 1), E hidden, k taps, G channel groups,
 K candidates (top_k), R selector rank, V vocab.
