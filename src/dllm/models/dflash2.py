@@ -20,8 +20,9 @@ math, not its code), on top of the DFlash drafter (models/dflash.py, architectur
   (h: the drafter's final state at that position); greedy takes the best, temperature T > 0 draws from
   softmax(score / T) over the candidates, and that distribution (0 outside the candidates) is the q of the
   speculative rejection rule. So a draft is a chain, not b - 1 independent choices (`select_drafts`, which the
-  causal loop calls in place of its own argmax or draw; sampling/speculative.py). One difference: dllm's loop
-  sets the MASK token's logit to -inf before (as for DFlash drafters), so MASK is never a candidate.
+  causal loop calls in place of its own argmax or draw; sampling/speculative.py). The sampler's top_k and
+  top_p shape the target's distribution p only, not q (as in the reference). One difference: dllm's loop sets
+  the MASK token's logit to -inf first (as for DFlash drafters), so MASK is never a candidate.
 - sliding-window and causal draft blocks (public `layer_types`, `sliding_window`, `is_causal`) are DFlash's
   (models/dflash.py: `layer_sees`), for either version.
 
