@@ -154,9 +154,10 @@ _DROP = object()
         (_set("dflash_config.target_layer_ids", [0, 2]), "include the target's last layer 2"),
         (_set("dflash_config.target_layer_ids", [1]), "weights do not fit the drafter config"),
         (_set("dflash_config.mask_token_id", _DROP), "no dflash_config.mask_token_id"),
-        (_set("architectures", ["DFlash2DraftModel"]), "a DFlash2 drafter"),
-        (_set("layer_types", ["sliding_attention"]), "full-attention layers only"),
-        (_set("is_causal", True), "is_causal=True is not supported"),
+        (_set("architectures", ["DFlash2DraftModel"]), "a DFlash2 drafter without conv_kernel_size"),
+        (_set("layer_types", ["sliding_attention"]), "sliding_attention blocks but sliding_window is not set"),
+        (_set("layer_types", ["chunked_attention"]), "full_attention and sliding_attention blocks only"),
+        (_set("use_swa", True), "use_swa=True is not supported"),
         (_set("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}), "RoPE scaling 'yarn'"),
     ],
 )

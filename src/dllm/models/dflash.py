@@ -15,10 +15,15 @@ Drafter protocol of the speculative loop: the projected context keys/values are 
 one round is one drafter forward: `extend` defers its new positions to `propose`, which runs them as
 key/value rows next to its b block tokens, written in place into the cache: O(new positions + b)).
 
-Two architectures (`DFlashConfig.architecture`): `dflash`, the published drafter (z-lab's
-DFlashDraftModel: Qwen3 blocks, the fused context straight into each block's key/value projections), and
-`dllm`, the first drafters trained here (blocks of the target's layout, the fused context through each
-block's input norm before its projections). Drafter folders, in both formats: models/dflash_io.py.
+Architectures (`DFlashConfig.architecture`): `dflash`, the published drafter (z-lab's DFlashDraftModel:
+Qwen3 blocks, the fused context straight into each block's key/value projections), `dllm`, the first
+drafters trained here (blocks of the target's layout, the fused context through each block's input norm
+before its projections), and `dflash2` (z-lab's DFlash2DraftModel: models/dflash2.py, a subclass).
+The public configs' input_embedding_scale, output_multiplier and final_logit_softcapping act on the embedded
+block and on the draft logits (`draft_logits`; `head`, which training's chunked cross-entropy takes, holds the
+multiplier but not the softcapping, which training never sets). Their `layer_types` / `is_causal` make a block
+causal inside its draft block and/or limit it to a sliding window (`layer_sees`, in the training mask and in
+propose's). Drafter folders: models/dflash_io.py.
 
 Shapes: B batch, N draft tokens (A anchors x b), A anchors per row, b block size, C context
 positions, T state capacity, E hidden, F features, H/K query/key-value heads, D head width, V vocab.
@@ -72,12 +77,31 @@ class PrefixKV:
         return torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2)
 
 
+LayerKind = tuple[bool, int | None]
+"""(causal inside the draft block, sliding window or None) of a drafter block (`DFlashConfig.layer_kind`)."""
+FULL: LayerKind = (False, None)
+
+
+def layer_sees(q_pos: torch.Tensor, k_pos: torch.Tensor, kind: LayerKind) -> torch.Tensor:
+    """Whether a query at position q_pos sees a key at k_pos in a block of `kind` (the public code's rule for
+    layer_types and is_causal): causal: k <= q; window W: q - k < W, and k - q < W when not causal."""
+    causal, window = kind
+    sees = (k_pos <= q_pos) if causal else torch.ones_like(k_pos + q_pos, dtype=torch.bool)
+    if window is not None:
+        sees = sees & (q_pos - k_pos < window)
+        if not causal:
+            sees = sees & (k_pos - q_pos < window)
+    return sees
+
+
 def draft_mask_mod(
-    context_len_BA: torch.Tensor, block_size: int, num_context: int, context_start_BA: torch.Tensor | None = None
-) -> MaskMod:
+    context_len_BA: torch.Tensor, block_size: int, num_context: int, context_start_BA: torch.Tensor | None = None,
+    kind: LayerKind = FULL,
+) -> MaskMod:  # fmt: skip
     """Keys [context (C) ; draft blocks (N)], queries the N draft tokens: query q of block a = q // b
     sees context key kv iff context_start[a] <= kv < context_len[a] (features of its document before its
-    anchor) and block key kv iff it is in the same block (bidirectional inside it); never another block."""
+    anchor) and block key kv iff it is in the same block (bidirectional inside it); never another block.
+    A causal or sliding-window `kind` also needs `layer_sees` of their positions (the anchor's is context_len[a])."""
 
     def mod(b, h, q, kv):
         block = q // block_size
@@ -86,7 +110,12 @@ def draft_mask_mod(
         if context_start_BA is not None:
             before_anchor = before_anchor & (kv >= context_start_BA[b, block])
         same_block = (kv - num_context).clamp_min(0) // block_size == block
-        return (in_context & before_anchor) | (~in_context & same_block)
+        sees = (in_context & before_anchor) | (~in_context & same_block)
+        if kind == FULL:
+            return sees
+        anchor = context_len_BA[b, block]
+        k_pos = torch.where(in_context, kv, anchor + (kv - num_context) % block_size)
+        return sees & layer_sees(anchor + q % block_size, k_pos, kind)
 
     return mod
 
@@ -126,6 +155,8 @@ class DraftState:
     """RoPE's cos and signed sin of every position [0, T), computed once per call (None: no RoPE)."""
     arange_b: torch.Tensor | None = None
     """[0, b): the offsets of propose's block rows from its anchor's position."""
+    hidden_BdE: torch.Tensor | None = None
+    """The final states of the last `propose`'s draft rows (DFlash2's candidate selector reads them)."""
 
     def rope(self, positions_BL: torch.Tensor) -> tuple | None:
         """The RoPE tables [B, 1, L, D] of these positions (rows of the per-call table)."""
@@ -167,6 +198,7 @@ class DFlashDrafter(nn.Module):
         self.block_size = cfg.block_size
         self.target_layer_ids = tuple(cfg.target_layer_ids)
         self.mask_id = cfg.mask_id
+        self.layer_kinds = [cfg.layer_kind(i) for i in range(cfg.num_layers)]
         E = self.cfg.hidden_size
         self.fc = nn.Linear(cfg.feature_size, E, bias=False)
         self.hidden_norm = make_norm(self.cfg)
@@ -197,8 +229,25 @@ class DFlashDrafter(nn.Module):
         return self._target[0]
 
     def head(self, hidden_BLE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """The target's output head (its weight stays the target's: frozen, not the drafter's)."""
-        return self.target.head(hidden_BLE)
+        """The target's output head (its weight stays the target's: frozen, not the drafter's), the features
+        times output_multiplier (a factor on the logits; no softcapping: `draft_logits`)."""
+        features, weight, bias = self.target.head(hidden_BLE)
+        scale = self.dcfg.output_multiplier
+        return (features if scale == 1.0 else features * scale), weight, None if bias is None else bias * scale
+
+    def draft_logits(self, hidden_BLE: torch.Tensor) -> torch.Tensor:
+        """The draft logits of final states: the target's head, output_multiplier, final_logit_softcapping."""
+        logits = self.target.logits(hidden_BLE)
+        if self.dcfg.output_multiplier != 1.0:
+            logits = logits * self.dcfg.output_multiplier
+        cap = self.dcfg.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def embed(self, ids_BL: torch.Tensor, positions_BL: torch.Tensor) -> torch.Tensor:
+        """A draft block embedded by the target's embedding (times input_embedding_scale), in the drafter's dtype."""
+        x = self.target.embed(ids_BL, positions_BL).to(self.fc.weight.dtype)
+        scale = self.dcfg.input_embedding_scale
+        return x if scale == 1.0 else x * scale
 
     # -- weights -----------------------------------------------------------------------------------
     @torch.no_grad()
@@ -269,22 +318,30 @@ class DFlashDrafter(nn.Module):
         """The training pass (decoding: `propose`, tested equal to it): embed the blocks with the target's
         embedding, run the blocks over [context ; blocks] under the draft mask (a BlockMask if `flex`), final norm."""
         B, N = ids_BN.shape
-        x = self.target.embed(ids_BN, positions_BN).to(self.fc.weight.dtype)
-        mask_B1NK: torch.Tensor | BlockMask | None = None  # one block that sees the whole context: no mask
-        if (
-            context_len_BA.shape[1] > 1
-            or not bool((context_len_BA == num_context).all())
-            or (context_start_BA is not None and bool(context_start_BA.any()))
-        ):
-            mod = draft_mask_mod(context_len_BA, self.block_size, num_context, context_start_BA)
+        x = self.embed(ids_BN, positions_BN)
+        one_block = (  # one block that sees the whole context: a full-attention block needs no mask
+            context_len_BA.shape[1] == 1
+            and bool((context_len_BA == num_context).all())
+            and (context_start_BA is None or not bool(context_start_BA.any()))
+        )
+        masks: dict[LayerKind, torch.Tensor | BlockMask | None] = {}
+        for kind in set(self.layer_kinds):
+            if kind == FULL and one_block:
+                masks[kind] = None
+                continue
+            mod = draft_mask_mod(context_len_BA, self.block_size, num_context, context_start_BA, kind)
             if flex:
-                mask_B1NK = create_block_mask(mod, B, None, N, num_context + N, device=ids_BN.device)
+                masks[kind] = create_block_mask(mod, B, None, N, num_context + N, device=ids_BN.device)
             else:
-                mask_B1NK = dense_mask(mod, B, N, num_context + N, ids_BN.device)
+                masks[kind] = dense_mask(mod, B, N, num_context + N, ids_BN.device)
         rope = self._rope(positions_BN)
         for i, layer in enumerate(self.layers):
-            x, _ = layer(x, rope, mask_B1NK, None, context_kv(i, layer))
+            x = self._train_layer(layer, x, rope, masks[self.layer_kinds[i]], context_kv(i, layer))
         return self.norm(x)
+
+    def _train_layer(self, layer: nn.Module, x_BNE: torch.Tensor, rope, mask, kv: PrefixKV) -> torch.Tensor:
+        """One block of the training pass over the draft rows, the context's keys/values before theirs."""
+        return layer(x_BNE, rope, mask, None, kv)[0]
 
     # -- the Drafter protocol (decoding) -----------------------------------------------------------
     def start(self, batch_size: int, max_length: int) -> DraftState:
@@ -335,22 +392,32 @@ class DFlashDrafter(nn.Module):
         ids_Bb = torch.full((B, b), self.mask_id, dtype=anchor_B.dtype, device=device)
         ids_Bb[:, 0] = anchor_B
         positions_BL = anchor_pos_B[:, None] + state.arange_b
-        x = self.target.embed(ids_Bb, positions_BL).to(self.fc.weight.dtype)
+        x = self.embed(ids_Bb, positions_BL)
         context_BNE = None
         if state.pending is not None:
             features_BNF, context_pos_BN = state.pending
             state.pending = None
             context_BNE = self.fuse(features_BNF)
             positions_BL = torch.cat([positions_BL, context_pos_BN], dim=1)
-        mask_B1bT = None  # rows at one length: every row reads the whole buffer [0, end)
-        if lo != hi:
-            mask_B1bT = (torch.arange(end, device=device) < (anchor_pos_B + b)[:, None])[:, None, None, :]
+        masks = {kind: self._propose_mask(kind, anchor_pos_B, end, lo != hi) for kind in set(self.layer_kinds)}
         rope = state.rope(positions_BL)
         for i, layer in enumerate(self.layers):
-            x = self._draft_layer(
-                layer, x, context_BNE, rope, mask_B1bT, BufferKV(state.k[i], state.v[i], positions_BL, b, end)
-            )
-        return self.target.logits(self.norm(x[:, 1:]))
+            kv = BufferKV(state.k[i], state.v[i], positions_BL, b, end)
+            x = self._draft_layer(layer, x, context_BNE, rope, masks[self.layer_kinds[i]], kv)
+        state.hidden_BdE = self.norm(x[:, 1:])
+        return self.draft_logits(state.hidden_BdE)
+
+    def _propose_mask(self, kind: LayerKind, anchor_pos_B: torch.Tensor, end: int, ragged: bool):
+        """propose's mask [B, 1, b, end] over the buffer: row r's keys before anchor_pos_B[r] + b, seen as `kind`
+        sees them; None when every key is seen (full attention, rows at one length)."""
+        if kind == FULL and not ragged:
+            return None
+        k_T = torch.arange(end, device=anchor_pos_B.device)
+        sees_BbT = (k_T < (anchor_pos_B + self.block_size)[:, None])[:, None, :]
+        if kind != FULL:
+            q_Bb = anchor_pos_B[:, None] + torch.arange(self.block_size, device=k_T.device)
+            sees_BbT = sees_BbT & layer_sees(q_Bb[:, :, None], k_T[None, None, :], kind)
+        return sees_BbT[:, None]
 
     def _draft_layer(self, layer: nn.Module, x_BbE: torch.Tensor, context_BNE: torch.Tensor | None, rope, mask,
                      kv: BufferKV) -> torch.Tensor:  # fmt: skip

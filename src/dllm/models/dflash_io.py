@@ -4,7 +4,7 @@ has one.
 
 The public layout (z-lab's DFlashDraftModel; architectures ["DFlashDraftModel"], model_type "qwen3"):
 config.json is a Qwen3 config of the drafter's blocks (num_hidden_layers = drafter blocks, their widths,
-heads, RoPE and norm epsilon) plus num_target_layers, block_size, layer_types (all full attention) and a
+heads, RoPE and norm epsilon) plus num_target_layers, block_size, layer_types and a
 `dflash_config` block {block_size, target_layer_ids, mask_token_id}; model.safetensors holds fc,
 hidden_norm, layers.N.{input_layernorm, post_attention_layernorm, self_attn.{q,k,v,o}_proj,
 self_attn.{q,k}_norm, mlp.{gate,up,down}_proj} and norm, which are dllm's drafter's own parameter names.
@@ -25,6 +25,17 @@ What the public code computes, and how dllm's drafter maps onto it:
   context and the whole block (not causal); final norm, then the target's LM head; block row k predicts
   position anchor + k. dllm's `dflash` architecture computes exactly this.
 
+DFlash2 (z-lab's DFlash2DraftModel; architectures ["DFlash2DraftModel"]): the same, plus in `dflash_config`
+conv_kernel_size, conv_group_size, selector_rank and selector_top_k, and in model.safetensors
+layers.N.{attention_conv,mlp_conv}.{base_kernel,kernel_projection.weight} and
+candidate_selector.{hidden_projection.weight,predecessor_codebook,successor_codebook} (the codebooks without
+`.weight`, as the public checkpoints store them; a `.weight` suffix, which transformers' save_pretrained of the
+reference module writes, is read too). Either layout's input_embedding_scale, output_multiplier and
+final_logit_softcapping (in `dflash_config` or at the top level) are read, and written when not 1, 1, none.
+layer_types (full_attention or sliding_attention, with the top-level sliding_window) and the top-level
+is_causal are read as the reference reads them (DFlashConfig.layer_kind); a config without layer_types but
+with use_sliding_window is refused (the reference's attention follows layer_types alone).
+
 dllm's format (model_type "dflash"): config.json with the block size, the target layer ids, the
 architecture, the drafter and target architectures and the target's identity; model.safetensors.
 """
@@ -43,6 +54,7 @@ from dllm.config.model import DFlashConfig, ModelConfig
 from dllm.config.registries import FAMILIES
 from dllm.errors import CheckpointError, ConfigError
 from dllm.models.dflash import DFlashDrafter
+from dllm.models.dflash2 import build_drafter
 from dllm.models.hf_io import hf_weight_shapes, load_hf_state_dict
 from dllm.models.transformer import Transformer
 
@@ -50,6 +62,7 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 MODEL_TYPE = "dflash"  # dllm's format
 PUBLIC_ARCHITECTURE = "DFlashDraftModel"
+PUBLIC_ARCHITECTURES = {"dflash": PUBLIC_ARCHITECTURE, "dflash2": "DFlash2DraftModel"}  # by DFlashConfig.architecture
 PUBLIC_DEFAULT_BLOCK = 16  # the reference's block size when a config names none
 
 
@@ -94,7 +107,7 @@ def check_target(saved: dict[str, Any], target: Transformer, where: str) -> None
 # -- writing -----------------------------------------------------------------------------------------
 def public_layout_problem(dcfg: DFlashConfig) -> str | None:
     """Why a drafter has no exact public DFlash layout; None: it has one."""
-    if dcfg.architecture != "dflash":
+    if dcfg.architecture not in PUBLIC_ARCHITECTURES:
         return ("its blocks normalise the fused target context with their input norms (architecture dllm, the first "
                 "dllm drafters), which the public DFlash drafter does not; train with objective.architecture: "
                 "dflash for a drafter SGLang and vLLM load")  # fmt: skip
@@ -121,6 +134,11 @@ def _write(folder: Path, config: dict[str, Any], drafter: DFlashDrafter) -> Path
     return folder
 
 
+# DFlashConfig fields of the public architectures that dllm's format records as they are
+_PUBLIC_SETTINGS = ("conv", "selector", "input_embedding_scale", "output_multiplier", "final_logit_softcapping",
+                    "layer_types", "sliding_window", "causal")  # fmt: skip
+
+
 def save_dllm(folder: Path, drafter: DFlashDrafter, identity: dict[str, Any]) -> Path:
     """dllm's drafter format (either architecture); `identity`: its target's (`target_identity`)."""
     d = drafter.dcfg
@@ -135,6 +153,7 @@ def save_dllm(folder: Path, drafter: DFlashDrafter, identity: dict[str, Any]) ->
         "mask_id": d.mask_id,
         "blocks": None if d.blocks is None else d.blocks.model_dump(mode="json", exclude={"init_from"}),
         "target_config": d.target.model_dump(mode="json", exclude={"init_from"}),
+        **d.model_dump(mode="json", include=set(_PUBLIC_SETTINGS)),
         "target": identity,
         "dllm_version": dllm.__version__,
     }
@@ -152,26 +171,40 @@ def save_public(folder: Path, drafter: DFlashDrafter, identity: dict[str, Any]) 
 def public_config(drafter: DFlashDrafter, identity: dict[str, Any]) -> dict[str, Any]:
     """config.json of the public layout: the blocks' Qwen3 config and the DFlash entries."""
     d, blocks, target = drafter.dcfg, drafter.cfg, drafter.dcfg.target
-    dflash = {"block_size": d.block_size, "target_layer_ids": list(d.target_layer_ids), "mask_token_id": d.mask_id}
+    dflash = {"block_size": d.block_size, "target_layer_ids": list(d.target_layer_ids), "mask_token_id": d.mask_id,
+              **_public_extras(d)}  # fmt: skip
     dtype = str(drafter.fc.weight.dtype).removeprefix("torch.")
     return {
         **FAMILIES.resolve("qwen3").config_to_hf(blocks),
-        "architectures": [PUBLIC_ARCHITECTURE],
+        "architectures": [PUBLIC_ARCHITECTURES[d.architecture]],
         "model_type": "qwen3",
         "vocab_size": target.vocab_size,
         "tie_word_embeddings": False,  # the drafter has no embedding or head of its own
         "attention_dropout": 0.0,
         "initializer_range": blocks.init_std,
-        "layer_types": ["full_attention"] * d.num_layers,
-        "sliding_window": None,
-        "use_sliding_window": False,
+        "layer_types": list(d.layer_types or ["full_attention"] * d.num_layers),
+        "sliding_window": d.sliding_window,
+        "use_sliding_window": "sliding_attention" in (d.layer_types or ()),
         "max_window_layers": d.num_layers,
+        **({} if d.causal is None else {"is_causal": d.causal}),
         "dtype": dtype,
         "num_target_layers": target.num_layers,
         "block_size": d.block_size,
         "dflash_config": dflash,
         "dllm": {"version": dllm.__version__, "target": identity},
     }
+
+
+def _public_extras(d: DFlashConfig) -> dict[str, Any]:
+    """The `dflash_config` entries beyond DFlash's: DFlash2's parts, the embedding and logit settings if set."""
+    extras: dict[str, Any] = {}
+    if d.conv is not None and d.selector is not None:
+        extras |= {"conv_kernel_size": d.conv.kernel_size, "conv_group_size": d.conv.group_size,
+                   "selector_rank": d.selector.rank, "selector_top_k": d.selector.top_k}  # fmt: skip
+    for key, off in (("input_embedding_scale", 1.0), ("output_multiplier", 1.0), ("final_logit_softcapping", None)):
+        if getattr(d, key) != off:
+            extras[key] = getattr(d, key)
+    return extras
 
 
 def convert_dllm_folder(src: Path, dst: Path) -> DFlashDrafter:
@@ -189,7 +222,7 @@ def convert_dllm_folder(src: Path, dst: Path) -> DFlashDrafter:
     problem = public_layout_problem(dcfg)
     if problem is not None:
         raise CheckpointError(f"{where}: no public DFlash layout for this drafter: {problem}")
-    drafter = DFlashDrafter(dcfg)
+    drafter = build_drafter(dcfg)
     _load_weights(Path(src), drafter)
     save_public(dst, drafter, saved.get("target") or {})
     return drafter
@@ -222,9 +255,9 @@ def drafter_format(folder: Path) -> str | None:
 
 
 def is_public(config: dict[str, Any]) -> bool:
-    """A public-layout folder (DFlash, or DFlash2, which `public_drafter_config` refuses)."""
+    """A public-layout folder (DFlash or DFlash2)."""
     archs = config.get("architectures")
-    return isinstance(archs, list) and bool({PUBLIC_ARCHITECTURE, "DFlash2DraftModel"} & set(map(str, archs)))
+    return isinstance(archs, list) and bool(set(PUBLIC_ARCHITECTURES.values()) & set(map(str, archs)))
 
 
 def load_drafter(path: Path, target: Transformer, block_size: int | None = None) -> DFlashDrafter:
@@ -250,7 +283,7 @@ def load_drafter(path: Path, target: Transformer, block_size: int | None = None)
             f"block size {block_size}: the drafter in {folder} was trained for block size {dcfg.block_size}; "
             "use that, or train a drafter with objective.block_size set to it"
         )
-    drafter = DFlashDrafter(dcfg)
+    drafter = build_drafter(dcfg)
     _load_weights(folder, drafter)
     w = target.embed_tokens.weight
     drafter.to(device=w.device, dtype=w.dtype)
@@ -269,6 +302,7 @@ def dllm_drafter_config(saved: dict[str, Any], target: ModelConfig, where: Path)
             num_layers=saved["num_layers"], block_size=saved["block_size"], target_layer_ids=saved["target_layer_ids"],
             mask_id=saved["mask_id"], target=target, architecture=saved.get("architecture", "dllm"),
             blocks=None if blocks is None else _with_backend(ModelConfig.model_validate(blocks), target),
+            **{k: saved[k] for k in _PUBLIC_SETTINGS if k in saved},
         )  # fmt: skip
     except (KeyError, TypeError, ValidationError) as e:
         raise CheckpointError(f"{where}: incomplete or invalid drafter config ({e!s:.200}); re-export it") from None
@@ -300,7 +334,11 @@ def _load_weights(folder: Path, drafter: DFlashDrafter) -> None:
 
 
 def _native(name: str) -> str:
-    return name.removeprefix("model.")
+    """A stored weight's name in the drafter: no `model.` prefix, DFlash2's codebooks without `.weight`."""
+    name = name.removeprefix("model.")
+    if name.startswith("candidate_selector.") and name.endswith("_codebook.weight"):
+        return name.removesuffix(".weight")
+    return name
 
 
 # -- the public config -------------------------------------------------------------------------------
@@ -324,16 +362,13 @@ def public_drafter_config(hf: dict[str, Any], target: Transformer, where: Path) 
                               "trained with")  # fmt: skip
     try:
         return DFlashConfig(num_layers=blocks.num_layers, block_size=block, target_layer_ids=ids, mask_id=mask_id,
-                            target=target.cfg, architecture="dflash", blocks=blocks)  # fmt: skip
+                            target=target.cfg, blocks=blocks, **_public_parts(hf, where))  # fmt: skip
     except ValidationError as e:
         err = e.errors(include_url=False)[0]
         field = ".".join(str(p) for p in err["loc"])
         msg = str(err["msg"]).removeprefix("Value error, ")
-        fix = (
-            ""
-            if msg.startswith("architecture")
-            else "; this drafter does not fit the given target: pass the target it was trained for"
-        )
+        about_target = "target" in msg and not msg.startswith("architecture")
+        fix = "; this drafter does not fit the given target: pass the target it was trained for" if about_target else ""
         raise CheckpointError(f"{where}: {field + ': ' if field else ''}{msg}{fix}") from None
 
 
@@ -344,17 +379,55 @@ def _dflash_value(hf: dict[str, Any], key: str, default: Any = None) -> Any:
     return block.get(key, hf.get(key, default))
 
 
+_DFLASH2_KEYS = {"conv_kernel_size": ("conv", "kernel_size"), "conv_group_size": ("conv", "group_size"),
+                 "selector_rank": ("selector", "rank"), "selector_top_k": ("selector", "top_k")}  # fmt: skip
+
+
+def _public_parts(hf: dict[str, Any], where: Path) -> dict[str, Any]:
+    """DFlashConfig's architecture, DFlash2 parts and embedding/logit settings of a public config.json (the
+    reference reads a missing scale or multiplier as 1 and a softcapping of none or <= 0 as none)."""
+    parts: dict[str, Any] = {"architecture": "dflash"}
+    if "DFlash2DraftModel" in (hf.get("architectures") or []):
+        missing = [key for key in _DFLASH2_KEYS if _dflash_value(hf, key) is None]
+        if missing:
+            raise CheckpointError(f"{where}: a DFlash2 drafter without {', '.join(missing)} in dflash_config; "
+                                  "re-export it with its convolution and selector sizes")  # fmt: skip
+        parts = {"architecture": "dflash2", "conv": {}, "selector": {}}
+        for key, (section, field) in _DFLASH2_KEYS.items():
+            parts[section][field] = _dflash_value(hf, key)
+    for key in ("input_embedding_scale", "output_multiplier"):
+        if _dflash_value(hf, key) is not None:
+            parts[key] = _dflash_value(hf, key)
+    cap = _dflash_value(hf, "final_logit_softcapping")
+    if isinstance(cap, int | float) and cap > 0:
+        parts["final_logit_softcapping"] = cap
+    return parts | _layer_settings(hf, where)
+
+
+def _layer_settings(hf: dict[str, Any], where: Path) -> dict[str, Any]:
+    """DFlashConfig's layer_types, sliding_window and causal of a public config.json (top-level keys)."""
+    types = hf.get("layer_types")
+    if types is None and hf.get("use_sliding_window"):
+        raise CheckpointError(f"{where}: use_sliding_window without layer_types; give layer_types (full_attention or "
+                              "sliding_attention per drafter block)")  # fmt: skip
+    if types is not None and (
+        not isinstance(types, list) or any(t not in ("full_attention", "sliding_attention") for t in types)
+    ):
+        raise CheckpointError(f"{where}: layer_types {types!r}: dllm's drafter has full_attention and "
+                              "sliding_attention blocks only")  # fmt: skip
+    out: dict[str, Any] = {"layer_types": types, "causal": hf.get("is_causal")}
+    if types is not None and "sliding_attention" in types:
+        out["sliding_window"] = hf.get("sliding_window")
+    return out
+
+
 # public settings dllm's drafter does not compute, with the values that mean "off"
 _OFF: dict[str, tuple[Any, ...]] = {
-    "is_causal": (None, False), "causal": (None, False), "use_swa": (None, False), "use_sliding_window": (None, False),
-    "attention_sink_bias": (None, False), "input_embedding_scale": (None, 1, 1.0), "output_multiplier": (None, 1, 1.0),
-    "final_logit_softcapping": (None, 0, 0.0),
+    "causal": (None, False), "use_swa": (None, False), "attention_sink_bias": (None, False),
 }  # fmt: skip
 
 
 def _refuse_unsupported(hf: dict[str, Any], where: Path) -> None:
-    if "DFlash2DraftModel" in (hf.get("architectures") or []):
-        raise CheckpointError(f"{where}: a DFlash2 drafter; dllm loads DFlash (v1) drafters only")
     for key, off in _OFF.items():
         value = _dflash_value(hf, key)
         if value not in off:
@@ -363,10 +436,6 @@ def _refuse_unsupported(hf: dict[str, Any], where: Path) -> None:
     if hf.get("draft_vocab_size") not in (None, hf.get("vocab_size")):
         raise CheckpointError(f"{where}: a reduced draft vocabulary (draft_vocab_size) is not supported; the drafter "
                               "must propose over the target's vocabulary")  # fmt: skip
-    types = hf.get("layer_types")
-    if types is not None and (not isinstance(types, list) or any(t != "full_attention" for t in types)):
-        raise CheckpointError(f"{where}: layer_types {types!r}: dllm's drafter has full-attention layers only "
-                              "(no sliding windows)")  # fmt: skip
 
 
 def _public_blocks(hf: dict[str, Any], target: ModelConfig, where: Path) -> ModelConfig:

@@ -16,7 +16,10 @@ greedy or sampled. It is the first anchor, so the first proposal already reads t
 prompt position (the last one included, the most telling about what comes next). DFlash drafters
 (Chen et al. 2025) condition on target hidden states: the target's blocks `drafter.target_layer_ids`
 are captured during every target forward (models/capture.py) and handed to `drafter.extend` at their
-positions.
+positions. A drafter whose proposals depend on each other (DFlash2's candidate selector: a chain through each
+position's top candidates) picks its own drafts from its logits (`SelectingDrafter.select_drafts`: tokens,
+and when sampling the distributions q they were drawn from), as the public DFlash2 generation loop does; the
+verification is the same, so decoding stays lossless.
 
 The canvas of a row is its prompt, then its decided tokens, then masks (a row's position = its canvas
 index), so the step callback and the result look like the diffusion loop's.
@@ -69,6 +72,19 @@ class Drafter(Protocol):
         """Logits [B, b-1, V] for positions anchor_pos+1 .. anchor_pos+b-1, attending to the context features
         of positions [0, anchor_pos_B) of each row plus its own block. It may overwrite what `extend` wrote
         at positions >= anchor_pos_B (the loop extends every verified position before it is read)."""
+        ...
+
+
+@runtime_checkable
+class SelectingDrafter(Drafter, Protocol):
+    """A drafter that picks its drafts itself rather than per position from its logits (DFlash2)."""
+
+    def select_drafts(
+        self, state: Any, logits_BdV: torch.Tensor, anchor_B: torch.Tensor, temperature: float,
+        generator: torch.Generator | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+        """(drafts [B, d] for the first d positions of the last `propose`'s logits, and at temperature > 0 the
+        distributions q [B, d, V] each was drawn from, given the drafts before it)."""
         ...
 
 
@@ -137,6 +153,7 @@ class CausalLoop:
         self.target = kind(model, B, capacity, self.counters, drafter.target_layer_ids, special.mask_id)
         self.state = drafter.start(B, capacity)
         self.drafting = b > 1
+        self.select = drafter.select_drafts if isinstance(drafter, SelectingDrafter) else None
         arange_T = torch.arange(capacity, device=device)
         prompt_BT = arange_T < self.len_B[:, None]
         self.canvas_BT = torch.full((B, capacity), special.mask_id, dtype=torch.long, device=device)
@@ -219,6 +236,8 @@ class CausalLoop:
             return self.anchor_B.new_zeros(self.anchor_B.shape[0], 0), None
         logits_BdV = self.drafter.propose(self.state, self.anchor_B, anchor_pos_B)
         logits_BdV = logits_BdV.index_fill(-1, self.no_mask, float("-inf"))  # the mask token is never a proposal
+        if self.select is not None:
+            return self.select(self.state, logits_BdV, self.anchor_B, self.cfg.temperature, self.generator)
         if self.cfg.temperature == 0:
             return logits_BdV.argmax(-1), None
         q = self.probs(logits_BdV)
@@ -376,6 +395,8 @@ class FirstProposals:
         assert 2 <= block_size <= drafter.block_size
         self.drafter, self.block_size = drafter, block_size
         self.target_layer_ids = drafter.target_layer_ids
+        if isinstance(drafter, SelectingDrafter):  # the first proposals of its chain (given its first logits)
+            self.select_drafts = drafter.select_drafts
 
     def start(self, batch_size: int, max_length: int) -> Any:
         # the drafter's own block reaches block_size - self.block_size positions past the loop's
