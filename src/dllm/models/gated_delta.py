@@ -1,0 +1,118 @@
+"""The gated delta rule (Yang, Kautz and Hatamizadeh 2024, "Gated Delta Networks"), in pure torch.
+
+It is the token mixer of the linear-attention layers of hybrid models (Qwen3.5). Each head keeps a
+state matrix S [K, V]; token t with decay g_t <= 0 (log space) and write strength beta_t in (0, 1)
+updates it and reads it:
+
+    S'_t = exp(g_t) S_{t-1}                           (forget)
+    S_t  = S'_t + k_t (beta_t (v_t - S'_t^T k_t))^T   (delta rule: write the error of what S'_t predicts)
+    o_t  = S_t^T q_t
+
+`recurrent` runs this token by token (the reference). `chunked` gives the same result with matmuls:
+inside a chunk of C tokens the writes u_t = beta_t (v_t - S'_t^T k_t) depend on each other through a
+unit lower-triangular system (the WY / UT form of the Householder-like products, Yang et al. 2024,
+"Parallelizing Linear Transformers with the Delta Rule over Sequence Length", section 3), solved once
+per chunk; only the state crosses chunks. With G_t the decay summed from the chunk start to t,
+S_0 the state before the chunk and P_ts = exp(G_t - G_s) (s <= t):
+
+    (I + strict_lower(beta k k^T * P)) U = beta V - (beta exp(G) K) S_0
+    O   = exp(G) Q S_0 + lower(Q K^T * P) U
+    S_C = exp(G_C) S_0 + (exp(G_C - G) K)^T U
+
+Queries and keys come in as the caller wants them read (normalised and scaled there). Both functions
+take an initial state (None: zeros) and return the final one; they compute in float32 at least
+(float64 inputs stay float64) and return outputs in the inputs' dtype, the state in the compute dtype.
+
+Shapes: B batch, H heads, L sequence, K key width, V value width, N chunks, C chunk length.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+def _zero_state(k_BHLK: torch.Tensor, v_BHLV: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    B, H, _, K = k_BHLK.shape
+    return torch.zeros(B, H, K, v_BHLV.shape[-1], dtype=dtype, device=k_BHLK.device)
+
+
+def recurrent(
+    q_BHLK: torch.Tensor,
+    k_BHLK: torch.Tensor,
+    v_BHLV: torch.Tensor,
+    g_BHL: torch.Tensor,
+    beta_BHL: torch.Tensor,
+    state_BHKV: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rule token by token: outputs [B, H, L, V] and the state after the last token [B, H, K, V]."""
+    dtype = _compute_dtype(q_BHLK)
+    q, k, v, g, beta = (t.to(dtype) for t in (q_BHLK, k_BHLK, v_BHLV, g_BHL, beta_BHL))
+    S = _zero_state(k, v, dtype) if state_BHKV is None else state_BHKV.to(dtype)
+    outs = []
+    for t in range(q.shape[2]):
+        S = S * g[:, :, t, None, None].exp()
+        k_t = k[:, :, t]
+        error_BHV = v[:, :, t] - torch.einsum("bhkv,bhk->bhv", S, k_t)
+        S = S + torch.einsum("bhk,bhv->bhkv", k_t, error_BHV * beta[:, :, t, None])
+        outs.append(torch.einsum("bhkv,bhk->bhv", S, q[:, :, t]))
+    out = torch.stack(outs, dim=2) if outs else v.new_zeros(v.shape)
+    return out.to(q_BHLK.dtype), S
+
+
+def chunked(
+    q_BHLK: torch.Tensor,
+    k_BHLK: torch.Tensor,
+    v_BHLV: torch.Tensor,
+    g_BHL: torch.Tensor,
+    beta_BHL: torch.Tensor,
+    state_BHKV: torch.Tensor | None = None,
+    chunk: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rule chunk by chunk (the same result as `recurrent` up to rounding): outputs [B, H, L, V]
+    and the final state [B, H, K, V]. The sequence is padded to whole chunks with tokens that neither
+    decay nor write (g = 0, beta = 0, k = 0), so the state after the padding is the state after L."""
+    dtype = _compute_dtype(q_BHLK)
+    L, C = q_BHLK.shape[2], chunk
+    pad = -L % C
+    q, k, v = (F.pad(t.to(dtype), (0, 0, 0, pad)) for t in (q_BHLK, k_BHLK, v_BHLV))
+    g, beta = (F.pad(t.to(dtype), (0, pad)) for t in (g_BHL, beta_BHL))
+    B, H, Lp, K = q.shape
+    q_BHNCK, k_BHNCK = q.view(B, H, -1, C, K), k.view(B, H, -1, C, K)
+    v_BHNCV = v.view(B, H, -1, C, v.shape[-1])
+    G_BHNC = g.view(B, H, -1, C).cumsum(-1)
+    beta_BHNC = beta.view(B, H, -1, C)
+    U_BHNCV, W_BHNCK, P_BHNCC = _chunk_writes(k_BHNCK, v_BHNCV, G_BHNC, beta_BHNC)
+    scores_BHNCC = (q_BHNCK @ k_BHNCK.transpose(-1, -2)) * P_BHNCC
+    q_decayed = q_BHNCK * G_BHNC.exp().unsqueeze(-1)
+    k_to_end = k_BHNCK * (G_BHNC[..., -1:] - G_BHNC).exp().unsqueeze(-1)
+    S = _zero_state(k, v, dtype) if state_BHKV is None else state_BHKV.to(dtype)
+    outs = []
+    for n in range(q_BHNCK.shape[2]):
+        U = U_BHNCV[:, :, n] - W_BHNCK[:, :, n] @ S  # the writes, given the state before the chunk
+        outs.append(q_decayed[:, :, n] @ S + scores_BHNCC[:, :, n] @ U)
+        S = S * G_BHNC[:, :, n, -1, None, None].exp() + k_to_end[:, :, n].transpose(-1, -2) @ U
+    out = torch.cat(outs, dim=2)[:, :, :L] if outs else v[:, :, :L]
+    return out.to(q_BHLK.dtype), S
+
+
+def _chunk_writes(
+    k_BHNCK: torch.Tensor, v_BHNCV: torch.Tensor, G_BHNC: torch.Tensor, beta_BHNC: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per chunk, the writes split as U = U0 - W S_0 (U0 [.., C, V], W [.., C, K]: the solutions of the
+    unit lower-triangular system for beta V and for beta exp(G) K), and the decays P [.., C, C] between
+    positions (P_ts = exp(G_t - G_s) for s <= t, 0 above the diagonal)."""
+    C = k_BHNCK.shape[-2]
+    upper = torch.ones(C, C, dtype=torch.bool, device=k_BHNCK.device).triu(1)
+    # mask before exp: above the diagonal G_t - G_s >= 0 could overflow
+    P = (G_BHNC.unsqueeze(-1) - G_BHNC.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()
+    k_beta = k_BHNCK * beta_BHNC.unsqueeze(-1)
+    system = (k_beta @ k_BHNCK.transpose(-1, -2)) * P  # its diagonal is replaced by 1 (unitriangular)
+    rhs = torch.cat([v_BHNCV * beta_BHNC.unsqueeze(-1), k_beta * G_BHNC.exp().unsqueeze(-1)], dim=-1)
+    solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+    U0, W = solved.split([v_BHNCV.shape[-1], k_BHNCK.shape[-1]], dim=-1)
+    return U0, W, P
