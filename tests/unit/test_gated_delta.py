@@ -72,3 +72,24 @@ def test_gradients_match_the_recurrent_form():
     grads_r = torch.autograd.grad((out_r.sin().sum() + S_r.cos().sum()), list(x.values()))
     for a, b in zip(grads, grads_r, strict=True):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
+
+
+def test_block_reads_write_the_whole_block_then_read_its_end_state():
+    """Block n starts from its own state, writes its tokens, and each token reads the state after the block."""
+    x = _inputs(12, torch.float64, seed=7)
+    starts = torch.randn(B, H, 3, K, V, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    out = gated_delta.block_reads(**x, starts_BHNKV=starts, block=4)
+    for n in range(3):
+        part = {k: v[:, :, 4 * n : 4 * n + 4] for k, v in x.items()}
+        _, end = gated_delta.recurrent(**part, state_BHKV=starts[:, :, n])
+        want = torch.einsum("bhlk,bhkv->bhlv", part["q_BHLK"], end)
+        torch.testing.assert_close(out[:, :, 4 * n : 4 * n + 4], want, atol=1e-12, rtol=0)
+
+
+def test_chunk_start_states():
+    x = _inputs(10, torch.float64, seed=8)
+    _, S, starts = gated_delta.chunked_states(**x, chunk=4)
+    assert starts.shape == (B, H, 3, K, V) and not starts[:, :, 0].any()
+    for n in (1, 2):
+        _, want = gated_delta.recurrent(**{k: v[:, :, : 4 * n] for k, v in x.items()})
+        torch.testing.assert_close(starts[:, :, n], want, atol=1e-12, rtol=0)

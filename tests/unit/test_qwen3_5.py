@@ -1,7 +1,9 @@
 """Qwen3.5 (the hybrid text model): a small random transformers Qwen3_5ForCausalLM (linear and full
 attention layers), saved and imported, gives the same logits (float32, 1e-4), unpadded and with left or
 right padding; an export loads back in transformers with the same logits; the multimodal release's
-layout imports; what the recurrent layers cannot do is refused in one line."""
+layout imports; what the recurrent layers cannot do is refused in one line. Block diffusion on the
+hybrid: a noisy block in training reads what it reads when decoded, cached block decoding equals
+uncached decoding token for token, and Fast-dLLM v2 trains it."""
 
 from __future__ import annotations
 
@@ -126,15 +128,99 @@ def test_multimodal_layout_imports_its_text_model(pair, tmp_path: Path):
                                    ours(x, pos, AttentionMask("causal")).logits(), atol=0, rtol=0)  # fmt: skip
 
 
-def test_native_model_trains_and_refuses_what_a_recurrence_cannot_do():
-    cfg = ModelConfig(family="qwen3_5", preset="tiny", vocab_size=V, num_layers=4)
+def _native(seed: int = 0, dtype: torch.dtype = torch.float64) -> Transformer:
+    """A random native qwen3_5 (three linear layers, one attention layer); float64 so that paths that add in
+    different orders cannot flip a greedy choice."""
+    cfg = ModelConfig(family="qwen3_5", preset="tiny", vocab_size=V, num_layers=4, init_std=0.2)
     model = Transformer(cfg)
-    model.init_weights(torch.Generator().manual_seed(0))
+    model.init_weights(torch.Generator().manual_seed(seed))
+    with torch.no_grad():  # a spread of decays and conv taps, not the initial constants
+        for layer in model.layers[:3]:
+            layer.linear_attn.A_log.normal_(0, 1, generator=torch.Generator().manual_seed(1))
+            layer.linear_attn.dt_bias.normal_(0, 1, generator=torch.Generator().manual_seed(2))
+    return model.to(dtype).eval()
+
+
+def test_native_model_trains_and_refuses_what_a_recurrence_cannot_do():
+    model = _native(dtype=torch.float32).train()
     x, pos = _tokens(), torch.arange(L).expand(2, L)
     out = model(x, pos, AttentionMask("causal"))
     out.logits().logsumexp(-1).mean().backward()
     assert all(p.grad is not None for p in model.parameters())
-    with pytest.raises(ValueError, match="linear-attention layers run causally"):
-        model(x, pos, AttentionMask("bidirectional"))
-    with pytest.raises(ValueError, match="documents"):
+    with pytest.raises(ValueError, match="linear-attention layers run over one document"):
         model(x, pos, AttentionMask("causal", doc_ids_BL=torch.zeros(2, L, dtype=torch.long)))
+    with pytest.raises(ValueError, match="per-row offsets"):
+        model(x, pos, AttentionMask("causal", query_offset_B=torch.zeros(2, dtype=torch.long)))
+
+
+def test_noisy_block_in_training_reads_what_decoding_reads():
+    """Block diffusion's 2L layout: the outputs of noisy block k equal those of a forward over the clean
+    blocks before it followed by that noisy block (the canvas at decoding time, block-causal mask)."""
+    model, b, n = _native(), 4, 16
+    clean = _tokens()[:, :n]
+    noisy = torch.where(torch.rand(2, n, generator=torch.Generator().manual_seed(3)) < 0.5, V - 1, clean)
+    pos = torch.arange(n).repeat(2).expand(2, 2 * n)
+    with torch.no_grad():
+        both = model(torch.cat([noisy, clean], 1), pos, AttentionMask("block_diffusion", block_size=b)).hidden_BLE
+        for k in range(n // b):
+            canvas = torch.cat([clean[:, : k * b], noisy[:, k * b : (k + 1) * b]], 1)
+            mask = AttentionMask("block_causal", block_size=b)
+            alone = model(canvas, torch.arange((k + 1) * b).expand(2, -1), mask).hidden_BLE
+            torch.testing.assert_close(both[:, k * b : (k + 1) * b], alone[:, k * b :], atol=1e-10, rtol=0)
+        # the linear layers run the clean half causally: each clean row is what a causal pass over x_0 gives
+        linear_only = _native()
+        linear_only.layers = linear_only.layers[:3]  # the attention layer is block-causal on x_0, not causal
+        got = linear_only(torch.cat([noisy, clean], 1), pos, AttentionMask("block_diffusion", block_size=b))
+        want = linear_only(clean, torch.arange(n).expand(2, n), AttentionMask("causal"))
+        torch.testing.assert_close(got.hidden_BLE[:, n:], want.hidden_BLE, atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("shift", ["off", "on"])
+def test_cached_block_decoding_equals_uncached(shift: str):
+    from dllm.config.sampler import SamplerConfig
+    from dllm.sampling.canvas import SpecialIds
+    from dllm.sampling.generate import generate
+
+    model = _native()
+    special = SpecialIds(mask_id=V - 1, pad_id=V - 2, eos_id=V - 3, num_tokens=V - 3)
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15, 16]]
+
+    def run(cache: str):
+        cfg = SamplerConfig(gen_length=12, block_length=4, steps=12, stop_at_eos=False, shift=shift,
+                            attention="block", cache=cache, policy="low_confidence")  # fmt: skip
+        return generate(model, prompts, cfg, special, generator=torch.Generator().manual_seed(0))
+
+    plain, cached = run("none"), run("block")
+    assert cached.sequences == plain.sequences
+    assert cached.counters.cached_tokens > 0 and cached.counters.query_tokens < plain.counters.query_tokens
+
+
+def test_fast_dllm_v2_trains_the_hybrid():
+    """A few steps of Fast-dLLM v2 on a fixed batch: the loss falls."""
+    from dllm.config.objectives import FastDLLMv2Config
+    from dllm.data.loader import Batch
+    from dllm.diffusion.corruption import NoiseKeys
+    from dllm.diffusion.objectives import TokenIds
+    from dllm.diffusion.objectives.block import FastDLLMv2Objective
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(family="qwen3_5", preset="tiny", vocab_size=V, num_layers=4)
+    model = Transformer(cfg)
+    model.init_weights(torch.Generator().manual_seed(0))
+    ids = TokenIds(mask_id=V - 1, eos_id=1, pad_id=0, num_tokens=V - 1)
+    obj = FastDLLMv2Objective(FastDLLMv2Config(block_size=8, sub_block_size=4), ids, chunked_loss=False)
+    pattern = torch.arange(32) % 7 + 2  # a learnable sequence
+    batch = Batch(pattern.expand(4, 32).clone(), torch.ones(4, 32, dtype=torch.bool), torch.arange(4))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for step in range(30):
+        inputs = obj.prepare(batch, NoiseKeys(step, 4))
+        out = model(inputs.tokens_BL, inputs.positions_BL, inputs.mask)
+        loss = obj.loss(out, inputs).loss_sum / obj.normalizer(batch)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    assert all(torch.isfinite(torch.tensor(losses)))
+    print("fast_dllm_v2 losses", [round(v, 3) for v in losses[:3]], [round(v, 3) for v in losses[-3:]])
+    assert sum(losses[-5:]) / 5 < 0.5 * sum(losses[:5]) / 5, losses

@@ -19,6 +19,9 @@ S_0 the state before the chunk and P_ts = exp(G_t - G_s) (s <= t):
     O   = exp(G) Q S_0 + lower(Q K^T * P) U
     S_C = exp(G_C) S_0 + (exp(G_C - G) K)^T U
 
+`block_reads` is block diffusion's noisy read: each block starts from a given state, writes all its
+tokens, and every token of the block reads the state after the block.
+
 Queries and keys come in as the caller wants them read (normalised and scaled there). Both functions
 take an initial state (None: zeros) and return the final one; they compute in float32 at least
 (float64 inputs stay float64) and return outputs in the inputs' dtype, the state in the compute dtype.
@@ -74,30 +77,73 @@ def chunked(
     chunk: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The rule chunk by chunk (the same result as `recurrent` up to rounding): outputs [B, H, L, V]
-    and the final state [B, H, K, V]. The sequence is padded to whole chunks with tokens that neither
-    decay nor write (g = 0, beta = 0, k = 0), so the state after the padding is the state after L."""
+    and the final state [B, H, K, V]."""
+    out, S, _ = chunked_states(q_BHLK, k_BHLK, v_BHLV, g_BHL, beta_BHL, state_BHKV, chunk)
+    return out, S
+
+
+def chunked_states(
+    q_BHLK: torch.Tensor,
+    k_BHLK: torch.Tensor,
+    v_BHLV: torch.Tensor,
+    g_BHL: torch.Tensor,
+    beta_BHL: torch.Tensor,
+    state_BHKV: torch.Tensor | None = None,
+    chunk: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`chunked`, and also the state before each chunk [B, H, N, K, V] (block diffusion reads the clean
+    state at each block start). The sequence is padded to whole chunks with tokens that neither decay nor
+    write (g = 0, beta = 0, k = 0), so the state after the padding is the state after L."""
     dtype = _compute_dtype(q_BHLK)
     L, C = q_BHLK.shape[2], chunk
     pad = -L % C
     q, k, v = (F.pad(t.to(dtype), (0, 0, 0, pad)) for t in (q_BHLK, k_BHLK, v_BHLV))
     g, beta = (F.pad(t.to(dtype), (0, pad)) for t in (g_BHL, beta_BHL))
-    B, H, Lp, K = q.shape
+    B, H, _, K = q.shape
     q_BHNCK, k_BHNCK = q.view(B, H, -1, C, K), k.view(B, H, -1, C, K)
     v_BHNCV = v.view(B, H, -1, C, v.shape[-1])
     G_BHNC = g.view(B, H, -1, C).cumsum(-1)
-    beta_BHNC = beta.view(B, H, -1, C)
-    U_BHNCV, W_BHNCK, P_BHNCC = _chunk_writes(k_BHNCK, v_BHNCV, G_BHNC, beta_BHNC)
+    U_BHNCV, W_BHNCK, P_BHNCC = _chunk_writes(k_BHNCK, v_BHNCV, G_BHNC, beta.view(B, H, -1, C))
     scores_BHNCC = (q_BHNCK @ k_BHNCK.transpose(-1, -2)) * P_BHNCC
     q_decayed = q_BHNCK * G_BHNC.exp().unsqueeze(-1)
     k_to_end = k_BHNCK * (G_BHNC[..., -1:] - G_BHNC).exp().unsqueeze(-1)
     S = _zero_state(k, v, dtype) if state_BHKV is None else state_BHKV.to(dtype)
-    outs = []
+    outs, starts = [], []
     for n in range(q_BHNCK.shape[2]):
+        starts.append(S)
         U = U_BHNCV[:, :, n] - W_BHNCK[:, :, n] @ S  # the writes, given the state before the chunk
         outs.append(q_decayed[:, :, n] @ S + scores_BHNCC[:, :, n] @ U)
         S = S * G_BHNC[:, :, n, -1, None, None].exp() + k_to_end[:, :, n].transpose(-1, -2) @ U
     out = torch.cat(outs, dim=2)[:, :, :L] if outs else v[:, :, :L]
-    return out.to(q_BHLK.dtype), S
+    starts_BHNKV = torch.stack(starts, dim=2) if starts else S.unsqueeze(2)[:, :, :0]
+    return out.to(q_BHLK.dtype), S, starts_BHNKV
+
+
+def block_reads(
+    q_BHLK: torch.Tensor,
+    k_BHLK: torch.Tensor,
+    v_BHLV: torch.Tensor,
+    g_BHL: torch.Tensor,
+    beta_BHL: torch.Tensor,
+    starts_BHNKV: torch.Tensor,
+    block: int,
+) -> torch.Tensor:
+    """Every block of `block` tokens at once, each from its own start state (starts_BHNKV[:, :, n]): the
+    block's tokens are written, and each of them reads the state after the whole block, S_end^T q_t
+    (bidirectional inside the block: token t reads the writes of the tokens after it too). Outputs
+    [B, H, L, V]; L is whole blocks."""
+    dtype = _compute_dtype(q_BHLK)
+    B, H, L, K = q_BHLK.shape
+    q, k, v, g, beta = (t.to(dtype) for t in (q_BHLK, k_BHLK, v_BHLV, g_BHL, beta_BHL))
+    k_BHNCK, v_BHNCV = k.view(B, H, -1, block, K), v.view(B, H, -1, block, v.shape[-1])
+    G_BHNC = g.view(B, H, -1, block).cumsum(-1)
+    U0, W, _ = _chunk_writes(k_BHNCK, v_BHNCV, G_BHNC, beta.view(B, H, -1, block))
+    S0 = starts_BHNKV.to(dtype)
+    U_BHNCV = U0 - W @ S0
+    k_to_end = k_BHNCK * (G_BHNC[..., -1:] - G_BHNC).exp().unsqueeze(-1)
+    end_BHNKV = S0 * G_BHNC[..., -1, None, None].exp() + k_to_end.transpose(-1, -2) @ U_BHNCV
+    out_BHNCV = q.view(B, H, -1, block, K) @ end_BHNKV
+    return out_BHNCV.reshape(B, H, L, -1).to(q_BHLK.dtype)
 
 
 def _chunk_writes(

@@ -12,14 +12,34 @@ The parameter names are those of Hugging Face's Qwen3.5 checkpoints, so the fami
 Padding (`mask.key_valid_BL`): a padding position is a no-op token: its input is zeroed (no write, and
 zeros to the convolution, as Hugging Face does) and its decay is 0, so the state passes through it
 unchanged. Left padding is therefore exactly an unpadded row (the state is still zero after it), and
-right padding changes nothing before it. The layers are causal: a mask kind other than causal, and
-documents, are refused (one line).
+right padding changes nothing before it. Documents are refused (one line): the state would have to
+restart at each document start.
+
+Which tokens are clean (run causally: token t reads the state after itself, as in an autoregressive
+model) and which are noisy depends on the mask kind:
+
+- causal: every token is clean;
+- block_diffusion (training, the 2L layout [x_t ; x_0]): the clean half x_0 runs causally from a zero
+  state; noisy block n of x_t starts from the clean state at its start (after x_0's tokens before the
+  block), its convolution reads x_0's inputs before the block, all its tokens are written, and each of
+  them reads the state after the whole block (bidirectional inside the block, gated_delta.block_reads);
+- block_causal (decoding a canvas up to the active block): the forward's last block (by canvas index,
+  `query_offset` + row) is the noisy block, the tokens before it are clean;
+- bidirectional: the whole forward is one noisy block (decoding with the cache: only the active block).
+
+So the state a noisy block reads is exactly the state an autoregressive pass over the clean prefix
+leaves. With a cache (`kv`, a sampling.cache.LayerKV; `kv.recurrent` holds a RecurrentCache) a forward
+starts from the state kept at its first canvas index, keeps the state after its clean tokens (and
+before the last of them, which a shifted model re-reads), and never keeps a noisy block's writes.
 
 Shapes: B batch, L sequence, E hidden width, H value heads, G key heads, K key width, V value width,
-C convolution channels (2 G K + H V), W convolution taps.
+C convolution channels (2 G K + H V), W convolution taps, N blocks.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +67,51 @@ class GatedRMSNorm(nn.Module):
         return (self.weight * normed * F.silu(z.float())).to(x.dtype)
 
 
+@dataclass(frozen=True)
+class State:
+    """A linear layer's memory after some position: the last W - 1 convolution inputs and the recurrence."""
+
+    conv_BCW: torch.Tensor
+    S_BHKV: torch.Tensor
+
+
+class RecurrentCache:
+    """A linear layer's states by canvas index, between the forwards of a cached decoding."""
+
+    def __init__(self) -> None:
+        self.states: dict[int, State] = {}
+
+    def at(self, index: int) -> State | None:
+        """The state before canvas index `index` (None at 0: zeros); a forward from elsewhere is refused."""
+        if index == 0:
+            return None
+        if index not in self.states:
+            raise ValueError(
+                f"linear-attention layers kept no state at canvas index {index}: decode them without a cache "
+                "or with the exact block cache (sampler.cache: block)"
+            )
+        return self.states[index]
+
+    def keep(self, index: int, state: State) -> None:
+        self.states[index] = state
+        for old in [i for i in self.states if i < index - 1]:  # only the last clean rows are re-read
+            del self.states[old]
+
+
+@dataclass(frozen=True)
+class Features:
+    """Per-token inputs of the mixer: convolution inputs, output gates, log decays and write strengths."""
+
+    qkv_BLC: torch.Tensor
+    z_BLHV: torch.Tensor
+    g_BHL: torch.Tensor
+    beta_BHL: torch.Tensor
+
+    def rows(self, lo: int, hi: int) -> Features:
+        return Features(self.qkv_BLC[:, lo:hi], self.z_BLHV[:, lo:hi], self.g_BHL[:, :, lo:hi],
+                        self.beta_BHL[:, :, lo:hi])  # fmt: skip
+
+
 class GatedDeltaNet(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -67,28 +132,99 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(HV, E, bias=False)
         self.act = ACTIVATIONS.resolve(cfg.activation)
 
-    def forward(self, x_BLE: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
+    def forward(self, x_BLE: torch.Tensor, mask: AttentionMask, kv: Any = None) -> torch.Tensor:
+        """Outputs [B, L, E] of every row (see the module docstring for clean and noisy rows)."""
         valid_BL = _check_mask(mask, x_BLE.shape[1])
         if valid_BL is not None:
             x_BLE = x_BLE * valid_BL.unsqueeze(-1).to(x_BLE.dtype)
+        f = self._features(x_BLE, valid_BL)
+        if mask.kind == "block_diffusion":
+            assert mask.block_size is not None
+            o_BHLV = self._two_halves(f, mask.block_size)
+        else:
+            o_BHLV = self._sequence(f, mask, kv)
         B, L, _ = x_BLE.shape
-        qkv_BLC = self._conv(self.in_proj_qkv(x_BLE))
-        q, k, v = qkv_BLC.split([self.num_key_heads * self.key_dim] * 2 + [self.num_heads * self.value_dim], -1)
-        q_BHLK, k_BHLK = (self._heads(t, self.key_dim) for t in (q, k))
-        v_BHLV = self._heads(v, self.value_dim)
-        g_BHL, beta_BHL = self._gates(x_BLE, valid_BL)
-        q_BHLK = _l2norm(q_BHLK) * self.key_dim**-0.5
-        o_BHLV, _ = gated_delta.chunked(q_BHLK, _l2norm(k_BHLK), v_BHLV, g_BHL, beta_BHL, chunk=CHUNK)
-        z_BLHV = self.in_proj_z(x_BLE).view(B, L, self.num_heads, self.value_dim)
-        o_BLHV = self.norm(o_BHLV.transpose(1, 2).to(x_BLE.dtype), z_BLHV)
+        o_BLHV = self.norm(o_BHLV.transpose(1, 2).to(x_BLE.dtype), f.z_BLHV)
         return self.out_proj(o_BLHV.reshape(B, L, -1))
 
-    def _conv(self, x_BLC: torch.Tensor) -> torch.Tensor:
-        """The causal depthwise convolution (zeros before the first token), then the activation."""
-        W = self.conv1d.weight.shape[-1]
-        x_BCL = F.pad(x_BLC.transpose(1, 2), (W - 1, 0))
+    def _features(self, x_BLE: torch.Tensor, valid_BL: torch.Tensor | None) -> Features:
+        B, L, _ = x_BLE.shape
+        z_BLHV = self.in_proj_z(x_BLE).view(B, L, self.num_heads, self.value_dim)
+        # log decay and write strength in float32 (A = exp(A_log) would overflow in half precision)
+        g_BLH = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x_BLE).float() + self.dt_bias.float())
+        if valid_BL is not None:  # padding neither decays nor writes the state
+            g_BLH = g_BLH * valid_BL.unsqueeze(-1)
+        beta_BLH = torch.sigmoid(self.in_proj_b(x_BLE).float())
+        return Features(self.in_proj_qkv(x_BLE), z_BLHV, g_BLH.transpose(1, 2), beta_BLH.transpose(1, 2))
+
+    def _sequence(self, f: Features, mask: AttentionMask, kv: Any) -> torch.Tensor:
+        """Clean rows causally from the state at the forward's start, then the noisy block if any."""
+        L, start = f.qkv_BLC.shape[1], mask.query_offset
+        num_clean = _num_clean(mask, L)
+        cache = None if kv is None else _recurrent_cache(kv)
+        if cache is None and start:
+            raise ValueError("linear-attention layers need their cache to run a slice of the canvas")
+        state = (None if cache is None else cache.at(start)) or self._zero_state(f)
+        outs, lo = [], 0
+        # with a cache, stop before the last clean row too: a shifted model re-reads it at every step
+        for hi in sorted({max(num_clean - 1, 0), num_clean} if cache is not None else {num_clean}):
+            if hi > lo:
+                o, state = self._causal(f.rows(lo, hi), state)
+                outs.append(o)
+                lo = hi
+            if cache is not None and start + hi:
+                cache.keep(start + hi, state)
+        if num_clean < L:
+            outs.append(self._noisy_block(f.rows(num_clean, L), state))
+        return torch.cat(outs, dim=2)
+
+    def _causal(self, f: Features, state: State) -> tuple[torch.Tensor, State]:
+        x_BCL = torch.cat([state.conv_BCW, f.qkv_BLC.transpose(1, 2).to(state.conv_BCW.dtype)], dim=-1)
+        q, k, v = self._qkv(self._conv(x_BCL))
+        o_BHLV, S = gated_delta.chunked(q, k, v, f.g_BHL, f.beta_BHL, state.S_BHKV, chunk=CHUNK)
+        return o_BHLV, State(x_BCL[..., x_BCL.shape[-1] - state.conv_BCW.shape[-1] :], S)
+
+    def _noisy_block(self, f: Features, state: State) -> torch.Tensor:
+        """One noisy block from `state`: all its tokens written, each reading the state after the block."""
+        x_BCL = torch.cat([state.conv_BCW, f.qkv_BLC.transpose(1, 2).to(state.conv_BCW.dtype)], dim=-1)
+        q, k, v = self._qkv(self._conv(x_BCL))
+        return gated_delta.block_reads(q, k, v, f.g_BHL, f.beta_BHL, state.S_BHKV.unsqueeze(2), q.shape[2])
+
+    def _two_halves(self, f: Features, block: int) -> torch.Tensor:
+        """Block diffusion's [x_t ; x_0]: x_0 causally, each noisy block from x_0's state at its start."""
+        L = f.qkv_BLC.shape[1] // 2
+        noisy, clean = f.rows(0, L), f.rows(L, 2 * L)
+        zero = self._zero_state(f)
+        x_BCL = torch.cat([zero.conv_BCW, clean.qkv_BLC.transpose(1, 2).to(zero.conv_BCW.dtype)], dim=-1)
+        q, k, v = self._qkv(self._conv(x_BCL))
+        o_clean, _, starts_BHNKV = gated_delta.chunked_states(q, k, v, clean.g_BHL, clean.beta_BHL, chunk=block)
+        q, k, v = self._qkv(self._conv_blocks(noisy.qkv_BLC, clean.qkv_BLC, block))
+        o_noisy = gated_delta.block_reads(q, k, v, noisy.g_BHL, noisy.beta_BHL, starts_BHNKV, block)
+        return torch.cat([o_noisy, o_clean], dim=2)
+
+    def _conv(self, x_BCL: torch.Tensor) -> torch.Tensor:
+        """The depthwise convolution over inputs that start with the W - 1 before the first row, then the
+        activation: [B, L, C] for the L rows."""
         y_BCL = F.conv1d(x_BCL.to(self.conv1d.weight.dtype), self.conv1d.weight, groups=x_BCL.shape[1])
-        return self.act(y_BCL).transpose(1, 2).to(x_BLC.dtype)
+        return self.act(y_BCL).transpose(1, 2)
+
+    def _conv_blocks(self, noisy_BLC: torch.Tensor, clean_BLC: torch.Tensor, block: int) -> torch.Tensor:
+        """The convolution of the noisy half: a tap reaching before its block reads the clean input there."""
+        L, w_CW = noisy_BLC.shape[1], self.conv1d.weight[:, 0]
+        W = w_CW.shape[-1]
+        in_block_L1 = (torch.arange(L, device=noisy_BLC.device) % block)[:, None]
+        y_BLC = torch.zeros_like(noisy_BLC, dtype=w_CW.dtype)
+        for lag in range(W):  # y_t = sum over lags d of w[W - 1 - d] x_{t - d}
+            noisy, clean = (F.pad(x, (0, 0, lag, 0))[:, :L] for x in (noisy_BLC, clean_BLC))
+            y_BLC = y_BLC + torch.where(in_block_L1 >= lag, noisy, clean).to(w_CW.dtype) * w_CW[:, W - 1 - lag]
+        return self.act(y_BLC)
+
+    def _qkv(self, conv_BLC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries (L2-normalised, scaled by K^-1/2) and keys (L2-normalised) [B, H, L, K], values [B, H, L, V]."""
+        GK = self.num_key_heads * self.key_dim
+        q, k, v = conv_BLC.split([GK, GK, self.num_heads * self.value_dim], dim=-1)
+        q_BHLK = _l2norm(self._heads(q, self.key_dim)) * self.key_dim**-0.5
+        return q_BHLK, _l2norm(self._heads(k, self.key_dim)), self._heads(v, self.value_dim)
 
     def _heads(self, x_BLF: torch.Tensor, width: int) -> torch.Tensor:
         """[B, L, heads * width] -> [B, H, L, width], key heads repeated to the H value heads."""
@@ -96,13 +232,11 @@ class GatedDeltaNet(nn.Module):
         x = x_BLF.view(B, L, -1, width).transpose(1, 2)
         return x.repeat_interleave(self.num_heads // x.shape[1], dim=1) if x.shape[1] != self.num_heads else x
 
-    def _gates(self, x_BLE: torch.Tensor, valid_BL: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log decay g and write strength beta [B, H, L], in float32 (A = exp(A_log) would overflow in half)."""
-        g_BLH = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x_BLE).float() + self.dt_bias.float())
-        if valid_BL is not None:  # padding neither decays nor writes the state
-            g_BLH = g_BLH * valid_BL.unsqueeze(-1)
-        beta_BLH = torch.sigmoid(self.in_proj_b(x_BLE).float())
-        return g_BLH.transpose(1, 2), beta_BLH.transpose(1, 2)
+    def _zero_state(self, f: Features) -> State:
+        B, C = f.qkv_BLC.shape[0], f.qkv_BLC.shape[-1]
+        W, dtype = self.conv1d.weight.shape[-1], torch.promote_types(f.qkv_BLC.dtype, torch.float32)
+        conv = f.qkv_BLC.new_zeros(B, C, W - 1, dtype=self.conv1d.weight.dtype)
+        return State(conv, f.qkv_BLC.new_zeros(B, self.num_heads, self.key_dim, self.value_dim, dtype=dtype))
 
 
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -111,15 +245,36 @@ def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return xf * torch.rsqrt(xf.square().sum(-1, keepdim=True) + eps)
 
 
+def _recurrent_cache(kv: Any) -> RecurrentCache:
+    if kv.recurrent is None:
+        kv.recurrent = RecurrentCache()
+    return kv.recurrent
+
+
+def _num_clean(mask: AttentionMask, L: int) -> int:
+    """Rows before the noisy block: all (causal), none (bidirectional), or those before the last block."""
+    if mask.kind == "causal":
+        return L
+    if mask.kind == "bidirectional":
+        return 0
+    assert mask.block_size is not None
+    last = (mask.query_offset + L - 1) // mask.block_size * mask.block_size
+    return max(last - mask.query_offset, 0)
+
+
 def _check_mask(mask: AttentionMask, L: int) -> torch.Tensor | None:
-    """The padding of a causal mask (None: none); anything a recurrent layer cannot honour is refused."""
-    if mask.kind != "causal" or mask.doc_ids_BL is not None or mask.window is not None:
+    """Padding per row [B, L] (None: none); what a recurrence cannot honour is refused."""
+    if mask.doc_ids_BL is not None or mask.window is not None:
         raise ValueError(
-            f"linear-attention layers run causally over one document; got a {mask.kind} mask"
-            f"{' with documents' if mask.doc_ids_BL is not None else ''}: use a causal objective or an "
-            "attention-only family"
+            f"linear-attention layers run over one document with no window; got a {mask.kind} mask with "
+            f"{'documents' if mask.doc_ids_BL is not None else 'a window'}: pack one sample per row, pad "
+            "prompts to whole blocks, or use an attention-only family"
         )
-    if mask.query_offset or mask.query_offset_B is not None:
-        raise ValueError("linear-attention layers keep no cache yet: run the whole sequence (no query offset)")
+    if mask.query_offset_B is not None:
+        raise ValueError("linear-attention layers do not decode with per-row offsets (a ragged cache) yet")
     valid = mask.key_valid_BL
-    return None if valid is None else valid[:, :L]
+    if valid is None:
+        return None
+    if mask.kind == "block_diffusion":  # both halves read position i mod L
+        return torch.cat([valid, valid], dim=1)
+    return valid[:, mask.query_offset : mask.query_offset + L]

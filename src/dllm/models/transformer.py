@@ -211,9 +211,7 @@ class Block(nn.Module):
         if self.self_attn is not None:
             return self.self_attn(x, rope, mask, num_queries, kv)
         assert self.linear_attn is not None
-        if kv is not None:
-            raise ValueError("linear-attention layers keep no cache yet: decode without a cache")
-        out = self.linear_attn(x, mask)
+        out = self.linear_attn(x, mask, kv)
         return out if num_queries is None else out[:, :num_queries]
 
     def _mlp(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
