@@ -93,3 +93,21 @@ def test_chunk_start_states():
     for n in (1, 2):
         _, want = gated_delta.recurrent(**{k: v[:, :, : 4 * n] for k, v in x.items()})
         torch.testing.assert_close(starts[:, :, n], want, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("L,chunk", [(37, 8), (16, 16), (9, 64)])
+def test_segment_starts_zero_the_state(L, chunk):
+    """A segment start zeroes the state before its token: chunked equals recurrent, and each segment alone."""
+    x = _inputs(L, torch.float64, seed=11)
+    start = torch.zeros(B, L, dtype=torch.bool)
+    start[0, [i for i in (3, 7, 8, 20) if i < L]] = True
+    start[1, [0, L - 1]] = True
+    state = torch.randn(B, H, K, V, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    out, S = gated_delta.chunked(**x, state_BHKV=state, chunk=chunk, start_BL=start)
+    ref, S_ref = gated_delta.recurrent(**x, state_BHKV=state, start_BL=start)
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)
+    torch.testing.assert_close(S, S_ref, atol=1e-12, rtol=0)
+    last = int(start[0].nonzero().max())  # row 0's last segment, alone from a zero state
+    alone, S_alone = gated_delta.recurrent(**{k: v[:1, :, last:] for k, v in x.items()})
+    torch.testing.assert_close(out[:1, :, last:], alone, atol=1e-12, rtol=0)
+    torch.testing.assert_close(S[:1], S_alone, atol=1e-12, rtol=0)

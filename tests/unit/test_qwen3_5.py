@@ -147,10 +147,36 @@ def test_native_model_trains_and_refuses_what_a_recurrence_cannot_do():
     out = model(x, pos, AttentionMask("causal"))
     out.logits().logsumexp(-1).mean().backward()
     assert all(p.grad is not None for p in model.parameters())
-    with pytest.raises(ValueError, match="linear-attention layers run over one document"):
-        model(x, pos, AttentionMask("causal", doc_ids_BL=torch.zeros(2, L, dtype=torch.long)))
+    with pytest.raises(ValueError, match="no sliding window"):
+        model(x, pos, AttentionMask("causal", window=4))
     with pytest.raises(ValueError, match="per-row offsets"):
         model(x, pos, AttentionMask("causal", query_offset_B=torch.zeros(2, dtype=torch.long)))
+
+
+@pytest.mark.parametrize("kind", ["causal", "block_diffusion"])
+def test_documents_restart_the_linear_layers(kind: str):
+    """Two documents in a row: the second one's outputs are those of the second document alone."""
+    model, n, b = _native(), 24, 4
+    x = _tokens()[:, :n]
+    docs = (torch.arange(n) >= 8).long().expand(2, n)  # a document of 8 tokens, then one of 16
+
+    x_t = torch.where(torch.arange(n) % 3 == 0, V - 1, x)
+
+    def run(tokens: torch.Tensor, noisy: torch.Tensor, doc_ids: torch.Tensor | None) -> torch.Tensor:
+        m = tokens.shape[1]
+        pos = torch.arange(m) if doc_ids is None else torch.cat([torch.arange(8), torch.arange(m - 8)])
+        if kind == "causal":
+            return model(tokens, pos.expand(2, m), AttentionMask("causal", doc_ids_BL=doc_ids)).hidden_BLE
+        mask = AttentionMask("block_diffusion", block_size=b, doc_ids_BL=doc_ids)
+        return model(torch.cat([noisy, tokens], 1), pos.repeat(2).expand(2, 2 * m), mask).hidden_BLE
+
+    with torch.no_grad():
+        both, alone = run(x, x_t, docs), run(x[:, 8:], x_t[:, 8:], None)
+    if kind == "causal":
+        torch.testing.assert_close(both[:, 8:], alone, atol=1e-10, rtol=0)
+    else:  # noisy and clean halves of the second document
+        torch.testing.assert_close(both[:, 8:n], alone[:, : n - 8], atol=1e-10, rtol=0)
+        torch.testing.assert_close(both[:, n + 8 :], alone[:, n - 8 :], atol=1e-10, rtol=0)
 
 
 def test_noisy_block_in_training_reads_what_decoding_reads():
@@ -183,16 +209,19 @@ def test_cached_block_decoding_equals_uncached(shift: str):
 
     model = _native()
     special = SpecialIds(mask_id=V - 1, pad_id=V - 2, eos_id=V - 3, num_tokens=V - 3)
-    prompts = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15, 16]]
+    # prompts of different lengths: the canvas pads them (a document of their own) to whole blocks
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16, 17]]
 
-    def run(cache: str):
+    def run(cache: str, rows: list[list[int]]):
         cfg = SamplerConfig(gen_length=12, block_length=4, steps=12, stop_at_eos=False, shift=shift,
                             attention="block", cache=cache, policy="low_confidence")  # fmt: skip
-        return generate(model, prompts, cfg, special, generator=torch.Generator().manual_seed(0))
+        return generate(model, rows, cfg, special, generator=torch.Generator().manual_seed(0))
 
-    plain, cached = run("none"), run("block")
+    plain, cached = run("none", prompts), run("block", prompts)
     assert cached.sequences == plain.sequences
     assert cached.counters.cached_tokens > 0 and cached.counters.query_tokens < plain.counters.query_tokens
+    for i, prompt in enumerate(prompts):  # a padded row decodes as the prompt alone
+        assert run("block", [prompt]).sequences[0] == plain.sequences[i], i
 
 
 def test_fast_dllm_v2_trains_the_hybrid():

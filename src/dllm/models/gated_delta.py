@@ -19,6 +19,12 @@ S_0 the state before the chunk and P_ts = exp(G_t - G_s) (s <= t):
     O   = exp(G) Q S_0 + lower(Q K^T * P) U
     S_C = exp(G_C) S_0 + (exp(G_C - G) K)^T U
 
+Documents: `start_BL` marks tokens that start a new segment (a document): the state is zeroed before
+such a token, as if its decay were -inf. The chunked form does not put -inf into the summed decays (their
+differences would lose all precision); it masks instead: P_ts is 0 across a segment start, a token reads
+the state before its chunk only while it is in that state's segment, and the state after a chunk keeps
+only the writes of the chunk's last segment.
+
 `block_reads` is block diffusion's noisy read: each block starts from a given state, writes all its
 tokens, and every token of the block reads the state after the block.
 
@@ -30,6 +36,8 @@ Shapes: B batch, H heads, L sequence, K key width, V value width, N chunks, C ch
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +59,7 @@ def recurrent(
     g_BHL: torch.Tensor,
     beta_BHL: torch.Tensor,
     state_BHKV: torch.Tensor | None = None,
+    start_BL: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The rule token by token: outputs [B, H, L, V] and the state after the last token [B, H, K, V]."""
     dtype = _compute_dtype(q_BHLK)
@@ -59,6 +68,8 @@ def recurrent(
     outs = []
     for t in range(q.shape[2]):
         S = S * g[:, :, t, None, None].exp()
+        if start_BL is not None:
+            S = S * (~start_BL[:, t, None, None, None]).to(dtype)
         k_t = k[:, :, t]
         error_BHV = v[:, :, t] - torch.einsum("bhkv,bhk->bhv", S, k_t)
         S = S + torch.einsum("bhk,bhv->bhkv", k_t, error_BHV * beta[:, :, t, None])
@@ -75,10 +86,11 @@ def chunked(
     beta_BHL: torch.Tensor,
     state_BHKV: torch.Tensor | None = None,
     chunk: int = 64,
+    start_BL: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The rule chunk by chunk (the same result as `recurrent` up to rounding): outputs [B, H, L, V]
     and the final state [B, H, K, V]."""
-    out, S, _ = chunked_states(q_BHLK, k_BHLK, v_BHLV, g_BHL, beta_BHL, state_BHKV, chunk)
+    out, S, _ = chunked_states(q_BHLK, k_BHLK, v_BHLV, g_BHL, beta_BHL, state_BHKV, chunk, start_BL)
     return out, S
 
 
@@ -90,6 +102,7 @@ def chunked_states(
     beta_BHL: torch.Tensor,
     state_BHKV: torch.Tensor | None = None,
     chunk: int = 64,
+    start_BL: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`chunked`, and also the state before each chunk [B, H, N, K, V] (block diffusion reads the clean
     state at each block start). The sequence is padded to whole chunks with tokens that neither decay nor
@@ -103,17 +116,19 @@ def chunked_states(
     q_BHNCK, k_BHNCK = q.view(B, H, -1, C, K), k.view(B, H, -1, C, K)
     v_BHNCV = v.view(B, H, -1, C, v.shape[-1])
     G_BHNC = g.view(B, H, -1, C).cumsum(-1)
-    U_BHNCV, W_BHNCK, P_BHNCC = _chunk_writes(k_BHNCK, v_BHNCV, G_BHNC, beta.view(B, H, -1, C))
+    seg = _segments(start_BL, pad, C, dtype)
+    U_BHNCV, W_BHNCK, P_BHNCC = _chunk_writes(k_BHNCK, v_BHNCV, G_BHNC, beta.view(B, H, -1, C), seg)
     scores_BHNCC = (q_BHNCK @ k_BHNCK.transpose(-1, -2)) * P_BHNCC
-    q_decayed = q_BHNCK * G_BHNC.exp().unsqueeze(-1)
-    k_to_end = k_BHNCK * (G_BHNC[..., -1:] - G_BHNC).exp().unsqueeze(-1)
+    q_decayed = q_BHNCK * (G_BHNC.exp() * seg.carry).unsqueeze(-1)
+    k_to_end = k_BHNCK * ((G_BHNC[..., -1:] - G_BHNC).exp() * seg.tail).unsqueeze(-1)
     S = _zero_state(k, v, dtype) if state_BHKV is None else state_BHKV.to(dtype)
+    decay_BHN = G_BHNC[..., -1].exp() * seg.carry_end  # the state before a chunk, at its end
     outs, starts = [], []
     for n in range(q_BHNCK.shape[2]):
         starts.append(S)
         U = U_BHNCV[:, :, n] - W_BHNCK[:, :, n] @ S  # the writes, given the state before the chunk
         outs.append(q_decayed[:, :, n] @ S + scores_BHNCC[:, :, n] @ U)
-        S = S * G_BHNC[:, :, n, -1, None, None].exp() + k_to_end[:, :, n].transpose(-1, -2) @ U
+        S = S * decay_BHN[:, :, n, None, None] + k_to_end[:, :, n].transpose(-1, -2) @ U
     out = torch.cat(outs, dim=2)[:, :, :L] if outs else v[:, :, :L]
     starts_BHNKV = torch.stack(starts, dim=2) if starts else S.unsqueeze(2)[:, :, :0]
     return out.to(q_BHLK.dtype), S, starts_BHNKV
@@ -146,19 +161,54 @@ def block_reads(
     return out_BHNCV.reshape(B, H, L, -1).to(q_BHLK.dtype)
 
 
+@dataclass(frozen=True)
+class _Segments:
+    """0/1 factors per chunk position from the segment starts (all 1 without documents): `same` [.., C, C]
+    t and s in one segment; `carry` [.., C] t still in the segment of the state before the chunk; `tail`
+    [.., C] s in the segment of the chunk's last token."""
+
+    same: torch.Tensor | float = 1.0
+    carry: torch.Tensor | float = 1.0
+    tail: torch.Tensor | float = 1.0
+
+    @property
+    def carry_end(self) -> torch.Tensor | float:
+        """Whether the chunk's last token is still in the entering state's segment [.., N]."""
+        return self.carry[..., -1] if isinstance(self.carry, torch.Tensor) else self.carry
+
+
+def _segments(start_BL: torch.Tensor | None, pad: int, C: int, dtype: torch.dtype) -> _Segments:
+    if start_BL is None:
+        return _Segments()
+    seg_BL = start_BL.long().cumsum(-1)
+    seg_BL = torch.cat([seg_BL, seg_BL[:, -1:].expand(-1, pad)], dim=1)  # padding joins the last segment
+    seg_B1NC = seg_BL.view(seg_BL.shape[0], 1, -1, C)
+    before_B1N = F.pad(seg_B1NC[..., :-1, -1], (1, 0))  # the segment of the state entering each chunk
+    return _Segments(
+        (seg_B1NC.unsqueeze(-1) == seg_B1NC.unsqueeze(-2)).to(dtype),
+        (seg_B1NC == before_B1N.unsqueeze(-1)).to(dtype),
+        (seg_B1NC == seg_B1NC[..., -1:]).to(dtype),
+    )
+
+
 def _chunk_writes(
-    k_BHNCK: torch.Tensor, v_BHNCV: torch.Tensor, G_BHNC: torch.Tensor, beta_BHNC: torch.Tensor
+    k_BHNCK: torch.Tensor,
+    v_BHNCV: torch.Tensor,
+    G_BHNC: torch.Tensor,
+    beta_BHNC: torch.Tensor,
+    seg: _Segments | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per chunk, the writes split as U = U0 - W S_0 (U0 [.., C, V], W [.., C, K]: the solutions of the
     unit lower-triangular system for beta V and for beta exp(G) K), and the decays P [.., C, C] between
-    positions (P_ts = exp(G_t - G_s) for s <= t, 0 above the diagonal)."""
+    positions (P_ts = exp(G_t - G_s) for s <= t in one segment, 0 above the diagonal)."""
+    seg = seg or _Segments()
     C = k_BHNCK.shape[-2]
     upper = torch.ones(C, C, dtype=torch.bool, device=k_BHNCK.device).triu(1)
     # mask before exp: above the diagonal G_t - G_s >= 0 could overflow
-    P = (G_BHNC.unsqueeze(-1) - G_BHNC.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()
+    P = (G_BHNC.unsqueeze(-1) - G_BHNC.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp() * seg.same
     k_beta = k_BHNCK * beta_BHNC.unsqueeze(-1)
     system = (k_beta @ k_BHNCK.transpose(-1, -2)) * P  # its diagonal is replaced by 1 (unitriangular)
-    rhs = torch.cat([v_BHNCV * beta_BHNC.unsqueeze(-1), k_beta * G_BHNC.exp().unsqueeze(-1)], dim=-1)
+    rhs = torch.cat([v_BHNCV * beta_BHNC.unsqueeze(-1), k_beta * (G_BHNC.exp() * seg.carry).unsqueeze(-1)], dim=-1)
     solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
     U0, W = solved.split([v_BHNCV.shape[-1], k_BHNCK.shape[-1]], dim=-1)
     return U0, W, P

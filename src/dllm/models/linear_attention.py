@@ -12,8 +12,9 @@ The parameter names are those of Hugging Face's Qwen3.5 checkpoints, so the fami
 Padding (`mask.key_valid_BL`): a padding position is a no-op token: its input is zeroed (no write, and
 zeros to the convolution, as Hugging Face does) and its decay is 0, so the state passes through it
 unchanged. Left padding is therefore exactly an unpadded row (the state is still zero after it), and
-right padding changes nothing before it. Documents are refused (one line): the state would have to
-restart at each document start.
+right padding changes nothing before it. Documents (`mask.doc_ids_BL`): the state is zeroed at each
+document start and the convolution does not reach across one (gated_delta's segments). Sampling's block
+canvas marks its padding as a document of its own, so a padded prompt decodes as it does alone.
 
 Which tokens are clean (run causally: token t reads the state after itself, as in an autoregressive
 model) and which are noisy depends on the mask kind:
@@ -23,6 +24,9 @@ model) and which are noisy depends on the mask kind:
   state; noisy block n of x_t starts from the clean state at its start (after x_0's tokens before the
   block), its convolution reads x_0's inputs before the block, all its tokens are written, and each of
   them reads the state after the whole block (bidirectional inside the block, gated_delta.block_reads);
+  tokens of a noisy block after a document start inside it are no-ops (documents should start on block
+  boundaries, as `pad_to_multiple` and block sampling's canvas make them; a block that starts a document
+  starts from a zero state);
 - block_causal (decoding a canvas up to the active block): the forward's last block (by canvas index,
   `query_offset` + row) is the noisy block, the tokens before it are clean;
 - bidirectional: the whole forward is one noisy block (decoding with the cache: only the active block).
@@ -38,6 +42,7 @@ C convolution channels (2 G K + H V), W convolution taps, N blocks.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,10 +111,22 @@ class Features:
     z_BLHV: torch.Tensor
     g_BHL: torch.Tensor
     beta_BHL: torch.Tensor
+    start_BL: torch.Tensor | None = None
+    """Tokens that start a document (None: no documents)."""
+    same_BLW: torch.Tensor | None = None
+    """[.., d]: the token d rows back is in the same document (convolution taps; None: no documents)."""
 
     def rows(self, lo: int, hi: int) -> Features:
+        def cut(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[:, lo:hi]
+
         return Features(self.qkv_BLC[:, lo:hi], self.z_BLHV[:, lo:hi], self.g_BHL[:, :, lo:hi],
-                        self.beta_BHL[:, :, lo:hi])  # fmt: skip
+                        self.beta_BHL[:, :, lo:hi], cut(self.start_BL), cut(self.same_BLW))  # fmt: skip
+
+    def without_writes(self, noop_BL: torch.Tensor) -> Features:
+        """The tokens of `noop_BL` neither decay nor write the state."""
+        keep_B1L = (~noop_BL).unsqueeze(1)
+        return dataclasses.replace(self, g_BHL=self.g_BHL * keep_B1L, beta_BHL=self.beta_BHL * keep_B1L)
 
 
 class GatedDeltaNet(nn.Module):
@@ -138,6 +155,8 @@ class GatedDeltaNet(nn.Module):
         if valid_BL is not None:
             x_BLE = x_BLE * valid_BL.unsqueeze(-1).to(x_BLE.dtype)
         f = self._features(x_BLE, valid_BL)
+        if mask.doc_ids_BL is not None:
+            f = dataclasses.replace(f, **_documents(mask, x_BLE.shape[1], self.conv1d.weight.shape[-1]))
         if mask.kind == "block_diffusion":
             assert mask.block_size is not None
             o_BHLV = self._two_halves(f, mask.block_size)
@@ -180,15 +199,19 @@ class GatedDeltaNet(nn.Module):
 
     def _causal(self, f: Features, state: State) -> tuple[torch.Tensor, State]:
         x_BCL = torch.cat([state.conv_BCW, f.qkv_BLC.transpose(1, 2).to(state.conv_BCW.dtype)], dim=-1)
-        q, k, v = self._qkv(self._conv(x_BCL))
-        o_BHLV, S = gated_delta.chunked(q, k, v, f.g_BHL, f.beta_BHL, state.S_BHKV, chunk=CHUNK)
+        q, k, v = self._qkv(self._conv(x_BCL, f.same_BLW))
+        o_BHLV, S = gated_delta.chunked(q, k, v, f.g_BHL, f.beta_BHL, state.S_BHKV, CHUNK, f.start_BL)
         return o_BHLV, State(x_BCL[..., x_BCL.shape[-1] - state.conv_BCW.shape[-1] :], S)
 
     def _noisy_block(self, f: Features, state: State) -> torch.Tensor:
         """One noisy block from `state`: all its tokens written, each reading the state after the block."""
         x_BCL = torch.cat([state.conv_BCW, f.qkv_BLC.transpose(1, 2).to(state.conv_BCW.dtype)], dim=-1)
-        q, k, v = self._qkv(self._conv(x_BCL))
-        return gated_delta.block_reads(q, k, v, f.g_BHL, f.beta_BHL, state.S_BHKV.unsqueeze(2), q.shape[2])
+        q, k, v = self._qkv(self._conv(x_BCL, f.same_BLW))
+        S_BHKV = state.S_BHKV
+        if f.start_BL is not None:
+            f = f.without_writes(_after_a_start(f.start_BL.unsqueeze(1)).flatten(1))
+            S_BHKV = S_BHKV * (~f.start_BL[:, 0, None, None, None]).to(S_BHKV.dtype)
+        return gated_delta.block_reads(q, k, v, f.g_BHL, f.beta_BHL, S_BHKV.unsqueeze(2), q.shape[2])
 
     def _two_halves(self, f: Features, block: int) -> torch.Tensor:
         """Block diffusion's [x_t ; x_0]: x_0 causally, each noisy block from x_0's state at its start."""
@@ -196,19 +219,33 @@ class GatedDeltaNet(nn.Module):
         noisy, clean = f.rows(0, L), f.rows(L, 2 * L)
         zero = self._zero_state(f)
         x_BCL = torch.cat([zero.conv_BCW, clean.qkv_BLC.transpose(1, 2).to(zero.conv_BCW.dtype)], dim=-1)
-        q, k, v = self._qkv(self._conv(x_BCL))
-        o_clean, _, starts_BHNKV = gated_delta.chunked_states(q, k, v, clean.g_BHL, clean.beta_BHL, chunk=block)
-        q, k, v = self._qkv(self._conv_blocks(noisy.qkv_BLC, clean.qkv_BLC, block))
+        q, k, v = self._qkv(self._conv(x_BCL, clean.same_BLW))
+        o_clean, _, starts_BHNKV = gated_delta.chunked_states(
+            q, k, v, clean.g_BHL, clean.beta_BHL, chunk=block, start_BL=clean.start_BL
+        )
+        q, k, v = self._qkv(self._conv_blocks(noisy.qkv_BLC, clean.qkv_BLC, block, noisy.same_BLW))
+        if noisy.start_BL is not None:  # a block that starts a document starts from zeros
+            start_BNb = noisy.start_BL.view(noisy.start_BL.shape[0], -1, block)
+            noisy = noisy.without_writes(_after_a_start(start_BNb).flatten(1))
+            starts_BHNKV = starts_BHNKV * (~start_BNb[:, None, :, 0, None, None]).to(starts_BHNKV.dtype)
         o_noisy = gated_delta.block_reads(q, k, v, noisy.g_BHL, noisy.beta_BHL, starts_BHNKV, block)
         return torch.cat([o_noisy, o_clean], dim=2)
 
-    def _conv(self, x_BCL: torch.Tensor) -> torch.Tensor:
+    def _conv(self, x_BCL: torch.Tensor, same_BLW: torch.Tensor | None) -> torch.Tensor:
         """The depthwise convolution over inputs that start with the W - 1 before the first row, then the
-        activation: [B, L, C] for the L rows."""
-        y_BCL = F.conv1d(x_BCL.to(self.conv1d.weight.dtype), self.conv1d.weight, groups=x_BCL.shape[1])
-        return self.act(y_BCL).transpose(1, 2)
+        activation: [B, L, C] for the L rows; with documents, taps across a document start read zeros."""
+        w = self.conv1d.weight
+        if same_BLW is None:
+            return self.act(F.conv1d(x_BCL.to(w.dtype), w, groups=x_BCL.shape[1])).transpose(1, 2)
+        W = w.shape[-1]
+        L = x_BCL.shape[-1] - (W - 1)
+        x_BLC = x_BCL.transpose(1, 2).to(w.dtype)
+        y_BLC = sum(x_BLC[:, W - 1 - d : W - 1 - d + L] * same_BLW[..., d, None] * w[:, 0, W - 1 - d] for d in range(W))
+        return self.act(y_BLC)
 
-    def _conv_blocks(self, noisy_BLC: torch.Tensor, clean_BLC: torch.Tensor, block: int) -> torch.Tensor:
+    def _conv_blocks(
+        self, noisy_BLC: torch.Tensor, clean_BLC: torch.Tensor, block: int, same_BLW: torch.Tensor | None
+    ) -> torch.Tensor:
         """The convolution of the noisy half: a tap reaching before its block reads the clean input there."""
         L, w_CW = noisy_BLC.shape[1], self.conv1d.weight[:, 0]
         W = w_CW.shape[-1]
@@ -216,7 +253,8 @@ class GatedDeltaNet(nn.Module):
         y_BLC = torch.zeros_like(noisy_BLC, dtype=w_CW.dtype)
         for lag in range(W):  # y_t = sum over lags d of w[W - 1 - d] x_{t - d}
             noisy, clean = (F.pad(x, (0, 0, lag, 0))[:, :L] for x in (noisy_BLC, clean_BLC))
-            y_BLC = y_BLC + torch.where(in_block_L1 >= lag, noisy, clean).to(w_CW.dtype) * w_CW[:, W - 1 - lag]
+            tap = torch.where(in_block_L1 >= lag, noisy, clean).to(w_CW.dtype) * w_CW[:, W - 1 - lag]
+            y_BLC = y_BLC + (tap if same_BLW is None else tap * same_BLW[..., lag, None])
         return self.act(y_BLC)
 
     def _qkv(self, conv_BLC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -245,6 +283,28 @@ def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return xf * torch.rsqrt(xf.square().sum(-1, keepdim=True) + eps)
 
 
+def _documents(mask: AttentionMask, L: int, W: int) -> dict[str, torch.Tensor]:
+    """Document starts [B, L] and same-document convolution taps [B, L, W] of the forward's rows (rows from
+    `query_offset`; block_diffusion: both halves read position i mod L)."""
+    assert mask.doc_ids_BL is not None
+    two_halves = mask.kind == "block_diffusion"
+    start, n = mask.query_offset, L // 2 if two_halves else L
+    ext_BX = F.pad(mask.doc_ids_BL[:, : start + n], (W, 0), value=-1)[:, start:]  # W rows before the first
+    rows_BL = ext_BX[:, W:]
+    start_BL = (rows_BL != ext_BX[:, W - 1 : -1]) & (ext_BX[:, W - 1 : -1] >= 0)  # nothing before index 0
+    same_BLW = torch.stack([rows_BL == ext_BX[:, W - d : W - d + n] for d in range(W)], dim=-1)
+    if two_halves:
+        start_BL, same_BLW = start_BL.repeat(1, 2), same_BLW.repeat(1, 2, 1)
+    return {"start_BL": start_BL, "same_BLW": same_BLW}
+
+
+def _after_a_start(start_BNb: torch.Tensor) -> torch.Tensor:
+    """[B, N, b]: the tokens of each block at or after a document start other than its first token."""
+    inner = start_BNb.clone()
+    inner[..., 0] = False
+    return inner.cumsum(-1) > 0
+
+
 def _recurrent_cache(kv: Any) -> RecurrentCache:
     if kv.recurrent is None:
         kv.recurrent = RecurrentCache()
@@ -264,12 +324,8 @@ def _num_clean(mask: AttentionMask, L: int) -> int:
 
 def _check_mask(mask: AttentionMask, L: int) -> torch.Tensor | None:
     """Padding per row [B, L] (None: none); what a recurrence cannot honour is refused."""
-    if mask.doc_ids_BL is not None or mask.window is not None:
-        raise ValueError(
-            f"linear-attention layers run over one document with no window; got a {mask.kind} mask with "
-            f"{'documents' if mask.doc_ids_BL is not None else 'a window'}: pack one sample per row, pad "
-            "prompts to whole blocks, or use an attention-only family"
-        )
+    if mask.window is not None:
+        raise ValueError("linear-attention layers have no sliding window; use an attention-only family for one")
     if mask.query_offset_B is not None:
         raise ValueError("linear-attention layers do not decode with per-row offsets (a ragged cache) yet")
     valid = mask.key_valid_BL
