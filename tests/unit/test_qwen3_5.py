@@ -253,3 +253,30 @@ def test_fast_dllm_v2_trains_the_hybrid():
     assert all(torch.isfinite(torch.tensor(losses)))
     print("fast_dllm_v2 losses", [round(v, 3) for v in losses[:3]], [round(v, 3) for v in losses[-3:]])
     assert sum(losses[-5:]) / 5 < 0.5 * sum(losses[:5]) / 5, losses
+
+
+def test_greedy_decoding_equals_transformers(pair):
+    """The causal loop on the imported model (it recomputes: the ragged cache keeps no recurrent states)
+    gives transformers' greedy continuation, which runs its own recurrent cache."""
+    from dllm.config.sampler import SamplerConfig
+    from dllm.sampling.canvas import SpecialIds
+    from dllm.sampling.generate import generate
+
+    hf, ours, _ = pair
+    prompts = [[5, 17, 33, 2, 60, 41], [7, 8, 9, 10, 11, 12]]
+    cfg = SamplerConfig(generation="causal", gen_length=8, temperature=0.0, stop_at_eos=False)
+    got = generate(ours, prompts, cfg, SpecialIds(mask_id=V - 1, pad_id=0, eos_id=V - 2, num_tokens=V))
+    with torch.no_grad():
+        want = hf.generate(torch.tensor(prompts), max_new_tokens=8, do_sample=False, eos_token_id=None)
+    assert got.sequences == want[:, 6:].tolist()
+
+
+def test_a_bidirectional_canvas_is_refused():
+    from dllm.config.sampler import SamplerConfig
+    from dllm.errors import ConfigError
+    from dllm.sampling.canvas import SpecialIds
+    from dllm.sampling.generate import generate
+
+    cfg = SamplerConfig(gen_length=4, block_length=4, steps=4, attention="bidirectional", shift="off")
+    with pytest.raises(ConfigError, match="sampler.attention: a model with linear-attention layers"):
+        generate(_native(), [[1, 2]], cfg, SpecialIds(mask_id=V - 1, pad_id=V - 2, eos_id=V - 3, num_tokens=V))

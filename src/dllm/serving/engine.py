@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from dllm.sampling.canvas import SpecialIds
-from dllm.sampling.causal import score_tokens
+from dllm.sampling.causal import keeps_recurrent_state, score_tokens
 from dllm.sampling.continuous import Group, RunningBatch
 from dllm.sampling.generate import generate
 from dllm.sampling.results import GenerationResult, StepEvent
@@ -156,8 +156,10 @@ class Engine:
     def joins_running_batch(self, job: Job) -> bool:
         """Whether a request joins the running batch (AR decoding of a causal model, step-level continuous
         batching) rather than a sampler call of its own (diffusion, speculative decoding, or `max_calls` 1:
-        the one-call-at-a-time engine kept for comparison)."""
-        return job.settings.cfg.generation == "causal" and self.drafter is None and self.max_calls > 1
+        the one-call-at-a-time engine kept for comparison). A model with linear-attention layers has no running
+        batch yet (its ragged cache keeps no recurrent states): its calls recompute (sampling/causal.py)."""
+        causal = job.settings.cfg.generation == "causal" and not keeps_recurrent_state(self.model)
+        return causal and self.drafter is None and self.max_calls > 1
 
     def submit(self, job: Job) -> None:
         """Queue a request; 429 when the queue is full."""
