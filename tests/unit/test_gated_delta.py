@@ -64,11 +64,13 @@ def test_the_final_state_continues_a_split_sequence():
     torch.testing.assert_close(S_end, S_whole, atol=1e-12, rtol=0)
 
 
-def test_gradients_match_the_recurrent_form():
+@pytest.mark.parametrize("segments", [False, True])
+def test_gradients_match_the_recurrent_form(segments: bool):
     x = {k: v.requires_grad_() for k, v in _inputs(21, torch.float64, seed=5).items()}
-    out, S = gated_delta.chunked(**x, chunk=8)
+    start = (torch.arange(21) % 6 == 5).expand(B, 21) if segments else None
+    out, S = gated_delta.chunked(**x, chunk=8, start_BL=start)
     grads = torch.autograd.grad((out.sin().sum() + S.cos().sum()), list(x.values()))
-    out_r, S_r = gated_delta.recurrent(**x)
+    out_r, S_r = gated_delta.recurrent(**x, start_BL=start)
     grads_r = torch.autograd.grad((out_r.sin().sum() + S_r.cos().sum()), list(x.values()))
     for a, b in zip(grads, grads_r, strict=True):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
