@@ -201,8 +201,8 @@ def test_noisy_block_in_training_reads_what_decoding_reads():
         torch.testing.assert_close(got.hidden_BLE[:, n:], want.hidden_BLE, atol=1e-10, rtol=0)
 
 
-@pytest.mark.parametrize("shift", ["off", "on"])
-def test_cached_block_decoding_equals_uncached(shift: str):
+@pytest.mark.parametrize("shift,sub_block", [("off", None), ("on", None), ("on", 2)])
+def test_cached_block_decoding_equals_uncached(shift: str, sub_block: int | None):
     from dllm.config.sampler import SamplerConfig
     from dllm.sampling.canvas import SpecialIds
     from dllm.sampling.generate import generate
@@ -213,8 +213,8 @@ def test_cached_block_decoding_equals_uncached(shift: str):
     prompts = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16, 17]]
 
     def run(cache: str, rows: list[list[int]]):
-        cfg = SamplerConfig(gen_length=12, block_length=4, steps=12, stop_at_eos=False, shift=shift,
-                            attention="block", cache=cache, policy="low_confidence")  # fmt: skip
+        cfg = SamplerConfig(gen_length=12, block_length=4, steps=12, stop_at_eos=False, shift=shift, cache=cache,
+                            attention="block", policy="low_confidence", sub_block_length=sub_block)  # fmt: skip
         return generate(model, rows, cfg, special, generator=torch.Generator().manual_seed(0))
 
     plain, cached = run("none", prompts), run("block", prompts)
