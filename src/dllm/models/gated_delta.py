@@ -28,6 +28,10 @@ only the writes of the chunk's last segment.
 `block_reads` is block diffusion's noisy read: each block starts from a given state, writes all its
 tokens, and every token of the block reads the state after the block.
 
+There is no GPU kernel path (flash-linear-attention's Triton kernels): it could only be wired in where
+it can be tested against `chunked`, and this project's machines have no GPU; on a GPU these functions run
+as they are, as torch matmuls.
+
 Queries and keys come in as the caller wants them read (normalised and scaled there). Both functions
 take an initial state (None: zeros) and return the final one; they compute in float32 at least
 (float64 inputs stay float64) and return outputs in the inputs' dtype, the state in the compute dtype.
