@@ -183,12 +183,13 @@ def test_a_failing_request_leaves_alone(model):
 
 
 def test_what_joins_and_what_fits():
-    assert CanvasBatch.takes(_cfg())
-    assert not CanvasBatch.takes(_cfg(cache="prefix"))  # approximate caches hold keys of their own canvas
-    assert CanvasBatch.takes(_cfg(cache="block", attention="block"))
-    assert not CanvasBatch.takes(_cfg(cfg_scale=1.0))
-    assert not CanvasBatch.takes(SamplerConfig(generation="causal", gen_length=4))
-    batch = CanvasBatch(tiny_transformer(), SPECIAL, max_rows=3)
+    tiny = tiny_transformer()
+    assert CanvasBatch.takes(_cfg(), tiny)
+    assert not CanvasBatch.takes(_cfg(cache="prefix"), tiny)  # approximate caches hold keys of their own canvas
+    assert CanvasBatch.takes(_cfg(cache="block", attention="block"), tiny)
+    assert not CanvasBatch.takes(_cfg(cfg_scale=1.0), tiny)
+    assert not CanvasBatch.takes(SamplerConfig(generation="causal", gen_length=4), tiny)
+    batch = CanvasBatch(tiny, SPECIAL, max_rows=3)
     with pytest.raises(ValueError, match="takes"):
         batch.join([[1]], _cfg(cache="dual"))
     assert batch.fits(5)  # an empty batch takes any request

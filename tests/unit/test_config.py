@@ -834,6 +834,16 @@ CONTEXT_REFUSALS = {
         "topology.context: dual_end needs the sequence (32 rows) divisible by 6",
     ),
     "moe": (2, [*_CP2, "model.num_experts=4"], "topology.context.mode: cp does not support MoE models"),
+    "linear-layers-cp": (
+        2,
+        [*_CP2, "model.family=qwen3_5", "objective.name=ar"],
+        "topology.context.mode: cp shards the sequence, and the linear-attention layers of qwen3_5 carry",
+    ),
+    "linear-layers-bp": (
+        2,
+        ["topology.context.mode=bp", "topology.context.bp_size=2", *_FAST_DLLM_V2, "model.family=qwen3_5"],
+        "topology.context.mode: bp shards the sequence, and the linear-attention layers of qwen3_5 carry",
+    ),
     "self-conditioning": (
         2,
         [*_CP2, "objective.name=uniform", "objective.self_condition_prob=0.5", "model.self_condition=true"],
@@ -925,6 +935,12 @@ LAYOUT_REFUSALS = {
     "vocab": (4, ["topology.tp_size=4", "model.vocab_size=322"], "model.vocab_size: 322 is not divisible by"),
     "mlp": (2, ["topology.tp_size=2", "model.intermediate_size=101"], "model.mlp_size: 101 is not divisible by"),
     "tp-moe": (2, ["topology.tp_size=2", *_MOE], "model.num_experts: tensor parallelism of MoE layers"),
+    "tp-linear": (
+        2,
+        ["topology.tp_size=2", "model.family=qwen3_5", "objective.name=ar"],
+        "model.attention_pattern: linear-attention layers are not tensor-parallel",
+    ),  # fmt: skip
+    "linear-bidirectional": (1, ["model.family=qwen3_5"], "objective.name: mdlm attends bidirectionally"),
     "tp-ddp": (2, ["topology.tp_size=2", "topology.data_parallel=ddp"], "topology.data_parallel: ddp does not take"),
     "tp-plain-loss": (2, ["topology.tp_size=2", "training.chunked_loss=false"], "training.chunked_loss: tensor"),
     "sp-without-tp": (2, ["topology.sequence_parallel=true"], "topology.sequence_parallel: needs tp_size > 1"),

@@ -45,6 +45,12 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
         "qk_norm": True, "qk_norm_width": "full", "norm_eps": 1e-5, "tie_embeddings": False, "num_experts": 8,
         "num_experts_per_tok": 2, "norm_topk_prob": False,
     },
+    # Qwen3.5 (dense text): three Gated DeltaNet layers to one gated full-attention layer, zero-centred norms
+    "qwen3_5": {
+        "norm": "rmsnorm_centered", "qk_norm": True, "rope_theta": 10000000.0, "rotary_fraction": 0.25,
+        "attn_output_gate": True, "attention_pattern": ["linear", "linear", "linear", "global"],
+        "tie_embeddings": False,
+    },
     "modernbert": {
         "norm": "layernorm", "norm_eps": 1e-5, "embedding_norm": True, "first_layer_attn_norm": False,
         "activation": "gelu", "head": "mlm", "head_dense_bias": False, "rope_theta": 160000.0,
@@ -80,14 +86,28 @@ class ModelConfig(Section):
     """Longest sequence the model is used with (RoPE positions, or the learned position table)."""
     rope_theta: Float = Field(default=10000.0, gt=0)
     """RoPE base frequency (of the global layers when attention_pattern has local ones)."""
-    attention_pattern: tuple[Literal["global", "local"], ...] | None = Field(default=None, min_length=1)
-    """Per-layer attention kinds, repeated over the layers (ModernBERT: [global, local, local]); null: all global."""
+    attention_pattern: tuple[Literal["global", "local", "linear"], ...] | None = Field(default=None, min_length=1)
+    """Per-layer mixers, repeated: global, local (sliding window) or linear (Gated DeltaNet); null: all global."""
     local_window: Int | None = Field(default=None, gt=0)
     """Sliding window of the `local` layers: a query attends keys fewer than this many positions away."""
     local_rope_theta: Float | None = Field(default=None, gt=0)
     """RoPE base frequency of the `local` layers; null: rope_theta."""
+    rotary_fraction: Float = Field(default=1.0, gt=0, le=1)
+    """Fraction of each head's width that RoPE rotates (the first ones; Qwen3.5: 0.25); the rest carry no position."""
+    attn_output_gate: bool = False
+    """Gate attention outputs per feature by sigmoid(x W_g) before o_proj (Qwen3.5; q_proj is twice as wide)."""
+    linear_num_key_heads: Int | None = Field(default=None, gt=0)
+    """Query/key heads of the linear-attention layers; null: num_kv_heads."""
+    linear_num_value_heads: Int | None = Field(default=None, gt=0)
+    """Value heads (recurrent states) of the linear-attention layers, a multiple of the key heads; null: num_heads."""
+    linear_key_head_dim: Int | None = Field(default=None, gt=0)
+    """Query/key width per head of the linear-attention layers; null: the attention head width."""
+    linear_value_head_dim: Int | None = Field(default=None, gt=0)
+    """Value width per head of the linear-attention layers; null: the attention head width."""
+    linear_conv_kernel: Int = Field(default=4, gt=0)
+    """Taps of the causal depthwise convolution on the linear layers' queries, keys and values."""
     norm: Literal[NORMS.names()] = "rmsnorm"  # type: ignore[valid-type]
-    """Normalisation layers: RMSNorm (llama, qwen) or LayerNorm (gpt2, bert)."""
+    """Normalisation layers: RMSNorm (llama, qwen), zero-centred RMSNorm (qwen3_5: scale 1 + w) or LayerNorm."""
     norm_bias: bool = False
     """LayerNorm with a bias."""
     norm_eps: Float = Field(default=1e-6, gt=0)
@@ -176,12 +196,47 @@ class ModelConfig(Section):
             raise ValueError("mixture-of-experts layers use gated experts; set mlp: gated")
         if self.attention_pattern is not None and "local" in self.attention_pattern and self.local_window is None:
             raise ValueError("attention_pattern has local layers but local_window is not set")
+        if self.linear_value_heads % self.linear_key_heads:
+            raise ValueError(f"linear_num_value_heads {self.linear_value_heads} is not a multiple of "
+                             f"linear_num_key_heads {self.linear_key_heads}")  # fmt: skip
+        if self.position == "rope" and (self.rotary_dim < 2 or self.rotary_dim % 2):
+            raise ValueError(f"rotary_fraction {self.rotary_fraction} of head width {self.dim_per_head} "
+                             f"rotates {self.rotary_dim} features; RoPE needs an even number >= 2")  # fmt: skip
         return self
+
+    def layer_kind(self, index: int) -> Literal["global", "local", "linear"]:
+        """The token mixer of layer `index` (attention_pattern, repeated over the layers)."""
+        pattern = self.attention_pattern
+        return "global" if pattern is None else pattern[index % len(pattern)]
+
+    @property
+    def has_linear_layers(self) -> bool:
+        return any(self.layer_kind(i) == "linear" for i in range(self.num_layers))
+
+    @property
+    def rotary_dim(self) -> int:
+        """Features of each head that RoPE rotates (the first ones)."""
+        return int(self.dim_per_head * self.rotary_fraction)
+
+    @property
+    def linear_key_heads(self) -> int:
+        return self.linear_num_key_heads or self.kv_heads
+
+    @property
+    def linear_value_heads(self) -> int:
+        return self.linear_num_value_heads or self.num_heads
+
+    @property
+    def linear_key_dim(self) -> int:
+        return self.linear_key_head_dim or self.dim_per_head
+
+    @property
+    def linear_value_dim(self) -> int:
+        return self.linear_value_head_dim or self.dim_per_head
 
     def layer_is_local(self, index: int) -> bool:
         """Layer `index` attends through the sliding window (attention_pattern, repeated over the layers)."""
-        pattern = self.attention_pattern
-        return pattern is not None and pattern[index % len(pattern)] == "local"
+        return self.layer_kind(index) == "local"
 
     @property
     def kv_heads(self) -> int:

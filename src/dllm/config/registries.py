@@ -124,9 +124,14 @@ FAMILIES = Registry(
         "gpt2": "families.gpt2:GPT2",
         "bert": "families.encoders:BERT",
         "modernbert": "families.encoders:MODERNBERT",
+        "qwen3_5": "families.qwen3_5:QWEN3_5",
     },
 )
-NORMS = Registry("norm", "models", {"rmsnorm": "layers:RMSNorm", "layernorm": "layers:LayerNorm"})
+NORMS = Registry(
+    "norm",
+    "models",
+    {"rmsnorm": "layers:RMSNorm", "rmsnorm_centered": "layers:CenteredRMSNorm", "layernorm": "layers:LayerNorm"},
+)
 # a drafter folder's config.json `model_type` picks its loader `(folder, target) -> Drafter` (generate --draft)
 DRAFTERS = Registry("drafter family", "models", {"dflash": "dflash_io:load_drafter"})
 # public drafter layouts name their family by `architectures` (their model_type is their blocks', e.g. qwen3)

@@ -47,6 +47,11 @@ def check_objective(spec: RunSpec) -> None:
         raise ConfigError("model.shift_logits: the uniform objective predicts x0 in place; set it to false")
     if obj.name == "dflash_distillation":
         _check_drafter_run(spec)
+    if model.has_linear_layers and not (OBJECTIVES.has(obj.name, "causal") or OBJECTIVES.has(obj.name, "block")):
+        raise ConfigError(
+            f"objective.name: {obj.name} attends bidirectionally, which the linear-attention layers of "
+            f"{model.family} (a recurrence) cannot; use ar, bd3lm or fast_dllm_v2"
+        )
 
 
 def _check_drafter_run(spec: RunSpec) -> None:
@@ -145,6 +150,8 @@ def check_tensor_parallel(spec: RunSpec) -> None:
          "chunked loss; set it to true"),
         (model.self_condition, "model.self_condition: not supported with tensor parallelism; set tp_size: 1"),
         (model.edit_head, "model.edit_head: the Edit Flows head reads whole-vocabulary logits; set tp_size: 1"),
+        (model.has_linear_layers, "model.attention_pattern: linear-attention layers are not tensor-parallel; "
+         "set tp_size: 1"),
     ]  # fmt: skip
     for refused, message in refusals:
         if refused:
@@ -210,6 +217,11 @@ def check_context(spec: RunSpec) -> None:
         raise ConfigError(
             f"topology.context.mode: {mode} deals out the noisy blocks of block diffusion, and objective "
             f"{obj.name} has none; use a block objective (bd3lm, fast_dllm_v2) or mode: cp"
+        )
+    if model.has_linear_layers:
+        raise ConfigError(
+            f"topology.context.mode: {mode} shards the sequence, and the linear-attention layers of {model.family} "
+            "carry a recurrent state along it; set mode: none"
         )
     if model.num_experts:
         raise ConfigError(

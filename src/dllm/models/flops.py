@@ -59,19 +59,34 @@ def _mlp(cfg: ModelConfig, n: int) -> int:
     return matrices * _linear(n, E, cfg.mlp_size)
 
 
-def layer_forward_flops(cfg: ModelConfig, T: int, Q: int) -> int:
-    """One block's forward over a row of T tokens whose first Q compute queries (and outputs)."""
+def layer_forward_flops(cfg: ModelConfig, T: int, Q: int, index: int = 0) -> int:
+    """Block `index`'s forward over a row of T tokens whose first Q compute queries (and outputs)."""
+    if cfg.layer_kind(index) == "linear":
+        return _linear_attention(cfg, T) + _mlp(cfg, Q)
     E, H, K, D = cfg.hidden_size, cfg.num_heads, cfg.kv_heads, cfg.dim_per_head
-    projections = _linear(Q, E, H * D) + 2 * _linear(T, E, K * D) + _linear(Q, H * D, E)
+    gate = 2 if cfg.attn_output_gate else 1
+    projections = _linear(Q, E, gate * H * D) + 2 * _linear(T, E, K * D) + _linear(Q, H * D, E)
     attention = 2 * 2 * Q * T * H * D  # q k^T and p v
     return projections + attention + _mlp(cfg, Q)
+
+
+def _linear_attention(cfg: ModelConfig, T: int) -> int:
+    """A Gated DeltaNet layer over T tokens (every row: a recurrence computes them all): projections, the
+    convolution, and the chunked delta rule, per token and value head about 2C(K + V) within its chunk of
+    C = 64 and 3 K x V products with the state (an estimate: the triangular solve is left out)."""
+    E, H, K, V = cfg.hidden_size, cfg.linear_value_heads, cfg.linear_key_dim, cfg.linear_value_dim
+    C = 2 * cfg.linear_key_heads * K + H * V
+    projections = _linear(T, E, C + H * V + 2 * H) + _linear(T, H * V, E)
+    rule = 2 * T * H * (2 * 64 * (K + V) + 3 * K * V)
+    return projections + 2 * T * C * cfg.linear_conv_kernel + rule
 
 
 def body_forward_flops(cfg: ModelConfig, layout: Layout) -> int:
     """Forward FLOPs of the block stack for one data sequence (embeddings are lookups: 0)."""
     T = layout.row_len
     Q = T if layout.last_queries is None else layout.last_queries
-    per_row = (cfg.num_layers - 1) * layer_forward_flops(cfg, T, T) + layer_forward_flops(cfg, T, Q)
+    last = cfg.num_layers - 1
+    per_row = sum(layer_forward_flops(cfg, T, Q if i == last else T, i) for i in range(cfg.num_layers))
     return layout.rows * per_row
 
 

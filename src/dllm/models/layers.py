@@ -15,10 +15,13 @@ from dllm.config.model import ModelConfig
 
 
 class RMSNorm(nn.Module):
+    offset = 0.0
+    """The scale is offset + weight; a fresh norm (scale 1) has weight 1 - offset."""
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.full((dim,), 1.0 - self.offset))
 
     @classmethod
     def of(cls, cfg: ModelConfig, dim: int) -> RMSNorm:
@@ -26,9 +29,19 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # normalise in float32 for stability under autocast, as LLaMA does
+        if self.offset:
+            scale = self.weight.float() + self.offset
+            return (F.rms_norm(x.float(), (x.shape[-1],), None, self.eps) * scale).to(x.dtype)
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
+
+
+class CenteredRMSNorm(RMSNorm):
+    """RMSNorm whose scale is 1 + weight (Qwen3.5, Gemma): the weight is stored, initialised and decayed
+    around 0; the checkpoints' values load unchanged."""
+
+    offset = 1.0
 
 
 class LayerNorm(nn.Module):

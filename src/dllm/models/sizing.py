@@ -24,25 +24,35 @@ def _linear(n_in: int, n_out: int, bias: bool) -> int:
     return n_in * n_out + (n_out if bias else 0)
 
 
-def block_params(cfg: ModelConfig) -> int:
-    """Parameters of one transformer block: attention, two norms, the MLP or the experts."""
+def block_params(cfg: ModelConfig, index: int = 0) -> int:
+    """Parameters of transformer block `index`: its token mixer, two norms, the MLP or the experts."""
     E, H, K, D = cfg.hidden_size, cfg.num_heads, cfg.kv_heads, cfg.dim_per_head
-    attn = _linear(E, H * D, cfg.qkv_bias) + 2 * _linear(E, K * D, cfg.qkv_bias)
-    qk_norm = (H + K) * D if cfg.qk_norm_width == "full" else 2 * D
-    attn += _linear(H * D, E, cfg.attn_out_bias) + (qk_norm if cfg.qk_norm else 0)
     if cfg.num_experts:
         mlp = E * cfg.num_experts + cfg.num_experts * 3 * cfg.expert_size * E
     else:
         matrices = 3 if cfg.mlp == "gated" else 2
         mlp = (matrices - 1) * _linear(E, cfg.mlp_size, cfg.mlp_bias) + _linear(cfg.mlp_size, E, cfg.mlp_bias)
+    if cfg.layer_kind(index) == "linear":
+        return _linear_attention_params(cfg) + 2 * _norm_params(cfg, E) + mlp
+    gate = 2 if cfg.attn_output_gate else 1
+    attn = _linear(E, gate * H * D, cfg.qkv_bias) + 2 * _linear(E, K * D, cfg.qkv_bias)
+    qk_norm = (H + K) * D if cfg.qk_norm_width == "full" else 2 * D
+    attn += _linear(H * D, E, cfg.attn_out_bias) + (qk_norm if cfg.qk_norm else 0)
     return attn + 2 * _norm_params(cfg, E) + mlp
+
+
+def _linear_attention_params(cfg: ModelConfig) -> int:
+    """A Gated DeltaNet layer: q/k/v, z, a, b and output projections, the convolution, A_log, dt_bias, norm."""
+    E, H, V = cfg.hidden_size, cfg.linear_value_heads, cfg.linear_value_dim
+    C = 2 * cfg.linear_key_heads * cfg.linear_key_dim + H * V
+    return E * C + 2 * E * H * V + 2 * E * H + C * cfg.linear_conv_kernel + 2 * H + V
 
 
 def count_params(cfg: ModelConfig) -> int:
     """Parameters of the model `cfg` describes (cfg.vocab_size must be resolved)."""
     assert cfg.vocab_size is not None, "resolve model.vocab_size first"
     E, V = cfg.hidden_size, cfg.vocab_size
-    n = V * E + cfg.num_layers * block_params(cfg)
+    n = V * E + sum(block_params(cfg, i) for i in range(cfg.num_layers))
     n += cfg.max_seq_len * E if cfg.position == "learned" else 0
     n += _norm_params(cfg, E) if cfg.embedding_norm else 0
     n += E * E if cfg.self_condition else 0

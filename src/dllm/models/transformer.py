@@ -1,8 +1,8 @@
 """The native transformer: one single-device block stack for every family.
 
-A family (llama, qwen2/3, qwen3_moe, olmoe, llada, llada_moe, dream, gpt2, bert, modernbert) is a set of
-layout fields on ModelConfig (norm kind and position, positions, MLP kind, biases, head, local attention
-layers), not a copy of this file;
+A family (llama, qwen2/3, qwen3_moe, olmoe, llada, llada_moe, dream, gpt2, bert, modernbert, qwen3_5) is a
+set of layout fields on ModelConfig (norm kind and position, positions, MLP kind, biases, head, local
+attention layers, linear-attention layers: models/linear_attention.py), not a copy of this file;
 `families/` maps each family's Hugging Face weight names onto these modules. The model is used
 with whatever attention pattern the objective asks for and knows nothing about meshes, objectives or
 samplers; parallelism is applied from outside (dllm.parallel.apply).
@@ -27,6 +27,7 @@ from dllm.config.model import ModelConfig
 from dllm.config.registries import ACTIVATIONS, NORMS
 from dllm.models.edit_flow import EditHead
 from dllm.models.layers import RMSNorm
+from dllm.models.linear_attention import GatedDeltaNet
 from dllm.models.output import ModelOutput, SelfConditioned
 
 
@@ -52,7 +53,11 @@ def rope_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """x * cos + rotate_half(x) * sin, computed in the tables' dtype (float32 for bf16 activations)."""
+    """x * cos + rotate_half(x) * sin, computed in the tables' dtype (float32 for bf16 activations).
+    Tables narrower than x rotate its first features only (partial RoPE); the rest pass unchanged."""
+    R = cos.shape[-1]
+    if x.shape[-1] > R:
+        return torch.cat([apply_rope(x[..., :R], cos, signed_sin), x[..., R:]], dim=-1)
     if x.dtype != cos.dtype:
         return apply_rope(x.to(cos.dtype), cos, signed_sin).to(x.dtype)
     half = x.shape[-1] // 2
@@ -64,14 +69,16 @@ class Attention(nn.Module):
         super().__init__()
         E, H, K, D = cfg.hidden_size, cfg.num_heads, cfg.kv_heads, cfg.dim_per_head
         self.num_heads, self.num_kv_heads, self.head_dim = H, K, D
-        self.q_proj = nn.Linear(E, H * D, bias=cfg.qkv_bias)
+        self.output_gate = cfg.attn_output_gate  # q_proj also gives a gate per output feature (per head: [q, gate])
+        self.q_proj = nn.Linear(E, H * D * (2 if self.output_gate else 1), bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(E, K * D, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(E, K * D, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(H * D, E, bias=cfg.attn_out_bias)
         self.qk_norm_full = cfg.qk_norm_width == "full"  # OLMoE: one norm over all heads' features
         width_q, width_k = (H * D, K * D) if self.qk_norm_full else (D, D)
-        self.q_norm = RMSNorm(width_q, cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(width_k, cfg.norm_eps) if cfg.qk_norm else None
+        norm = make_norm if cfg.norm == "rmsnorm_centered" else lambda c, dim: RMSNorm(dim, c.norm_eps)
+        self.q_norm = norm(cfg, width_q) if cfg.qk_norm else None
+        self.k_norm = norm(cfg, width_k) if cfg.qk_norm else None
         self.attend = attend  # one backend object per model, shared by its layers
 
     def forward(
@@ -89,6 +96,10 @@ class Attention(nn.Module):
         Q = L if num_queries is None else num_queries
         # heads from the projections' widths: under tensor parallelism a rank holds H/T and K/T of them
         q, k = self.q_proj(x_BLE[:, :Q]), self.k_proj(x_BLE)
+        gate_BQF = None
+        if self.output_gate:
+            q, gate = q.view(B, Q, -1, 2 * self.head_dim).chunk(2, dim=-1)
+            q, gate_BQF = q.reshape(B, Q, -1), gate.reshape(B, Q, -1)
         if self.q_norm is not None and self.k_norm is not None and self.qk_norm_full:
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(B, Q, -1, self.head_dim).transpose(1, 2)
@@ -102,7 +113,8 @@ class Attention(nn.Module):
         if kv is not None:
             k, v = kv.update(k, v)
         out_BHQD = self.attend(q, k, v, mask)
-        return self.o_proj(out_BHQD.transpose(1, 2).reshape(B, Q, -1))
+        out_BQF = out_BHQD.transpose(1, 2).reshape(B, Q, -1)
+        return self.o_proj(out_BQF if gate_BQF is None else out_BQF * torch.sigmoid(gate_BQF))
 
 
 class MLP(nn.Module):
@@ -169,7 +181,9 @@ class Block(nn.Module):
         self.post_norm = cfg.norm_position == "post"
         self.local = cfg.layer_is_local(index)  # sliding-window attention with its own RoPE base
         self.input_layernorm = make_norm(cfg) if index or cfg.first_layer_attn_norm else nn.Identity()
-        self.self_attn = Attention(cfg, attend)
+        linear = cfg.layer_kind(index) == "linear"  # Gated DeltaNet instead of attention (the checkpoints' names)
+        self.self_attn = None if linear else Attention(cfg, attend)
+        self.linear_attn = GatedDeltaNet(cfg) if linear else None
         self.post_attention_layernorm = make_norm(cfg)
         self.mlp = MoE(cfg) if cfg.num_experts else MLP(cfg)
 
@@ -185,12 +199,20 @@ class Block(nn.Module):
         router's auxiliary loss (None for a dense MLP)."""
         x_q = x if num_queries is None else x[:, :num_queries]
         if self.post_norm:  # BERT: normalise after each residual add
-            x_q = self.input_layernorm(x_q + self.self_attn(x, rope, mask, num_queries, kv))
+            x_q = self.input_layernorm(x_q + self._mix(x, rope, mask, num_queries, kv))
             y, aux = self._mlp(x_q)
             return self.post_attention_layernorm(x_q + y), aux
-        x_q = x_q + self.self_attn(self.input_layernorm(x), rope, mask, num_queries, kv)
+        x_q = x_q + self._mix(self.input_layernorm(x), rope, mask, num_queries, kv)
         y, aux = self._mlp(self.post_attention_layernorm(x_q))
         return x_q + y, aux
+
+    def _mix(self, x: torch.Tensor, rope: tuple | None, mask: AttentionMask, num_queries: int | None, kv: Any):
+        """The token mixer: attention, or the linear-attention layer (which computes every row)."""
+        if self.self_attn is not None:
+            return self.self_attn(x, rope, mask, num_queries, kv)
+        assert self.linear_attn is not None
+        out = self.linear_attn(x, mask, kv)
+        return out if num_queries is None else out[:, :num_queries]
 
     def _mlp(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         return self.mlp(x) if isinstance(self.mlp, MoE) else (self.mlp(x), None)
@@ -237,7 +259,7 @@ class Transformer(nn.Module):
         self.trim_last_block = True
 
     def _inv_freq(self, theta: float) -> torch.Tensor:
-        return rope_inv_freq(self.cfg.dim_per_head, theta)
+        return rope_inv_freq(self.cfg.rotary_dim, theta)
 
     def forward(
         self,
@@ -319,11 +341,16 @@ class Transformer(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
-            elif name.endswith("bias") or name.startswith("self_cond_proj"):
-                p.zero_()  # self-conditioning starts as a no-op
+            elif name.endswith(("bias", "A_log")) or name.startswith("self_cond_proj"):
+                p.zero_()  # self-conditioning starts as a no-op; linear layers' decay rate A = exp(A_log) = 1
             else:
                 s = out_std if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")) else std
                 p.copy_(torch.randn(p.shape, generator=generator, dtype=torch.float32) * s)
+        for m in self.modules():
+            if isinstance(m, RMSNorm):  # a zero-centred norm stores scale 1 as weight 0
+                m.weight.fill_(1.0 - m.offset)
+            if isinstance(m, GatedDeltaNet):
+                m.dt_bias.fill_(1.0)  # at a = 0 a state keeps exp(-softplus(1)) ~ 0.27 of itself per token
         self.init_buffers()
 
     @torch.no_grad()

@@ -18,6 +18,7 @@ Shapes: B batch, K key/value heads, T canvas length, Q query rows, D head width.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -29,6 +30,8 @@ class LayerKV:
     owner: KVCache
     k_BKTD: torch.Tensor | None = None
     v_BKTD: torch.Tensor | None = None
+    recurrent: Any = None
+    """A linear-attention layer's states instead of keys and values (models/linear_attention.py: RecurrentCache)."""
 
     def update(self, k_BKQD: torch.Tensor, v_BKQD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write this forward's keys/values at [query_start, +Q); return the keys/values [0, key_end)."""

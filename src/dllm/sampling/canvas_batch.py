@@ -16,7 +16,8 @@ same objects and see the same logits, up to the floating-point sums of a batch o
 (tests/unit/test_canvas_batch.py checks greedy and sampled requests against `generate`, in float64).
 
 Which requests join (`CanvasBatch.takes`): canvas decoding (masked or uniform-state diffusion, any
-policy) without classifier-free guidance, uncached or with the exact block cache of a block model. The
+policy) without classifier-free guidance, uncached or with the exact block cache of a block model (not a hybrid
+model with linear-attention layers, whose calls run on their own). The
 block-cached ones keep their keys in one ragged cache per block size (canvas_kv.py: `CachedRows`): each
 runs its first call (prompt and first block) alone, then its windows share one forward with the other
 block-cached requests at each step. The approximate caches (prefix, dual: refreshed keys of a whole
@@ -39,6 +40,7 @@ from dllm.attention.masks import AttentionMask
 from dllm.config.sampler import SamplerConfig
 from dllm.sampling.canvas import SpecialIds
 from dllm.sampling.canvas_kv import CachedRows
+from dllm.sampling.causal import keeps_recurrent_state
 from dllm.sampling.generate import Loop, Need
 from dllm.sampling.results import GenerationResult, StepEvent
 
@@ -98,9 +100,13 @@ class CanvasBatch:
         self.mask_col = torch.tensor([special.mask_id], device=self.device)
 
     @staticmethod
-    def takes(cfg: SamplerConfig) -> bool:
-        """Whether a request of these (resolved) settings can join a running canvas batch."""
-        return cfg.generation not in ("causal", "edit_flow") and cfg.cache in ("none", "block") and cfg.cfg_scale == 0
+    def takes(cfg: SamplerConfig, model: nn.Module) -> bool:
+        """Whether a request of these (resolved) settings can join a running canvas batch of `model`."""
+        if cfg.generation in ("causal", "edit_flow") or cfg.cfg_scale > 0:
+            return False
+        # linear-attention layers read the forward's last block as the noisy one (right padding would be)
+        # and keep recurrent states the ragged cache has no place for: their requests run as calls
+        return cfg.cache in ("none", "block") and not keeps_recurrent_state(model)
 
     @property
     def rows(self) -> int:
@@ -119,7 +125,7 @@ class CanvasBatch:
              stop: Callable[[list[int]], bool] | None = None,
              callback: Callable[[StepEvent], None] | None = None) -> CanvasGroup:  # fmt: skip
         """Start a request's loop: its first call runs in the next `step` (done already when it needs none)."""
-        if not self.takes(cfg):
+        if not self.takes(cfg, self.model):
             raise ValueError("a running canvas batch takes uncached, unguided canvas decoding (CanvasBatch.takes)")
         loop = Loop(self.model, [list(p) for p in prompts], cfg, self.special, generator, callback, stop)
         group = CanvasGroup(loop, loop.decode())

@@ -252,6 +252,13 @@ class Recompute(Target):
         return self._run(self.tokens_BT[:, :end], positions, AttentionMask("causal"), None, write_BQ, logit_rows_BR)
 
 
+def keeps_recurrent_state(model: nn.Module) -> bool:
+    """A model with linear-attention layers (qwen3_5): the ragged KV cache has no place for their recurrent
+    states yet (rows that roll back rejected drafts would need them per position), so it decodes with
+    `Recompute`."""
+    return bool(getattr(getattr(model, "cfg", None), "has_linear_layers", False))
+
+
 def _rows(x_BLE: torch.Tensor, rows_BQ: torch.Tensor) -> torch.Tensor:
     return x_BLE.gather(1, rows_BQ[..., None].expand(-1, -1, x_BLE.shape[-1]))
 

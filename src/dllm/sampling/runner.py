@@ -17,8 +17,10 @@ import torch
 from dllm.attention.masks import AttentionMask
 from dllm.config.registries import CACHES
 from dllm.config.sampler import SamplerConfig
+from dllm.errors import ConfigError
 from dllm.sampling.cache import CacheMode, KVCache
 from dllm.sampling.canvas import Canvas, SpecialIds
+from dllm.sampling.causal import keeps_recurrent_state
 from dllm.sampling.results import Counters
 
 
@@ -30,6 +32,9 @@ class Runner:
 
     def __init__(self, model: torch.nn.Module, canvas: Canvas, cfg: SamplerConfig, special: SpecialIds,
                  shift: bool, counters: Counters) -> None:  # fmt: skip
+        if keeps_recurrent_state(model) and not canvas.block_attention:
+            raise ConfigError("sampler.attention: a model with linear-attention layers decodes a canvas block by "
+                              "block (the prompt read causally); set attention: block")  # fmt: skip
         self.model, self.canvas, self.cfg, self.special = model, canvas, cfg, special
         self.shift, self.counters = int(shift), counters
         T = canvas.x_BT.shape[1]

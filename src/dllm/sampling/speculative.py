@@ -44,7 +44,7 @@ from dllm.config.registries import DRAFTER_ARCHITECTURES, DRAFTERS
 from dllm.config.sampler import SamplerConfig
 from dllm.errors import CheckpointError, ConfigError
 from dllm.sampling.canvas import SpecialIds
-from dllm.sampling.causal import Recompute, Target, right_pad
+from dllm.sampling.causal import Recompute, Target, keeps_recurrent_state, right_pad
 from dllm.sampling.proposals import draw, token_probs
 from dllm.sampling.results import Counters, GenerationResult, StepEvent
 
@@ -149,7 +149,7 @@ class CausalLoop:
         self.counters = Counters(loop="causal")
         # a row's last round may end b - 1 tokens past its N-th, and an ended row still runs a block there
         capacity = P + N + 2 * b
-        kind = Target if use_cache else Recompute
+        kind = Target if use_cache and not keeps_recurrent_state(model) else Recompute
         self.target = kind(model, B, capacity, self.counters, drafter.target_layer_ids, special.mask_id)
         self.state = drafter.start(B, capacity)
         self.drafting = b > 1

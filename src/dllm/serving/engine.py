@@ -34,7 +34,7 @@ import torch
 from dllm.config.sampler import SamplerConfig
 from dllm.sampling.canvas import SpecialIds
 from dllm.sampling.canvas_batch import CanvasBatch, CanvasGroup
-from dllm.sampling.causal import score_tokens
+from dllm.sampling.causal import keeps_recurrent_state, score_tokens
 from dllm.sampling.continuous import Group, RunningBatch
 from dllm.sampling.generate import generate
 from dllm.sampling.results import GenerationResult, StepEvent
@@ -117,13 +117,16 @@ class Engine:
 
     def joins_running_batch(self, job: Job) -> bool:
         """Whether a request joins the running batch (step-level continuous batching: AR decoding of a causal
-        model, or uncached, unguided diffusion, `CanvasBatch.takes`) rather than a sampler call of its own
-        (speculative decoding, cached or guided diffusion, or `max_calls` 1: the one-call-at-a-time engine
-        kept for comparison)."""
+        model, or unguided diffusion, uncached or block-cached, `CanvasBatch.takes`) rather than a sampler call
+        of its own (speculative decoding, approximate caches or guidance, or `max_calls` 1: the one-call-at-a-time
+        engine kept for comparison). A causal model with linear-attention layers has no running batch yet (the
+        ragged cache keeps no recurrent states): its calls recompute (sampling/causal.py)."""
         cfg = job.settings.cfg
         if self.max_calls <= 1:
             return False
-        return self.drafter is None if cfg.generation == "causal" else CanvasBatch.takes(cfg)
+        if cfg.generation == "causal":
+            return self.drafter is None and not keeps_recurrent_state(self.model)
+        return CanvasBatch.takes(cfg, self.model)
 
     def _new_batch(self, cfg: SamplerConfig) -> RunningBatch | CanvasBatch:
         """The running batch of the model's decoding (a server's model decodes causally or on canvases)."""
