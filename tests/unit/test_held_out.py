@@ -62,7 +62,7 @@ def test_rl_prompts_of_a_built_in_task_come_from_its_train_split():
     assert not {e.prompt for e in task.examples} & SUM_PROMPTS
 
 
-def _artifact(tmp_path: Path, records: list[dict]) -> Path:
+def _artifact(tmp_path: Path, records: list[dict], seq_len: int = 32) -> Path:
     """An artifact of the text records and the prompt/completion records (two sources)."""
     from dllm.config.loading import validate_config
     from dllm.config.prepare import PrepareSpec
@@ -74,7 +74,7 @@ def _artifact(tmp_path: Path, records: list[dict]) -> Path:
         if mine:
             (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in mine))
             sources.append({"path": f"{name}.jsonl", "format": fmt})
-    values = {"tokenizer": {"kind": "byte"}, "sources": sources, "output": "art", "seq_len": 32}
+    values = {"tokenizer": {"kind": "byte"}, "sources": sources, "output": "art", "seq_len": seq_len}
     prepare(validate_config(PrepareSpec, values, source="t", base_dir=tmp_path), tmp_path)
     return tmp_path / "art"
 

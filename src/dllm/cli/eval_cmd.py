@@ -116,7 +116,10 @@ def tasks(
     checkpoint: Path = typer.Option(None, "--checkpoint", help="One checkpoint folder."),
     model: str = typer.Option(None, "--model", help=MODEL_HELP),
     task_names: str = typer.Option(
-        ..., "--tasks", help="Comma-separated: addition, addition3, copy, pattern, countdown, sudoku4, FILE.jsonl."
+        ...,
+        "--tasks",
+        help="Comma-separated: addition, addition3, copy, pattern, countdown, sudoku4, FILE.jsonl; for instruct "
+        "models (chat): capitals, arithmetic, units, reverse, yesno.",
     ),
     sampler_config: Path = SAMPLER_CONFIG_OPTION,
     overrides: list[str] = SET_OPTION,
@@ -180,7 +183,7 @@ def _training_overlap(s, tasks, allow: bool) -> dict[str, int | None]:
     except DataError as e:
         info(f"the run's training data cannot be read ({e}): not checked for overlap with it")
         return {t.name: None for t in tasks}
-    counts = {t.name: sum(found_in_artifact(art, s.loaded.tokenizer, t.examples)) for t in tasks}
+    counts = {t.name: sum(found_in_artifact(art, s.loaded.tokenizer, t.examples, t.chat)) for t in tasks}
     for t in tasks:
         n = counts[t.name]
         if n and not allow:
@@ -207,11 +210,17 @@ def _task_sampler(s, task, task_length: bool, gen):
         cfg = resolve_sampler(cfg.model_copy(update={"gen_length": n}), s.loaded.profile)
     stops = list(cfg.stop_strings) or list(task.stop_strings)
     stop_fn = stop_function(tok, stops)
-    prompts_ids = [tok.encode(e.prompt) for e in task.examples]
+
+    def encode(text: str) -> list[int]:  # a chat task's prompt is a user turn
+        if not task.chat:
+            return tok.encode(text)
+        return tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True).ids
+
+    prompts_ids = [encode(e.prompt) for e in task.examples]
     check_prompt_lengths(prompts_ids, cfg, s.loaded.profile, f"--tasks {task.name}: example {{n}}")
 
     def generate_batch(prompts: list[str]):
-        res = sample(s.loaded.model, [tok.encode(p) for p in prompts], cfg, s.special, generator=gen, stop=stop_fn)
+        res = sample(s.loaded.model, [encode(p) for p in prompts], cfg, s.special, generator=gen, stop=stop_fn)
         return [cut_at_stop(tok.decode(ids), stops) for ids in res.sequences], res.counters
 
     return generate_batch

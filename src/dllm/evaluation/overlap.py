@@ -22,18 +22,25 @@ from dllm.evaluation.tasks import Example
 from dllm.tokenization import Tokenizer
 
 
-def found_in_artifact(art: Artifact, tok: Tokenizer, examples: Sequence[Example]) -> list[bool]:
-    """Per example, whether its prompt + answer appears in the artifact's tokens."""
+def found_in_artifact(
+    art: Artifact, tok: Tokenizer, examples: Sequence[Example], question_only: bool = False
+) -> list[bool]:
+    """Per example, whether its prompt + answer appears in the artifact's tokens; `question_only`: whether its
+    prompt does (a chat task's training records hold a model's own words after the question, not the reference)."""
     tokens = art.array("tokens")
     if tokens.size == 0:
         return [False] * len(examples)
     with open(tokens.filename, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as data:
-        return [any(_find(data, tokens, form, tok) for form in _forms(tok, ex)) for ex in examples]
+        return [any(_find(data, tokens, form, tok) for form in _forms(tok, ex, question_only)) for ex in examples]
 
 
-def _forms(tok: Tokenizer, ex: Example) -> list[list[int]]:
+def _forms(tok: Tokenizer, ex: Example, question_only: bool) -> list[list[int]]:
     """The token ids a training record holding the example would contain: prompt and answer apart, as one
-    text, and as one text after a space (inside a sentence, where a BPE merges the space into a token)."""
+    text, and as one text after a space (inside a sentence, where a BPE merges the space into a token);
+    the prompt alone, and after a space or a newline (a user turn in a chat template), for `question_only`."""
+    if question_only:
+        forms = [tok.encode(ex.prompt), tok.encode(" " + ex.prompt.lstrip()), tok.encode("\n" + ex.prompt)[1:]]
+        return [f for i, f in enumerate(forms) if f and f not in forms[:i]]
     forms = [tok.encode(ex.prompt) + tok.encode(ex.answer), tok.encode(ex.prompt + ex.answer)]
     forms.append(tok.encode(" " + ex.prompt.lstrip() + ex.answer))
     return [f for i, f in enumerate(forms) if f not in forms[:i]]

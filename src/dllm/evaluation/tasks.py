@@ -9,6 +9,8 @@ eval split that no generator of training data in the project emits (held out by 
 - `pattern`: a cycle of 2-3 words shown twice and cut, "-> " the next three words;
 - `countdown`, `sudoku4`: puzzles with many right answers or rule-checked ones (evaluation/puzzles.py),
   each example carrying its exact verifier.
+- `capitals`, `arithmetic`, `units`, `reverse`, `yesno`: chat questions for instruct models from tables in
+  the project (evaluation/facts.py), each right when its verifier accepts the answer.
 The other built-in tasks split by a stable hash of the prompt: a quarter of the prompts are the eval
 split (`in_eval_split`). `load_task` draws the eval split by default; an rl run draws its prompts from
 the train split. A user task is a JSONL file of {"prompt": ..., "answer": ...} records, or of GSM8K-format records
@@ -37,7 +39,7 @@ from typing import Any, Literal
 
 from dllm.data.synthetic import EVAL_SUM_MAX_OPERAND, held_out_sums, random_sum
 from dllm.errors import DataError
-from dllm.evaluation import puzzles
+from dllm.evaluation import facts, puzzles
 
 WORDS = ("red", "blue", "green", "cat", "dog", "sun", "moon", "tree", "fish", "star", "rain", "snow")
 
@@ -63,6 +65,8 @@ class Task:
     max_new_tokens: int
     """Default generation length (the sampler's gen_length unless the user sets one)."""
     stop_strings: tuple[str, ...] = ("\n",)
+    chat: bool = False
+    """Each prompt is a user turn, decoded through the model's chat template (facts.py's tasks)."""
 
 
 def _addition(rng: random.Random, hi: int) -> Example:
@@ -113,12 +117,15 @@ def in_eval_split(name: str, prompt: str) -> bool:
         a, _, b = prompt.removesuffix(" =").partition(" + ")
         return (int(a), int(b)) in held_out_sums()
     digest = hashlib.sha256(f"{name}:{prompt}".encode()).digest()
-    return int.from_bytes(digest[:4], "little") % EVAL_SHARE == 0
+    share = facts.EVAL_SHARE if name in facts.TABLES else EVAL_SHARE
+    return int.from_bytes(digest[:4], "little") % share == 0
 
 
 def load_task(name_or_path: str, limit: int, seed: int = 0, split: Split = "eval") -> Task:
     """A built-in task (`limit` examples of its `split`, generated from `seed`) or a JSONL file of
     prompt/answer records (all of it: a user's file is its own split)."""
+    if name_or_path in facts.TABLES:
+        return chat_task(name_or_path, limit, seed, split)
     if name_or_path in BUILTIN:
         make, max_new = BUILTIN[name_or_path]
         rng = random.Random(f"{name_or_path}:{seed}")
@@ -130,7 +137,8 @@ def load_task(name_or_path: str, limit: int, seed: int = 0, split: Split = "eval
         return Task(name_or_path, examples, max_new)
     path = Path(name_or_path)
     if not path.is_file():
-        raise DataError(f"--tasks: {name_or_path!r} is neither a built-in task ({', '.join(BUILTIN)}) nor a JSONL file")
+        builtin = ", ".join([*BUILTIN, *facts.TABLES])
+        raise DataError(f"--tasks: {name_or_path!r} is neither a built-in task ({builtin}) nor a JSONL file")
     from dllm.data.prepare.sources import jsonl_records  # file:line errors for bad JSON, .gz too
 
     examples = []
@@ -152,6 +160,14 @@ def load_task(name_or_path: str, limit: int, seed: int = 0, split: Split = "eval
         return Task(path.stem, examples, GSM8K_NEW_TOKENS, stop_strings=())
     longest = max(len(e.answer) for e in examples)
     return Task(path.stem, examples, max(8, longest + 4))
+
+
+def chat_task(name: str, limit: int, seed: int = 0, split: Split = "eval") -> Task:
+    """A table task of facts.py: `limit` items of its `split` (all when fewer), in an order drawn from `seed`."""
+    items = [it for it in facts.TABLES[name]() if in_eval_split(name, it[0]) == (split == "eval")]
+    random.Random(f"{name}:{seed}").shuffle(items)
+    examples = [Example(prompt, answer, verify) for prompt, answer, verify in items[:limit]]
+    return Task(name, examples, facts.MAX_NEW_TOKENS, stop_strings=(), chat=True)
 
 
 GSM8K_NEW_TOKENS = 256
