@@ -95,6 +95,18 @@ def test_generate_and_chat_with_the_full_model(capsys, monkeypatch):
     assert "Paris" in out and "chatting (causal)" in err
 
 
+def test_eval_chat_tasks_with_the_full_model(capsys):
+    """`dllm eval tasks --ar` on the instruct model's chat tasks: its questions in the chat template, AR decoding
+    with the KV cache; greedy, so the score is fixed (5 of the first 8 capitals when measured)."""
+    folder = str(rm.converted("full"))
+    code = main(["eval", "tasks", "--model", folder, "--ar", "--tasks", "capitals", "--limit", "8", "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    summary = json.loads(out)
+    assert (summary["policy"], summary["cache"], summary["examples"]) == ("ar", "kv", 8)
+    assert summary["correct"] >= 3
+
+
 def test_the_bench_runs_on_the_truncated_model(capsys):
     from bench.real_model import main as bench
 

@@ -35,8 +35,9 @@ def test_verifiers_read_an_instruct_models_sentences():
     city = Example("", "Buenos Aires", lambda o: facts.names(o, "Buenos Aires"))
     assert city.correct("The capital of Argentina is Buenos Aires.") and city.correct("buenos aires")
     assert not city.correct("Buenos") and not city.correct("The capital is Cordoba, not Buenos Airesville.")
-    assert facts.first_number_is("The answer is 1,200 centimeters.", "1200")
-    assert not facts.first_number_is("12 times 100 is 1200", "1200")  # its first number is the answer's
+    assert facts.last_number_is("The answer is 1,200 centimeters.", "1200")
+    assert facts.last_number_is("12 times 100 is 1200", "1200")  # worked out: its last number is the result
+    assert not facts.last_number_is("1200 is not it, 1300 is", "1200")
     assert facts.first_yes_or_no_is("Yes, it is. No doubt.", "yes") and not facts.first_yes_or_no_is("Nope.", "no")
     assert facts.names("The reversed word is 'elppa'.", "elppa") and not facts.names("elpp a", "elppa")
 

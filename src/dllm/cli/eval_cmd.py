@@ -126,6 +126,7 @@ def tasks(
     gen_length: int = typer.Option(None, "--gen-length", help="Tokens to generate (default: per task)."),
     policy: str = typer.Option(None, "--policy", help="Sampling policy."),
     cache: str = typer.Option(None, "--cache", help="KV cache: none, prefix, dual or block."),
+    ar: bool = typer.Option(False, "--ar", help="Decode a causal model (an ar run, an imported llama/qwen folder)."),
     limit: int = typer.Option(50, "--limit", max=MAX_EXAMPLES, help="Examples per task."),
     batch_size: int = typer.Option(8, "--batch-size", help="Prompts decoded together."),
     seed: int = seed_option(0, "Seed of the generated tasks."),
@@ -154,6 +155,10 @@ def tasks(
     check_output_file(output)
     loaded_tasks = [load_task(n, limit, seed) for n in names]
     flags = {"policy": policy, "cache": cache, "gen_length": gen_length}
+    if ar:
+        if policy is not None or cache is not None:
+            raise ConfigError("--policy and --cache choose how a canvas is decoded; drop them with --ar")
+        flags["generation"] = "causal"
     s = setup_sampling(run, checkpoint, model, device, sampler_config, overrides, flags)
     task_length = gen_length is None and "gen_length" not in _file_and_set_fields(sampler_config, overrides)
     gen = torch.Generator(device=s.device).manual_seed(s.sampler.seed)
@@ -226,11 +231,18 @@ def _task_sampler(s, task, task_length: bool, gen):
     return generate_batch
 
 
+def _how(sampler) -> tuple[str, str]:
+    """The decoding a score came from: (policy, cache); causal decoding is AR with its KV cache."""
+    if sampler.generation == "causal":
+        return "ar", "kv"
+    return ("tau_leaping" if sampler.generation == "edit_flow" else sampler.policy), sampler.cache
+
+
 def _report_tasks(s, results, as_json: bool) -> None:
     if as_json:
         for r in results:
-            policy = "tau_leaping" if s.sampler.generation == "edit_flow" else s.sampler.policy
-            record = {"source": str(s.loaded.source), "policy": policy, "cache": s.sampler.cache}
+            policy, cache = _how(s.sampler)
+            record = {"source": str(s.loaded.source), "policy": policy, "cache": cache}
             out(json.dumps({**record, **r.summary()}))
         return
     header = f"{'task':<16}{'accuracy':>10}{'n':>6}{'NFE/call':>10}{'fwd/answer':>12}{'tok/fwd':>9}{'wall s':>9}"
@@ -241,6 +253,8 @@ def _report_tasks(s, results, as_json: bool) -> None:
     if s.sampler.generation == "edit_flow":
         edits = ", ".join(f"{r.name} {r.edits_per_answer:.2f}" for r in results)
         info(f"{s.loaded.source}: edit_flow/tau_leaping (steps = NFE/call); edits per answer: {edits}")
+    elif s.sampler.generation == "causal":
+        info(f"{s.loaded.source}: AR decoding with a KV cache")
     else:
         info(f"{s.loaded.source}: {s.sampler.policy}/{s.sampler.cache}/{s.sampler.attention}")
 

@@ -1,9 +1,9 @@
 """Chat tasks with verifiable answers for instruct models, built from tables in the project (no download).
 
 - `capitals`: "What is the capital of <country>?" -> the city (right when the answer names it);
-- `arithmetic`: "What is a plus / minus / times b?" with operands 2..20 -> the number (the answer's first
-  number);
-- `units`: "How many <small unit> are in n <big unit>?" -> the number (its first number);
+- `arithmetic`: "What is a plus / minus / times b?" with operands 2..20 -> the number (the reply's last
+  number: a reply that works it out ends with its result);
+- `units`: "How many <small unit> are in n <big unit>?" -> the number (the reply's last number);
 - `reverse`: "Write the word '<word>' backwards." -> the reversed word (right when it appears as a word);
 - `yesno`: a question about an everyday fact -> yes or no (the answer's first yes or no).
 
@@ -82,10 +82,11 @@ _NUMBER = re.compile(r"-?\d+")
 _WORD = re.compile(r"[a-z]+")
 
 
-def first_number_is(output: str, answer: str) -> bool:
-    """The output's first number (digits) is the answer."""
-    found = _NUMBER.search(output.replace(",", ""))
-    return found is not None and found.group() == answer
+def last_number_is(output: str, answer: str) -> bool:
+    """The output's last number (digits) is the answer: a reply that works it out ("12 + 4 = 16") ends
+    with its result."""
+    found = _NUMBER.findall(output.replace(",", ""))
+    return bool(found) and found[-1] == answer
 
 
 def names(output: str, answer: str) -> bool:
@@ -117,7 +118,7 @@ def arithmetic() -> list[Item]:
                     continue
                 answer = str(op(a, b))
                 prompt = f"What is {a} {word} {b}? Answer with the number only."
-                items.append((prompt, answer, partial(first_number_is, answer=answer)))
+                items.append((prompt, answer, partial(last_number_is, answer=answer)))
     return items
 
 
@@ -127,7 +128,7 @@ def units() -> list[Item]:
         for n in range(2, 10):
             answer = str(n * per)
             prompt = f"How many {small} are in {n} {big}? Answer with the number only."
-            items.append((prompt, answer, partial(first_number_is, answer=answer)))
+            items.append((prompt, answer, partial(last_number_is, answer=answer)))
     return items
 
 
