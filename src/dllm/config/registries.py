@@ -124,6 +124,7 @@ FAMILIES = Registry(
         "gpt2": "families.gpt2:GPT2",
         "bert": "families.encoders:BERT",
         "modernbert": "families.encoders:MODERNBERT",
+        "diffusion_gemma": "families.diffusion_gemma:DIFFUSION_GEMMA",
     },
 )
 NORMS = Registry("norm", "models", {"rmsnorm": "layers:RMSNorm", "layernorm": "layers:LayerNorm"})

@@ -24,25 +24,30 @@ def _linear(n_in: int, n_out: int, bias: bool) -> int:
     return n_in * n_out + (n_out if bias else 0)
 
 
-def block_params(cfg: ModelConfig) -> int:
-    """Parameters of one transformer block: attention, two norms, the MLP or the experts."""
-    E, H, K, D = cfg.hidden_size, cfg.num_heads, cfg.kv_heads, cfg.dim_per_head
-    attn = _linear(E, H * D, cfg.qkv_bias) + 2 * _linear(E, K * D, cfg.qkv_bias)
+def block_params(cfg: ModelConfig, local: bool = False) -> int:
+    """Parameters of one (local or global) transformer block: attention, its norms, the MLP and/or the experts."""
+    (K, D), E, H = cfg.layer_heads(local), cfg.hidden_size, cfg.num_heads
+    values = 0 if cfg.global_values_are_keys and not local else _linear(E, K * D, cfg.qkv_bias)
+    attn = _linear(E, H * D, cfg.qkv_bias) + _linear(E, K * D, cfg.qkv_bias) + values
     qk_norm = (H + K) * D if cfg.qk_norm_width == "full" else 2 * D
     attn += _linear(H * D, E, cfg.attn_out_bias) + (qk_norm if cfg.qk_norm else 0)
-    if cfg.num_experts:
-        mlp = E * cfg.num_experts + cfg.num_experts * 3 * cfg.expert_size * E
+    matrices = 3 if cfg.mlp == "gated" else 2
+    dense = (matrices - 1) * _linear(E, cfg.mlp_size, cfg.mlp_bias) + _linear(cfg.mlp_size, E, cfg.mlp_bias)
+    experts = E * cfg.num_experts + cfg.num_experts * 3 * cfg.expert_size * E
+    if cfg.num_experts and cfg.moe_layout == "beside_dense":  # Gemma 4: router scales and three more norms
+        mlp = dense + experts + E + cfg.num_experts + 3 * _norm_params(cfg, E)
     else:
-        matrices = 3 if cfg.mlp == "gated" else 2
-        mlp = (matrices - 1) * _linear(E, cfg.mlp_size, cfg.mlp_bias) + _linear(cfg.mlp_size, E, cfg.mlp_bias)
-    return attn + 2 * _norm_params(cfg, E) + mlp
+        mlp = experts if cfg.num_experts else dense
+    norms = (4 if cfg.sandwich_norm else 2) * _norm_params(cfg, E)
+    return attn + norms + mlp
 
 
 def count_params(cfg: ModelConfig) -> int:
     """Parameters of the model `cfg` describes (cfg.vocab_size must be resolved)."""
     assert cfg.vocab_size is not None, "resolve model.vocab_size first"
     E, V = cfg.hidden_size, cfg.vocab_size
-    n = V * E + cfg.num_layers * block_params(cfg)
+    n = V * E + sum(block_params(cfg, cfg.layer_is_local(i)) for i in range(cfg.num_layers))
+    n += 2 * E * cfg.mlp_size + E * cfg.mlp_size + _norm_params(cfg, E) if cfg.canvas_conditioning else 0
     n += cfg.max_seq_len * E if cfg.position == "learned" else 0
     n += _norm_params(cfg, E) if cfg.embedding_norm else 0
     n += E * E if cfg.self_condition else 0
