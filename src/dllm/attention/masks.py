@@ -90,6 +90,9 @@ class AttentionMask:
     canvas_start: int = 0
     """prefix_canvas: the clean row the canvas's first block stands at (num_clean: one canvas after the clean
     stream, as in sampling; 0: canvas blocks over the whole clean stream, as in training)."""
+    canvas_origin_B: torch.Tensor | None = None
+    """prefix_canvas, per row [B] (int64): canvas blocks are aligned to this many rows after canvas_start (each
+    response's start in training); None: 0."""
     num_outputs: int | None = None
     """Only the first N query rows' outputs are used (BD3LM's loss reads x_t only): a model may compute
     just those queries in its last layer. None: every row's output is used."""
@@ -119,9 +122,12 @@ class AttentionMask:
 
     def _check_canvas(self) -> None:
         if self.kind != "prefix_canvas":
-            if self.num_clean is not None or self.canvas_start:
-                raise ValueError(f"num_clean and canvas_start are for prefix_canvas masks, not {self.kind!r}")
+            if self.num_clean is not None or self.canvas_start or self.canvas_origin_B is not None:
+                raise ValueError(f"num_clean and canvas_* are for prefix_canvas masks, not {self.kind!r}")
             return
+        origin = self.canvas_origin_B
+        if origin is not None and (origin.dim() != 1 or origin.dtype != torch.int64):
+            raise ValueError(f"canvas_origin_B must be int64 [batch], got {origin.dtype} {tuple(origin.shape)}")
         if self.num_clean is None or not 0 <= self.canvas_start <= self.num_clean:
             raise ValueError(f"prefix_canvas needs num_clean >= canvas_start >= 0, got {self.num_clean}, "
                              f"{self.canvas_start}")  # fmt: skip
@@ -195,24 +201,30 @@ def block_diffusion(seq_len: int, block_size: int) -> MaskMod:
     return mod
 
 
-def prefix_canvas(num_clean: int, block_size: int, canvas_start: int, window: int | None) -> MaskMod:
+def prefix_canvas(
+    num_clean: int, block_size: int, canvas_start: int, window: int | None, origin_B: torch.Tensor | None = None
+) -> MaskMod:
     """DiffusionGemma's encoder and decoder as one pass over [clean ; canvas].
 
     Clean rows attend causally (the encoder over the clean stream; with a window, to keys fewer than
-    `window` rows back). Canvas row j is in canvas block j // B, which stands at clean row
-    s = canvas_start + (j // B) * B: it attends the clean keys before s (the encoder's cache when that
+    `window` rows back). Canvas row j stands at clean row canvas_start + j and is in canvas block
+    k = (j - o) // B (o: its row's origin, 0 by default), which starts at clean row
+    s = canvas_start + o + k * B: it attends the clean keys before s (the encoder's cache when that
     block is decoded; with a window only the last window - 1 of them, what a sliding cache layer keeps)
     and every canvas key of its own block, bidirectionally. Clean rows never see the canvas, so their
     states are the encoder's.
     """
-    reach = window if window is not None else num_clean + canvas_start + 1  # no window: every earlier key
 
     def mod(b, h, q, kv):
+        o = 0 if origin_B is None else origin_B[b]
         q_canvas, kv_canvas = q >= num_clean, kv >= num_clean
-        q_block, kv_block = (q - num_clean) // block_size, (kv - num_clean) // block_size
-        start = canvas_start + q_block * block_size
-        clean_clean = ~q_canvas & ~kv_canvas & (kv <= q) & (q - kv < reach)
-        canvas_clean = q_canvas & ~kv_canvas & (kv < start) & (start - kv < reach)
+        q_block, kv_block = (q - num_clean - o) // block_size, (kv - num_clean - o) // block_size
+        start = canvas_start + o + q_block * block_size
+        clean_clean = ~q_canvas & ~kv_canvas & (kv <= q)
+        canvas_clean = q_canvas & ~kv_canvas & (kv < start)
+        if window is not None:
+            clean_clean = clean_clean & (q - kv < window)
+            canvas_clean = canvas_clean & (start - kv < window)
         canvas_canvas = q_canvas & kv_canvas & (q_block == kv_block)
         return clean_clean | canvas_clean | canvas_canvas
 
@@ -331,7 +343,7 @@ def base_mod(mask: AttentionMask, seq_len: int | None) -> MaskMod:
         return block_causal(mask.block_size)
     if mask.kind == "prefix_canvas":
         assert mask.num_clean is not None  # checked in AttentionMask.__post_init__
-        return prefix_canvas(mask.num_clean, mask.block_size, mask.canvas_start, mask.window)
+        return prefix_canvas(mask.num_clean, mask.block_size, mask.canvas_start, mask.window, mask.canvas_origin_B)
     assert seq_len is not None  # layout_length raises for block_diffusion without kv_len
     return block_diffusion(seq_len, mask.block_size)
 
@@ -365,4 +377,5 @@ def dense_mask(mod: MaskMod, batch: int, q_len: int, kv_len: int, device: torch.
 
 def depends_on_batch(mask: AttentionMask) -> bool:
     """Whether the pattern differs between batch rows (per-position tensors), else it broadcasts."""
-    return mask.key_valid_BL is not None or mask.doc_ids_BL is not None or mask.query_offset_B is not None
+    per_row = mask.query_offset_B is not None or mask.canvas_origin_B is not None
+    return mask.key_valid_BL is not None or mask.doc_ids_BL is not None or per_row

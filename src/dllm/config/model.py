@@ -164,8 +164,7 @@ class ModelConfig(Section):
     final_logit_softcap: Float | None = Field(default=None, gt=0)
     """Logits are cap * tanh(logits / cap) (Gemma); null: no cap."""
     canvas_conditioning: bool = False
-    """DiffusionGemma's self-conditioning block on the canvas rows (a gated MLP of the previous logits' soft
-    embedding, added, then RMS-normalised)."""
+    """DiffusionGemma's self-conditioning block on the canvas rows (the previous step's soft embedding, via a MLP)."""
     self_condition: bool = False
     """Add an input for self-conditioning (the embedding of a previous pass's predictions, zero-initialised)."""
     edit_head: bool = False

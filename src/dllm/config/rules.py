@@ -47,6 +47,30 @@ def check_objective(spec: RunSpec) -> None:
         raise ConfigError("model.shift_logits: the uniform objective predicts x0 in place; set it to false")
     if obj.name == "dflash_distillation":
         _check_drafter_run(spec)
+    if obj.name == "diffusiongemma_native_sft":
+        _check_diffusion_gemma_sft(spec)
+
+
+def _check_diffusion_gemma_sft(spec: RunSpec) -> None:
+    """The native DiffusionGemma SFT: its model, a block that fits the rows, the routers kept frozen."""
+    obj, model, topo = spec.objective, spec.model, spec.topology
+    b = obj.block_size  # type: ignore[union-attr]
+    router_lora = spec.lora is not None and any("router" in t for t in spec.lora.targets)
+    refused = (
+        (not model.canvas_conditioning, "model.family: diffusiongemma_native_sft trains DiffusionGemma's canvas "
+         "(its self-conditioning block); use model.family: diffusion_gemma"),
+        (model.shift_logits, "model.shift_logits: the canvas predicts each token in place; set it false"),
+        (spec.data is not None and b > spec.data.seq_len, f"objective.block_size: {b} exceeds data.seq_len "
+         f"{spec.data.seq_len if spec.data else 0}; a response block must fit in a row"),
+        (bool(model.num_experts) and model.router_aux_loss_coef > 0, "model.router_aux_loss_coef: this objective "
+         "keeps the MoE routers frozen, so a load-balancing loss has no effect; set it to 0"),
+        (router_lora, "lora.targets: this objective keeps the MoE routers frozen; remove the router targets"),
+        (topo.tp_size > 1 or topo.context.group_size > 1, "topology: diffusiongemma_native_sft trains "
+         "data-parallel (and FSDP) only; set tp_size, cp_size and bp_size to 1"),
+    )  # fmt: skip
+    for bad, message in refused:
+        if bad:
+            raise ConfigError(message)
 
 
 def _check_drafter_run(spec: RunSpec) -> None:

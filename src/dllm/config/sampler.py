@@ -123,6 +123,11 @@ def resolve_sampler(cfg: SamplerConfig, profile: DecodeProfile) -> SamplerConfig
     if cfg.generation == "causal":
         _check_length(cfg, profile)
         return cfg
+    if profile.attention == "prefix_canvas":
+        raise ConfigError(
+            "this model decodes canvases after a causally encoded prefix (DiffusionGemma, attention prefix_canvas in "
+            "its decode profile); the diffusion sampler does not decode it yet"
+        )
     if profile.attention == "causal":
         raise ConfigError(
             f"this model is autoregressive (trained with {profile.objective or 'a causal objective'}: attention causal "

@@ -101,3 +101,10 @@ class CanvasConditioning(nn.Module):
             h = self.pre_norm(soft_BCE)
             canvas_BCE = canvas_BCE + self.down_proj(self.act(self.gate_proj(h)) * self.up_proj(h))
         return rms_normalize(canvas_BCE, self.eps)
+
+
+def freeze_routers(model: nn.Module) -> None:
+    """Keep every Gemma router's weights and scales as they are (an objective that trains the rest)."""
+    for module in model.modules():
+        if isinstance(module, GemmaRouter):
+            module.requires_grad_(False)
