@@ -144,7 +144,7 @@ def test_parameter_count_and_dense_layout(pair):
     from dllm.models.sizing import count_params
 
     _, ours, folder = pair
-    assert count_params(ours.cfg) == ours.num_params()
+    assert count_params(ours.cfg) == ours.num_params() and ours.cfg.canvas_length == C
     dense_cfg = ModelConfig(family="diffusion_gemma", preset="tiny", vocab_size=V, num_layers=6, local_window=W,
                             global_head_dim=32, global_num_kv_heads=1, attention_backend="sdpa")  # fmt: skip
     dense = Transformer(dense_cfg)

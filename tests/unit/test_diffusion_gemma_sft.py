@@ -15,7 +15,7 @@ from dllm.diffusion.corruption import NoiseKeys, uniform_token_ids
 from dllm.diffusion.objectives import TokenIds
 from dllm.errors import ConfigError, DataError
 from dllm.training.trainer import run_model
-from tests.unit.test_diffusion_gemma import V, _reference, pair  # noqa: F401 (the pair fixture)
+from tests.unit.test_diffusion_gemma import C, V, _reference, pair  # noqa: F401 (the pair fixture)
 
 L, S, PAD = 16, 4, 0  # row length, block size, pad id
 IDS = TokenIds(mask_id=V - 1, eos_id=1, pad_id=PAD, num_tokens=V)
@@ -123,7 +123,8 @@ def test_supervision_must_be_one_suffix():
     "model,objective,extra,message",
     [
         ({"family": "llama"}, {}, {}, "^model.family: diffusiongemma_native_sft trains DiffusionGemma"),
-        ({}, {"block_size": 4096}, {}, "^objective.block_size: 4096 exceeds data.seq_len"),
+        ({"canvas_length": 4096}, {"block_size": 4096}, {}, "^objective.block_size: 4096 exceeds data.seq_len"),
+        ({"canvas_length": 16}, {}, {}, r"^objective.block_size: 8 differs from the 16 tokens of the model's canvas"),
         ({"num_experts": 4, "router_aux_loss_coef": 0.01}, {}, {}, "^model.router_aux_loss_coef: .* routers frozen"),
         ({}, {}, {"lora": {"targets": ["router.proj"]}}, "^lora.targets: .* routers frozen"),
     ],
@@ -134,7 +135,8 @@ def test_config_checks_are_one_line(model, objective, extra, message):
     from tests.helpers import tiny_train_values
 
     values = tiny_train_values()
-    values["model"] = {"family": "diffusion_gemma", "preset": "tiny", "router_aux_loss_coef": 0.0, **model}
+    values["model"] = {"family": "diffusion_gemma", "preset": "tiny", "router_aux_loss_coef": 0.0, "canvas_length": 8,
+                       **model}  # fmt: skip
     values["objective"] = {"name": "diffusiongemma_native_sft", "block_size": 8, **objective}
     spec = RunSpec.model_validate({**values, **extra})
     with pytest.raises(ConfigError, match=message) as e:
@@ -143,8 +145,9 @@ def test_config_checks_are_one_line(model, objective, extra, message):
 
 
 def test_profile_and_frozen_routers(pair):  # noqa: F811
-    """Runs record prefix_canvas decoding with the block size, which the canvas sampler refuses in one line
-    (not decoded yet); the build's freeze leaves the routers out of training and the rest in."""
+    """Runs record prefix_canvas decoding with the block size (a folder not trained here: its canvas length),
+    which the canvas sampler refuses in one line (not decoded yet); the build's freeze leaves the routers out
+    of training and the rest in."""
     from dllm.config.profile import build_profile
     from dllm.config.sampler import SamplerConfig, resolve_sampler
     from dllm.models.gemma import freeze_routers
@@ -156,6 +159,9 @@ def test_profile_and_frozen_routers(pair):  # noqa: F811
     with pytest.raises(ConfigError, match="^this model decodes canvases after a causally encoded prefix") as e:
         resolve_sampler(SamplerConfig(policy="uniform"), profile)
     assert "\n" not in str(e.value)
+    folder = build_profile(None, shift_logits=False, max_length=64, mask_id=IDS.mask_id, pad_id=PAD, eos_id=1,
+                           num_tokens=V, canvas_length=C)  # fmt: skip
+    assert (folder.attention, folder.block_size) == ("prefix_canvas", C)  # a DiffusionGemma folder not trained here
     _, ours, _ = pair
     model = Transformer(ours.cfg)
     freeze_routers(model)
@@ -170,7 +176,8 @@ def test_two_training_steps_end_to_end(train_yaml):
     from tests.unit.test_training import _trainer
 
     overrides = ["model.family=diffusion_gemma", "model.num_experts=4", "model.router_aux_loss_coef=0.0",
-                 "model.local_window=8", "objective.name=diffusiongemma_native_sft", "objective.block_size=8",
+                 "model.canvas_length=8", "model.local_window=8", "objective.name=diffusiongemma_native_sft",
+                 "objective.block_size=8",
                  "training.steps=2"]  # fmt: skip
     trainer, _ = _trainer(train_yaml, *overrides)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}

@@ -50,7 +50,7 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
         "activation": "gelu_tanh", "layer_scale": True, "moe_layout": "beside_dense", "final_logit_softcap": 30.0,
         "canvas_conditioning": True, "attention_pattern": ["local"] * 5 + ["global"], "local_window": 512,
         "local_rope_theta": 10000.0, "rope_theta": 1000000.0, "global_rope_fraction": 0.25,
-        "global_values_are_keys": True,
+        "global_values_are_keys": True, "canvas_length": 256,
     },
     "modernbert": {
         "norm": "layernorm", "norm_eps": 1e-5, "embedding_norm": True, "first_layer_attn_norm": False,
@@ -165,6 +165,8 @@ class ModelConfig(Section):
     """Logits are cap * tanh(logits / cap) (Gemma); null: no cap."""
     canvas_conditioning: bool = False
     """DiffusionGemma's self-conditioning block on the canvas rows (the previous step's soft embedding, via a MLP)."""
+    canvas_length: Int | None = Field(default=None, gt=0)
+    """Tokens per canvas a DiffusionGemma model decodes after its prompt (config.json canvas_length); null: none."""
     self_condition: bool = False
     """Add an input for self-conditioning (the embedding of a previous pass's predictions, zero-initialised)."""
     edit_head: bool = False

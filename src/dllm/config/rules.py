@@ -60,6 +60,8 @@ def _check_diffusion_gemma_sft(spec: RunSpec) -> None:
         (not model.canvas_conditioning, "model.family: diffusiongemma_native_sft trains DiffusionGemma's canvas "
          "(its self-conditioning block); use model.family: diffusion_gemma"),
         (model.shift_logits, "model.shift_logits: the canvas predicts each token in place; set it false"),
+        (model.canvas_length not in (None, b), f"objective.block_size: {b} differs from the {model.canvas_length} "
+         "tokens of the model's canvas (model.canvas_length); train with the canvas it decodes"),
         (spec.data is not None and b > spec.data.seq_len, f"objective.block_size: {b} exceeds data.seq_len "
          f"{spec.data.seq_len if spec.data else 0}; a response block must fit in a row"),
         (bool(model.num_experts) and model.router_aux_loss_coef > 0, "model.router_aux_loss_coef: this objective "

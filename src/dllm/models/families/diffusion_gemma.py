@@ -117,7 +117,8 @@ def _config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         "local_window": tc.get("sliding_window", 512), "global_head_dim": head_dim, "global_num_kv_heads": kv_heads,
         "num_experts": tc["num_experts"], "num_experts_per_tok": tc["top_k_experts"],
         "moe_intermediate_size": tc["moe_intermediate_size"],
-        "final_logit_softcap": tc.get("final_logit_softcapping", 30.0), **_rope(tc),
+        "final_logit_softcap": tc.get("final_logit_softcapping", 30.0), "canvas_length": hf.get("canvas_length", 256),
+        **_rope(tc),
     }  # fmt: skip
 
 
@@ -143,7 +144,7 @@ def _config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
                                "rope_theta": cfg.rope_theta},
         },
     }  # fmt: skip
-    return {"text_config": text, "tie_word_embeddings": cfg.tie_embeddings}
+    return {"text_config": text, "tie_word_embeddings": cfg.tie_embeddings, "canvas_length": cfg.canvas_length or 256}
 
 
 def _from_hf(sd: StateDict, cfg: ModelConfig) -> StateDict:
