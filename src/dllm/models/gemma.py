@@ -95,7 +95,7 @@ class CanvasConditioning(nn.Module):
         embedding (`weight_VE` times the model's embedding `scale`) is the soft embedding."""
         if previous is not None:
             probs_BCV = torch.softmax(previous.logits_BCV.float(), dim=-1).to(weight_VE.dtype)
-            soft_BCE = (probs_BCV @ weight_VE) * scale
+            soft_BCE = (probs_BCV @ weight_VE) * weight_VE.new_tensor(scale)
             if previous.on_B is not None:  # examples without self-conditioning get a zero signal
                 soft_BCE = soft_BCE * previous.on_B.to(soft_BCE.dtype)[:, None, None]
             h = self.pre_norm(soft_BCE)

@@ -337,8 +337,8 @@ class Transformer(nn.Module):
         elif isinstance(tokens_BL, CanvasConditioned):
             tokens_BL, canvas = tokens_BL.ids_BL, tokens_BL
         x = self.embed_tokens(tokens_BL)
-        if self.embed_multiplier is not None:
-            x = x * self.embed_multiplier
+        if self.embed_multiplier is not None:  # the factor rounded to the weights' dtype first, as Gemma does
+            x = x * x.new_tensor(self.embed_multiplier)
         if self.canvas_cond is not None and num_clean is not None:
             canvas_BCE = self.canvas_cond(
                 x[:, num_clean:], canvas, self.embed_tokens.weight, self.embed_multiplier or 1.0
