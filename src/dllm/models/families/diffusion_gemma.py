@@ -71,7 +71,10 @@ def _global_shape(tc: dict[str, Any], types: list[str]) -> tuple[Any, Any]:
             "model.init_from: per-layer shapes other than one for all full-attention layers are not supported"
         )
     head_dim = overrides[0].get("head_dim", tc.get("global_head_dim", 512))
-    kv_heads = overrides[0].get("num_key_value_heads", tc.get("num_global_key_value_heads"))
+    # without per_layer_config the reference gives full layers num_global_key_value_heads unless attention_k_eq_v
+    # is false
+    global_kv = tc.get("num_global_key_value_heads") if tc.get("attention_k_eq_v", True) else None
+    kv_heads = overrides[0].get("num_key_value_heads", global_kv)
     return head_dim, kv_heads
 
 
