@@ -188,3 +188,13 @@ def test_two_training_steps_end_to_end(train_yaml):
     moved = {n for n, p in before.items() if not torch.equal(p, after[n].detach())}
     assert moved and not any(".router." in n for n in moved)
     assert any(".experts." in n for n in moved)
+
+
+def test_tensor_parallelism_is_refused_for_gemma_layers():
+    from dllm.config.rules import check_tensor_parallel
+    from dllm.config.spec import RunSpec
+    from tests.helpers import tiny_train_values
+
+    values = tiny_train_values(model={"family": "diffusion_gemma", "preset": "tiny"}, topology={"tp_size": 2})
+    with pytest.raises(ConfigError, match="^topology.tp_size: diffusion_gemma's Gemma 4 layers .* set tp_size: 1$"):
+        check_tensor_parallel(RunSpec.model_validate(values))

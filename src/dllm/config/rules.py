@@ -146,6 +146,10 @@ def check_tensor_parallel(spec: RunSpec) -> None:
                 "topology.sequence_parallel: needs tp_size > 1 (it shards over the tensor-parallel ranks)"
             )
         return
+    gemma4 = model.global_head_dim or model.global_num_kv_heads or model.global_values_are_keys
+    if gemma4 or model.moe_layout == "beside_dense" or model.canvas_conditioning:
+        raise ConfigError(f"topology.tp_size: {model.family}'s Gemma 4 layers (global layers of their own shape, "
+                          "experts beside the MLP) are not tensor-parallel yet; set tp_size: 1")  # fmt: skip
     dims = {"model.num_heads": model.num_heads, "model.vocab_size": model.vocab_size}
     if not model.num_experts:
         dims["model.mlp_size"] = model.mlp_size
