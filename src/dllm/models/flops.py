@@ -52,17 +52,18 @@ def _linear(n: int, fan_in: int, fan_out: int) -> int:
 
 def _mlp(cfg: ModelConfig, n: int) -> int:
     E = cfg.hidden_size
-    if cfg.num_experts:
-        router = _linear(n, E, cfg.num_experts)
-        return router + cfg.num_experts_per_tok * 3 * _linear(n, E, cfg.expert_size)
-    matrices = 3 if cfg.mlp == "gated" else 2
-    return matrices * _linear(n, E, cfg.mlp_size)
+    dense = (3 if cfg.mlp == "gated" else 2) * _linear(n, E, cfg.mlp_size)
+    if not cfg.num_experts:
+        return dense
+    routed = _linear(n, E, cfg.num_experts) + cfg.num_experts_per_tok * 3 * _linear(n, E, cfg.expert_size)
+    return routed + (dense if cfg.moe_layout == "beside_dense" else 0)  # Gemma 4: experts beside the dense MLP
 
 
-def layer_forward_flops(cfg: ModelConfig, T: int, Q: int) -> int:
-    """One block's forward over a row of T tokens whose first Q compute queries (and outputs)."""
-    E, H, K, D = cfg.hidden_size, cfg.num_heads, cfg.kv_heads, cfg.dim_per_head
-    projections = _linear(Q, E, H * D) + 2 * _linear(T, E, K * D) + _linear(Q, H * D, E)
+def layer_forward_flops(cfg: ModelConfig, T: int, Q: int, local: bool = False) -> int:
+    """One (local or global) block's forward over a row of T tokens whose first Q compute queries (and outputs)."""
+    (K, D), E, H = cfg.layer_heads(local), cfg.hidden_size, cfg.num_heads
+    values = 0 if cfg.global_values_are_keys and not local else _linear(T, E, K * D)
+    projections = _linear(Q, E, H * D) + _linear(T, E, K * D) + values + _linear(Q, H * D, E)
     attention = 2 * 2 * Q * T * H * D  # q k^T and p v
     return projections + attention + _mlp(cfg, Q)
 
@@ -71,7 +72,8 @@ def body_forward_flops(cfg: ModelConfig, layout: Layout) -> int:
     """Forward FLOPs of the block stack for one data sequence (embeddings are lookups: 0)."""
     T = layout.row_len
     Q = T if layout.last_queries is None else layout.last_queries
-    per_row = (cfg.num_layers - 1) * layer_forward_flops(cfg, T, T) + layer_forward_flops(cfg, T, Q)
+    last = cfg.num_layers - 1
+    per_row = sum(layer_forward_flops(cfg, T, Q if i == last else T, cfg.layer_is_local(i)) for i in range(last + 1))
     return layout.rows * per_row
 
 
