@@ -33,11 +33,12 @@ def _reference_generate(hf, x: dict[str, torch.Tensor], cfg: CanvasDenoiserConfi
 @pytest.mark.parametrize("entropy_bound", [0.1, 10.0])  # one token a step (entropies ~4), or about three
 # never stopping early; or rows stopping at different steps (mean entropies fall below 4.05 at steps 4 and 5)
 @pytest.mark.parametrize("stability,confidence", [(1, 2.0), (0, 4.05)])
-def test_sequences_match_the_generation_mixin(pair, monkeypatch, greedy, entropy_bound, stability, confidence):  # noqa: F811
+@pytest.mark.parametrize("cache", [True, False])  # the clean rows' keys and values kept, or recomputed each step
+def test_sequences_match_the_generation_mixin(pair, monkeypatch, greedy, entropy_bound, stability, confidence, cache):  # noqa: F811
     hf, ours, _ = pair
     cfg = CanvasDenoiserConfig(canvas_length=C, max_new_tokens=2 * C, max_denoising_steps=6, greedy=greedy,
                                entropy_bound=entropy_bound, stability_threshold=stability,
-                               confidence_threshold=confidence)  # fmt: skip
+                               confidence_threshold=confidence, cache=cache)  # fmt: skip
     x = _inputs(padded=True)
     if greedy:  # the reference always samples its proposals: greedy is its argmax (no random draw)
         monkeypatch.setattr(torch, "multinomial", lambda probs, num_samples, **kw: probs.argmax(-1, keepdim=True))

@@ -131,8 +131,8 @@ class AttentionMask:
         if self.num_clean is None or not 0 <= self.canvas_start <= self.num_clean:
             raise ValueError(f"prefix_canvas needs num_clean >= canvas_start >= 0, got {self.num_clean}, "
                              f"{self.canvas_start}")  # fmt: skip
-        if self.query_offset or self.query_offset_B is not None or self.doc_ids_BL is not None:
-            raise ValueError("prefix_canvas takes no query offsets or documents")
+        if self.query_offset_B is not None or self.doc_ids_BL is not None:
+            raise ValueError("prefix_canvas takes no per-row query offsets or documents")
 
     @property
     def is_plain(self) -> bool:

@@ -222,6 +222,8 @@ class CanvasDenoiserConfig(Section):
     """... and the mean entropy of its tempered logits is below this."""
     greedy: bool = False
     """Propose each position's most likely token instead of a sample."""
+    cache: bool = True
+    """Keep the clean rows' keys and values across steps and canvases (exact: they never see a canvas)."""
 
     @model_validator(mode="after")
     def _check_temperatures(self) -> CanvasDenoiserConfig:

@@ -295,7 +295,9 @@ class Transformer(nn.Module):
         `cache.query_start`; they attend to cached keys/values of [0, cache.key_end) (the mask's
         `query_offset` must say where the slice sits)."""
         mask = mask if mask is not None else AttentionMask()
-        x = self.embed(tokens_BL, positions_BL, mask.num_clean if mask.kind == "prefix_canvas" else None)
+        # prefix_canvas: the token rows after the clean ones are the canvas (a cached forward starts at query_offset)
+        num_clean = mask.num_clean - mask.query_offset if mask.num_clean is not None else None
+        x = self.embed(tokens_BL, positions_BL, num_clean)
         rope = rope_cos_sin(positions_BL, self.inv_freq) if self.cfg.position == "rope" else None
         local_rope, local_mask = self._local_attention(positions_BL, rope, mask)
         last, aux = len(self.layers) - 1, []

@@ -3,14 +3,15 @@
 Canvases of `canvas_length` tokens are decoded one after another after the prompt. A canvas starts as
 uniformly random ids. Each denoising step (n = N, ..., 1 steps left) runs the model once over
 [clean ; canvas] under the prefix_canvas mask (the clean rows: the prompt and the canvases decoded so
-far; no cache: the clean rows are recomputed each step), divides the canvas logits by the temperature
-t_min + (t_max - t_min) * n / N, proposes a token per position (a sample, or the argmax when greedy),
-accepts the proposals at the lowest-entropy positions while their entropies less the largest sum to at
-most `entropy_bound` (entropy-bounded sampling, Ben-Hamu et al. 2025, arXiv:2505.24857), re-noises the
-rest with fresh uniform ids, and hands the tempered logits to the next step as self-conditioning. A
-row stops denoising once its argmax canvas is stable and confident (`StableAndConfident`); then every
-row's argmax canvas joins the clean stream. After a canvas holding EOS the row's later tokens are
-padding, and decoding ends when every row has ended.
+far; with `cache`, like the reference's encoder cache, clean rows run once, with the first step after
+them, and later steps run only the canvas rows against their cached keys and values), divides the
+canvas logits by the temperature t_min + (t_max - t_min) * n / N, proposes a token per position (a
+sample, or the argmax when greedy), accepts the proposals at the lowest-entropy positions while their
+entropies less the largest sum to at most `entropy_bound` (entropy-bounded sampling, Ben-Hamu et al.
+2025, arXiv:2505.24857), re-noises the rest with fresh uniform ids, and hands the tempered logits to
+the next step as self-conditioning. A row stops denoising once its argmax canvas is stable and
+confident (`StableAndConfident`); then every row's argmax canvas joins the clean stream. After a canvas
+holding EOS the row's later tokens are padding, and decoding ends when every row has ended.
 
 Shapes: B batch, P clean length, C canvas, V vocabulary.
 """
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 from dllm.attention.masks import AttentionMask
 from dllm.config.sampler import CanvasDenoiserConfig
 from dllm.models.output import CanvasConditioned
+from dllm.sampling.cache import KVCache
 from dllm.sampling.canvas import left_pad
 
 
@@ -55,27 +57,32 @@ def entropy_bound_accept(logits_BCV: torch.Tensor, bound: float) -> torch.Tensor
 
 
 def canvas_logits(model: torch.nn.Module, clean_BP: torch.Tensor, valid_BP: torch.Tensor, canvas_BC: torch.Tensor,
-                  previous_BCV: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
-    """The model's (soft-capped) logits for the canvas rows after the clean stream."""
+                  previous_BCV: torch.Tensor | None, cache: KVCache | None = None) -> torch.Tensor:  # fmt: skip
+    """The model's (soft-capped) logits for the canvas rows after the clean stream. With `cache`, the clean
+    rows from `cache.query_start` on run (their keys and values are written) and earlier ones are read."""
     B, P = clean_BP.shape
     C = canvas_BC.shape[1]
-    tokens = torch.cat([clean_BP, canvas_BC], dim=1)
+    start = 0 if cache is None else cache.query_start
+    tokens = torch.cat([clean_BP[:, start:], canvas_BC], dim=1)
     key_valid = torch.cat([valid_BP, torch.ones_like(canvas_BC, dtype=torch.bool)], dim=1)
     mask = AttentionMask("prefix_canvas", key_valid_BL=None if bool(key_valid.all()) else key_valid,
-                         block_size=C, num_clean=P, canvas_start=P)  # fmt: skip
+                         block_size=C, num_clean=P, canvas_start=P, query_offset=start)  # fmt: skip
     inputs = tokens if previous_BCV is None else CanvasConditioned(tokens, previous_BCV)
-    positions = torch.arange(P + C, device=tokens.device).expand(B, -1)
-    return model(inputs, positions, mask).logits()[:, P:].float()
+    positions = torch.arange(start, P + C, device=tokens.device).expand(B, -1)
+    out = model(inputs, positions, mask, cache=None if cache is None else cache.at(start, P + C))
+    if cache is not None:
+        cache.query_start = P  # the clean rows' keys and values are final
+    return out.logits()[:, P - start :].float()
 
 
 def denoise_step(
     model: torch.nn.Module, clean_BP: torch.Tensor, valid_BP: torch.Tensor, canvas_BC: torch.Tensor,
     previous_BCV: torch.Tensor | None, steps_left: int, cfg: CanvasDenoiserConfig, num_tokens: int,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | None = None, cache: KVCache | None = None,
 ) -> Step:  # fmt: skip
     """One step of the reference's `_denoising_step`: propose, accept by the entropy bound, re-noise."""
     temperature = cfg.t_min + (cfg.t_max - cfg.t_min) * steps_left / cfg.max_denoising_steps
-    logits = canvas_logits(model, clean_BP, valid_BP, canvas_BC, previous_BCV) / temperature
+    logits = canvas_logits(model, clean_BP, valid_BP, canvas_BC, previous_BCV, cache) / temperature
     argmax = logits.argmax(-1)
     if cfg.greedy:
         proposal = argmax
@@ -105,8 +112,10 @@ class StableAndConfident:
         return stable & (entropies(logits_BCV).mean(-1) < self.confidence)
 
 
-def decode_canvas(model: torch.nn.Module, clean_BP: torch.Tensor, valid_BP: torch.Tensor, cfg: CanvasDenoiserConfig,
-                  num_tokens: int, generator: torch.Generator | None) -> torch.Tensor:  # fmt: skip
+def decode_canvas(
+    model: torch.nn.Module, clean_BP: torch.Tensor, valid_BP: torch.Tensor, cfg: CanvasDenoiserConfig,
+    num_tokens: int, generator: torch.Generator | None, cache: KVCache | None,
+) -> torch.Tensor:  # fmt: skip
     """The argmax canvas [B, C] of one canvas's denoising loop after the clean stream."""
     shape = (clean_BP.shape[0], cfg.canvas_length)
     canvas = torch.randint(0, num_tokens, shape, generator=generator, device=clean_BP.device)
@@ -114,7 +123,7 @@ def decode_canvas(model: torch.nn.Module, clean_BP: torch.Tensor, valid_BP: torc
     done = torch.zeros(shape[0], dtype=torch.bool, device=clean_BP.device)
     stop = StableAndConfident(cfg.stability_threshold, cfg.confidence_threshold)
     for n in range(cfg.max_denoising_steps, 0, -1):
-        step = denoise_step(model, clean_BP, valid_BP, canvas, previous, n, cfg, num_tokens, generator)
+        step = denoise_step(model, clean_BP, valid_BP, canvas, previous, n, cfg, num_tokens, generator, cache)
         keep = done[:, None]  # rows already done keep their canvas, argmax and logits
         canvas = torch.where(keep, canvas, step.canvas_BC)
         argmax = torch.where(keep, argmax, step.argmax_BC)
@@ -135,8 +144,10 @@ def denoise_canvases(
     device = next(model.parameters()).device
     clean, valid = left_pad(prompts, pad_id, device)
     ended = torch.zeros(len(prompts), dtype=torch.bool, device=device)
-    for _ in range(math.ceil(cfg.max_new_tokens / cfg.canvas_length)):
-        new = decode_canvas(model, clean, valid, cfg, num_tokens, generator)
+    num_canvases = math.ceil(cfg.max_new_tokens / cfg.canvas_length)
+    cache = KVCache(clean.shape[1] + num_canvases * cfg.canvas_length) if cfg.cache else None
+    for _ in range(num_canvases):
+        new = decode_canvas(model, clean, valid, cfg, num_tokens, generator, cache)
         new, ended = end_rows(new, ended, eos_id, pad_id)
         clean = torch.cat([clean, new], dim=1)
         valid = F.pad(valid, (0, new.shape[1]), value=True)
