@@ -109,7 +109,9 @@ def test_supervision_must_be_one_suffix():
     batch = _batch()
     sup = batch.loss_mask_BL.clone()
     sup[0, 8] = False  # two runs in row 0 (two records packed in a row)
-    with pytest.raises(DataError, match="^objective diffusiongemma_native_sft: row 0 .* one suffix"):
+    with pytest.raises(
+        DataError, match="^objective diffusiongemma_native_sft: row 0 .* one record supervised in one suffix"
+    ):
         objective.prepare(Batch(batch.tokens_BL, sup, batch.sample_ids_B), NoiseKeys(0, 2))
     tokens = batch.tokens_BL.clone()
     tokens[1, 14] = 5  # a token after row 1's response that is not padding
@@ -117,6 +119,12 @@ def test_supervision_must_be_one_suffix():
         objective.prepare(Batch(tokens, batch.loss_mask_BL, batch.sample_ids_B), NoiseKeys(0, 2))
     full = torch.ones_like(sup)  # full supervision is a suffix from 0
     objective.prepare(Batch(batch.tokens_BL, full, batch.sample_ids_B), NoiseKeys(0, 2))
+    docs = torch.zeros(2, L, dtype=torch.long)
+    docs[1, 13:] = 1  # padding as its own document is fine
+    objective.prepare(Batch(batch.tokens_BL, batch.loss_mask_BL, batch.sample_ids_B, docs), NoiseKeys(0, 2))
+    docs[0, 10:] = 1  # two documents in row 0 (packed text) are not
+    with pytest.raises(DataError, match="row 0 .* not one record"):
+        objective.prepare(Batch(batch.tokens_BL, batch.loss_mask_BL, batch.sample_ids_B, docs), NoiseKeys(0, 2))
 
 
 @pytest.mark.parametrize(
@@ -170,16 +178,29 @@ def test_profile_and_frozen_routers(pair):  # noqa: F811
     assert len(frozen) == 3 * ours.cfg.num_layers  # proj, scale, per_expert_scale of every layer
 
 
-def test_two_training_steps_end_to_end(train_yaml):
-    """A tiny MoE DiffusionGemma trains with the objective through the real build (the routers frozen,
-    self-conditioning drawn): the loss is finite and the routers do not move while the rest does."""
+def test_two_training_steps_end_to_end(tmp_path):
+    """A tiny MoE DiffusionGemma trains with the objective through the real build on prompt/completion
+    records, one per row (the routers frozen, self-conditioning drawn): the loss is finite and the
+    routers do not move while the rest does."""
+    import json
+
+    from dllm.config.loading import load_config
+    from dllm.config.prepare import PrepareSpec
+    from dllm.data.prepare import prepare
+    from tests.helpers import PREPARE, tiny_train_values, write_yaml
     from tests.unit.test_training import _trainer
 
-    overrides = ["model.family=diffusion_gemma", "model.num_experts=4", "model.router_aux_loss_coef=0.0",
-                 "model.canvas_length=8", "model.local_window=8", "objective.name=diffusiongemma_native_sft",
-                 "objective.block_size=8",
-                 "training.steps=2"]  # fmt: skip
-    trainer, _ = _trainer(train_yaml, *overrides)
+    records = [{"prompt": f"{a}+{b}=", "completion": str(a + b)} for a in range(10) for b in range(10)]
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    sources = [{"path": "data/sft.jsonl", "format": "prompt_completion"}]
+    write_yaml(tmp_path / "prepare.yaml", {**PREPARE, "sources": sources, "layout": "indexed"})
+    prepare(load_config(PrepareSpec, tmp_path / "prepare.yaml"), tmp_path)
+    model = {"family": "diffusion_gemma", "num_experts": 4, "router_aux_loss_coef": 0.0, "canvas_length": 8,
+             "local_window": 8}  # fmt: skip
+    values = tiny_train_values(model=model, objective={"name": "diffusiongemma_native_sft", "block_size": 8},
+                               training={"steps": 2})  # fmt: skip
+    trainer, _ = _trainer(write_yaml(tmp_path / "train.yaml", values))
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     for _ in range(2):
         stats = trainer.train_step(trainer.loader.next_step())

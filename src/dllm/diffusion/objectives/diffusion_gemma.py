@@ -49,7 +49,7 @@ class DiffusionGemmaSFT:
     def prepare(self, batch: Batch, noise: NoiseKeys) -> ModelInputs:
         x0, sup = batch.tokens_BL, batch.loss_mask_BL
         B, L = x0.shape
-        start_B, valid_BL = response_span(x0, sup, self.ids.pad_id)
+        start_B, valid_BL = response_span(x0, sup, self.ids.pad_id, batch.doc_ids_BL)
         canvas = self.corrupt(batch, start_B, noise)
         positions = torch.arange(L, device=x0.device).expand(B, L)
         mask = AttentionMask(
@@ -86,9 +86,12 @@ class DiffusionGemmaSFT:
         return weighted_ce(out, inputs, self.cross_entropy, self.ids.mask_id)
 
 
-def response_span(tokens_BL: torch.Tensor, sup_BL: torch.Tensor, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+def response_span(
+    tokens_BL: torch.Tensor, sup_BL: torch.Tensor, pad_id: int, doc_ids_BL: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(start [B]: each row's first supervised token, L if none; valid [B, L]: False at the padding after
-    the response). Refuses a row whose supervision is not one contiguous run followed only by padding."""
+    the response). Refuses a row whose supervision is not one contiguous run followed only by padding, or
+    whose tokens before that padding belong to more than one document (the clean stream is one causal pass)."""
     B, L = sup_BL.shape
     idx_L = torch.arange(L, device=sup_BL.device)
     num_B = sup_BL.sum(1)
@@ -96,10 +99,12 @@ def response_span(tokens_BL: torch.Tensor, sup_BL: torch.Tensor, pad_id: int) ->
     end_B = torch.where(sup_BL, idx_L + 1, 0).amax(1)
     after_BL = idx_L[None, :] >= end_B[:, None]
     bad = (num_B > 0) & ((end_B - start_B != num_B) | (after_BL & (tokens_BL != pad_id)).any(1))
+    if doc_ids_BL is not None:
+        bad |= (num_B > 0) & (~after_BL & (doc_ids_BL != doc_ids_BL[:, :1])).any(1)
     if bool(bad.any()):
         row = int(bad.nonzero()[0, 0])
         raise DataError(
-            f"objective diffusiongemma_native_sft: row {row} of a batch is supervised other than in one suffix "
+            f"objective diffusiongemma_native_sft: row {row} of a batch is not one record supervised in one suffix "
             "(prompt, then response, then padding); prepare data with one prompt/completion record per row"
         )
     return start_B, ~(after_BL & (num_B > 0)[:, None])
