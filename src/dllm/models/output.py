@@ -4,7 +4,7 @@ The model returns its final hidden states and its output head, not logits, so th
 logits only where it needs them and in chunks (never the full [B, L, V]); `aux` carries auxiliary
 training losses (the MoE router's load balancing) as values, not as module attributes.
 
-Shapes: B batch, L sequence, E hidden, V vocabulary.
+Shapes: B batch, L sequence, E hidden, V vocabulary, C canvas rows.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ with whatever attention pattern the objective asks for and knows nothing about m
 samplers; parallelism is applied from outside (dllm.parallel.apply).
 
 Shapes: B batch, L sequence, V vocabulary, H heads, K key/value heads, D head width, E hidden width,
-N tokens (flattened), X experts.
+N tokens (flattened), X experts, C canvas rows (DiffusionGemma).
 """
 
 from __future__ import annotations

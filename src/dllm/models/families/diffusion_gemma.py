@@ -14,7 +14,13 @@ the encoder's, and canvas rows attend to the clean rows the decoder's cache woul
 canvas block. Positions are the reference's: the clean rows 0..P-1, the canvas P..P+C-1. The model
 embeds the canvas rows (after `num_clean`) through the self-conditioning block, taking the previous
 step's logits from `CanvasConditioned` tokens. Canvas rows' outputs are the decoder's logits, clean
-rows' the encoder's (its next-token loss).
+rows' the encoder's (its next-token loss). The reference's forward takes `input_ids` + `attention_mask`
+(the clean stream, left-padded), `decoder_input_ids` (the canvas), `decoder_attention_mask` (clean
+mask + canvas) and optionally `self_conditioning_logits` / `self_conditioning_mask`: here the tokens,
+`key_valid_BL` and `CanvasConditioned(ids, logits, on_B)`. Training lays every response block of a
+row out at once (`canvas_start` 0, blocks aligned by `canvas_origin_B`, diffusion/objectives/
+diffusion_gemma.py); decoding keeps the clean rows' keys and values in a KV cache, as the reference's
+encoder cache (sampling/canvas_denoiser.py).
 
 On disk only the decoder's text weights are read (the encoder's are tied to them; a differing copy is
 refused); the vision tower is not part of the native model and is skipped. Every reference layer has
