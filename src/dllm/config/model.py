@@ -164,7 +164,7 @@ class ModelConfig(Section):
     final_logit_softcap: Float | None = Field(default=None, gt=0)
     """Logits are cap * tanh(logits / cap) (Gemma); null: no cap."""
     canvas_conditioning: bool = False
-    """DiffusionGemma's self-conditioning block on the canvas rows (the previous step's soft embedding through an MLP)."""
+    """DiffusionGemma's self-conditioning block on the canvas rows (an MLP of the previous step's soft embedding)."""
     canvas_length: Int | None = Field(default=None, gt=0)
     """Tokens per canvas a DiffusionGemma model decodes after its prompt (config.json canvas_length); null: none."""
     self_condition: bool = False
