@@ -259,7 +259,11 @@ TOKEN_IDS = TokenIds(mask_id=MASK_ID, eos_id=MASK_ID - 1, pad_id=MASK_ID - 2, nu
 
 
 # objectives whose inputs are not the batch's [B, L] layout, with the file that holds their contract tests
-OWN_CONTRACT = {"edit_flow": "tests/unit/test_edit_flow.py"}  # variable-length rows; needs model.edit_head
+OWN_CONTRACT = {
+    "edit_flow": "tests/unit/test_edit_flow.py",  # variable-length rows; needs model.edit_head
+    # [clean ; canvas] rows of 2L; needs a diffusion_gemma model and one supervised suffix per row
+    "diffusiongemma_native_sft": "tests/unit/test_diffusion_gemma_sft.py",
+}
 
 
 def test_every_registered_objective_has_a_contract_case():

@@ -44,6 +44,15 @@ MODELS = {
     "llama": {},
     "bert": {"family": "bert"},  # plain MLP, MLM head transform, learned positions
     "moe": {"num_experts": 4, "num_experts_per_tok": 2},  # only the routed experts count
+    # Gemma 4: a global layer of its own head width and kv heads without a value projection, experts beside the MLP
+    "diffusion_gemma": {
+        "family": "diffusion_gemma",
+        "num_experts": 4,
+        "attention_pattern": ["local", "global"],
+        "global_head_dim": 32,
+        "global_num_kv_heads": 1,
+        "local_window": 8,
+    },
 }
 
 

@@ -19,7 +19,7 @@ from typing import Any, Literal
 import torch
 
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-MaskKind = Literal["bidirectional", "causal", "block_causal", "block_diffusion"]
+MaskKind = Literal["bidirectional", "causal", "block_causal", "block_diffusion", "prefix_canvas"]
 BLOCK_KINDS = ("block_causal", "block_diffusion")
 
 
@@ -69,7 +69,8 @@ class AttentionMask:
     """
 
     kind: MaskKind = "bidirectional"
-    """Base pattern: bidirectional, causal, block_causal (needs block_size) or block_diffusion (2L layout)."""
+    """Base pattern: bidirectional, causal, block_causal (needs block_size), block_diffusion (2L layout) or
+    prefix_canvas ([clean ; canvas], DiffusionGemma's encoder and decoder in one pass; see `prefix_canvas`)."""
     key_valid_BL: torch.Tensor | None = None
     """False at padding keys (batched prompts of different lengths); None means all valid."""
     doc_ids_BL: torch.Tensor | None = None
@@ -84,6 +85,14 @@ class AttentionMask:
     query_offset_B: torch.Tensor | None = None
     """Per-row query offsets [B] (int64), added to `query_offset`: query row r of batch row b is key index
     r + query_offset + query_offset_B[b] (a ragged KV cache, whose rows hold different lengths)."""
+    num_clean: int | None = None
+    """prefix_canvas: rows [0, num_clean) are the clean stream, the rest the canvas (required there only)."""
+    canvas_start: int = 0
+    """prefix_canvas: the clean row the canvas's first block stands at (num_clean: one canvas after the clean
+    stream, as in sampling; 0: canvas blocks over the whole clean stream, as in training)."""
+    canvas_origin_B: torch.Tensor | None = None
+    """prefix_canvas, per row [B] (int64): canvas blocks are aligned to this many rows after canvas_start (each
+    response's start in training); None: 0."""
     num_outputs: int | None = None
     """Only the first N query rows' outputs are used (BD3LM's loss reads x_t only): a model may compute
     just those queries in its last layer. None: every row's output is used."""
@@ -93,7 +102,7 @@ class AttentionMask:
     """What backends derived from this description, shared by all layers of one forward."""
 
     def __post_init__(self) -> None:
-        needs_block = self.kind in BLOCK_KINDS
+        needs_block = self.kind in BLOCK_KINDS or self.kind == "prefix_canvas"
         if needs_block and (self.block_size is None or self.block_size < 1):
             raise ValueError(f"attention mask kind {self.kind!r} needs block_size >= 1, got {self.block_size}")
         if not needs_block and self.block_size is not None:
@@ -105,10 +114,25 @@ class AttentionMask:
         if self.window is not None and self.window < 1:
             raise ValueError(f"attention window must be >= 1 (or None for no window), got {self.window}")
         _check_per_position(self.key_valid_BL, self.doc_ids_BL)
+        self._check_canvas()
         off = self.query_offset_B
         if off is not None and (off.dim() != 1 or off.dtype != torch.int64 or self.kind == "block_diffusion"):
             raise ValueError(f"query_offset_B must be int64 [batch] and not block_diffusion, got {off.dtype} "
                              f"{tuple(off.shape)} with {self.kind}")  # fmt: skip
+
+    def _check_canvas(self) -> None:
+        if self.kind != "prefix_canvas":
+            if self.num_clean is not None or self.canvas_start or self.canvas_origin_B is not None:
+                raise ValueError(f"num_clean and canvas_* are for prefix_canvas masks, not {self.kind!r}")
+            return
+        origin = self.canvas_origin_B
+        if origin is not None and (origin.dim() != 1 or origin.dtype != torch.int64):
+            raise ValueError(f"canvas_origin_B must be int64 [batch], got {origin.dtype} {tuple(origin.shape)}")
+        if self.num_clean is None or not 0 <= self.canvas_start <= self.num_clean:
+            raise ValueError(f"prefix_canvas needs num_clean >= canvas_start >= 0, got {self.num_clean}, "
+                             f"{self.canvas_start}")  # fmt: skip
+        if self.query_offset_B is not None or self.doc_ids_BL is not None:
+            raise ValueError("prefix_canvas takes no per-row query offsets or documents")
 
     @property
     def is_plain(self) -> bool:
@@ -177,6 +201,36 @@ def block_diffusion(seq_len: int, block_size: int) -> MaskMod:
     return mod
 
 
+def prefix_canvas(
+    num_clean: int, block_size: int, canvas_start: int, window: int | None, origin_B: torch.Tensor | None = None
+) -> MaskMod:
+    """DiffusionGemma's encoder and decoder as one pass over [clean ; canvas].
+
+    Clean rows attend causally (the encoder over the clean stream; with a window, to keys fewer than
+    `window` rows back). Canvas row j stands at clean row canvas_start + j and is in canvas block
+    k = (j - o) // B (o: its row's origin, 0 by default), which starts at clean row
+    s = canvas_start + o + k * B: it attends the clean keys before s (the encoder's cache when that
+    block is decoded; with a window only the last window - 1 of them, what a sliding cache layer keeps)
+    and every canvas key of its own block, bidirectionally. Clean rows never see the canvas, so their
+    states are the encoder's.
+    """
+
+    def mod(b, h, q, kv):
+        o = 0 if origin_B is None else origin_B[b]
+        q_canvas, kv_canvas = q >= num_clean, kv >= num_clean
+        q_block, kv_block = (q - num_clean - o) // block_size, (kv - num_clean - o) // block_size
+        start = canvas_start + o + q_block * block_size
+        clean_clean = ~q_canvas & ~kv_canvas & (kv <= q)
+        canvas_clean = q_canvas & ~kv_canvas & (kv < start)
+        if window is not None:
+            clean_clean = clean_clean & (q - kv < window)
+            canvas_clean = canvas_clean & (start - kv < window)
+        canvas_canvas = q_canvas & kv_canvas & (q_block == kv_block)
+        return clean_clean | canvas_clean | canvas_canvas
+
+    return mod
+
+
 # --------------------------------------------------------------------------------------------------
 # restrictions intersected with a base pattern
 
@@ -235,7 +289,7 @@ def mask_mod(mask: AttentionMask, kv_len: int | None = None) -> MaskMod:
     """
     seq_len = layout_length(mask, kv_len)
     restrictions = []
-    if mask.window is not None:
+    if mask.window is not None and mask.kind != "prefix_canvas":  # prefix_canvas windows its clean keys itself
         restrictions.append(sliding_window(mask.window))
     if mask.doc_ids_BL is not None:
         restrictions.append(same_document(mask.doc_ids_BL))
@@ -287,6 +341,9 @@ def base_mod(mask: AttentionMask, seq_len: int | None) -> MaskMod:
     assert mask.block_size is not None  # checked in AttentionMask.__post_init__
     if mask.kind == "block_causal":
         return block_causal(mask.block_size)
+    if mask.kind == "prefix_canvas":
+        assert mask.num_clean is not None  # checked in AttentionMask.__post_init__
+        return prefix_canvas(mask.num_clean, mask.block_size, mask.canvas_start, mask.window, mask.canvas_origin_B)
     assert seq_len is not None  # layout_length raises for block_diffusion without kv_len
     return block_diffusion(seq_len, mask.block_size)
 
@@ -320,4 +377,5 @@ def dense_mask(mod: MaskMod, batch: int, q_len: int, kv_len: int, device: torch.
 
 def depends_on_batch(mask: AttentionMask) -> bool:
     """Whether the pattern differs between batch rows (per-position tensors), else it broadcasts."""
-    return mask.key_valid_BL is not None or mask.doc_ids_BL is not None or mask.query_offset_B is not None
+    per_row = mask.query_offset_B is not None or mask.canvas_origin_B is not None
+    return mask.key_valid_BL is not None or mask.doc_ids_BL is not None or per_row

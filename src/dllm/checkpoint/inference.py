@@ -91,7 +91,7 @@ def derive_profile(objective: object | None, model_cfg: ModelConfig, tok: Tokeni
     """The decode profile of a model trained with `objective` (None: a model folder not trained here)."""
     return build_profile(
         objective, shift_logits=model_cfg.shift_logits, max_length=model_cfg.max_seq_len, mask_id=tok.mask_id,
-        pad_id=tok.pad_id, eos_id=tok.eos_id, num_tokens=tok.vocab_size,
+        pad_id=tok.pad_id, eos_id=tok.eos_id, num_tokens=tok.vocab_size, canvas_length=model_cfg.canvas_length,
     )  # fmt: skip
 
 

@@ -51,6 +51,13 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
         "attn_output_gate": True, "attention_pattern": ["linear", "linear", "linear", "global"],
         "tie_embeddings": False,
     },
+    "diffusion_gemma": {
+        "embed_scale": True, "sandwich_norm": True, "qk_norm": True, "value_norm": True, "attention_scale": 1.0,
+        "activation": "gelu_tanh", "layer_scale": True, "moe_layout": "beside_dense", "final_logit_softcap": 30.0,
+        "canvas_conditioning": True, "attention_pattern": ["local"] * 5 + ["global"], "local_window": 512,
+        "local_rope_theta": 10000.0, "rope_theta": 1000000.0, "global_rope_fraction": 0.25,
+        "global_values_are_keys": True, "canvas_length": 256,
+    },
     "modernbert": {
         "norm": "layernorm", "norm_eps": 1e-5, "embedding_norm": True, "first_layer_attn_norm": False,
         "activation": "gelu", "head": "mlm", "head_dense_bias": False, "rope_theta": 160000.0,
@@ -154,6 +161,32 @@ class ModelConfig(Section):
     """Renormalise the top-k routing probabilities to sum to 1."""
     router_aux_loss_coef: Float = Field(default=0.001, ge=0)
     """Weight of the load-balancing loss (Switch Transformer) added to the training loss."""
+    embed_scale: bool = False
+    """Multiply the token embeddings by sqrt(hidden_size) (Gemma)."""
+    sandwich_norm: bool = False
+    """Also normalise each sub-layer's output before its residual add (Gemma 2-4)."""
+    value_norm: bool = False
+    """RMS-normalise the attention values, without a learned scale (Gemma 4)."""
+    attention_scale: Float | None = Field(default=None, gt=0)
+    """Factor on the query-key products; null: 1/sqrt(head width) (Gemma 4 uses 1 after its q/k norms)."""
+    global_head_dim: Int | None = Field(default=None, gt=0)
+    """Head width of the `global` layers when it differs from head_dim (Gemma 4); null: head_dim."""
+    global_num_kv_heads: Int | None = Field(default=None, gt=0)
+    """Key/value heads of the `global` layers (Gemma 4); null: num_kv_heads."""
+    global_values_are_keys: bool = False
+    """The `global` layers have no value projection: values are the key projection (Gemma 4)."""
+    global_rope_fraction: Float = Field(default=1.0, gt=0, le=1)
+    """Fraction of a global layer's head features RoPE rotates, at frequencies of the whole width (Gemma 4)."""
+    layer_scale: bool = False
+    """A per-layer scalar multiplies each block's output (Gemma 4; read from checkpoints, not trained)."""
+    moe_layout: Literal["replace", "beside_dense"] = "replace"
+    """Experts replace the MLP (Qwen3-MoE) or run beside a dense MLP with their own norms (Gemma 4)."""
+    final_logit_softcap: Float | None = Field(default=None, gt=0)
+    """Logits are cap * tanh(logits / cap) (Gemma); null: no cap."""
+    canvas_conditioning: bool = False
+    """DiffusionGemma's self-conditioning block on the canvas rows (an MLP of the previous step's soft embedding)."""
+    canvas_length: Int | None = Field(default=None, gt=0)
+    """Tokens per canvas a DiffusionGemma model decodes after its prompt (config.json canvas_length); null: none."""
     self_condition: bool = False
     """Add an input for self-conditioning (the embedding of a previous pass's predictions, zero-initialised)."""
     edit_head: bool = False
@@ -237,6 +270,12 @@ class ModelConfig(Section):
     def layer_is_local(self, index: int) -> bool:
         """Layer `index` attends through the sliding window (attention_pattern, repeated over the layers)."""
         return self.layer_kind(index) == "local"
+
+    def layer_heads(self, local: bool) -> tuple[int, int]:
+        """(key/value heads, head width) of a local or global layer."""
+        if local:
+            return self.kv_heads, self.dim_per_head
+        return self.global_num_kv_heads or self.kv_heads, self.global_head_dim or self.dim_per_head
 
     @property
     def kv_heads(self) -> int:

@@ -107,6 +107,28 @@ class UniformConfig(Section):
         return {"attention": "bidirectional", "schedule": self.schedule, "corruption": "uniform"}
 
 
+class DiffusionGemmaSFTConfig(Section):
+    """DiffusionGemma's native SFT: every response block uniformly corrupted at once, scored in one pass
+    beside the clean stream's next-token (encoder) loss."""
+
+    name: Literal["diffusiongemma_native_sft"] = "diffusiongemma_native_sft"
+    """Objective: diffusiongemma_native_sft (needs a diffusion_gemma model)."""
+    block_size: Int = Field(default=256, gt=0)
+    """Canvas length: response blocks of this many tokens from the response's start (the model's canvas)."""
+    eps: Float = Field(default=1e-3, gt=0, lt=1)
+    """Smallest corruption probability of a block: t ~ U(eps, 1] per block."""
+    antithetic: bool = True
+    """Stratify t over the global batch x blocks."""
+    encoder_loss_weight: Float = Field(default=1.0, ge=0)
+    """Weight of the clean stream's next-token loss (the encoder's) beside the canvas loss (weight 1)."""
+    self_condition_prob: Float = Field(default=0.5, ge=0, lt=1)
+    """Chance an example's canvas is conditioned on a detached first pass's logits (drawn per example)."""
+
+    def decode_facts(self) -> dict[str, Any]:
+        """Canvases of block_size after the encoded prefix, uniform-state noise (no mask token)."""
+        return {"attention": "prefix_canvas", "block_size": self.block_size, "corruption": "uniform"}
+
+
 class ARConfig(Section):
     """Autoregressive next-token training under a causal mask (a speculative-decoding target, an AR baseline)."""
 
@@ -178,6 +200,13 @@ class DFlashDistillationConfig(Section):
 
 
 ObjectiveConfig = Annotated[
-    MDLMConfig | BD3LMConfig | FastDLLMv2Config | UniformConfig | ARConfig | EditFlowConfig | DFlashDistillationConfig,
+    MDLMConfig
+    | BD3LMConfig
+    | FastDLLMv2Config
+    | UniformConfig
+    | ARConfig
+    | EditFlowConfig
+    | DFlashDistillationConfig
+    | DiffusionGemmaSFTConfig,
     Field(discriminator="name"),
 ]

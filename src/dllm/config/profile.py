@@ -32,9 +32,10 @@ class DecodeProfile(Section):
     """Format version of this record."""
     objective: str | None = None
     """The objective the model was trained with (for messages); null for a model not trained here."""
-    attention: Literal["bidirectional", "block", "causal"] = "bidirectional"
-    """bidirectional (MDLM, LLaDA, Dream), block-causal with the training block size (BD3LM, Fast-dLLM v2), or
-    causal: an autoregressive model (objective ar), decoded one token per forward or speculatively (`--ar`)."""
+    attention: Literal["bidirectional", "block", "causal", "prefix_canvas"] = "bidirectional"
+    """bidirectional (MDLM, LLaDA, Dream), block-causal with the training block size (BD3LM, Fast-dLLM v2),
+    causal: an autoregressive model (objective ar), decoded one token per forward or speculatively (`--ar`), or
+    prefix_canvas: canvases of block_size decoded after a causally encoded prefix (DiffusionGemma)."""
     block_size: Int | None = Field(default=None, gt=0)
     """Tokens per block of a block model (its sampler must use the same); null for bidirectional models."""
     sub_block_size: Int | None = Field(default=None, gt=0)
@@ -64,10 +65,13 @@ class DecodeProfile(Section):
 
     @model_validator(mode="after")
     def _check_blocks(self) -> DecodeProfile:
-        if self.attention == "block" and self.block_size is None:
-            raise ValueError("attention block needs block_size")
-        if self.attention != "block" and (self.block_size is not None or self.sub_block_size is not None):
-            raise ValueError("block_size and sub_block_size apply to attention block only")
+        blocks = ("block", "prefix_canvas")
+        if self.attention in blocks and self.block_size is None:
+            raise ValueError(f"attention {self.attention} needs block_size")
+        wrong_sub = self.sub_block_size is not None and self.attention != "block"
+        if wrong_sub or (self.attention not in blocks and self.block_size is not None):
+            raise ValueError("block_size and sub_block_size apply to attention block only (block_size also to "
+                             "prefix_canvas)")  # fmt: skip
         if self.sub_block_size is not None and self.block_size and self.block_size % self.sub_block_size:
             raise ValueError(f"sub_block_size {self.sub_block_size} must divide block_size {self.block_size}")
         return self
@@ -75,12 +79,15 @@ class DecodeProfile(Section):
 
 def build_profile(
     objective: object | None, *, shift_logits: bool, max_length: int, mask_id: int, pad_id: int, eos_id: int,
-    num_tokens: int,
+    num_tokens: int, canvas_length: int | None = None,
 ) -> DecodeProfile:  # fmt: skip
     """The profile of a model trained with `objective` (an objective section, or None for a model
-    folder that was not trained here: a bidirectional masked model). `shift_logits`: the model
-    family predicts position i from i-1 by itself (Dream)."""
+    folder that was not trained here: a bidirectional masked model, or with `canvas_length` a
+    DiffusionGemma one, which decodes canvases of that length). `shift_logits`: the model family
+    predicts position i from i-1 by itself (Dream)."""
     facts = objective.decode_facts() if objective is not None else {}  # type: ignore[attr-defined]
+    if objective is None and canvas_length is not None:
+        facts = {"attention": "prefix_canvas", "block_size": canvas_length, "corruption": "uniform"}
     shift = bool(facts.pop("shift", False)) or shift_logits
     name = getattr(objective, "name", None)
     return DecodeProfile(objective=name, shift=shift, max_length=max_length, mask_id=mask_id, pad_id=pad_id,

@@ -25,6 +25,9 @@ OBJECTIVES = Registry(
         "bd3lm": entry("objectives.block:BD3LMObjective", "block"),  # block: trains the block-diffusion layout
         "fast_dllm_v2": entry("objectives.block:FastDLLMv2Objective", "block"),
         "uniform": "objectives.uniform:UniformObjective",
+        # DiffusionGemma's native SFT: [clean ; canvas of every response block] under the prefix_canvas mask;
+        # frozen_routers: the build freezes the MoE routers (they keep their pretrained routing)
+        "diffusiongemma_native_sft": entry("objectives.diffusion_gemma:DiffusionGemmaSFT", "frozen_routers"),
         "ar": entry("objectives.ar:ARObjective", "causal"),  # causal: next-token training, decoded with --ar
         "edit_flow": "objectives.edit_flow:EditFlowObjective",  # Edit Flows: insert/delete/substitute rates
         # target: trains a drafter of a frozen target model that training/build.py loads and hands over
@@ -125,6 +128,7 @@ FAMILIES = Registry(
         "bert": "families.encoders:BERT",
         "modernbert": "families.encoders:MODERNBERT",
         "qwen3_5": "families.qwen3_5:QWEN3_5",
+        "diffusion_gemma": "families.diffusion_gemma:DIFFUSION_GEMMA",
     },
 )
 NORMS = Registry(

@@ -52,6 +52,32 @@ def check_objective(spec: RunSpec) -> None:
             f"objective.name: {obj.name} attends bidirectionally, which the linear-attention layers of "
             f"{model.family} (a recurrence) cannot; use ar, bd3lm or fast_dllm_v2"
         )
+    if obj.name == "diffusiongemma_native_sft":
+        _check_diffusion_gemma_sft(spec)
+
+
+def _check_diffusion_gemma_sft(spec: RunSpec) -> None:
+    """The native DiffusionGemma SFT: its model, a block that fits the rows, the routers kept frozen."""
+    obj, model, topo = spec.objective, spec.model, spec.topology
+    b = obj.block_size  # type: ignore[union-attr]
+    router_lora = spec.lora is not None and any("router" in t for t in spec.lora.targets)
+    refused = (
+        (not model.canvas_conditioning, "model.family: diffusiongemma_native_sft trains DiffusionGemma's canvas "
+         "(its self-conditioning block); use model.family: diffusion_gemma"),
+        (model.shift_logits, "model.shift_logits: the canvas predicts each token in place; set it false"),
+        (model.canvas_length not in (None, b), f"objective.block_size: {b} differs from the {model.canvas_length} "
+         "tokens of the model's canvas (model.canvas_length); train with the canvas it decodes"),
+        (spec.data is not None and b > spec.data.seq_len, f"objective.block_size: {b} exceeds data.seq_len "
+         f"{spec.data.seq_len if spec.data else 0}; a response block must fit in a row"),
+        (bool(model.num_experts) and model.router_aux_loss_coef > 0, "model.router_aux_loss_coef: this objective "
+         "keeps the MoE routers frozen, so a load-balancing loss has no effect; set it to 0"),
+        (router_lora, "lora.targets: this objective keeps the MoE routers frozen; remove the router targets"),
+        (topo.tp_size > 1 or topo.context.group_size > 1, "topology: diffusiongemma_native_sft trains "
+         "data-parallel (and FSDP) only; set tp_size, cp_size and bp_size to 1"),
+    )  # fmt: skip
+    for bad, message in refused:
+        if bad:
+            raise ConfigError(message)
 
 
 def _check_drafter_run(spec: RunSpec) -> None:
@@ -125,6 +151,10 @@ def check_tensor_parallel(spec: RunSpec) -> None:
                 "topology.sequence_parallel: needs tp_size > 1 (it shards over the tensor-parallel ranks)"
             )
         return
+    gemma4 = model.global_head_dim or model.global_num_kv_heads or model.global_values_are_keys
+    if gemma4 or model.moe_layout == "beside_dense" or model.canvas_conditioning:
+        raise ConfigError(f"topology.tp_size: {model.family}'s Gemma 4 layers (global layers of their own shape, "
+                          "experts beside the MLP) are not tensor-parallel yet; set tp_size: 1")  # fmt: skip
     dims = {"model.num_heads": model.num_heads, "model.vocab_size": model.vocab_size}
     if not model.num_experts:
         dims["model.mlp_size"] = model.mlp_size

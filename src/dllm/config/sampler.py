@@ -123,6 +123,11 @@ def resolve_sampler(cfg: SamplerConfig, profile: DecodeProfile) -> SamplerConfig
     if cfg.generation == "causal":
         _check_length(cfg, profile)
         return cfg
+    if profile.attention == "prefix_canvas":
+        raise ConfigError(
+            "this model decodes canvases after a causally encoded prefix (DiffusionGemma, attention prefix_canvas in "
+            "its decode profile); the diffusion sampler does not decode it yet"
+        )
     if profile.attention == "causal":
         raise ConfigError(
             f"this model is autoregressive (trained with {profile.objective or 'a causal objective'}: attention causal "
@@ -193,3 +198,35 @@ def _check_generation(cfg: SamplerConfig, profile: DecodeProfile, trained: str) 
         raise ConfigError("sampler: an edit-flow run decodes without cache, guidance or blocks; "
                           "use cache none, cfg_scale 0, no block_length")  # fmt: skip
     return "edit_flow"
+
+
+class CanvasDenoiserConfig(Section):
+    """DiffusionGemma's canvas decoding (defaults: the reference generation mixin's): uniform random canvases
+    after the prompt, entropy-bounded acceptance, re-noising, self-conditioning and a temperature schedule."""
+
+    canvas_length: Int = Field(default=256, gt=0)
+    """Tokens per canvas (the model's canvas_length: its training block size)."""
+    max_new_tokens: Int = Field(default=256, gt=0)
+    """Tokens to generate after the prompt, rounded up to whole canvases."""
+    max_denoising_steps: Int = Field(default=48, gt=0)
+    """N: the most denoising steps per canvas."""
+    entropy_bound: Float = Field(default=0.1, gt=0)
+    """Accept the lowest-entropy proposals whose entropies, less the largest, sum to at most this."""
+    t_min: Float = Field(default=0.4, gt=0)
+    """Temperature at the last step: t = t_min + (t_max - t_min) * n / N with n steps left."""
+    t_max: Float = Field(default=0.8, gt=0)
+    """Temperature at the first step."""
+    stability_threshold: Int = Field(default=1, ge=0)
+    """A canvas stops once its argmax canvas was unchanged this many steps (and it is confident)."""
+    confidence_threshold: Float = Field(default=0.005, gt=0)
+    """... and the mean entropy of its tempered logits is below this."""
+    greedy: bool = False
+    """Propose each position's most likely token instead of a sample."""
+    cache: bool = True
+    """Keep the clean rows' keys and values across steps and canvases (exact: they never see a canvas)."""
+
+    @model_validator(mode="after")
+    def _check_temperatures(self) -> CanvasDenoiserConfig:
+        if self.t_max <= self.t_min:
+            raise ValueError(f"t_max {self.t_max} must be above t_min {self.t_min}")
+        return self

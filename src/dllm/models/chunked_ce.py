@@ -15,6 +15,8 @@ Semantics (`plain_cross_entropy` is the reference that spells them out):
 - the ids in `exclude_ids` get logit -inf: they are never valid predictions (the mask token of
   masked diffusion, Sahoo et al. 2024 / Nie et al. 2025); a target in `exclude_ids` has CE inf;
 - every target must be a valid id (no ignore_index): leave a row out with weight 0;
+- `softcap`: the logits are cap * tanh(logits / cap) before the excluded ids and the CE (Gemma's final
+  soft-capping); the chunked gradient goes through the tanh (times 1 - tanh^2);
 - returns `(weighted_sum, ce_N)`: the weighted sum is differentiable w.r.t. hidden, weight, bias and
   weights; `ce_N` is the per-row CE, detached, for metrics.
 
@@ -53,10 +55,13 @@ def plain_cross_entropy(
     chunk_size: int | None = None,
     exclude_ids: Sequence[int] = (),
     bias_V: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference: full [N, V] logits, then CE. `chunk_size` is accepted and ignored."""
     logits_NV = F.linear(hidden_NE, weight_VE, bias_V)
     logits_NV = logits_NV.to(_compute_dtype(hidden_NE, weight_VE))
+    if softcap is not None:
+        logits_NV = torch.tanh(logits_NV / softcap) * softcap
     if len(exclude_ids):
         logits_NV[:, list(exclude_ids)] = float("-inf")
     ce_N = F.cross_entropy(logits_NV, targets_N, reduction="none")
@@ -73,6 +78,7 @@ def linear_cross_entropy(
     chunk_size: int | None = None,
     exclude_ids: Sequence[int] = (),
     bias_V: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunked `plain_cross_entropy`: same results, peak extra memory O(C * V + V * E + N * E).
 
@@ -96,10 +102,12 @@ def linear_cross_entropy(
     with torch.autocast(device_type, enabled=False) if torch.amp.is_autocast_available(device_type) else nullcontext():
         if not any(needs):
             weighted_sum, ce_N, _ = _chunked_loss(
-                hidden_NE, weight_VE, bias_V, targets_N, weights_N, exclude_X, C, shard=shard
+                hidden_NE, weight_VE, bias_V, targets_N, weights_N, exclude_X, C, shard=shard, softcap=softcap
             )
             return weighted_sum, ce_N
-        return _LinearCrossEntropy.apply(hidden_NE, weight_VE, bias_V, targets_N, weights_N, exclude_X, C, needs, shard)
+        return _LinearCrossEntropy.apply(
+            hidden_NE, weight_VE, bias_V, targets_N, weights_N, exclude_X, C, needs, shard, softcap
+        )
 
 
 @dataclass(frozen=True)
@@ -125,9 +133,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
     """Forward computes the loss and all input gradients; backward scales them by d(out)/d(loss)."""
 
     @staticmethod
-    def forward(ctx, hidden_NE, weight_VE, bias_V, targets_N, weights_N, exclude_X, C, needs, shard=None):
+    def forward(ctx, hidden_NE, weight_VE, bias_V, targets_N, weights_N, exclude_X, C, needs, shard=None, cap=None):
         weighted_sum, ce_N, grads = _chunked_loss(
-            hidden_NE, weight_VE, bias_V, targets_N, weights_N, exclude_X, C, needs, shard
+            hidden_NE, weight_VE, bias_V, targets_N, weights_N, exclude_X, C, needs, shard, cap
         )
         grad_weights_N = ce_N.to(weights_N.dtype) if needs[3] else None
         ctx.save_for_backward(*grads, grad_weights_N)
@@ -140,7 +148,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_h, grad_w, grad_b, grad_weights = (
             None if g is None else (g * grad_sum).to(g.dtype) for g in ctx.saved_tensors
         )
-        return grad_h, grad_w, grad_b, None, grad_weights, None, None, None, None
+        return grad_h, grad_w, grad_b, None, grad_weights, None, None, None, None, None
 
 
 def _chunked_loss(
@@ -153,6 +161,7 @@ def _chunked_loss(
     C: int,
     needs: tuple[bool, ...] = (False, False, False, False),
     shard: VocabShard | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor | None, ...]]:
     """The one loop: per chunk, CE and (if any input needs it) the logits gradient, folded into
     grad_hidden rows, the float32 grad_weight / grad_bias accumulators. Returns input-dtype grads.
@@ -168,7 +177,9 @@ def _chunked_loss(
     for start in range(0, N, C):
         rows = slice(start, start + C)
         h_CE = hidden_NE[rows].detach().to(dtype)
-        ce_N[rows], g_CV = _chunk(h_CE, W_VE, b_V, targets_N[rows], weights_N[rows], exclude_X, any(needs[:3]), shard)
+        ce_N[rows], g_CV = _chunk(
+            h_CE, W_VE, b_V, targets_N[rows], weights_N[rows], exclude_X, any(needs[:3]), shard, softcap
+        )
         if grad_h_NE is not None:
             grad_h_NE[rows] = g_CV @ W_VE
         if grad_w_VE is not None:
@@ -191,9 +202,15 @@ def _chunk(
     exclude_X: torch.Tensor,
     need_grad: bool,
     shard: VocabShard | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """CE of C rows and d(sum w * CE)/d logits = w * (softmax - onehot), built in the logits buffer."""
+    """CE of C rows and d(sum w * CE)/d logits = w * (softmax - onehot), built in the logits buffer
+    (times 1 - tanh^2 of the soft-capped logits)."""
     logits_CV = h_CE @ W_VE.T if b_V is None else torch.addmm(b_V, h_CE, W_VE.T)
+    tanh_CV = None
+    if softcap is not None:
+        tanh_CV = torch.tanh(logits_CV / softcap)
+        logits_CV = torch.mul(tanh_CV, softcap, out=logits_CV)
     if exclude_X.numel():
         logits_CV.index_fill_(1, exclude_X, float("-inf"))
     if shard is None:
@@ -211,7 +228,8 @@ def _chunk(
     else:  # the one-hot lies in this shard for the rows whose target it holds
         rows = (local_targets_C >= 0).nonzero().squeeze(1)
         grad_CV.index_put_((rows, local_targets_C[rows]), torch.full_like(lse_C[rows], -1.0), accumulate=True)
-    return ce_C, grad_CV.mul_(weights_C.to(grad_CV.dtype)[:, None])
+    grad_CV.mul_(weights_C.to(grad_CV.dtype)[:, None])
+    return ce_C, grad_CV if tanh_CV is None else grad_CV.mul_(1.0 - tanh_CV.square_())
 
 
 def _sharded_lse(

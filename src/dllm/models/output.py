@@ -4,7 +4,7 @@ The model returns its final hidden states and its output head, not logits, so th
 logits only where it needs them and in chunks (never the full [B, L, V]); `aux` carries auxiliary
 training losses (the MoE router's load balancing) as values, not as module attributes.
 
-Shapes: B batch, L sequence, E hidden, V vocabulary.
+Shapes: B batch, L sequence, E hidden, V vocabulary, C canvas rows.
 """
 
 from __future__ import annotations
@@ -32,9 +32,19 @@ class ModelOutput:
     """A model built with `edit_head` (Edit Flows): hidden [..., E] -> (rates [..., 3] >= 0 for
     insert-after / delete / substitute, insertion features [..., E] for `head`); None otherwise."""
 
+    logit_softcap: float | None = None
+    """Gemma's final soft-capping: logits = cap * tanh(logits / cap); None: none."""
+
     def logits(self) -> torch.Tensor:
         features, weight, bias = self.head(self.hidden_BLE)
-        return F.linear(features, weight, bias)
+        return softcap(F.linear(features, weight, bias), self.logit_softcap)
+
+
+def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """cap * tanh(logits / cap) in float32 (Gemma's final logit soft-capping); unchanged when cap is None."""
+    if cap is None:
+        return logits
+    return torch.tanh(logits.float() / cap) * cap
 
 
 @dataclass(frozen=True)
@@ -45,3 +55,16 @@ class SelfConditioned:
 
     ids_BL: torch.Tensor
     previous_BL: torch.Tensor
+
+
+@dataclass(frozen=True)
+class CanvasConditioned:
+    """Token ids with the previous denoising step's logits over the canvas rows (DiffusionGemma's
+    self-conditioning): passed as `tokens` with a `prefix_canvas` mask, whose rows after `num_clean` are
+    the canvas. Without it (plain ids) the canvas gets the zero signal of a first step."""
+
+    ids_BL: torch.Tensor
+    logits_BCV: torch.Tensor
+    """The previous step's logits over the C canvas rows."""
+    on_B: torch.Tensor | None = None
+    """Per example: False gives a zero signal, as if no logits were passed (self-conditioning drawn per example)."""

@@ -25,20 +25,26 @@ def _linear(n_in: int, n_out: int, bias: bool) -> int:
 
 
 def block_params(cfg: ModelConfig, index: int = 0) -> int:
-    """Parameters of transformer block `index`: its token mixer, two norms, the MLP or the experts."""
-    E, H, K, D = cfg.hidden_size, cfg.num_heads, cfg.kv_heads, cfg.dim_per_head
-    if cfg.num_experts:
-        mlp = E * cfg.num_experts + cfg.num_experts * 3 * cfg.expert_size * E
+    """Parameters of transformer block `index`: its token mixer (attention of its kind, or a linear-attention
+    layer), its norms, the MLP and/or the experts."""
+    local, E = cfg.layer_is_local(index), cfg.hidden_size
+    matrices = 3 if cfg.mlp == "gated" else 2
+    dense = (matrices - 1) * _linear(E, cfg.mlp_size, cfg.mlp_bias) + _linear(cfg.mlp_size, E, cfg.mlp_bias)
+    experts = E * cfg.num_experts + cfg.num_experts * 3 * cfg.expert_size * E
+    if cfg.num_experts and cfg.moe_layout == "beside_dense":  # Gemma 4: router scales and three more norms
+        mlp = dense + experts + E + cfg.num_experts + 3 * _norm_params(cfg, E)
     else:
-        matrices = 3 if cfg.mlp == "gated" else 2
-        mlp = (matrices - 1) * _linear(E, cfg.mlp_size, cfg.mlp_bias) + _linear(cfg.mlp_size, E, cfg.mlp_bias)
+        mlp = experts if cfg.num_experts else dense
+    norms = (4 if cfg.sandwich_norm else 2) * _norm_params(cfg, E)
     if cfg.layer_kind(index) == "linear":
-        return _linear_attention_params(cfg) + 2 * _norm_params(cfg, E) + mlp
+        return _linear_attention_params(cfg) + norms + mlp
+    (K, D), H = cfg.layer_heads(local), cfg.num_heads
     gate = 2 if cfg.attn_output_gate else 1
-    attn = _linear(E, gate * H * D, cfg.qkv_bias) + 2 * _linear(E, K * D, cfg.qkv_bias)
+    values = 0 if cfg.global_values_are_keys and not local else _linear(E, K * D, cfg.qkv_bias)
+    attn = _linear(E, gate * H * D, cfg.qkv_bias) + _linear(E, K * D, cfg.qkv_bias) + values
     qk_norm = (H + K) * D if cfg.qk_norm_width == "full" else 2 * D
     attn += _linear(H * D, E, cfg.attn_out_bias) + (qk_norm if cfg.qk_norm else 0)
-    return attn + 2 * _norm_params(cfg, E) + mlp
+    return attn + norms + mlp
 
 
 def _linear_attention_params(cfg: ModelConfig) -> int:
@@ -53,6 +59,7 @@ def count_params(cfg: ModelConfig) -> int:
     assert cfg.vocab_size is not None, "resolve model.vocab_size first"
     E, V = cfg.hidden_size, cfg.vocab_size
     n = V * E + sum(block_params(cfg, i) for i in range(cfg.num_layers))
+    n += 2 * E * cfg.mlp_size + E * cfg.mlp_size + _norm_params(cfg, E) if cfg.canvas_conditioning else 0
     n += cfg.max_seq_len * E if cfg.position == "learned" else 0
     n += _norm_params(cfg, E) if cfg.embedding_norm else 0
     n += E * E if cfg.self_condition else 0

@@ -1,14 +1,15 @@
 """The native transformer: one single-device block stack for every family.
 
-A family (llama, qwen2/3, qwen3_moe, olmoe, llada, llada_moe, dream, gpt2, bert, modernbert, qwen3_5) is a
-set of layout fields on ModelConfig (norm kind and position, positions, MLP kind, biases, head, local
-attention layers, linear-attention layers: models/linear_attention.py), not a copy of this file;
+A family (llama, qwen2/3, qwen3_moe, olmoe, llada, llada_moe, dream, gpt2, bert, modernbert, qwen3_5,
+diffusion_gemma) is a set of layout fields on ModelConfig (norm kind and position, positions, MLP kind,
+biases, head, local attention layers, linear-attention layers: models/linear_attention.py, Gemma's
+sandwich norms and experts beside the MLP: models/gemma.py), not a copy of this file;
 `families/` maps each family's Hugging Face weight names onto these modules. The model is used
 with whatever attention pattern the objective asks for and knows nothing about meshes, objectives or
 samplers; parallelism is applied from outside (dllm.parallel.apply).
 
 Shapes: B batch, L sequence, V vocabulary, H heads, K key/value heads, D head width, E hidden width,
-N tokens (flattened), X experts.
+N tokens (flattened), X experts, C canvas rows (DiffusionGemma).
 """
 
 from __future__ import annotations
@@ -26,9 +27,10 @@ from dllm.attention.masks import AttentionMask
 from dllm.config.model import ModelConfig
 from dllm.config.registries import ACTIVATIONS, NORMS
 from dllm.models.edit_flow import EditHead
+from dllm.models.gemma import BesideDenseExperts, CanvasConditioning, rms_normalize
 from dllm.models.layers import RMSNorm
 from dllm.models.linear_attention import GatedDeltaNet
-from dllm.models.output import ModelOutput, SelfConditioned
+from dllm.models.output import CanvasConditioned, ModelOutput, SelfConditioned, softcap
 
 
 def make_norm(cfg: ModelConfig, dim: int | None = None) -> nn.Module:
@@ -46,10 +48,14 @@ def rope_cos_sin(positions_BL: torch.Tensor, inv_freq: torch.Tensor) -> tuple[to
     return torch.cat([cos, cos], dim=-1)[:, None], torch.cat([-sin, sin], dim=-1)[:, None]
 
 
-def rope_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
-    """RoPE's inverse frequencies theta^(-2i/D), i < D/2, in float32."""
+def rope_inv_freq(head_dim: int, theta: float, fraction: float = 1.0) -> torch.Tensor:
+    """RoPE's inverse frequencies theta^(-2i/D), i < D/2, in float32. With `fraction` < 1 only the first
+    fraction * D/2 frequencies are kept and the rest are 0, leaving those features unrotated (Gemma 4's
+    proportional RoPE of its global layers)."""
     D = head_dim
-    return 1.0 / (theta ** (torch.arange(0, D - D % 2, 2, dtype=torch.float32) / D))
+    inv_freq = 1.0 / (theta ** (torch.arange(0, D - D % 2, 2, dtype=torch.float32) / D))
+    inv_freq[int(fraction * D // 2) :] = 0.0
+    return inv_freq
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -65,14 +71,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, attend: AttentionFn) -> None:
+    def __init__(self, cfg: ModelConfig, attend: AttentionFn, local: bool = False) -> None:
         super().__init__()
-        E, H, K, D = cfg.hidden_size, cfg.num_heads, cfg.kv_heads, cfg.dim_per_head
+        (K, D), E, H = cfg.layer_heads(local), cfg.hidden_size, cfg.num_heads
         self.num_heads, self.num_kv_heads, self.head_dim = H, K, D
         self.output_gate = cfg.attn_output_gate  # q_proj also gives a gate per output feature (per head: [q, gate])
         self.q_proj = nn.Linear(E, H * D * (2 if self.output_gate else 1), bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(E, K * D, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(E, K * D, bias=cfg.qkv_bias)
+        values_are_keys = cfg.global_values_are_keys and not local  # Gemma 4's global layers
+        self.v_proj = None if values_are_keys else nn.Linear(E, K * D, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(H * D, E, bias=cfg.attn_out_bias)
         self.qk_norm_full = cfg.qk_norm_width == "full"  # OLMoE: one norm over all heads' features
         width_q, width_k = (H * D, K * D) if self.qk_norm_full else (D, D)
@@ -80,6 +87,9 @@ class Attention(nn.Module):
         self.q_norm = norm(cfg, width_q) if cfg.qk_norm else None
         self.k_norm = norm(cfg, width_k) if cfg.qk_norm else None
         self.attend = attend  # one backend object per model, shared by its layers
+        self.value_norm_eps = cfg.norm_eps if cfg.value_norm else None
+        # the backends scale q.k by 1/sqrt(D); a model with another scale (Gemma 4: 1) scales q instead
+        self.q_scale = None if cfg.attention_scale is None else cfg.attention_scale * math.sqrt(D)
 
     def forward(
         self,
@@ -102,14 +112,19 @@ class Attention(nn.Module):
             q, gate_BQF = q.reshape(B, Q, -1), gate.reshape(B, Q, -1)
         if self.q_norm is not None and self.k_norm is not None and self.qk_norm_full:
             q, k = self.q_norm(q), self.k_norm(k)
+        v = k if self.v_proj is None else self.v_proj(x_BLE)  # values before the key norm and RoPE
         q = q.view(B, Q, -1, self.head_dim).transpose(1, 2)
         k = k.view(B, L, -1, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x_BLE).view(B, L, -1, self.head_dim).transpose(1, 2)
+        v = v.view(B, L, -1, self.head_dim).transpose(1, 2)
+        if self.value_norm_eps is not None:
+            v = rms_normalize(v, self.value_norm_eps)
         if self.q_norm is not None and self.k_norm is not None and not self.qk_norm_full:
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             cos, sin = rope
             q, k = apply_rope(q, cos[:, :, :Q], sin[:, :, :Q]), apply_rope(k, cos, sin)
+        if self.q_scale is not None:
+            q = q * self.q_scale
         if kv is not None:
             k, v = kv.update(k, v)
         out_BHQD = self.attend(q, k, v, mask)
@@ -182,10 +197,16 @@ class Block(nn.Module):
         self.local = cfg.layer_is_local(index)  # sliding-window attention with its own RoPE base
         self.input_layernorm = make_norm(cfg) if index or cfg.first_layer_attn_norm else nn.Identity()
         linear = cfg.layer_kind(index) == "linear"  # Gated DeltaNet instead of attention (the checkpoints' names)
-        self.self_attn = None if linear else Attention(cfg, attend)
+        self.self_attn = None if linear else Attention(cfg, attend, self.local)
         self.linear_attn = GatedDeltaNet(cfg) if linear else None
-        self.post_attention_layernorm = make_norm(cfg)
-        self.mlp = MoE(cfg) if cfg.num_experts else MLP(cfg)
+        self.post_attention_layernorm = make_norm(cfg)  # the norm before the MLP
+        beside = cfg.num_experts and cfg.moe_layout == "beside_dense"
+        self.mlp = MoE(cfg) if cfg.num_experts and not beside else MLP(cfg)
+        # Gemma: norms on the sub-layers' outputs, experts beside the dense MLP, a per-layer output scalar
+        self.attn_out_norm = make_norm(cfg) if cfg.sandwich_norm else None
+        self.mlp_out_norm = make_norm(cfg) if cfg.sandwich_norm else None
+        self.beside = BesideDenseExperts(cfg, Experts(cfg), lambda: make_norm(cfg)) if beside else None
+        self.register_buffer("layer_scale", torch.ones(1) if cfg.layer_scale else None)
 
     def forward(
         self,
@@ -202,9 +223,15 @@ class Block(nn.Module):
             x_q = self.input_layernorm(x_q + self._mix(x, rope, mask, num_queries, kv))
             y, aux = self._mlp(x_q)
             return self.post_attention_layernorm(x_q + y), aux
-        x_q = x_q + self._mix(self.input_layernorm(x), rope, mask, num_queries, kv)
+        h = self._mix(self.input_layernorm(x), rope, mask, num_queries, kv)
+        x_q = x_q + (h if self.attn_out_norm is None else self.attn_out_norm(h))
         y, aux = self._mlp(self.post_attention_layernorm(x_q))
-        return x_q + y, aux
+        if self.beside is not None:
+            y, aux = self.beside(y, x_q)
+        if self.mlp_out_norm is not None:
+            y = self.mlp_out_norm(y)
+        x_q = x_q + y
+        return (x_q if self.layer_scale is None else x_q * self.layer_scale), aux
 
     def _mix(self, x: torch.Tensor, rope: tuple | None, mask: AttentionMask, num_queries: int | None, kv: Any):
         """The token mixer: attention, or the linear-attention layer (which computes every row)."""
@@ -243,6 +270,8 @@ class Transformer(nn.Module):
         self.embed_positions = nn.Embedding(cfg.max_seq_len, E) if cfg.position == "learned" else None
         self.embed_norm = make_norm(cfg) if cfg.embedding_norm else None
         self.self_cond_proj = nn.Linear(E, E, bias=False) if cfg.self_condition else None
+        self.canvas_cond = CanvasConditioning(cfg, lambda: make_norm(cfg)) if cfg.canvas_conditioning else None
+        self.embed_multiplier = math.sqrt(E) if cfg.embed_scale else None  # Gemma
         attend = make_attention(cfg.attention_backend, cfg.flex_compile)  # a compile failure is met once
         self.layers = nn.ModuleList(Block(cfg, attend, i) for i in range(cfg.num_layers))
         self.norm = make_norm(cfg) if cfg.final_norm else None
@@ -250,16 +279,30 @@ class Transformer(nn.Module):
         self.head_bias = nn.Parameter(torch.zeros(V)) if cfg.head == "mlm" else None
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(E, V, bias=False)
         self.edit_head = EditHead(E) if cfg.edit_head else None  # Edit Flows rates (models/edit_flow.py)
-        self.register_buffer("inv_freq", self._inv_freq(cfg.rope_theta), persistent=False)
-        local_theta = cfg.local_rope_theta if any(layer.local for layer in self.layers) else None
-        local_inv_freq = None if local_theta in (None, cfg.rope_theta) else self._inv_freq(local_theta)
+        self.register_buffer("inv_freq", self._inv_freq(local=False), persistent=False)
+        local_inv_freq = self._inv_freq(local=True) if self._local_table() else None
         self.register_buffer("inv_freq_local", local_inv_freq, persistent=False)  # None: the global table
         # the last block computes only `mask.num_outputs` rows; off when a rank's rows are not the
         # sequence's first positions (sequence parallelism shards the residual stream)
         self.trim_last_block = True
 
-    def _inv_freq(self, theta: float) -> torch.Tensor:
-        return rope_inv_freq(self.cfg.rotary_dim, theta)
+    def _inv_freq(self, local: bool) -> torch.Tensor:
+        """The RoPE table of local or global layers: `rotary_fraction` of their head width (partial RoPE: the
+        first features), their base, and the global layers' proportional fraction (Gemma 4)."""
+        cfg = self.cfg
+        _, D = cfg.layer_heads(local)
+        R = int(D * cfg.rotary_fraction)
+        if local:
+            return rope_inv_freq(R, cfg.local_rope_theta or cfg.rope_theta)
+        return rope_inv_freq(R, cfg.rope_theta, cfg.global_rope_fraction)
+
+    def _local_table(self) -> bool:
+        """Whether the local layers need RoPE tables of their own (another base, head width or fraction)."""
+        cfg = self.cfg
+        if not any(layer.local for layer in self.layers):
+            return False
+        same_width = cfg.layer_heads(True)[1] == cfg.layer_heads(False)[1] and cfg.global_rope_fraction == 1
+        return not same_width or cfg.local_rope_theta not in (None, cfg.rope_theta)
 
     def forward(
         self,
@@ -278,7 +321,9 @@ class Transformer(nn.Module):
         `cache.query_start`; they attend to cached keys/values of [0, cache.key_end) (the mask's
         `query_offset` must say where the slice sits)."""
         mask = mask if mask is not None else AttentionMask()
-        x = self.embed(tokens_BL, positions_BL)
+        # prefix_canvas: the token rows after the clean ones are the canvas (a cached forward starts at query_offset)
+        num_clean = mask.num_clean - mask.query_offset if mask.num_clean is not None else None
+        x = self.embed(tokens_BL, positions_BL, num_clean)
         rope = rope_cos_sin(positions_BL, self.inv_freq) if self.cfg.position == "rope" else None
         local_rope, local_mask = self._local_attention(positions_BL, rope, mask)
         last, aux = len(self.layers) - 1, []
@@ -291,7 +336,7 @@ class Transformer(nn.Module):
         if self.norm is not None:
             x = self.norm(x)
         aux_losses = {"router_loss": torch.stack(aux).mean()} if aux else {}
-        return ModelOutput(x, self.head, aux_losses, edit=self.edit_head)
+        return ModelOutput(x, self.head, aux_losses, edit=self.edit_head, logit_softcap=self.cfg.final_logit_softcap)
 
     def _local_attention(
         self, positions_BL: torch.Tensor, rope: tuple | None, mask: AttentionMask
@@ -305,12 +350,28 @@ class Transformer(nn.Module):
             rope = rope_cos_sin(positions_BL, self.inv_freq_local)
         return rope, dataclasses.replace(mask, window=min(window, mask.window or window))
 
-    def embed(self, tokens_BL: torch.Tensor | SelfConditioned, positions_BL: torch.Tensor) -> torch.Tensor:
-        """Token (+ self-conditioning) (+ learned position) embeddings, normalised if the family does."""
-        previous_BL = None
+    def embed(
+        self,
+        tokens_BL: torch.Tensor | SelfConditioned | CanvasConditioned,
+        positions_BL: torch.Tensor,
+        num_clean: int | None = None,
+    ) -> torch.Tensor:
+        """Token (+ self-conditioning) (+ learned position) embeddings, normalised if the family does.
+        `num_clean`: the rows after it are a canvas (DiffusionGemma), whose embeddings pass through the
+        canvas self-conditioning block."""
+        previous_BL, canvas = None, None
         if isinstance(tokens_BL, SelfConditioned):
             tokens_BL, previous_BL = tokens_BL.ids_BL, tokens_BL.previous_BL
+        elif isinstance(tokens_BL, CanvasConditioned):
+            tokens_BL, canvas = tokens_BL.ids_BL, tokens_BL
         x = self.embed_tokens(tokens_BL)
+        if self.embed_multiplier is not None:  # the factor rounded to the weights' dtype first, as Gemma does
+            x = x * x.new_tensor(self.embed_multiplier)
+        if self.canvas_cond is not None and num_clean is not None:
+            canvas_BCE = self.canvas_cond(
+                x[:, num_clean:], canvas, self.embed_tokens.weight, self.embed_multiplier or 1.0
+            )
+            x = torch.cat([x[:, :num_clean], canvas_BCE], dim=1)
         if self.self_cond_proj is not None and previous_BL is not None:
             on_BL1 = (previous_BL >= 0).unsqueeze(-1).to(x.dtype)
             x = x + self.self_cond_proj(self.embed_tokens(previous_BL.clamp_min(0))) * on_BL1
@@ -330,7 +391,7 @@ class Transformer(nn.Module):
 
     def logits(self, hidden_BLE: torch.Tensor) -> torch.Tensor:
         features, weight, bias = self.head(hidden_BLE)
-        return F.linear(features, weight, bias)
+        return softcap(F.linear(features, weight, bias), self.cfg.final_logit_softcap)
 
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator) -> None:
@@ -341,6 +402,8 @@ class Transformer(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
+            elif name.endswith(("router.scale", "per_expert_scale")):
+                p.fill_(1.0)  # Gemma 4's router scales start neutral
             elif name.endswith(("bias", "A_log")) or name.startswith("self_cond_proj"):
                 p.zero_()  # self-conditioning starts as a no-op; linear layers' decay rate A = exp(A_log) = 1
             else:
@@ -351,15 +414,17 @@ class Transformer(nn.Module):
                 m.weight.fill_(1.0 - m.offset)
             if isinstance(m, GatedDeltaNet):
                 m.dt_bias.fill_(1.0)  # at a = 0 a state keeps exp(-softplus(1)) ~ 0.27 of itself per token
+        for name, b in self.named_buffers():
+            if name.endswith("layer_scale"):
+                b.fill_(1.0)
         self.init_buffers()
 
     @torch.no_grad()
     def init_buffers(self) -> None:
         """Recompute non-persistent buffers (after `to_empty` from the meta device)."""
-        self.inv_freq.copy_(self._inv_freq(self.cfg.rope_theta).to(self.inv_freq.device))
+        self.inv_freq.copy_(self._inv_freq(local=False).to(self.inv_freq.device))
         if self.inv_freq_local is not None:
-            assert self.cfg.local_rope_theta is not None
-            self.inv_freq_local.copy_(self._inv_freq(self.cfg.local_rope_theta).to(self.inv_freq_local.device))
+            self.inv_freq_local.copy_(self._inv_freq(local=True).to(self.inv_freq_local.device))
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         """Parameter count; `exclude_embeddings` leaves out the embeddings and an untied LM head."""

@@ -29,6 +29,7 @@ from dllm.data.loader import StepLoader
 from dllm.diffusion.objectives import TokenIds
 from dllm.errors import ConfigError
 from dllm.models import factory
+from dllm.models.gemma import freeze_routers
 from dllm.parallel.apply import after_materialize, apply_parallelism, unwrap
 from dllm.parallel.context import ShardPlan, build_plan
 from dllm.parallel.dims import DistEnv, ParallelDims, init_process_group, pick_device
@@ -233,6 +234,8 @@ def _supervised_trainer(run: _Run) -> Trainer:
     target = load_target(spec.objective.target, run.device) if OBJECTIVES.has(spec.objective.name, "target") else None  # type: ignore[union-attr]
     if target is None:
         model = build_model(spec, run.device, env, dims, plan)
+        if OBJECTIVES.has(spec.objective.name, "frozen_routers"):
+            freeze_routers(model)
     else:
         model = build_drafter(spec, target, run.tok, run.device, env, dims)
     extra: dict[str, Any] = {} if target is None else {"target": target.model}

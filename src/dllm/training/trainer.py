@@ -24,7 +24,7 @@ from torch import nn
 from dllm.data.loader import Batch, StepLoader
 from dllm.diffusion.corruption import NoiseKeys
 from dllm.diffusion.objectives.base import ModelInputs, Objective
-from dllm.models.output import ModelOutput, SelfConditioned
+from dllm.models.output import CanvasConditioned, ModelOutput, SelfConditioned
 from dllm.parallel.apply import grad_sync
 from dllm.parallel.context import ShardPlan
 from dllm.parallel.dims import all_reduce_sum
@@ -189,14 +189,24 @@ class Trainer(TrainLoop[Step]):
 
 def run_model(model: nn.Module, inputs: ModelInputs) -> ModelOutput:
     """THE model call of training: one forward (a detached first pass before it for self-conditioned
-    rows, Chen et al. 2022 "Analog Bits": the second pass sees the first one's predicted ids)."""
+    rows, Chen et al. 2022 "Analog Bits": the second pass sees the first one's predicted ids, or for a
+    canvas after a clean prefix (DiffusionGemma) the first pass's canvas logits)."""
     rows = inputs.self_cond_rows_B
-    tokens: torch.Tensor | SelfConditioned = inputs.tokens_BL
+    tokens: torch.Tensor | SelfConditioned | CanvasConditioned = inputs.tokens_BL
     if rows is not None and bool(rows.any()):
         with torch.no_grad():
-            guess_BL = _argmax_tokens(model(tokens, inputs.positions_BL, inputs.mask))
-        tokens = SelfConditioned(inputs.tokens_BL, torch.where(rows[:, None], guess_BL, torch.full_like(guess_BL, -1)))
+            tokens = _conditioned(model(tokens, inputs.positions_BL, inputs.mask), inputs, rows)
     return model(tokens, inputs.positions_BL, inputs.mask)
+
+
+def _conditioned(first: ModelOutput, inputs: ModelInputs, rows: torch.Tensor) -> SelfConditioned | CanvasConditioned:
+    """The second pass's tokens: the canvas rows' logits for a prefix_canvas model, else the argmax ids."""
+    if inputs.mask.kind == "prefix_canvas":
+        canvas_BLE = first.hidden_BLE[:, inputs.mask.num_clean :]
+        logits = ModelOutput(canvas_BLE, first.head, logit_softcap=first.logit_softcap).logits()
+        return CanvasConditioned(inputs.tokens_BL, logits, rows)
+    guess_BL = _argmax_tokens(first)
+    return SelfConditioned(inputs.tokens_BL, torch.where(rows[:, None], guess_BL, torch.full_like(guess_BL, -1)))
 
 
 def _argmax_tokens(out: ModelOutput, rows_per_chunk: int = 4) -> torch.Tensor:

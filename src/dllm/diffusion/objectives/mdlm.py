@@ -72,9 +72,10 @@ def weighted_ce(out: ModelOutput, inputs: ModelInputs, cross_entropy, exclude_id
     else:
         hidden_BLE = hidden_BLE[:, : sel_BL.shape[1]]
     features_NE, weight_VE, bias_V = out.head(hidden_BLE[sel_BL])
+    cap = {} if out.logit_softcap is None else {"softcap": out.logit_softcap}  # Gemma's soft-capped logits
     loss_sum, ce_N = cross_entropy(
         features_NE, weight_VE, inputs.targets_BL[sel_BL], inputs.weights_BL[sel_BL],
-        exclude_ids=(exclude_id,), bias_V=bias_V,
+        exclude_ids=(exclude_id,), bias_V=bias_V, **cap,
     )  # fmt: skip
     metrics = {"masked_ce_sum": ce_N.detach().sum(), "num_masked": sel_BL.sum()}
     return LossOutput(loss_sum=loss_sum, metrics=metrics)
