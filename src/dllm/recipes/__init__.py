@@ -53,9 +53,11 @@ class RecipeInfo(Section):
     template: realistic GPU settings to edit."""
     description: str
     """One line for `dllm recipe list`."""
-    data: Literal["demo_text", "demo_sums", "sft_sums", "rl_sums", "chat", "instructions", "none"] = "none"
+    data: Literal["demo_text", "demo_sums", "sft_sums", "rl_sums", "chat", "instructions", "instructions_tasks",
+                  "none"] = "none"  # fmt: skip
     """The corpus `copy` generates into data/train.jsonl (instructions: the prompts into data/prompts.jsonl
-    and data/held-out.jsonl, which the target answers first)."""
+    and data/held-out.jsonl, which the target answers first; instructions_tasks: the chat tasks' train
+    split too, evaluation/facts.py)."""
     ar_model: bool = False
     """`copy` also writes ar-model/, a tiny random causal llama (Hugging Face folder) to convert."""
     encoder_model: bool = False
@@ -67,7 +69,7 @@ class RecipeInfo(Section):
     def _generated_only_for_smoke(self) -> RecipeInfo:
         if self.kind == "smoke" and self.data == "none":
             raise ValueError(f"recipe {self.name}: a smoke recipe must generate its data")
-        if (self.data == "instructions") != (self.kind == "real"):
+        if (self.data in ("instructions", "instructions_tasks")) != (self.kind == "real"):
             raise ValueError(f"recipe {self.name}: a real recipe, and only one, writes the instruction prompts")
         if self.kind == "template" and (self.data != "none" or self.ar_model or self.encoder_model):
             raise ValueError(f"recipe {self.name}: a template brings its own data and model")
@@ -110,8 +112,9 @@ def copy_recipe(name: str, dest: Path, force: bool = False) -> list[Path]:
     for fname, text in files.items():
         (dest / fname).write_text(text, encoding="utf-8")
         written.append(dest / fname)
-    if info.data == "instructions":
-        written.append(write_jsonl(dest / PROMPTS_FILE, [{"prompt": p} for p in instructions("train")]))
+    if info.data in ("instructions", "instructions_tasks"):
+        prompts = instructions("train") + (task_train_prompts() if info.data == "instructions_tasks" else [])
+        written.append(write_jsonl(dest / PROMPTS_FILE, [{"prompt": p} for p in prompts]))
         written.append(write_jsonl(dest / HELD_OUT_FILE, [{"prompt": p} for p in instructions("held_out")]))
     elif info.data != "none":
         written.append(write_jsonl(dest / DATA_FILE, GENERATORS[info.data](NUM_RECORDS)))
@@ -127,6 +130,14 @@ def _check_dest(dest: Path, force: bool) -> None:
         raise UserError(f"{dest} exists and is not a folder")
     if dest.is_dir() and any(dest.iterdir()) and not force:
         raise UserError(f"{dest} is not empty; choose a new folder or pass --force")
+
+
+def task_train_prompts() -> list[str]:
+    """The train split of every chat task (evaluation/facts.py): their questions, never their eval split's."""
+    from dllm.evaluation.facts import TABLES
+    from dllm.evaluation.tasks import in_eval_split
+
+    return [prompt for name, table in TABLES.items() for prompt, _, _ in table() if not in_eval_split(name, prompt)]
 
 
 def write_jsonl(path: Path, records: list[dict[str, Any]]) -> Path:
