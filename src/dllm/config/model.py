@@ -41,6 +41,12 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
         "qk_norm": True, "rope_theta": 50000.0, "norm_eps": 1e-5, "tie_embeddings": False, "num_experts": 8,
         "num_experts_per_tok": 2, "norm_topk_prob": False,
     },
+    # LLaDA2.0/2.1 (inclusionAI): Ling-style MoE, sigmoid router with expert bias, expert groups, a shared expert
+    "llada2_moe": {
+        "qk_norm": True, "rope_theta": 600000.0, "norm_eps": 1e-6, "tie_embeddings": False, "rotary_fraction": 0.5,
+        "num_experts": 8, "num_experts_per_tok": 2, "router_score": "sigmoid", "router_expert_bias": True,
+        "num_shared_experts": 1, "routed_scaling_factor": 2.5, "router_aux_loss_coef": 0.0,
+    },
     "olmoe": {
         "qk_norm": True, "qk_norm_width": "full", "norm_eps": 1e-5, "tie_embeddings": False, "num_experts": 8,
         "num_experts_per_tok": 2, "norm_topk_prob": False,
@@ -154,6 +160,20 @@ class ModelConfig(Section):
     """Renormalise the top-k routing probabilities to sum to 1."""
     router_aux_loss_coef: Float = Field(default=0.001, ge=0)
     """Weight of the load-balancing loss (Switch Transformer) added to the training loss."""
+    router_score: Literal["softmax", "sigmoid"] = "softmax"
+    """Router scores: softmax over experts, or an independent sigmoid per expert (LLaDA2, DeepSeek-V3)."""
+    router_expert_bias: bool = False
+    """A per-expert bias added to the scores when choosing experts only, not to their weights (LLaDA2)."""
+    router_groups: Int = Field(default=1, gt=0)
+    """Expert groups: a token's experts come from the router_topk_groups groups of best top-2 score sum."""
+    router_topk_groups: Int = Field(default=1, gt=0)
+    """Groups a token may route to (with router_groups > 1)."""
+    routed_scaling_factor: Float = Field(default=1.0, gt=0)
+    """Factor on the routed experts' weights (after the optional renormalisation)."""
+    num_shared_experts: Int = Field(default=0, ge=0)
+    """Experts every token goes through (one MLP of num_shared_experts * expert width), added to the routed output."""
+    first_dense_layers: Int = Field(default=0, ge=0)
+    """The first N layers of an MoE model have a dense MLP of intermediate_size (LLaDA2's first_k_dense_replace)."""
     self_condition: bool = False
     """Add an input for self-conditioning (the embedding of a previous pass's predictions, zero-initialised)."""
     edit_head: bool = False
@@ -192,6 +212,14 @@ class ModelConfig(Section):
             raise ValueError(f"head width {self.dim_per_head} must be even for RoPE")
         if self.num_experts and self.num_experts_per_tok > self.num_experts:
             raise ValueError(f"num_experts_per_tok {self.num_experts_per_tok} exceeds num_experts {self.num_experts}")
+        groups = self.router_groups
+        if self.num_experts and (self.num_experts % groups or self.router_topk_groups > groups
+                                 or (groups > 1 and self.num_experts // groups < 2)):  # fmt: skip
+            raise ValueError(f"router_groups {groups} must split num_experts {self.num_experts} into groups of "
+                             f">= 2 and router_topk_groups {self.router_topk_groups} must not exceed it")  # fmt: skip
+        if self.num_experts and self.num_experts_per_tok > self.router_topk_groups * (self.num_experts // groups):
+            raise ValueError(f"num_experts_per_tok {self.num_experts_per_tok} exceeds the experts of "
+                             f"router_topk_groups {self.router_topk_groups} groups")  # fmt: skip
         if self.num_experts and self.mlp != "gated":
             raise ValueError("mixture-of-experts layers use gated experts; set mlp: gated")
         if self.attention_pattern is not None and "local" in self.attention_pattern and self.local_window is None:

@@ -120,6 +120,7 @@ FAMILIES = Registry(
         "llada": "families.llada:LLADA",
         "llada_moe": "families.llama:LLADA_MOE",
         "olmoe": "families.llama:OLMOE",
+        "llada2_moe": "families.llada2:LLADA2_MOE",
         "dream": "families.llama:DREAM",
         "gpt2": "families.gpt2:GPT2",
         "bert": "families.encoders:BERT",

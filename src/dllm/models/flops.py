@@ -50,11 +50,12 @@ def _linear(n: int, fan_in: int, fan_out: int) -> int:
     return 2 * n * fan_in * fan_out
 
 
-def _mlp(cfg: ModelConfig, n: int) -> int:
+def _mlp(cfg: ModelConfig, n: int, index: int = 0) -> int:
     E = cfg.hidden_size
-    if cfg.num_experts:
+    if cfg.num_experts and index >= cfg.first_dense_layers:
         router = _linear(n, E, cfg.num_experts)
-        return router + cfg.num_experts_per_tok * 3 * _linear(n, E, cfg.expert_size)
+        experts = cfg.num_experts_per_tok + cfg.num_shared_experts  # the shared ones see every token
+        return router + experts * 3 * _linear(n, E, cfg.expert_size)
     matrices = 3 if cfg.mlp == "gated" else 2
     return matrices * _linear(n, E, cfg.mlp_size)
 
@@ -62,12 +63,12 @@ def _mlp(cfg: ModelConfig, n: int) -> int:
 def layer_forward_flops(cfg: ModelConfig, T: int, Q: int, index: int = 0) -> int:
     """Block `index`'s forward over a row of T tokens whose first Q compute queries (and outputs)."""
     if cfg.layer_kind(index) == "linear":
-        return _linear_attention(cfg, T) + _mlp(cfg, Q)
+        return _linear_attention(cfg, T) + _mlp(cfg, Q, index)
     E, H, K, D = cfg.hidden_size, cfg.num_heads, cfg.kv_heads, cfg.dim_per_head
     gate = 2 if cfg.attn_output_gate else 1
     projections = _linear(Q, E, gate * H * D) + 2 * _linear(T, E, K * D) + _linear(Q, H * D, E)
     attention = 2 * 2 * Q * T * H * D  # q k^T and p v
-    return projections + attention + _mlp(cfg, Q)
+    return projections + attention + _mlp(cfg, Q, index)
 
 
 def _linear_attention(cfg: ModelConfig, T: int) -> int:

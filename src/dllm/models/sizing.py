@@ -27,8 +27,10 @@ def _linear(n_in: int, n_out: int, bias: bool) -> int:
 def block_params(cfg: ModelConfig, index: int = 0) -> int:
     """Parameters of transformer block `index`: its token mixer, two norms, the MLP or the experts."""
     E, H, K, D = cfg.hidden_size, cfg.num_heads, cfg.kv_heads, cfg.dim_per_head
-    if cfg.num_experts:
+    if cfg.num_experts and index >= cfg.first_dense_layers:
         mlp = E * cfg.num_experts + cfg.num_experts * 3 * cfg.expert_size * E
+        S, bias = cfg.num_shared_experts * cfg.expert_size, cfg.mlp_bias  # the shared experts: one MLP
+        mlp += 2 * _linear(E, S, bias) + _linear(S, E, bias) if S else 0
     else:
         matrices = 3 if cfg.mlp == "gated" else 2
         mlp = (matrices - 1) * _linear(E, cfg.mlp_size, cfg.mlp_bias) + _linear(cfg.mlp_size, E, cfg.mlp_bias)

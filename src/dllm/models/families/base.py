@@ -77,7 +77,7 @@ def native_to_hf_name(family: Family, name: str) -> str:
 def module_path_to_hf(family: Family, path: str) -> str:
     """The Hugging Face module path of a native linear layer (for adapter files)."""
     hf = _native_to_hf(f"{path}.weight", family.renames).removesuffix(".weight")
-    if re.search(r"(c_attn|Wqkv)\.[qkv]$|Wi\.(gate|up)$", hf):
+    if re.search(r"(c_attn|Wqkv)\.[qkv]$|Wi\.(gate|up)$|\battention\.[qkv]_proj$", hf):
         raise ConfigError("--adapter-only: this family fuses q, k, v (or gate, up) in one layer; export merged weights")
     return hf
 
