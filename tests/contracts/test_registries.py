@@ -197,6 +197,7 @@ def test_tags_agree_with_the_implementations():
         assert POLICIES.has(name, "scheduled") == policy.scheduled, name
         process = not issubclass(policy, (Scheduled, Parallel))  # simulates the reverse process itself
         assert POLICIES.has(name, "process") == process, name
+        assert POLICIES.has(name, "block") == policy.block_only, name
     for name in TOKENIZERS:
         assert TOKENIZERS.has(name, "path") == (name != "byte")
 

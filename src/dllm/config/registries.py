@@ -52,6 +52,8 @@ POLICIES = Registry(
         "ancestral": entry("policies:Ancestral", "process"),
         "first_hitting": entry("policies:FirstHitting", "process"),
         "uniform": entry("policies:Uniform", "process"),
+        "llada2": entry("policies:LLaDA2", "block"),  # block: block-causal models only, whole blocks
+        "llada2_edit": entry("policies:LLaDA2Edit", "block"),
     },
 )
 CACHES = Registry(
