@@ -155,3 +155,20 @@ def test_a_bidirectional_model_is_refused_one_line():
     with pytest.raises(ConfigError, match="policy llada2 decodes whole blocks") as e:
         resolve_sampler(SamplerConfig(gen_length=8, policy="llada2"), profile)
     assert "\n" not in str(e.value)
+
+
+def test_a_llada2_folder_decodes_in_blocks_of_32_by_default():
+    """A folder from elsewhere has no decode profile: LLaDA2's decodes block-causally in the public samplers'
+    blocks of 32 (so `dllm generate --model FOLDER --policy llada2` needs no attention settings)."""
+    from dllm.checkpoint.inference import derive_profile
+    from dllm.config.model import ModelConfig
+    from dllm.tokenization.byte import ByteTokenizer
+
+    tok = ByteTokenizer()
+    profile = derive_profile(None, ModelConfig(family="llada2_moe", preset="tiny", vocab_size=V), tok)
+    assert (profile.attention, profile.block_size) == ("block", 32)
+    sampler = resolve_sampler(SamplerConfig(gen_length=64, policy="llada2"), profile)
+    assert (sampler.attention, sampler.block_length) == ("block", 32)
+    assert (
+        derive_profile(None, ModelConfig(family="llada", preset="tiny", vocab_size=V), tok).attention == "bidirectional"
+    )

@@ -42,6 +42,8 @@ class Family:
     """HF keys (regex) that carry nothing the native model needs (buffers, unused poolers)."""
     architectures_read: tuple[str, ...] = ()
     """config.json `architectures` entries that pick this family before `model_type` is looked at."""
+    block_size: int | None = None
+    """A folder of this family without a decode profile decodes block-causally in blocks of this size (LLaDA2)."""
 
 
 # -- name maps -----------------------------------------------------------------------------------------

@@ -104,5 +104,5 @@ def _to_hf(sd: StateDict, cfg: ModelConfig) -> StateDict:
 
 LLADA2_MOE = Family(
     "llada2_moe", ("llada2_moe", "llada21_moe"), "LLaDA2MoeModelLM", False, _config_from_hf, _config_to_hf,
-    _RENAMES, from_hf_extra=_from_hf, to_hf_extra=_to_hf,
+    _RENAMES, from_hf_extra=_from_hf, to_hf_extra=_to_hf, block_size=32,  # the public samplers' block_length
 )  # fmt: skip
