@@ -172,3 +172,41 @@ def test_a_llada2_folder_decodes_in_blocks_of_32_by_default():
     assert (
         derive_profile(None, ModelConfig(family="llada", preset="tiny", vocab_size=V), tok).attention == "bidirectional"
     )
+
+
+@pytest.mark.parametrize("policy", ["llada2", "llada2_edit"])
+def test_the_block_cache_is_exact_for_both_policies(weights, policy: str):
+    """Edits stay inside the active block, so the exact block cache (clean previous blocks) still applies."""
+    *_, model = weights
+    fields = dict(policy=policy, threshold=0.08, edit_threshold=0.05, max_post_steps=4)
+    uncached = _ours(model, **fields)
+    assert _ours(model, cache="block", **fields) == uncached
+
+
+@pytest.mark.parametrize("cache", ["none", "block"])
+def test_editing_requests_in_a_running_canvas_batch_decode_as_alone(weights, cache: str):
+    """Each row's edits and post steps are its own: requests joining a running batch (serving) at different
+    steps decode as they do alone, with the loop's counters equal."""
+    import copy
+
+    from dllm.sampling.canvas_batch import CanvasBatch
+
+    model = copy.deepcopy(weights[2]).double()  # batched and lone forwards then agree to the last bit
+    arrivals = [(at, [p], i) for i, (at, p) in enumerate(zip([0, 1, 3], PROMPTS, strict=True))]
+    cfgs = [SamplerConfig(gen_length=GEN, block_length=BLOCK, attention="block", shift="off", stop_at_eos=False,
+                          policy="llada2_edit", threshold=0.08, edit_threshold=e, max_post_steps=m, cache=cache)
+            for e, m in ((0.05, 16), (0.05, 2), (0.5, 1))]  # fmt: skip
+    batch = CanvasBatch(model, SPECIAL, max_rows=8)
+    groups: dict[int, object] = {}
+    step = 0
+    while step == 0 or batch.groups or len(groups) < len(arrivals):
+        for at, prompts, i in arrivals:
+            if at == step:
+                groups[i] = batch.join(prompts, cfgs[i], None)
+        batch.step()
+        step += 1
+        assert step < 500
+    for _, prompts, i in arrivals:
+        got, alone = groups[i].result(), generate(model, prompts, cfgs[i], SPECIAL)  # type: ignore[attr-defined]
+        assert got.sequences == alone.sequences
+        assert got.counters.as_dict()["steps"] == alone.counters.as_dict()["steps"]
