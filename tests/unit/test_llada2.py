@@ -245,3 +245,16 @@ def test_rope_scaling_is_refused(tmp_path: Path):
     write_folder(tmp_path / "hf", hf_config(rope_scaling={"rope_type": "yarn", "factor": 2.0}))
     with pytest.raises(ConfigError, match="RoPE scaling"):
         model_config_from_hf(tmp_path / "hf")
+
+
+def test_adapter_names_follow_the_public_layout():
+    """A LoRA adapter file names HF modules: the output projection is attention.dense; q, k and v are fused on
+    disk, so an adapter-only export of them is refused (export merged weights)."""
+    from dllm.config.registries import FAMILIES
+    from dllm.models.families.base import module_path_to_hf
+
+    family = FAMILIES.resolve("llada2_moe")
+    assert module_path_to_hf(family, "layers.1.self_attn.o_proj") == "model.layers.1.attention.dense"
+    assert module_path_to_hf(family, "layers.0.mlp.gate_proj") == "model.layers.0.mlp.gate_proj"
+    with pytest.raises(ConfigError, match="fuses q, k, v"):
+        module_path_to_hf(family, "layers.0.self_attn.q_proj")
