@@ -258,3 +258,11 @@ def test_adapter_names_follow_the_public_layout():
     assert module_path_to_hf(family, "layers.0.mlp.gate_proj") == "model.layers.0.mlp.gate_proj"
     with pytest.raises(ConfigError, match="fuses q, k, v"):
         module_path_to_hf(family, "layers.0.self_attn.q_proj")
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "olmoe", "llada_moe"])
+def test_softmax_moe_layouts_refuse_llada2_routing_on_export(family: str, tmp_path: Path):
+    cfg = ModelConfig(family=family, preset="tiny", vocab_size=V, num_experts=4, router_score="sigmoid")
+    model = Transformer(cfg)
+    with pytest.raises(ConfigError, match="no .* equivalent; llada2_moe has them"):
+        export_hf(model.state_dict(), cfg, tmp_path / "out")
