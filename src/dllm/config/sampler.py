@@ -32,8 +32,7 @@ class SamplerConfig(Section):
     steps: Int | None = Field(default=None, gt=0, le=MAX_STEPS)
     """Step budget over all blocks, a multiple of the number of blocks; null: gen_length (one token per step)."""
     policy: Literal[POLICIES.names()] = "low_confidence"  # type: ignore[valid-type]
-    """What to commit: low_confidence, random, margin, entropy, threshold, factor, ancestral, first_hitting, uniform,
-    llada2 (LLaDA2.0's block sampler), llada2_edit (LLaDA2.1's, with token editing)."""
+    """low_confidence, random, margin, entropy, threshold, factor, ancestral, first_hitting, uniform, llada2[_edit]."""
     threshold: Float = Field(default=0.9, gt=0, le=1)
     """policy threshold: commit every masked position whose proposal has at least this probability (at least one)."""
     edit_threshold: Float = Field(default=0.9, gt=0, le=1)
