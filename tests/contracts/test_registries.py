@@ -21,7 +21,8 @@ from pydantic import BaseModel
 from dllm.attention.backends import make_attention
 from dllm.attention.masks import AttentionMask
 from dllm.config.data import TokenizerConfig
-from dllm.config.model import DrafterKind, ModelConfig
+from dllm.config.drafter import DrafterKind
+from dllm.config.model import ModelConfig
 from dllm.config.objectives import (
     ARConfig,
     BD3LMConfig,
@@ -197,6 +198,7 @@ def test_tags_agree_with_the_implementations():
         assert POLICIES.has(name, "scheduled") == policy.scheduled, name
         process = not issubclass(policy, (Scheduled, Parallel))  # simulates the reverse process itself
         assert POLICIES.has(name, "process") == process, name
+        assert POLICIES.has(name, "block") == policy.block_only, name
     for name in TOKENIZERS:
         assert TOKENIZERS.has(name, "path") == (name != "byte")
 

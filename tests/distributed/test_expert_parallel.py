@@ -46,7 +46,7 @@ from dllm.diffusion.corruption import NoiseKeys
 from dllm.diffusion.objectives import MDLMObjective, TokenIds
 from dllm.errors import ConfigError
 from dllm.models import Transformer
-from dllm.models.transformer import MoE
+from dllm.models.moe import MoE
 from dllm.parallel.expert import EPGroup, apply_expert_parallel, shard_experts
 from dllm.parallel.grad_norm import clip_grad_norm
 from dllm.training.trainer import run_model

@@ -14,7 +14,8 @@ import torch
 from dllm.attention.backends.flex import FlexBackend
 from dllm.attention.backends.sdpa import sdpa_attention
 from dllm.attention.masks import AttentionMask
-from dllm.config.model import DFlashConfig, ModelConfig
+from dllm.config.drafter import DFlashConfig
+from dllm.config.model import ModelConfig
 from dllm.config.sampler import SamplerConfig
 from dllm.models.dflash import DFlashDrafter, DraftTokens
 from dllm.models.transformer import Transformer

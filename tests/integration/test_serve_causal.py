@@ -16,7 +16,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-from dllm.config.model import DFlashConfig  # noqa: E402
+from dllm.config.drafter import DFlashConfig  # noqa: E402
 from dllm.config.sampler import SamplerConfig, resolve_sampler  # noqa: E402
 from dllm.errors import ConfigError  # noqa: E402
 from dllm.models.dflash import DFlashDrafter  # noqa: E402

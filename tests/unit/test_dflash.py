@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from dllm.attention.masks import AttentionMask
-from dllm.config.model import DFlashConfig, ModelConfig
+from dllm.config.drafter import DFlashConfig
+from dllm.config.model import ModelConfig
 from dllm.config.objectives import DFlashDistillationConfig
 from dllm.data.loader import Batch
 from dllm.diffusion.corruption import NoiseKeys

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from dllm.attention.masks import AttentionMask
-from dllm.config.model import DFlashConfig, DynamicConvConfig, SelectorConfig
+from dllm.config.drafter import DFlashConfig, DynamicConvConfig, SelectorConfig
 from dllm.models.dflash import DraftTokens
 from dllm.models.dflash2 import DFlash2Drafter, dynamic_causal_conv
 from dllm.models.dflash_io import load_drafter, save_drafter

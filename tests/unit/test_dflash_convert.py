@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dllm.config.model import DFlashConfig
+from dllm.config.drafter import DFlashConfig
 from dllm.errors import CheckpointError
 from dllm.models.dflash import DFlashDrafter
 from dllm.models.dflash_io import load_drafter, save_drafter

@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from dllm.attention.masks import AttentionMask
-from dllm.config.model import DFlashConfig, ModelConfig
+from dllm.config.drafter import DFlashConfig
+from dllm.config.model import ModelConfig
 from dllm.errors import CheckpointError
 from dllm.models.capture import capture_layers
 from dllm.models.dflash import DFlashDrafter, DraftTokens

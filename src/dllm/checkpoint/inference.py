@@ -21,6 +21,7 @@ from dllm.checkpoint.manager import TRAINER_STATE, latest_checkpoint, load_model
 from dllm.config.loading import load_config
 from dllm.config.model import ModelConfig
 from dllm.config.profile import PROFILE_FILE, DecodeProfile, build_profile, read_profile
+from dllm.config.registries import FAMILIES
 from dllm.config.sampler import SamplerConfig, resolve_sampler
 from dllm.config.spec import RunSpec
 from dllm.errors import CheckpointError, ConfigError
@@ -88,10 +89,12 @@ def setup_sampling(
 
 
 def derive_profile(objective: object | None, model_cfg: ModelConfig, tok: Tokenizer) -> DecodeProfile:
-    """The decode profile of a model trained with `objective` (None: a model folder not trained here)."""
+    """The decode profile of a model trained with `objective` (None: a model folder not trained here, which
+    decodes as its family does)."""
     return build_profile(
         objective, shift_logits=model_cfg.shift_logits, max_length=model_cfg.max_seq_len, mask_id=tok.mask_id,
         pad_id=tok.pad_id, eos_id=tok.eos_id, num_tokens=tok.vocab_size, canvas_length=model_cfg.canvas_length,
+        family_block=FAMILIES.resolve(model_cfg.family).block_size,
     )  # fmt: skip
 
 
@@ -294,7 +297,7 @@ def drafter_config(obj, target_cfg: ModelConfig, mask_id: int):
     """The drafter architecture of a dflash_distillation section for a target of `target_cfg`."""
     from pydantic import ValidationError
 
-    from dllm.config.model import DFlashConfig
+    from dllm.config.drafter import DFlashConfig
 
     try:
         return DFlashConfig(

@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, model_validator
 
 from dllm.config.base import Float, Int, RelPath, Section
-from dllm.config.model import DrafterArchitecture
+from dllm.config.drafter import DrafterArchitecture
 from dllm.config.registries import SCHEDULES
 
 

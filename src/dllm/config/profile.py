@@ -79,15 +79,18 @@ class DecodeProfile(Section):
 
 def build_profile(
     objective: object | None, *, shift_logits: bool, max_length: int, mask_id: int, pad_id: int, eos_id: int,
-    num_tokens: int, canvas_length: int | None = None,
+    num_tokens: int, canvas_length: int | None = None, family_block: int | None = None,
 ) -> DecodeProfile:  # fmt: skip
     """The profile of a model trained with `objective` (an objective section, or None for a model
-    folder that was not trained here: a bidirectional masked model, or with `canvas_length` a
-    DiffusionGemma one, which decodes canvases of that length). `shift_logits`: the model family
-    predicts position i from i-1 by itself (Dream)."""
+    folder that was not trained here: a bidirectional masked model; with `canvas_length` a DiffusionGemma
+    one, which decodes canvases of that length; or a block-causal one in blocks of `family_block` when
+    its family decodes so, LLaDA2). `shift_logits`: the model family predicts position i from i-1 by
+    itself (Dream)."""
     facts = objective.decode_facts() if objective is not None else {}  # type: ignore[attr-defined]
     if objective is None and canvas_length is not None:
         facts = {"attention": "prefix_canvas", "block_size": canvas_length, "corruption": "uniform"}
+    elif objective is None and family_block is not None:
+        facts = {"attention": "block", "block_size": family_block}
     shift = bool(facts.pop("shift", False)) or shift_logits
     name = getattr(objective, "name", None)
     return DecodeProfile(objective=name, shift=shift, max_length=max_length, mask_id=mask_id, pad_id=pad_id,

@@ -55,6 +55,8 @@ POLICIES = Registry(
         "ancestral": entry("policies:Ancestral", "process"),
         "first_hitting": entry("policies:FirstHitting", "process"),
         "uniform": entry("policies:Uniform", "process"),
+        "llada2": entry("policies:LLaDA2", "block"),  # block: block-causal models only, whole blocks
+        "llada2_edit": entry("policies:LLaDA2Edit", "block"),
     },
 )
 CACHES = Registry(
@@ -123,6 +125,7 @@ FAMILIES = Registry(
         "llada": "families.llada:LLADA",
         "llada_moe": "families.llama:LLADA_MOE",
         "olmoe": "families.llama:OLMOE",
+        "llada2_moe": "families.llada2:LLADA2_MOE",
         "dream": "families.llama:DREAM",
         "gpt2": "families.gpt2:GPT2",
         "bert": "families.encoders:BERT",

@@ -32,9 +32,15 @@ class SamplerConfig(Section):
     steps: Int | None = Field(default=None, gt=0, le=MAX_STEPS)
     """Step budget over all blocks, a multiple of the number of blocks; null: gen_length (one token per step)."""
     policy: Literal[POLICIES.names()] = "low_confidence"  # type: ignore[valid-type]
-    """What to commit: low_confidence, random, margin, entropy, threshold, factor, ancestral, first_hitting, uniform."""
+    """low_confidence, random, margin, entropy, threshold, factor, ancestral, first_hitting, uniform, llada2[_edit]."""
     threshold: Float = Field(default=0.9, gt=0, le=1)
     """policy threshold: commit every masked position whose proposal has at least this probability (at least one)."""
+    edit_threshold: Float = Field(default=0.9, gt=0, le=1)
+    """policy llada2_edit: rewrite a decided token of the block when the model proposes another with p above this."""
+    max_post_steps: Int = Field(default=16, ge=0, le=MAX_STEPS)
+    """policy llada2_edit: steps a block may take after its last mask is filled, while they still edit tokens."""
+    min_commit: Int = Field(default=1, gt=0)
+    """policy llada2_edit: masks committed per step (the most confident) when fewer pass the threshold."""
     factor: Float = Field(default=1.0, gt=0)
     """policy factor: commit the n most confident positions with (n + 1) * (1 - p_n) < factor (at least one)."""
     temperature: Float = Field(default=0.0, ge=0)
@@ -110,6 +116,9 @@ class SamplerConfig(Section):
             raise ValueError("cache block and sub_block_length need block attention (a block-diffusion model)")
         if self.attention == "block" and CACHES.has(self.cache, "approximate"):
             raise ValueError(f"block models decode with the exact cache: use cache block, not {self.cache}")
+        if POLICIES.has(self.policy, "block") and (self.attention == "bidirectional" or self.sub_block_length):
+            raise ValueError(f"policy {self.policy} decodes whole blocks of a block-causal model (LLaDA2): use "
+                             "attention block and no sub_block_length")  # fmt: skip
         if self.attention == "block" and self.policy in ("ancestral", "first_hitting", "uniform"):
             raise ValueError(f"policy {self.policy} decodes bidirectional models; use attention bidirectional")
         return self

@@ -42,7 +42,8 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 from dllm.attention.backends.flex import FlexBackend
 from dllm.attention.masks import MaskMod, dense_mask
-from dllm.config.model import DFlashConfig, ModelConfig
+from dllm.config.drafter import DFlashConfig
+from dllm.config.model import ModelConfig
 from dllm.errors import CheckpointError
 from dllm.models.output import ModelOutput
 from dllm.models.transformer import Block, Transformer, apply_rope, make_norm, rope_cos_sin, rope_inv_freq

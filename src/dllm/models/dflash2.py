@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dllm.config.model import DFlashConfig
+from dllm.config.drafter import DFlashConfig
 from dllm.models.dflash import DFlashDrafter, DraftState
 
 

@@ -50,7 +50,8 @@ from typing import Any
 import torch
 
 import dllm
-from dllm.config.model import DFlashConfig, ModelConfig
+from dllm.config.drafter import DFlashConfig
+from dllm.config.model import ModelConfig
 from dllm.config.registries import FAMILIES
 from dllm.errors import CheckpointError, ConfigError
 from dllm.models.dflash import DFlashDrafter

@@ -50,26 +50,27 @@ def _linear(n: int, fan_in: int, fan_out: int) -> int:
     return 2 * n * fan_in * fan_out
 
 
-def _mlp(cfg: ModelConfig, n: int) -> int:
+def _mlp(cfg: ModelConfig, n: int, index: int = 0) -> int:
     E = cfg.hidden_size
     dense = (3 if cfg.mlp == "gated" else 2) * _linear(n, E, cfg.mlp_size)
-    if not cfg.num_experts:
+    if not cfg.num_experts or index < cfg.first_dense_layers:
         return dense
-    routed = _linear(n, E, cfg.num_experts) + cfg.num_experts_per_tok * 3 * _linear(n, E, cfg.expert_size)
+    experts = cfg.num_experts_per_tok + cfg.num_shared_experts  # the shared ones see every token
+    routed = _linear(n, E, cfg.num_experts) + experts * 3 * _linear(n, E, cfg.expert_size)
     return routed + (dense if cfg.moe_layout == "beside_dense" else 0)  # Gemma 4: experts beside the dense MLP
 
 
 def layer_forward_flops(cfg: ModelConfig, T: int, Q: int, index: int = 0) -> int:
     """Block `index`'s forward over a row of T tokens whose first Q compute queries (and outputs)."""
     if cfg.layer_kind(index) == "linear":
-        return _linear_attention(cfg, T) + _mlp(cfg, Q)
+        return _linear_attention(cfg, T) + _mlp(cfg, Q, index)
     local = cfg.layer_is_local(index)
     (K, D), E, H = cfg.layer_heads(local), cfg.hidden_size, cfg.num_heads
     gate = 2 if cfg.attn_output_gate else 1
     values = 0 if cfg.global_values_are_keys and not local else _linear(T, E, K * D)
     projections = _linear(Q, E, gate * H * D) + _linear(T, E, K * D) + values + _linear(Q, H * D, E)
     attention = 2 * 2 * Q * T * H * D  # q k^T and p v
-    return projections + attention + _mlp(cfg, Q)
+    return projections + attention + _mlp(cfg, Q, index)
 
 
 def _linear_attention(cfg: ModelConfig, T: int) -> int:

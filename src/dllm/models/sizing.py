@@ -26,12 +26,16 @@ def _linear(n_in: int, n_out: int, bias: bool) -> int:
 
 def block_params(cfg: ModelConfig, index: int = 0) -> int:
     """Parameters of transformer block `index`: its token mixer (attention of its kind, or a linear-attention
-    layer), its norms, the MLP and/or the experts."""
+    layer), its norms, the MLP and/or the experts (shared ones too)."""
     local, E = cfg.layer_is_local(index), cfg.hidden_size
     matrices = 3 if cfg.mlp == "gated" else 2
     dense = (matrices - 1) * _linear(E, cfg.mlp_size, cfg.mlp_bias) + _linear(cfg.mlp_size, E, cfg.mlp_bias)
     experts = E * cfg.num_experts + cfg.num_experts * 3 * cfg.expert_size * E
-    if cfg.num_experts and cfg.moe_layout == "beside_dense":  # Gemma 4: router scales and three more norms
+    S, bias = cfg.num_shared_experts * cfg.expert_size, cfg.mlp_bias  # the shared experts: one MLP
+    experts += 2 * _linear(E, S, bias) + _linear(S, E, bias) if S else 0
+    if not cfg.num_experts or index < cfg.first_dense_layers:
+        mlp = dense
+    elif cfg.moe_layout == "beside_dense":  # Gemma 4: router scales and three more norms
         mlp = dense + experts + E + cfg.num_experts + 3 * _norm_params(cfg, E)
     else:
         mlp = experts if cfg.num_experts else dense

@@ -30,6 +30,7 @@ from dllm.models.edit_flow import EditHead
 from dllm.models.gemma import BesideDenseExperts, CanvasConditioning, rms_normalize
 from dllm.models.layers import RMSNorm
 from dllm.models.linear_attention import GatedDeltaNet
+from dllm.models.moe import Experts, MoE
 from dllm.models.output import CanvasConditioned, ModelOutput, SelfConditioned, softcap
 
 
@@ -149,47 +150,6 @@ class MLP(nn.Module):
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
-class Experts(nn.Module):
-    """X gated experts stored as 3-D tensors (the transformers 5 Qwen3-MoE layout)."""
-
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        X, E, inner = cfg.num_experts, cfg.hidden_size, cfg.expert_size
-        self.gate_up_proj = nn.Parameter(torch.empty(X, 2 * inner, E))
-        self.down_proj = nn.Parameter(torch.empty(X, E, inner))
-        self.act = ACTIVATIONS.resolve(cfg.activation)
-
-    def forward(self, x_NE: torch.Tensor, experts_NK: torch.Tensor, weights_NK: torch.Tensor) -> torch.Tensor:
-        out_NE = torch.zeros_like(x_NE)
-        for x in experts_NK.unique().tolist():  # only the experts some token was routed to
-            token, slot = torch.where(experts_NK == x)
-            gate, up = F.linear(x_NE[token], self.gate_up_proj[x]).chunk(2, dim=-1)
-            y = F.linear(self.act(gate) * up, self.down_proj[x]) * weights_NK[token, slot, None]
-            out_NE.index_add_(0, token, y.to(out_NE.dtype))
-        return out_NE
-
-
-class MoE(nn.Module):
-    """Top-k routed experts (Qwen3-MoE); returns the output and the Switch Transformer
-    load-balancing loss (Fedus et al. 2021, eq. 4-6)."""
-
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.top_k, self.num_experts, self.norm_topk = cfg.num_experts_per_tok, cfg.num_experts, cfg.norm_topk_prob
-        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
-        self.experts = Experts(cfg)
-
-    def forward(self, x_BLE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x_NE = x_BLE.reshape(-1, x_BLE.shape[-1])
-        probs_NX = torch.softmax(self.gate(x_NE).float(), dim=-1)
-        top_p, top_i = probs_NX.topk(self.top_k, dim=-1)
-        if self.norm_topk:
-            top_p = top_p / top_p.sum(-1, keepdim=True)
-        routed_X = F.one_hot(top_i, self.num_experts).float().sum(1).mean(0) / self.top_k
-        aux_loss = self.num_experts * (routed_X * probs_NX.mean(0)).sum()
-        return self.experts(x_NE, top_i, top_p.to(x_NE.dtype)).view_as(x_BLE), aux_loss
-
-
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, attend: AttentionFn, index: int = 0) -> None:
         super().__init__()
@@ -200,8 +160,9 @@ class Block(nn.Module):
         self.self_attn = None if linear else Attention(cfg, attend, self.local)
         self.linear_attn = GatedDeltaNet(cfg) if linear else None
         self.post_attention_layernorm = make_norm(cfg)  # the norm before the MLP
-        beside = cfg.num_experts and cfg.moe_layout == "beside_dense"
-        self.mlp = MoE(cfg) if cfg.num_experts and not beside else MLP(cfg)
+        routed = cfg.num_experts and index >= cfg.first_dense_layers
+        beside = routed and cfg.moe_layout == "beside_dense"
+        self.mlp = MoE(cfg, MLP) if routed and not beside else MLP(cfg)
         # Gemma: norms on the sub-layers' outputs, experts beside the dense MLP, a per-layer output scalar
         self.attn_out_norm = make_norm(cfg) if cfg.sandwich_norm else None
         self.mlp_out_norm = make_norm(cfg) if cfg.sandwich_norm else None
@@ -412,6 +373,8 @@ class Transformer(nn.Module):
         for m in self.modules():
             if isinstance(m, RMSNorm):  # a zero-centred norm stores scale 1 as weight 0
                 m.weight.fill_(1.0 - m.offset)
+            if isinstance(m, MoE) and m.expert_bias is not None:
+                m.expert_bias.zero_()  # routing starts unbiased
             if isinstance(m, GatedDeltaNet):
                 m.dt_bias.fill_(1.0)  # at a = 0 a state keeps exp(-softplus(1)) ~ 0.27 of itself per token
         for name, b in self.named_buffers():

@@ -1,4 +1,4 @@
-"""Expert parallelism (EP) for mixture-of-experts layers (models/transformer.py `MoE`, `Experts`).
+"""Expert parallelism (EP) for mixture-of-experts layers (models/moe.py `MoE`, `Experts`).
 
 The model stays single-device; `apply_expert_parallel(model, ep_mesh)` changes every `Experts`
 module from outside, in place (parameter and module names unchanged):
@@ -59,7 +59,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from dllm.errors import ConfigError
-from dllm.models.transformer import Experts
+from dllm.models.moe import Experts
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,9 @@ reuses the last forward when nothing was written since: the same input gives the
 proposes a token per position (proposals.py) and lets the policy (policies.py) say what to write. The
 loop owns the counters, the step callback and the early exits.
 
+An editing policy (LLaDA2.1's, policies.py) may also rewrite decided tokens of the region and keep a row
+stepping after its last mask; the loop gives it the region's tokens and what it may rewrite.
+
 The loop never returns a mask: a region that is not done after its step budget keeps going, one step
 at a time (counted in `overrun_steps`). The budget is steps / (gen_length / block_length) per canvas
 block, split evenly over its sub-blocks; for block models a prompt that ends inside a block makes one
@@ -23,6 +26,7 @@ Shapes: B batch, T canvas, V vocabulary, R region.
 from __future__ import annotations
 
 from collections.abc import Callable, Generator
+from dataclasses import replace
 
 import torch
 
@@ -145,18 +149,36 @@ class Loop:
             if start is not None:
                 self.x[:, rlo:rhi] = torch.where(eligible, start, self.x[:, rlo:rhi])
             self.last_logits, k = None, 0
-            while bool((eligible := self.undecided_BT[:, rlo:rhi]).any()):
+            # editing policies: rows that asked for another step, and each row's steps with nothing undecided
+            again_B = torch.zeros(self.x.shape[0], dtype=torch.bool, device=self.x.device)
+            settled_B = torch.zeros_like(again_B, dtype=torch.long)
+            while bool(((eligible := self.undecided_BT[:, rlo:rhi]).any(-1) | again_B).any()):
                 every = cfg.refresh_every  # prefix / dual caches: a full forward every N steps as well
                 refresh = step_in_block == 0 or (every is not None and step_in_block % every == 0)
                 logits = (yield from self.predict(lo, hi, refresh))[:, rlo - lo : rhi - lo]
                 prop = full_proposal(logits, cfg.temperature, self.generator, cfg.top_k, cfg.top_p)
                 self.counters.overrun_steps += int(k >= budget)
-                commit = self.policy.step(prop, StepState(eligible, schedule_BS, k, budget, self.generator))
+                settled_B = torch.where(eligible.any(-1), 0, settled_B + 1)
+                state = StepState(eligible, schedule_BS, k, budget, self.generator)
+                commit = self.policy.step(prop, self.edit_view(state, rlo, rhi, again_B, settled_B))
                 self.write(rlo, rhi, commit, b, step_in_block)
+                again_B = torch.zeros_like(again_B) if commit.again_B is None else commit.again_B
                 k, step_in_block = k + 1, step_in_block + 1
-                if cfg.stop_at_eos and self.all_rows_ended():
+                if cfg.stop_at_eos and not self.policy.edits and self.all_rows_ended():
                     return True
-        return False
+        # an editing policy may still change a row's tokens inside the block: its rows end at the block's end
+        return bool(cfg.stop_at_eos and self.policy.edits and self.all_rows_ended())
+
+    def edit_view(
+        self, state: StepState, rlo: int, rhi: int, again_B: torch.Tensor, settled_B: torch.Tensor
+    ) -> StepState:
+        """An editing policy's view of the step: also the region's tokens, what it may rewrite (decided generated
+        positions of rows still stepping) and each row's steps with nothing undecided; others get `state`."""
+        if not self.policy.edits:
+            return state
+        live_B = state.eligible_BR.any(-1) | again_B
+        editable_BR = self.canvas.gen_BT[:, rlo:rhi] & ~state.eligible_BR & live_B[:, None]
+        return replace(state, tokens_BR=self.x[:, rlo:rhi].clone(), editable_BR=editable_BR, settled_B=settled_B)
 
     def predict(self, lo: int, hi: int, refresh: bool) -> Generator[Need, torch.Tensor, torch.Tensor]:
         """Logits of the block: a model call, or the last one when nothing was written since (exact)."""
@@ -169,16 +191,18 @@ class Loop:
     def write(self, rlo: int, rhi: int, commit: Commit, block: int, step: int) -> None:
         """Apply a policy's commit to the region [rlo, rhi), count it, and show it to the callback."""
         at = commit.positions_BR if commit.renoise_BR is None else commit.positions_BR | commit.renoise_BR
+        edited = commit.edits_BR is not None and bool(commit.edits_BR.any())
+        at = at | commit.edits_BR if edited else at  # type: ignore[operator]
         self.x[:, rlo:rhi] = torch.where(at, commit.tokens_BR, self.x[:, rlo:rhi])
         num = int(commit.positions_BR.sum())
         if commit.final:
             self.undecided_BT[:, rlo:rhi] &= ~commit.positions_BR
             self.counters.tokens_committed += num
-        self.written = num > 0 or commit.renoise_BR is not None
+        self.written = num > 0 or commit.renoise_BR is not None or edited
         self.counters.steps += 1
         if self.callback is not None:
             committed = torch.zeros_like(self.x, dtype=torch.bool)
-            committed[:, rlo:rhi] = commit.positions_BR
+            committed[:, rlo:rhi] = commit.positions_BR if not edited else commit.positions_BR | commit.edits_BR
             self.callback(StepEvent(self.x, committed, block, step, self.canvas.gen_start_B, self.special.mask_id))
 
     def all_rows_ended(self) -> bool:

@@ -13,7 +13,12 @@ its probability, the runner-up's probability, the entropy of the distribution) a
 - ancestral simulates the MDLM reverse process (Sahoo et al. 2024) with the linear schedule;
   first_hitting unmasks one position per step in random order (Zheng et al. 2024);
 - uniform decodes uniform-state models (no mask token): the region starts as random tokens and each
-  step keeps the alpha(s) share of most confident predictions and re-noises the rest.
+  step keeps the alpha(s) share of most confident predictions and re-noises the rest;
+- llada2 is LLaDA2.0's block sampler: the masks with p > tau when there are at least k of them, else
+  the k most confident, k an even share of the block per step; llada2_edit is LLaDA2.1's: at least
+  `min_commit` masks per step, and decided tokens of the block are rewritten where the model proposes
+  another token with p > edit_threshold, for up to `max_post_steps` steps after the block is full
+  (LLaDA2.0 / LLaDA2.1 technical reports, inclusionAI 2025).
 
 Shapes: B batch, R region (positions of the active block or sub-block).
 """
@@ -46,6 +51,12 @@ class StepState:
     budget: int
     """The region's step budget; the loop keeps going past it (overrun) rather than leave a mask."""
     generator: torch.Generator | None
+    tokens_BR: torch.Tensor | None = None
+    """Editing policies: the region's tokens before this step."""
+    editable_BR: torch.Tensor | None = None
+    """Editing policies: decided generated positions of the rows still stepping (what an edit may rewrite)."""
+    settled_B: torch.Tensor | None = None
+    """Editing policies: steps of the region each row has taken with nothing undecided, this one included."""
 
 
 @dataclass(frozen=True)
@@ -60,12 +71,20 @@ class Commit:
     """Uniform decoding: positions rewritten with the fresh noise `tokens_BR` holds there."""
     final: bool = True
     """The decided positions leave the undecided set (uniform: only at the region's last step)."""
+    edits_BR: torch.Tensor | None = None
+    """Decided positions rewritten with `tokens_BR` (token editing); they stay decided."""
+    again_B: torch.Tensor | None = None
+    """Rows that ask for another step of the region though nothing in them is undecided (token editing)."""
 
 
 class Policy:
     """Defaults: built without settings, the loop's budget, regions start as masks."""
 
     scheduled = False
+    edits = False
+    """The policy rewrites decided tokens: the loop gives it StepState's editing fields."""
+    block_only = False
+    """The policy decodes whole blocks of block-causal models only (its POLICIES tag `block`)."""
 
     @classmethod
     def from_config(cls, cfg: SamplerConfig, special: SpecialIds | None) -> Policy:
@@ -226,6 +245,65 @@ class Uniform(Policy):
         """Uniform over the tokenizer's ids without the mask id (as the uniform objective corrupts)."""
         u = torch.rand(state.eligible_BR.shape, generator=state.generator, device=state.eligible_BR.device)
         return uniform_token_ids(u, self.num_tokens, self.mask_id)
+
+
+class LLaDA2(Parallel):
+    """LLaDA2.0: the masks with p > tau if at least k pass, else the k most confident; k is step s's share of
+    an even split of the region's length (not of its masks) over the budget, one past the budget."""
+
+    block_only = True
+
+    def __init__(self, tau: float) -> None:
+        self.tau = tau
+
+    @classmethod
+    def from_config(cls, cfg: SamplerConfig, special: SpecialIds | None) -> Policy:
+        return cls(cfg.threshold)
+
+    def commit(self, prop: Proposal, eligible_BR: torch.Tensor, k: int = 1) -> torch.Tensor:
+        return threshold_or_topk(prop.prob_BR, eligible_BR, self.tau, k)
+
+    def step(self, prop: Proposal, state: StepState) -> Commit:
+        R, N, s = state.eligible_BR.shape[-1], state.budget, state.step
+        k = R // N + int(s < R % N) if s < N else 1
+        return Commit(self.commit(prop, state.eligible_BR, k), prop.tokens_BR)
+
+
+class LLaDA2Edit(Parallel):
+    """LLaDA2.1: commit as LLaDA2.0 with a fixed k (`min_commit`), and edit: a decided generated token of the
+    region takes the proposal when it differs and has p > edit_tau. A row keeps stepping after its last mask
+    while its steps still edit, up to `max_post_steps` such steps."""
+
+    edits = block_only = True
+
+    def __init__(self, tau: float, edit_tau: float, min_commit: int, max_post_steps: int) -> None:
+        self.tau, self.edit_tau, self.min_commit, self.max_post_steps = tau, edit_tau, min_commit, max_post_steps
+
+    @classmethod
+    def from_config(cls, cfg: SamplerConfig, special: SpecialIds | None) -> Policy:
+        return cls(cfg.threshold, cfg.edit_threshold, cfg.min_commit, cfg.max_post_steps)
+
+    def commit(self, prop: Proposal, eligible_BR: torch.Tensor) -> torch.Tensor:
+        return threshold_or_topk(prop.prob_BR, eligible_BR, self.tau, self.min_commit)
+
+    def step(self, prop: Proposal, state: StepState) -> Commit:
+        commit = self.commit(prop, state.eligible_BR)
+        if state.tokens_BR is None or state.editable_BR is None or state.settled_B is None:
+            return Commit(commit, prop.tokens_BR)  # not run by the loop's editing path: commit only
+        edits = state.editable_BR & (prop.prob_BR > self.edit_tau) & (prop.tokens_BR != state.tokens_BR)
+        full_after = torch.full_like(edits[:, 0], self.max_post_steps >= 1)  # a step once the last mask is filled
+        again_B = torch.where(
+            state.eligible_BR.any(-1), full_after, edits.any(-1) & (state.settled_B < self.max_post_steps)
+        )
+        return Commit(commit, prop.tokens_BR, edits_BR=edits, again_B=again_B)
+
+
+def threshold_or_topk(prob_BR: torch.Tensor, eligible_BR: torch.Tensor, tau: float, k: int) -> torch.Tensor:
+    """Per row: the eligible positions with p > tau when at least k pass, else the k most probable."""
+    high_BR = eligible_BR & (prob_BR > tau)
+    k_B = torch.full_like(eligible_BR[:, 0], k, dtype=torch.long).minimum(eligible_BR.sum(-1))
+    enough_B = high_BR.sum(-1) >= k
+    return torch.where(enough_B[:, None], high_BR, select_topk(prob_BR, eligible_BR, k_B))
 
 
 def make_policy(cfg: SamplerConfig, special: SpecialIds | None = None) -> Policy:

@@ -39,7 +39,7 @@ import torch
 from pydantic import ValidationError
 from torch import nn
 
-from dllm.config.model import DrafterKind
+from dllm.config.drafter import DrafterKind
 from dllm.config.registries import DRAFTER_ARCHITECTURES, DRAFTERS
 from dllm.config.sampler import SamplerConfig
 from dllm.errors import CheckpointError, ConfigError

@@ -29,7 +29,7 @@ from dllm.serving.unserved import LOGPROB_FIELDS, MESSAGE_FIELDS, REQUEST_FIELDS
 # attention and shift, which the decode profile fixes).
 DIFFUSION_FIELDS = (
     "policy", "steps", "block_length", "sub_block_length", "threshold", "factor", "cache", "refresh_every",
-    "cfg_scale", "top_k", "stop_at_eos", "reuse_unchanged",
+    "cfg_scale", "top_k", "stop_at_eos", "reuse_unchanged", "edit_threshold", "max_post_steps", "min_commit",
 )  # fmt: skip
 CAUSAL_FIELDS = ("top_k", "stop_at_eos")
 """The extra fields that also apply to a causal model (AR or speculative decoding: one token per position,

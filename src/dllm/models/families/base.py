@@ -42,6 +42,8 @@ class Family:
     """HF keys (regex) that carry nothing the native model needs (buffers, unused poolers)."""
     architectures_read: tuple[str, ...] = ()
     """config.json `architectures` entries that pick this family before `model_type` is looked at."""
+    block_size: int | None = None
+    """A folder of this family without a decode profile decodes block-causally in blocks of this size (LLaDA2)."""
 
 
 # -- name maps -----------------------------------------------------------------------------------------
@@ -77,7 +79,7 @@ def native_to_hf_name(family: Family, name: str) -> str:
 def module_path_to_hf(family: Family, path: str) -> str:
     """The Hugging Face module path of a native linear layer (for adapter files)."""
     hf = _native_to_hf(f"{path}.weight", family.renames).removesuffix(".weight")
-    if re.search(r"(c_attn|Wqkv)\.[qkv]$|Wi\.(gate|up)$", hf):
+    if re.search(r"(c_attn|Wqkv)\.[qkv]$|Wi\.(gate|up)$|\battention\.[qkv]_proj$", hf):
         raise ConfigError("--adapter-only: this family fuses q, k, v (or gate, up) in one layer; export merged weights")
     return hf
 

@@ -100,7 +100,16 @@ def _qwen3_moe_config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _softmax_routing_only(cfg: ModelConfig) -> None:
+    """These layouts route by softmax -> top-k over all experts in every layer, without shared experts."""
+    if (cfg.router_score, cfg.router_expert_bias, cfg.router_groups, cfg.routed_scaling_factor,
+            cfg.num_shared_experts, cfg.first_dense_layers) != ("softmax", False, 1, 1.0, 0, 0):  # fmt: skip
+        raise ConfigError(f"--to-hf: this model's MoE routing (sigmoid scores, expert bias or groups, scaling, shared "
+                          f"experts or dense layers) has no {cfg.family} equivalent; llada2_moe has them")  # fmt: skip
+
+
 def _qwen3_moe_config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    _softmax_routing_only(cfg)
     return {
         **_llama_config_to_hf(cfg),
         "num_experts": cfg.num_experts,
@@ -206,6 +215,7 @@ def _moe_common_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
 
 
 def _moe_common_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    _softmax_routing_only(cfg)
     if cfg.qkv_bias != cfg.attn_out_bias or cfg.mlp_bias or cfg.activation != "silu":
         raise ConfigError(f"--to-hf: this model's layout has no {cfg.family} equivalent (biases or activation)")
     return {
