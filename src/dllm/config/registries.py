@@ -125,6 +125,7 @@ FAMILIES = Registry(
         "bert": "families.encoders:BERT",
         "modernbert": "families.encoders:MODERNBERT",
         "qwen3_5": "families.qwen3_5:QWEN3_5",
+        "nemotron_labs_diffusion": "families.nemotron:NEMOTRON_LABS_DIFFUSION",
     },
 )
 NORMS = Registry(

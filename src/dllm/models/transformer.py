@@ -23,7 +23,7 @@ from torch import nn
 
 from dllm.attention.backends import AttentionFn, make_attention
 from dllm.attention.masks import AttentionMask
-from dllm.config.model import ModelConfig
+from dllm.config.model import ModelConfig, YarnRope
 from dllm.config.registries import ACTIVATIONS, NORMS
 from dllm.models.edit_flow import EditHead
 from dllm.models.layers import RMSNorm
@@ -50,6 +50,33 @@ def rope_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
     """RoPE's inverse frequencies theta^(-2i/D), i < D/2, in float32."""
     D = head_dim
     return 1.0 / (theta ** (torch.arange(0, D - D % 2, 2, dtype=torch.float32) / D))
+
+
+def yarn_inv_freq(rotary_dim: int, theta: float, yarn: YarnRope) -> tuple[torch.Tensor, float]:
+    """YaRN's inverse frequencies and cos/sin factor (Peng et al. 2023, Sec. 3.2-3.4): frequency i is kept
+    if it turns more than beta_fast times over the pretraining context, divided by `factor` if it turns
+    less than beta_slow times, and blended linearly in between (the ramp's ends rounded outwards)."""
+    D, L0 = rotary_dim, yarn.original_max_seq_len
+
+    def dim_of(rotations: float) -> float:  # the (fractional) index 2i whose wavelength fits `rotations` in L0
+        return D * math.log(L0 / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    lo, hi = max(math.floor(dim_of(yarn.beta_fast)), 0), min(math.ceil(dim_of(yarn.beta_slow)), D - 1)
+    hi = hi + 0.001 if lo == hi else hi
+    ramp = ((torch.arange(D // 2, dtype=torch.float32) - lo) / (hi - lo)).clamp(0, 1)  # 0: keep, 1: interpolate
+    inv_freq = rope_inv_freq(D, theta)
+    inv_freq = inv_freq / yarn.factor * ramp + inv_freq * (1 - ramp)
+
+    def m(scale: float) -> float:
+        return 0.1 * scale * math.log(yarn.factor) + 1.0
+
+    both = yarn.mscale and yarn.mscale_all_dim
+    return inv_freq, m(yarn.mscale) / m(yarn.mscale_all_dim) if both else m(1.0)
+
+
+def query_scale(positions_BL: torch.Tensor, beta: float, length: int) -> torch.Tensor:
+    """Llama-4's attention temperature per query position, [B, 1, L, 1]: 1 + beta ln(1 + floor(p / length))."""
+    return (1 + beta * torch.log1p(torch.floor(positions_BL.float() / length)))[:, None, :, None]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -107,9 +134,11 @@ class Attention(nn.Module):
         v = self.v_proj(x_BLE).view(B, L, -1, self.head_dim).transpose(1, 2)
         if self.q_norm is not None and self.k_norm is not None and not self.qk_norm_full:
             q, k = self.q_norm(q), self.k_norm(k)
-        if rope is not None:
-            cos, sin = rope
+        if rope is not None:  # (cos, sin) or (cos, sin, query scale [B, 1, L, 1])
+            cos, sin = rope[0], rope[1]
             q, k = apply_rope(q, cos[:, :, :Q], sin[:, :, :Q]), apply_rope(k, cos, sin)
+            if len(rope) > 2:
+                q = q * rope[2][:, :, :Q].to(q.dtype)
         if kv is not None:
             k, v = kv.update(k, v)
         out_BHQD = self.attend(q, k, v, mask)
@@ -259,7 +288,25 @@ class Transformer(nn.Module):
         self.trim_last_block = True
 
     def _inv_freq(self, theta: float) -> torch.Tensor:
-        return rope_inv_freq(self.cfg.rotary_dim, theta)
+        """Inverse frequencies of RoPE base `theta`; YaRN-scaled on the global layers when the model has it."""
+        cfg = self.cfg
+        if cfg.rope_yarn is not None and theta == cfg.rope_theta:
+            return yarn_inv_freq(cfg.rotary_dim, theta, cfg.rope_yarn)[0]
+        return rope_inv_freq(cfg.rotary_dim, theta)
+
+    def _rope(self, positions_BL: torch.Tensor) -> tuple | None:
+        """RoPE tables of the global layers: YaRN's cos/sin factor folded in, the query temperature appended."""
+        cfg = self.cfg
+        if cfg.position != "rope":
+            return None
+        cos, sin = rope_cos_sin(positions_BL, self.inv_freq)
+        factor = 1.0 if cfg.rope_yarn is None else yarn_inv_freq(cfg.rotary_dim, cfg.rope_theta, cfg.rope_yarn)[1]
+        if factor != 1.0:
+            cos, sin = cos * factor, sin * factor
+        if cfg.query_scale_beta is None:
+            return cos, sin
+        assert cfg.query_scale_length is not None  # checked by ModelConfig
+        return cos, sin, query_scale(positions_BL, cfg.query_scale_beta, cfg.query_scale_length)
 
     def forward(
         self,
@@ -279,7 +326,7 @@ class Transformer(nn.Module):
         `query_offset` must say where the slice sits)."""
         mask = mask if mask is not None else AttentionMask()
         x = self.embed(tokens_BL, positions_BL)
-        rope = rope_cos_sin(positions_BL, self.inv_freq) if self.cfg.position == "rope" else None
+        rope = self._rope(positions_BL)
         local_rope, local_mask = self._local_attention(positions_BL, rope, mask)
         last, aux = len(self.layers) - 1, []
         for i, layer in enumerate(self.layers):
