@@ -181,3 +181,226 @@ def test_unsupported_layouts_are_one_line_errors(folder: Path, tmp_path: Path):
         (bad / "config.json").write_text(json.dumps({**CONFIG, **change}))
         with pytest.raises(ConfigError):
             model_config_from_hf(bad)
+
+
+# -- training: the [x_t ; x_0] forward and the joint loss --------------------------------------------------
+def public_training_mask(L: int, block: int) -> torch.Tensor:
+    """The sbd_block_diff mask of Megatron-Bridge's dllm.compute_block_mask, [2L, 2L] bool: x_t
+    block-diagonal, x_t -> strictly earlier x_0 blocks, x_0 fully causal."""
+    q, kv = torch.arange(2 * L)[:, None], torch.arange(2 * L)[None, :]
+    q_clean, kv_clean = q >= L, kv >= L
+    bq, bkv = torch.where(q_clean, (q - L) // block, q // block), torch.where(kv_clean, (kv - L) // block, kv // block)
+    diagonal = (bq == bkv) & ~q_clean & ~kv_clean
+    offset_causal = (bq > bkv) & kv_clean & ~q_clean
+    causal = (q >= kv) & q_clean & kv_clean
+    return diagonal | offset_causal | causal
+
+
+def test_training_mask_is_the_public_one():
+    from dllm.attention.masks import dense_mask, mask_mod
+
+    L, b = 12, 4
+    mask = AttentionMask("block_diffusion", block_size=b, causal_context=True)
+    ours = dense_mask(mask_mod(mask, 2 * L), 1, 2 * L, 2 * L, torch.device("cpu"))[0, 0]
+    assert torch.equal(ours, public_training_mask(L, b))
+    bd3lm = dense_mask(mask_mod(AttentionMask("block_diffusion", block_size=b), 2 * L), 1, 2 * L, 2 * L, "cpu")
+    assert not torch.equal(bd3lm[0, 0], ours)  # BD3LM's clean half is block-causal
+
+
+def test_training_forward_matches_the_reference(folder: Path):
+    """The doubled sequence, positions 0..L-1 per half (the RoPE restart of the public attention). The
+    public training attention scales queries by their index in 2L; below original_max_position_embeddings
+    / 2 (8192 tokens in the published config, 8 here) that scale is 1 as ours (by position) is."""
+    model = load(folder)
+    L, b = 8, 4
+    x0 = torch.randint(0, V, (2, L), generator=torch.Generator().manual_seed(3))
+    xt = torch.where(torch.rand(2, L, generator=torch.Generator().manual_seed(4)) < 0.5, 3, x0)
+    tokens, positions = torch.cat([xt, x0], 1), torch.arange(L).repeat(2).expand(2, 2 * L)
+    mask = AttentionMask("block_diffusion", block_size=b, causal_context=True)
+    with torch.no_grad():
+        ref = reference_forward(public_weights(), tokens, positions, public_training_mask(L, b))
+        for backend in ("sdpa", "blockwise"):
+            m = Transformer(model.cfg.model_copy(update={"attention_backend": backend})).eval()
+            m.load_state_dict(model.state_dict())
+            diff = (m.logits(m(tokens, positions, mask).hidden_BLE) - ref).abs().max().item()
+            assert diff <= 1e-4, (backend, diff)
+
+
+@pytest.mark.parametrize("backend", ["blockwise", "flex"])
+@pytest.mark.parametrize("kind", ["block_diffusion", "block_causal"])
+def test_causal_context_backends_match_the_dense_mask(backend: str, kind: str):
+    """Fast paths against SDPA's dense mask, forward and backward, documents included."""
+    from dllm.attention.backends import make_attention
+
+    L, b = 16, 4
+    S = 2 * L if kind == "block_diffusion" else L
+    docs = torch.tensor([[0] * 6 + [1] * 10, [0] * 16])
+    mask = AttentionMask(kind, block_size=b, doc_ids_BL=docs, causal_context=True)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4 if i == 0 else 2, S, 8, generator=g, dtype=torch.float64, requires_grad=True)
+               for i in range(3))  # fmt: skip
+    want = make_attention("sdpa", False)(q, k, v, mask)
+    with torch.no_grad():  # FlexAttention's CPU forward runs its BlockMask (its backward would fall back to SDPA)
+        torch.testing.assert_close(make_attention(backend, False)(q, k, v, mask), want, atol=1e-10, rtol=0)
+    if backend == "flex":
+        return
+    got = make_attention(backend, False)(q, k, v, mask)
+    w = torch.randn(want.shape, generator=g, dtype=torch.float64)
+    for a, c in zip(torch.autograd.grad((got * w).sum(), (q, k, v)), torch.autograd.grad((want * w).sum(), (q, k, v)),
+                    strict=True):  # fmt: skip
+        torch.testing.assert_close(a, c, atol=1e-10, rtol=0)
+
+
+def _objective(**overrides):
+    from dllm.config.objectives import NemotronDiffusionConfig
+    from dllm.diffusion.objectives import TokenIds
+    from dllm.diffusion.objectives.nemotron import NemotronDiffusionObjective
+
+    ids = TokenIds(mask_id=3, eos_id=2, pad_id=1, num_tokens=V)
+    cfg = NemotronDiffusionConfig(**{"block_size": 4, **overrides})
+    return NemotronDiffusionObjective(cfg, ids, chunked_loss=False), cfg
+
+
+def _batch(L: int = 12):
+    from dllm.data.loader import Batch
+
+    tokens = torch.randint(4, V, (3, L), generator=torch.Generator().manual_seed(5))
+    sup = torch.ones(3, L, dtype=torch.bool)
+    sup[1, :5] = False  # a prompt: neither masked nor a next-token target
+    return Batch(tokens, sup, torch.tensor([10, 11, 12]))
+
+
+@pytest.mark.parametrize("normalize", ["sequence", "token"])
+def test_joint_loss_equals_the_hand_computation(folder: Path, normalize: str):
+    """Fixed noise: the masks and ratios from the same keys, the two cross-entropies from the model's
+    logits by hand (mask token out of the softmax), 0.3 * diffusion + 1.0 * next-token over the counts."""
+    from dllm.diffusion.corruption import NoiseKeys
+
+    model = load(folder)
+    obj, cfg = _objective(normalize=normalize)
+    batch, noise = _batch(), NoiseKeys(7, 3)
+    inputs = obj.prepare(batch, noise)
+    with torch.no_grad():
+        out = model(inputs.tokens_BL, inputs.positions_BL, inputs.mask)
+        got = obj.loss(out, inputs).loss_sum / obj.normalizer(batch)
+        logits = model.logits(out.hidden_BLE).double()
+    x0, sup = batch.tokens_BL, batch.loss_mask_BL
+    B, L = x0.shape
+    p = 1e-3 + (1 - 1e-3) * noise.uniform(batch.sample_ids_B, (), "nemotron.p").double()
+    masked = (noise.uniform(batch.sample_ids_B, (L,), "nemotron.mask") < p[:, None].float()) & sup
+    assert torch.equal(inputs.tokens_BL[:, :L], torch.where(masked, 3, x0))
+    assert torch.equal(inputs.tokens_BL[:, L:], x0)
+    logp = logits.index_fill(-1, torch.tensor([3]), float("-inf")).log_softmax(-1)
+    rows = []
+    for r in range(B):
+        diffusion = sum(-logp[r, i, x0[r, i]] / p[r] for i in range(L) if masked[r, i])
+        nxt = sum(-logp[r, L + i - 1, x0[r, i]] for i in range(1, L) if sup[r, i])
+        n_terms = int(masked[r].sum()) + int(sup[r, 1:].sum())
+        rows.append((0.3 * diffusion + 1.0 * nxt, n_terms))
+    if normalize == "sequence":
+        want = sum(s / n for s, n in rows) / B
+    else:
+        want = sum(s for s, _ in rows) / int(sup[:, 1:].sum())
+    assert abs(float(got) - float(want)) < 1e-5, (float(got), float(want))
+
+
+def test_weights_select_the_terms(folder: Path):
+    """ar_weight 0 leaves the diffusion term; diffusion_weight 0 the next-token term."""
+    from dllm.diffusion.corruption import NoiseKeys
+
+    model = load(folder)
+    batch = _batch()
+    parts = {}
+    for name, kw in (("both", {}), ("diffusion", {"ar_weight": 0.0}), ("ar", {"diffusion_weight": 0.0})):
+        obj, _ = _objective(**kw)
+        inputs = obj.prepare(batch, NoiseKeys(7, 3))
+        with torch.no_grad():
+            parts[name] = obj.loss(model(inputs.tokens_BL, inputs.positions_BL, inputs.mask), inputs)
+    assert float(parts["both"].loss_sum) == pytest.approx(float(parts["diffusion"].loss_sum + parts["ar"].loss_sum))
+    assert int(parts["both"].metrics["num_ar"]) == int(batch.loss_mask_BL[:, 1:].sum())
+
+
+def test_a_tiny_model_learns_with_the_joint_loss():
+    """30 AdamW steps on a fixed batch of a tiny nemotron_labs_diffusion model: the loss falls."""
+    from dllm.config.model import ModelConfig
+    from dllm.data.loader import Batch
+    from dllm.diffusion.corruption import NoiseKeys
+
+    model = Transformer(ModelConfig(family="nemotron_labs_diffusion", preset="tiny", vocab_size=V))
+    model.init_weights(torch.Generator().manual_seed(0))
+    obj, _ = _objective(block_size=8)
+    pattern = torch.arange(32) % 7 + 4
+    batch = Batch(pattern.expand(4, 32).clone(), torch.ones(4, 32, dtype=torch.bool), torch.arange(4))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for step in range(30):
+        inputs = obj.prepare(batch, NoiseKeys(step, 4))
+        loss = obj.loss(model(inputs.tokens_BL, inputs.positions_BL, inputs.mask), inputs).loss_sum
+        loss = loss / obj.normalizer(batch)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    assert all(math.isfinite(v) for v in losses)
+    assert sum(losses[-5:]) / 5 < 0.5 * sum(losses[:5]) / 5, losses
+
+
+# -- decoding ---------------------------------------------------------------------------------------------
+def _tiny_model() -> Transformer:
+    from dllm.config.model import ModelConfig
+
+    cfg = ModelConfig(family="nemotron_labs_diffusion", preset="tiny", vocab_size=V, init_std=0.2)
+    model = Transformer(cfg.model_copy(update={"attention_backend": "sdpa"}))
+    model.init_weights(torch.Generator().manual_seed(0))
+    return model.double().eval()
+
+
+def test_decoding_reads_what_training_trained():
+    """A noisy block after two clean blocks: its states under the decoding mask (block_causal with a causal
+    context) equal its states in the training forward's x_t half."""
+    model, L, b = _tiny_model(), 12, 4
+    x0 = torch.randint(4, V, (2, L), generator=torch.Generator().manual_seed(6))
+    block = torch.where(torch.rand(2, b, generator=torch.Generator().manual_seed(7)) < 0.5, 3, x0[:, 8:])
+    xt = torch.cat([x0[:, :8], block], 1)
+    with torch.no_grad():
+        train = model(torch.cat([xt, x0], 1), torch.arange(L).repeat(2).expand(2, 2 * L),
+                      AttentionMask("block_diffusion", block_size=b, causal_context=True))  # fmt: skip
+        decode = model(
+            xt, torch.arange(L).expand(2, L), AttentionMask("block_causal", block_size=b, causal_context=True)
+        )
+        plain = model(xt, torch.arange(L).expand(2, L), AttentionMask("block_causal", block_size=b))
+    torch.testing.assert_close(decode.hidden_BLE[:, 8:], train.hidden_BLE[:, 8:L], atol=1e-10, rtol=0)
+    assert (plain.hidden_BLE[:, 8:] - train.hidden_BLE[:, 8:L]).abs().max() > 1e-6  # BD3LM's context differs
+
+
+def test_the_run_decodes_with_its_blocks_and_causal_context():
+    from dllm.config.objectives import NemotronDiffusionConfig
+    from dllm.config.profile import build_profile
+    from dllm.config.sampler import SamplerConfig, resolve_sampler
+
+    profile = build_profile(NemotronDiffusionConfig(), shift_logits=False, max_length=4096, mask_id=3, pad_id=1,
+                            eos_id=2, num_tokens=V)  # fmt: skip
+    assert (profile.attention, profile.block_size, profile.shift, profile.causal_context) == ("block", 64, False, True)
+    cfg = resolve_sampler(SamplerConfig(gen_length=128, steps=128), profile)
+    assert (cfg.attention, cfg.block_length, cfg.shift, cfg.causal_context) == ("block", 64, "off", "on")
+
+
+def test_cached_block_decoding_equals_uncached():
+    from dllm.config.sampler import SamplerConfig
+    from dllm.sampling.canvas import SpecialIds
+    from dllm.sampling.generate import generate
+
+    model = _tiny_model()
+    special = SpecialIds(mask_id=3, pad_id=1, eos_id=2, num_tokens=V)
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12], [13, 14, 15], [16, 17, 18, 19, 20, 21]]
+
+    def run(cache: str, rows: list[list[int]]):
+        cfg = SamplerConfig(gen_length=12, block_length=4, steps=12, stop_at_eos=False, cache=cache,
+                            attention="block", causal_context="on", shift="off", policy="low_confidence")  # fmt: skip
+        return generate(model, rows, cfg, special, generator=torch.Generator().manual_seed(0))
+
+    plain, cached = run("none", prompts), run("block", prompts)
+    assert cached.sequences == plain.sequences
+    assert cached.counters.cached_tokens > 0
+    for i, prompt in enumerate(prompts):  # a padded row decodes as the prompt alone
+        assert run("block", [prompt]).sequences[0] == plain.sequences[i], i

@@ -39,6 +39,9 @@ class DecodeProfile(Section):
     """Tokens per block of a block model (its sampler must use the same); null for bidirectional models."""
     sub_block_size: Int | None = Field(default=None, gt=0)
     """Sub-block decoded in parallel inside a block (Fast-dLLM v2); null: whole blocks."""
+    causal_context: bool = False
+    """Block models whose clean context was trained token-causally (Nemotron-Labs-Diffusion): the prompt and
+    committed blocks are read causally, only the active block bidirectionally."""
     shift: bool = False
     """Position i is predicted from the hidden state at i-1 (Dream, Fast-dLLM v2, BD3LM with shift)."""
     schedule: Literal[SCHEDULES.names()] = "linear"  # type: ignore[valid-type]
@@ -66,8 +69,9 @@ class DecodeProfile(Section):
     def _check_blocks(self) -> DecodeProfile:
         if self.attention == "block" and self.block_size is None:
             raise ValueError("attention block needs block_size")
-        if self.attention != "block" and (self.block_size is not None or self.sub_block_size is not None):
-            raise ValueError("block_size and sub_block_size apply to attention block only")
+        if self.attention != "block" and (self.block_size is not None or self.sub_block_size is not None
+                                          or self.causal_context):  # fmt: skip
+            raise ValueError("block_size, sub_block_size and causal_context apply to attention block only")
         if self.sub_block_size is not None and self.block_size and self.block_size % self.sub_block_size:
             raise ValueError(f"sub_block_size {self.sub_block_size} must divide block_size {self.block_size}")
         return self

@@ -24,6 +24,8 @@ OBJECTIVES = Registry(
         "mdlm": "objectives.mdlm:MDLMObjective",
         "bd3lm": entry("objectives.block:BD3LMObjective", "block"),  # block: trains the block-diffusion layout
         "fast_dllm_v2": entry("objectives.block:FastDLLMv2Objective", "block"),
+        # block: the 2L layout; x_0 token-causal and read by the next-token loss (Nemotron-Labs-Diffusion)
+        "nemotron_diffusion": entry("objectives.nemotron:NemotronDiffusionObjective", "block"),
         "uniform": "objectives.uniform:UniformObjective",
         "ar": entry("objectives.ar:ARObjective", "causal"),  # causal: next-token training, decoded with --ar
         "edit_flow": "objectives.edit_flow:EditFlowObjective",  # Edit Flows: insert/delete/substitute rates

@@ -53,6 +53,8 @@ class SamplerConfig(Section):
     """bidirectional (MDLM, LLaDA, Dream) or block-causal (BD3LM, Fast-dLLM v2); auto: from the run's objective."""
     sub_block_length: Int | None = Field(default=None, gt=0)
     """Block models: decode each block in sub-blocks of this length, left to right (Fast-dLLM v2); null: whole block."""
+    causal_context: Literal["auto", "on", "off"] = "auto"
+    """Block attention: read the prompt and committed blocks causally (Nemotron-Labs-Diffusion); auto: the run's."""
     shift: Literal["auto", "on", "off"] = "auto"
     """Predict position i from the hidden state at i-1 (Dream, Fast-dLLM v2); auto: from the model and the objective."""
     reuse_unchanged: bool = True
@@ -106,6 +108,8 @@ class SamplerConfig(Section):
             raise ValueError("cfg_scale > 0 runs a masked-prompt pass beside each forward: use cache none")
         if self.refresh_every is not None and not CACHES.has(self.cache, "approximate"):
             raise ValueError(f"refresh_every applies to the prefix and dual caches, not cache {self.cache}")
+        if self.attention == "bidirectional" and self.causal_context == "on":
+            raise ValueError("causal_context reads the context of block attention; set attention: block")
         if self.attention == "bidirectional" and (CACHES.has(self.cache, "block") or self.sub_block_length is not None):
             raise ValueError("cache block and sub_block_length need block attention (a block-diffusion model)")
         if self.attention == "block" and CACHES.has(self.cache, "approximate"):
@@ -140,7 +144,11 @@ def resolve_sampler(cfg: SamplerConfig, profile: DecodeProfile) -> SamplerConfig
     _check_length(cfg, profile)
     attention = cfg.attention if cfg.attention != "auto" else profile.attention
     shift = cfg.shift if cfg.shift != "auto" else ("on" if profile.shift else "off")
-    values = {**cfg.model_dump(), "attention": attention, "shift": shift, "generation": generation}
+    causal_context = cfg.causal_context
+    if causal_context == "auto":
+        causal_context = "on" if attention == "block" and profile.causal_context else "off"
+    values = {**cfg.model_dump(), "attention": attention, "shift": shift, "generation": generation,
+              "causal_context": causal_context}  # fmt: skip
     if generation == "edit_flow":
         if cfg.edit_kappa == "auto":
             values["edit_kappa"] = profile.edit_kappa or "cubic"
