@@ -383,6 +383,12 @@ def test_the_run_decodes_with_its_blocks_and_causal_context():
     assert (profile.attention, profile.block_size, profile.shift, profile.causal_context) == ("block", 64, False, True)
     cfg = resolve_sampler(SamplerConfig(gen_length=128, steps=128), profile)
     assert (cfg.attention, cfg.block_length, cfg.shift, cfg.causal_context) == ("block", 64, "off", "on")
+    from types import SimpleNamespace
+
+    from dllm.evaluation.likelihood import scoring_for
+
+    how = scoring_for(SimpleNamespace(profile=profile))  # the block bound reads x_0 as it was trained
+    assert (how.kind, how.block_size, how.shift, how.causal_context) == ("block", 64, False, True)
 
 
 def test_cached_block_decoding_equals_uncached():
@@ -404,3 +410,36 @@ def test_cached_block_decoding_equals_uncached():
     assert cached.counters.cached_tokens > 0
     for i, prompt in enumerate(prompts):  # a padded row decodes as the prompt alone
         assert run("block", [prompt]).sequences[0] == plain.sequences[i], i
+
+
+# -- bad combinations: one line, exit 2 ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory) -> Path:
+    """The nemotron-diffusion-smoke recipe, copied and prepared (the config checks read the artifact)."""
+    from dllm.cli.main import main
+
+    path = tmp_path_factory.mktemp("recipe") / "nemo"
+    assert main(["recipe", "copy", "nemotron-diffusion-smoke", str(path)]) == 0
+    assert main(["data", "prepare", "--config", str(path / "prepare.yaml")]) == 0
+    return path
+
+
+@pytest.mark.parametrize(
+    ("overrides", "says"),
+    [
+        (["objective.block_size=24"], "objective.block_size: 24 does not divide data.seq_len 64"),
+        (["objective.ar_weight=-1"], "objective.ar_weight: Input should be greater than or equal to 0"),
+        (["objective.diffusion_weight=0", "objective.ar_weight=0"], "both 0: nothing would be trained"),
+        (["model.shift_logits=true"], "model.shift_logits: nemotron_diffusion"),
+        (["topology.nproc_per_node=2", "topology.context.mode=cp", "topology.context.cp_size=2"],
+         "nemotron_diffusion does not support context or block parallelism"),
+    ],
+)  # fmt: skip
+def test_bad_combinations_are_one_line_errors(smoke: Path, capsys, overrides: list[str], says: str):
+    from dllm.cli.main import main
+
+    capsys.readouterr()
+    sets = [a for o in overrides for a in ("--set", o)]
+    assert main(["config", "validate", "--config", str(smoke / "train.yaml"), *sets]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dllm: error: ") and err.count("\n") == 1 and says in err, err

@@ -27,12 +27,11 @@ import dataclasses
 
 import torch
 
-from dllm.attention.masks import AttentionMask
 from dllm.config.objectives import NemotronDiffusionConfig
 from dllm.data.loader import Batch
 from dllm.diffusion.corruption import NoiseKeys, mask_tokens
 from dllm.diffusion.objectives.base import LossOutput, ModelInputs, TokenIds
-from dllm.diffusion.objectives.block import pad_blocks_with_eos
+from dllm.diffusion.objectives.block import pad_blocks_with_eos, two_halves
 from dllm.diffusion.objectives.mdlm import weighted_ce
 from dllm.models.chunked_ce import linear_cross_entropy, plain_cross_entropy
 from dllm.models.output import ModelOutput
@@ -71,10 +70,7 @@ class NemotronDiffusionObjective:
         i = torch.arange(L, device=x0.device)
         # x_0's last row predicts nothing here: it stands for the first token's (weight 0) predictor
         rows = torch.cat([i, torch.where(i == 0, 2 * L - 1, L + i - 1)]).expand(B, 2 * L)
-        positions = i.repeat(2).expand(B, 2 * L)
-        mask = AttentionMask("block_diffusion", block_size=cfg.block_size, doc_ids_BL=batch.doc_ids_BL,
-                             causal_context=True)  # fmt: skip
-        tokens = torch.cat([noisy, x0], dim=1)
+        tokens, positions, mask = two_halves(noisy, x0, batch.doc_ids_BL, cfg.block_size, causal_context=True)
         return ModelInputs(tokens, positions, mask, x0.repeat(1, 2), torch.cat([w_diff, w_next], 1), loss_rows=rows)
 
     def loss(self, out: ModelOutput, inputs: ModelInputs) -> LossOutput:
