@@ -34,7 +34,7 @@ ROPE = {
 CONFIG = {
     "architectures": ["NemotronLabsDiffusionModel"], "model_type": "nemotron_labs_diffusion", "vocab_size": V,
     "hidden_size": E, "num_hidden_layers": NL, "num_attention_heads": H, "num_key_value_heads": K, "head_dim": D,
-    "intermediate_size": FF, "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "hidden_act": "silu",
+    "intermediate_size": FF, "max_position_embeddings": 64, "rms_norm_eps": 1e-5, "hidden_act": "silu",
     "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False, "sliding_window": None,
     "rope_parameters": ROPE, "mask_token_id": 3, "block_size": 4, "dlm_paradigm": "bidirectional",
     "ar_loss_weight": 1.0, "dlm_loss_weight": None, "torch_dtype": "float32",
@@ -83,7 +83,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def _cos_sin(positions_BL: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The bridge's Ministral3RotaryEmbedding: transformers' YaRN init, cos/sin times its attention factor."""
-    cfg = transformers.PretrainedConfig(hidden_size=E, num_attention_heads=H, head_dim=D, max_position_embeddings=256)
+    cfg = transformers.PretrainedConfig(hidden_size=E, num_attention_heads=H, head_dim=D, max_position_embeddings=64)
     cfg.rope_parameters = {k: v for k, v in ROPE.items() if k != "llama_4_scaling_beta"}
     cfg.standardize_rope_params = lambda: None  # the parameters above are already standard
     inv_freq, factor = transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS["yarn"](cfg, None)
@@ -143,6 +143,26 @@ def test_forward_matches_the_reference(folder: Path, kind: str):
         ref = reference_forward(public_weights(), tokens, positions, allowed)
     diff = (ours - ref).abs().max().item()
     assert diff <= 1e-4, diff
+
+
+def test_the_reference_is_transformers_ministral3():
+    """The reference agrees with transformers' Ministral3ForCausalLM (the decoder the public remote code
+    builds on) on the same weights: the reference itself is checked."""
+    cfg = transformers.Ministral3Config(
+        vocab_size=V, hidden_size=E, intermediate_size=FF, num_hidden_layers=NL, num_attention_heads=H,
+        num_key_value_heads=K, head_dim=D, max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        rope_parameters=dict(ROPE), sliding_window=None,
+    )  # fmt: skip
+    model = transformers.Ministral3ForCausalLM(cfg).eval()
+    renamed = {"lm_head.weight" if k == "diffusion_head.weight" else k.replace("encoder.", "model."): v
+               for k, v in public_weights().items()}  # fmt: skip
+    model.load_state_dict(renamed, strict=True)
+    tokens, positions = _inputs()
+    L = tokens.shape[1]
+    with torch.no_grad():
+        theirs = model(input_ids=tokens, position_ids=positions).logits
+    ref = reference_forward(public_weights(), tokens, positions, torch.ones(L, L).tril().bool())
+    assert (theirs - ref).abs().max().item() <= 1e-4
 
 
 def test_yarn_and_query_temperature_matter(folder: Path):
@@ -408,6 +428,12 @@ def test_cached_block_decoding_equals_uncached():
     plain, cached = run("none", prompts), run("block", prompts)
     assert cached.sequences == plain.sequences
     assert cached.counters.cached_tokens > 0
+    from dllm.sampling.canvas_batch import CanvasBatch
+
+    # the server's running canvas batch builds its own block-causal masks: these requests run as calls
+    on = SamplerConfig(gen_length=12, block_length=4, attention="block", causal_context="on", shift="off")
+    off = on.model_copy(update={"causal_context": "off"})
+    assert not CanvasBatch.takes(on, model) and CanvasBatch.takes(off, model)
     for i, prompt in enumerate(prompts):  # a padded row decodes as the prompt alone
         assert run("block", [prompt]).sequences[0] == plain.sequences[i], i
 
