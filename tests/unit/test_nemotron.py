@@ -165,6 +165,25 @@ def test_the_reference_is_transformers_ministral3():
     assert (theirs - ref).abs().max().item() <= 1e-4
 
 
+@pytest.mark.parametrize("factor,mscale,mscale_all_dim,theta", [(4.0, 1.0, 1.0, 1e6), (16.0, 0.707, 1.0, 1e4),
+                                                            (8.0, 0.0, 0.0, 5e5), (40.0, 1.0, 0.0, 1e4)])  # fmt: skip
+def test_yarn_tables_are_transformers(factor: float, mscale: float, mscale_all_dim: float, theta: float):
+    """Inverse frequencies and the cos/sin factor equal transformers' YaRN init (which the public
+    attention calls), also where the factor is not 1."""
+    from dllm.config.model import YarnRope
+    from dllm.models.transformer import yarn_attention_factor, yarn_inv_freq
+
+    params = {"rope_type": "yarn", "rope_theta": theta, "factor": factor, "original_max_position_embeddings": 64,
+              "beta_fast": 32.0, "beta_slow": 1.0, "mscale": mscale, "mscale_all_dim": mscale_all_dim}  # fmt: skip
+    cfg = transformers.PretrainedConfig(hidden_size=64, num_attention_heads=2, head_dim=32, max_position_embeddings=64)
+    cfg.rope_parameters = params
+    cfg.standardize_rope_params = lambda: None
+    want, want_factor = transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS["yarn"](cfg, None)
+    yarn = YarnRope(factor=factor, original_max_seq_len=64, mscale=mscale, mscale_all_dim=mscale_all_dim)
+    torch.testing.assert_close(yarn_inv_freq(32, theta, yarn), want, atol=0, rtol=1e-6)
+    assert yarn_attention_factor(yarn) == pytest.approx(want_factor, rel=1e-12)
+
+
 def test_yarn_and_query_temperature_matter(folder: Path):
     """Plain RoPE or no temperature would give other logits: the test above checks both."""
     model = load(folder)

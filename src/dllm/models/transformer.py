@@ -52,10 +52,10 @@ def rope_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
     return 1.0 / (theta ** (torch.arange(0, D - D % 2, 2, dtype=torch.float32) / D))
 
 
-def yarn_inv_freq(rotary_dim: int, theta: float, yarn: YarnRope) -> tuple[torch.Tensor, float]:
-    """YaRN's inverse frequencies and cos/sin factor (Peng et al. 2023, Sec. 3.2-3.4): frequency i is kept
-    if it turns more than beta_fast times over the pretraining context, divided by `factor` if it turns
-    less than beta_slow times, and blended linearly in between (the ramp's ends rounded outwards)."""
+def yarn_inv_freq(rotary_dim: int, theta: float, yarn: YarnRope) -> torch.Tensor:
+    """YaRN's inverse frequencies (Peng et al. 2023, Sec. 3.2-3.3): frequency i is kept if it turns more
+    than beta_fast times over the pretraining context, divided by `factor` if it turns less than
+    beta_slow times, and blended linearly in between (the ramp's ends rounded outwards)."""
     D, L0 = rotary_dim, yarn.original_max_seq_len
 
     def dim_of(rotations: float) -> float:  # the (fractional) index 2i whose wavelength fits `rotations` in L0
@@ -65,13 +65,19 @@ def yarn_inv_freq(rotary_dim: int, theta: float, yarn: YarnRope) -> tuple[torch.
     hi = hi + 0.001 if lo == hi else hi
     ramp = ((torch.arange(D // 2, dtype=torch.float32) - lo) / (hi - lo)).clamp(0, 1)  # 0: keep, 1: interpolate
     inv_freq = rope_inv_freq(D, theta)
-    inv_freq = inv_freq / yarn.factor * ramp + inv_freq * (1 - ramp)
+    return inv_freq / yarn.factor * ramp + inv_freq * (1 - ramp)
+
+
+def yarn_attention_factor(yarn: YarnRope | None) -> float:
+    """YaRN's factor on cos and sin (Sec. 3.4): m(mscale) / m(mscale_all_dim), m(s) = 0.1 s ln(factor) + 1
+    (m(1) when either is 0); 1.0 without YaRN."""
+    if yarn is None:
+        return 1.0
 
     def m(scale: float) -> float:
         return 0.1 * scale * math.log(yarn.factor) + 1.0
 
-    both = yarn.mscale and yarn.mscale_all_dim
-    return inv_freq, m(yarn.mscale) / m(yarn.mscale_all_dim) if both else m(1.0)
+    return m(yarn.mscale) / m(yarn.mscale_all_dim) if yarn.mscale and yarn.mscale_all_dim else m(1.0)
 
 
 def query_scale(positions_BL: torch.Tensor, beta: float, length: int) -> torch.Tensor:
@@ -291,7 +297,7 @@ class Transformer(nn.Module):
         """Inverse frequencies of RoPE base `theta`; YaRN-scaled on the global layers when the model has it."""
         cfg = self.cfg
         if cfg.rope_yarn is not None and theta == cfg.rope_theta:
-            return yarn_inv_freq(cfg.rotary_dim, theta, cfg.rope_yarn)[0]
+            return yarn_inv_freq(cfg.rotary_dim, theta, cfg.rope_yarn)
         return rope_inv_freq(cfg.rotary_dim, theta)
 
     def _rope(self, positions_BL: torch.Tensor) -> tuple | None:
@@ -300,7 +306,7 @@ class Transformer(nn.Module):
         if cfg.position != "rope":
             return None
         cos, sin = rope_cos_sin(positions_BL, self.inv_freq)
-        factor = 1.0 if cfg.rope_yarn is None else yarn_inv_freq(cfg.rotary_dim, cfg.rope_theta, cfg.rope_yarn)[1]
+        factor = yarn_attention_factor(cfg.rope_yarn)
         if factor != 1.0:
             cos, sin = cos * factor, sin * factor
         if cfg.query_scale_beta is None:
