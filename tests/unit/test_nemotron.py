@@ -488,3 +488,17 @@ def test_bad_combinations_are_one_line_errors(smoke: Path, capsys, overrides: li
     assert main(["config", "validate", "--config", str(smoke / "train.yaml"), *sets]) == 2
     err = capsys.readouterr().err
     assert err.startswith("dllm: error: ") and err.count("\n") == 1 and says in err, err
+
+
+def test_a_drafter_of_this_architecture_is_refused():
+    """DFlash drafters copy a plain RoPE: a Ministral 3 target is refused in one line, not drafted wrongly."""
+    from types import SimpleNamespace
+
+    from dllm.checkpoint.inference import drafter_config
+    from dllm.config.model import ModelConfig
+    from dllm.errors import ConfigError
+
+    target = ModelConfig(family="nemotron_labs_diffusion", preset="tiny", vocab_size=V)
+    obj = SimpleNamespace(num_layers=1, block_size=8, target_layer_ids=[0], architecture="dllm", target="t")
+    with pytest.raises(ConfigError, match="YaRN RoPE or a query temperature"):
+        drafter_config(obj, target, mask_id=3)
