@@ -155,12 +155,14 @@ def resolve_sampler(cfg: SamplerConfig, profile: DecodeProfile) -> SamplerConfig
         if cfg.edit_end_time is None:
             values["edit_end_time"] = 1.0 - (profile.edit_eps or 1e-3)
     if attention == "block" and profile.block_size is not None:
-        if cfg.block_length is not None and cfg.block_length != profile.block_size:
+        # a causal context reads the same keys for any block length (the published Nemotron-Labs-Diffusion
+        # sampler decodes its 64-token training blocks in blocks of 32); a block-causal one does not
+        if cfg.block_length is not None and cfg.block_length != profile.block_size and causal_context != "on":
             raise ConfigError(
                 f"sampler.block_length: this run was trained with blocks of {profile.block_size}; "
                 "block-causal sampling must use the same block length"
             )
-        values["block_length"] = profile.block_size
+        values["block_length"] = cfg.block_length if cfg.block_length is not None else profile.block_size
         if cfg.sub_block_length is None:
             values["sub_block_length"] = profile.sub_block_size
     if attention == "block" and values["block_length"] is None:
