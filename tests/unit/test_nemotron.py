@@ -424,6 +424,10 @@ def test_the_run_decodes_with_its_blocks_and_causal_context():
     assert (cfg.attention, cfg.block_length, cfg.shift, cfg.causal_context) == ("block", 64, "off", "on")
     # the published sampler decodes in blocks of 32: any block length reads a causal context as trained
     assert resolve_sampler(SamplerConfig(gen_length=128, steps=128, block_length=32), profile).block_length == 32
+    from dllm.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="the same or shorter"):  # longer noisy blocks than trained
+        resolve_sampler(SamplerConfig(gen_length=128, steps=128, block_length=128), profile)
     from types import SimpleNamespace
 
     from dllm.evaluation.likelihood import scoring_for

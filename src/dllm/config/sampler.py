@@ -155,12 +155,13 @@ def resolve_sampler(cfg: SamplerConfig, profile: DecodeProfile) -> SamplerConfig
         if cfg.edit_end_time is None:
             values["edit_end_time"] = 1.0 - (profile.edit_eps or 1e-3)
     if attention == "block" and profile.block_size is not None:
-        # a causal context reads the same keys for any block length (the published Nemotron-Labs-Diffusion
-        # sampler decodes its 64-token training blocks in blocks of 32); a block-causal one does not
-        if cfg.block_length is not None and cfg.block_length != profile.block_size and causal_context != "on":
+        # a causal context reads the same keys for any block length, so a shorter one is in distribution (the
+        # published Nemotron-Labs-Diffusion sampler decodes its 64-token training blocks in blocks of 32)
+        shorter_ok = causal_context == "on" and cfg.block_length is not None and cfg.block_length < profile.block_size
+        if cfg.block_length is not None and cfg.block_length != profile.block_size and not shorter_ok:
             raise ConfigError(
                 f"sampler.block_length: this run was trained with blocks of {profile.block_size}; "
-                "block-causal sampling must use the same block length"
+                "block-causal sampling must use the same block length (a causal-context run: the same or shorter)"
             )
         values["block_length"] = cfg.block_length if cfg.block_length is not None else profile.block_size
         if cfg.sub_block_length is None:
