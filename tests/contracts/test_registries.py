@@ -28,6 +28,7 @@ from dllm.config.objectives import (
     BD3LMConfig,
     FastDLLMv2Config,
     MDLMConfig,
+    NemotronDiffusionConfig,
     ObjectiveConfig,
     UniformConfig,
 )
@@ -251,6 +252,7 @@ OBJECTIVE_CONFIGS = {
     "fast_dllm_v2": lambda s: FastDLLMv2Config(block_size=4, sub_block_size=2),
     "uniform": lambda s: UniformConfig(schedule=s),
     "ar": lambda s: ARConfig(),
+    "nemotron_diffusion": lambda s: NemotronDiffusionConfig(block_size=4),
 }
 OBJECTIVE_CASES = [
     (case, sched)
@@ -307,15 +309,16 @@ def test_objective_prepare_contract(name, schedule):
     assert isinstance(inp, ModelInputs)
     assert isinstance(inp.mask, AttentionMask)
     n = views(inp, 8)
+    m = inp.targets_BL.shape[1] // 12  # terms side by side (nemotron_diffusion: diffusion, next-token)
     assert inp.tokens_BL.shape == inp.positions_BL.shape and inp.tokens_BL.shape[0] == 8 * n
-    assert inp.targets_BL.shape == inp.weights_BL.shape == (8 * n, 12)
+    assert inp.targets_BL.shape == inp.weights_BL.shape == (8 * n, 12 * m)
     assert inp.tokens_BL.dtype == torch.long and inp.positions_BL.dtype == torch.long
     assert inp.weights_BL.is_floating_point()
     assert bool(torch.isfinite(inp.weights_BL).all()) and bool((inp.weights_BL >= 0).all())
     assert bool(((inp.tokens_BL >= 0) & (inp.tokens_BL < V)).all())
     # nothing outside the supervision mask carries loss weight, and the targets are the clean tokens
-    assert bool((inp.weights_BL[~batch.loss_mask_BL.repeat(n, 1)] == 0).all())
-    assert torch.equal(inp.targets_BL, batch.tokens_BL.repeat(n, 1))
+    assert bool((inp.weights_BL[~batch.loss_mask_BL.repeat(n, m)] == 0).all())
+    assert torch.equal(inp.targets_BL, batch.tokens_BL.repeat(n, m))
     assert float(inp.weights_BL.sum()) > 0
     assert obj.normalizer(batch) > 0
 

@@ -93,6 +93,10 @@ class AttentionMask:
     canvas_origin_B: torch.Tensor | None = None
     """prefix_canvas, per row [B] (int64): canvas blocks are aligned to this many rows after canvas_start (each
     response's start in training); None: 0."""
+    causal_context: bool = False
+    """Block kinds: the clean context attends token-causally (Nemotron-Labs-Diffusion, whose clean half also
+    trains next-token prediction): block_diffusion's x_0 half, and every block_causal block but the last
+    key block (the one being denoised). False: block-causal context (BD3LM)."""
     num_outputs: int | None = None
     """Only the first N query rows' outputs are used (BD3LM's loss reads x_t only): a model may compute
     just those queries in its last layer. None: every row's output is used."""
@@ -109,6 +113,8 @@ class AttentionMask:
             raise ValueError(f"block_size has no effect with attention mask kind {self.kind!r}; leave it None")
         if self.query_offset < 0 or (self.query_offset and self.kind == "block_diffusion"):
             raise ValueError(f"query_offset must be >= 0 and is not used with block_diffusion, got {self.query_offset}")
+        if self.causal_context and not needs_block:
+            raise ValueError(f"causal_context applies to the block kinds, not {self.kind!r}")
         if self.num_outputs is not None and self.num_outputs < 1:
             raise ValueError(f"num_outputs must be >= 1 (or None for all rows), got {self.num_outputs}")
         if self.window is not None and self.window < 1:
@@ -180,14 +186,27 @@ def block_causal(block_size: int) -> MaskMod:
     return mod
 
 
-def block_diffusion(seq_len: int, block_size: int) -> MaskMod:
+def causal_before_last_block(block_size: int, kv_len: int) -> MaskMod:
+    """Decoding a causal-context block model: the canvas up to the active block attends token-causally
+    except inside its last key block, which is the active (noisy) one: kv <= q, or both in that block."""
+    last = (kv_len - 1) // block_size
+
+    def mod(b, h, q, kv):
+        return (kv <= q) | (q // block_size == last)
+
+    return mod
+
+
+def block_diffusion(seq_len: int, block_size: int, causal_context: bool = False) -> MaskMod:
     """BD3LM's vectorised training mask over [x_t ; x_0] of length 2L (Arriola et al. 2025, Sec. 3.2).
 
     Blocks are indexed by (i mod L) // B in both halves. A noisy query (i < L) sees the noisy keys of
     its own block (block-diagonal) and the clean keys of strictly earlier blocks (offset
     block-causal: the context it would have at sampling time); a clean query sees clean keys of the
-    same or earlier blocks (block-causal). Clean never sees noisy, so x_0's states equal those of a
-    block-causal pass over x_0. Allowed pairs: L*L + L*B of 4*L*L.
+    same or earlier blocks (block-causal), or with `causal_context` the clean keys up to its own
+    position (Nemotron-Labs-Diffusion: x_0 is a causal pass that trains next-token prediction). Clean
+    never sees noisy, so x_0's states equal those of a block-causal (causal) pass over x_0. Allowed
+    pairs: L*L + L*B of 4*L*L (BD3LM).
     """
 
     def mod(b, h, q, kv):
@@ -195,7 +214,7 @@ def block_diffusion(seq_len: int, block_size: int) -> MaskMod:
         q_block, kv_block = (q % seq_len) // block_size, (kv % seq_len) // block_size
         noisy_noisy = ~q_clean & ~kv_clean & (q_block == kv_block)
         noisy_clean = ~q_clean & kv_clean & (kv_block < q_block)
-        clean_clean = q_clean & kv_clean & (kv_block <= q_block)
+        clean_clean = q_clean & kv_clean & ((kv <= q) if causal_context else (kv_block <= q_block))
         return noisy_noisy | noisy_clean | clean_clean
 
     return mod
@@ -339,13 +358,15 @@ def base_mod(mask: AttentionMask, seq_len: int | None) -> MaskMod:
     if mask.kind == "causal":
         return causal()
     assert mask.block_size is not None  # checked in AttentionMask.__post_init__
-    if mask.kind == "block_causal":
+    if mask.kind == "block_causal" and not mask.causal_context:
         return block_causal(mask.block_size)
     if mask.kind == "prefix_canvas":
         assert mask.num_clean is not None  # checked in AttentionMask.__post_init__
         return prefix_canvas(mask.num_clean, mask.block_size, mask.canvas_start, mask.window, mask.canvas_origin_B)
     assert seq_len is not None  # layout_length raises for block_diffusion without kv_len
-    return block_diffusion(seq_len, mask.block_size)
+    if mask.kind == "block_causal":
+        return and_masks(block_causal(mask.block_size), causal_before_last_block(mask.block_size, seq_len))
+    return block_diffusion(seq_len, mask.block_size, mask.causal_context)
 
 
 def layout_length(mask: AttentionMask, kv_len: int | None) -> int | None:

@@ -306,5 +306,5 @@ def drafter_config(obj, target_cfg: ModelConfig, mask_id: int):
         )  # fmt: skip
     except ValidationError as e:
         msg = e.errors()[0]["msg"].removeprefix("Value error, ")
-        fix = "" if msg.startswith("architecture") else "; fix target_layer_ids"
+        fix = "" if msg.startswith(("architecture", "a target with")) else "; fix target_layer_ids"
         raise ConfigError(f"objective (dflash_distillation): {msg} (target {obj.target}){fix}") from None

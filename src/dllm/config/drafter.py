@@ -80,6 +80,8 @@ class DFlashConfig(Section):
             raise ValueError(f"target_layer_ids {bad} are outside the target's {n} layers (0-based)")
         if self.target.vocab_size is not None and self.mask_id >= self.target.vocab_size:
             raise ValueError(f"mask_id {self.mask_id} is outside the target's vocabulary of {self.target.vocab_size}")
+        if self.target.rope_yarn is not None or self.target.query_scale_beta is not None:
+            raise ValueError("a target with YaRN RoPE or a query temperature (Ministral 3) has no drafter here yet")
         if self.blocks is not None and self.blocks.hidden_size != self.target.hidden_size:
             raise ValueError(f"the drafter's hidden size {self.blocks.hidden_size} is not the target's "
                              f"{self.target.hidden_size}")  # fmt: skip

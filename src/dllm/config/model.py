@@ -64,12 +64,34 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
         "local_rope_theta": 10000.0, "rope_theta": 1000000.0, "global_rope_fraction": 0.25,
         "global_values_are_keys": True, "canvas_length": 256,
     },
+    # Nemotron-Labs-Diffusion (NVIDIA): a Ministral 3 decoder (YaRN RoPE, Llama-4 query temperature), untied head
+    "nemotron_labs_diffusion": {
+        "rope_theta": 1000000.0, "norm_eps": 1e-5, "tie_embeddings": False, "query_scale_beta": 0.1,
+        "query_scale_length": 16384, "rope_yarn": {"factor": 16.0, "original_max_seq_len": 16384},
+    },
     "modernbert": {
         "norm": "layernorm", "norm_eps": 1e-5, "embedding_norm": True, "first_layer_attn_norm": False,
         "activation": "gelu", "head": "mlm", "head_dense_bias": False, "rope_theta": 160000.0,
         "attention_pattern": ["global", "local", "local"], "local_window": 65, "local_rope_theta": 10000.0,
     },
 }  # fmt: skip
+
+
+class YarnRope(Section):
+    """YaRN RoPE scaling (Peng et al. 2023): slow frequencies interpolated by `factor`, fast ones kept."""
+
+    factor: Float = Field(gt=1)
+    """Context extension: inverse frequencies below the ramp are divided by it."""
+    original_max_seq_len: Int = Field(gt=0)
+    """Pretraining context; the ramp between kept and interpolated frequencies is placed on it."""
+    beta_fast: Float = Field(default=32.0, gt=0)
+    """Rotations over original_max_seq_len above which a frequency is kept (extrapolated)."""
+    beta_slow: Float = Field(default=1.0, gt=0)
+    """Rotations below which a frequency is fully interpolated."""
+    mscale: Float = Field(default=1.0, ge=0)
+    """cos/sin are scaled by m(mscale) / m(mscale_all_dim), m(s) = 0.1 s ln(factor) + 1 (1 when equal)."""
+    mscale_all_dim: Float = Field(default=1.0, ge=0)
+    """Denominator's mscale of that attention factor."""
 
 
 class ModelConfig(Section):
@@ -105,6 +127,12 @@ class ModelConfig(Section):
     """Sliding window of the `local` layers: a query attends keys fewer than this many positions away."""
     local_rope_theta: Float | None = Field(default=None, gt=0)
     """RoPE base frequency of the `local` layers; null: rope_theta."""
+    rope_yarn: YarnRope | None = None
+    """YaRN scaling of the global layers' RoPE (Ministral 3, Nemotron-Labs-Diffusion); null: plain RoPE."""
+    query_scale_beta: Float | None = Field(default=None, gt=0)
+    """Llama-4 attention temperature: queries at position p times 1 + beta ln(1 + floor(p / query_scale_length))."""
+    query_scale_length: Int | None = Field(default=None, gt=0)
+    """Positions per step of that temperature (Ministral 3: its 16384-token pretraining context)."""
     rotary_fraction: Float = Field(default=1.0, gt=0, le=1)
     """Fraction of each head's width that RoPE rotates (the first ones; Qwen3.5: 0.25); the rest carry no position."""
     attn_output_gate: bool = False
@@ -260,6 +288,10 @@ class ModelConfig(Section):
         if self.linear_value_heads % self.linear_key_heads:
             raise ValueError(f"linear_num_value_heads {self.linear_value_heads} is not a multiple of "
                              f"linear_num_key_heads {self.linear_key_heads}")  # fmt: skip
+        if (self.query_scale_beta is None) != (self.query_scale_length is None):
+            raise ValueError("query_scale_beta and query_scale_length go together: set both or neither")
+        if self.position != "rope" and (self.rope_yarn is not None or self.query_scale_beta is not None):
+            raise ValueError("rope_yarn and query_scale_beta act on RoPE attention; set position: rope or drop them")
         if self.position == "rope" and (self.rotary_dim < 2 or self.rotary_dim % 2):
             raise ValueError(f"rotary_fraction {self.rotary_fraction} of head width {self.dim_per_head} "
                              f"rotates {self.rotary_dim} features; RoPE needs an even number >= 2")  # fmt: skip

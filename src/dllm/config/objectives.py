@@ -88,6 +88,37 @@ class FastDLLMv2Config(Section):
                 "shift": True, "schedule": "linear", "corruption": "mask"}  # fmt: skip
 
 
+class NemotronDiffusionConfig(Section):
+    """Nemotron-Labs-Diffusion (NVIDIA): a diffusion loss on x_t and a next-token loss on x_0 in one forward."""
+
+    name: Literal["nemotron_diffusion"] = "nemotron_diffusion"
+    """Objective: nemotron_diffusion ([x_t ; x_0] with a token-causal x_0; diffusion + AR loss)."""
+    block_size: Int = Field(default=64, gt=0)
+    """Tokens per block of x_t (the published recipe: 64); must divide data.seq_len."""
+    diffusion_weight: Float = Field(default=0.3, ge=0)
+    """Weight of the diffusion term: x_t's masked tokens, CE / p (published: 0.3)."""
+    ar_weight: Float = Field(default=1.0, ge=0)
+    """Weight of the next-token term on x_0 (published: 1.0)."""
+    eps: Float = Field(default=1e-3, gt=0, lt=1)
+    """Smallest mask ratio: p = eps + (1 - eps) u per sequence, u ~ U[0, 1)."""
+    antithetic: bool = False
+    """Stratify u over the global batch (the published recipe draws it independently)."""
+    normalize: Literal["sequence", "token"] = "sequence"
+    """sequence: each row over its own count of terms, rows averaged (published); token: over all next-token targets."""
+
+    @model_validator(mode="after")
+    def _check_weights(self) -> NemotronDiffusionConfig:
+        if self.diffusion_weight == 0 and self.ar_weight == 0:
+            raise ValueError("diffusion_weight and ar_weight are both 0: nothing would be trained")
+        return self
+
+    def decode_facts(self) -> dict[str, Any]:
+        """Block decoding with the training block size, no shift, and the context (prompt, committed blocks)
+        read token-causally as the clean half was trained."""
+        return {"attention": "block", "block_size": self.block_size, "shift": False, "causal_context": True,
+                "schedule": "linear", "corruption": "mask"}  # fmt: skip
+
+
 class UniformConfig(Section):
     """Uniform-state diffusion: tokens replaced by random vocabulary ids with probability 1 - alpha(t)."""
 
@@ -203,6 +234,7 @@ ObjectiveConfig = Annotated[
     MDLMConfig
     | BD3LMConfig
     | FastDLLMv2Config
+    | NemotronDiffusionConfig
     | UniformConfig
     | ARConfig
     | EditFlowConfig

@@ -40,6 +40,9 @@ class DecodeProfile(Section):
     """Tokens per block of a block model (its sampler must use the same); null for bidirectional models."""
     sub_block_size: Int | None = Field(default=None, gt=0)
     """Sub-block decoded in parallel inside a block (Fast-dLLM v2); null: whole blocks."""
+    causal_context: bool = False
+    """Block models whose clean context was trained token-causally (Nemotron-Labs-Diffusion): the prompt and
+    committed blocks are read causally, only the active block bidirectionally."""
     shift: bool = False
     """Position i is predicted from the hidden state at i-1 (Dream, Fast-dLLM v2, BD3LM with shift)."""
     schedule: Literal[SCHEDULES.names()] = "linear"  # type: ignore[valid-type]
@@ -72,6 +75,8 @@ class DecodeProfile(Section):
         if wrong_sub or (self.attention not in blocks and self.block_size is not None):
             raise ValueError("block_size and sub_block_size apply to attention block only (block_size also to "
                              "prefix_canvas)")  # fmt: skip
+        if self.causal_context and self.attention != "block":
+            raise ValueError("causal_context applies to attention block only")
         if self.sub_block_size is not None and self.block_size and self.block_size % self.sub_block_size:
             raise ValueError(f"sub_block_size {self.sub_block_size} must divide block_size {self.block_size}")
         return self

@@ -24,6 +24,8 @@ OBJECTIVES = Registry(
         "mdlm": "objectives.mdlm:MDLMObjective",
         "bd3lm": entry("objectives.block:BD3LMObjective", "block"),  # block: trains the block-diffusion layout
         "fast_dllm_v2": entry("objectives.block:FastDLLMv2Objective", "block"),
+        # block: the 2L layout; x_0 token-causal and read by the next-token loss (Nemotron-Labs-Diffusion)
+        "nemotron_diffusion": entry("objectives.nemotron:NemotronDiffusionObjective", "block"),
         "uniform": "objectives.uniform:UniformObjective",
         # DiffusionGemma's native SFT: [clean ; canvas of every response block] under the prefix_canvas mask;
         # frozen_routers: the build freezes the MoE routers (they keep their pretrained routing)
@@ -132,6 +134,7 @@ FAMILIES = Registry(
         "modernbert": "families.encoders:MODERNBERT",
         "qwen3_5": "families.qwen3_5:QWEN3_5",
         "diffusion_gemma": "families.diffusion_gemma:DIFFUSION_GEMMA",
+        "nemotron_labs_diffusion": "families.nemotron:NEMOTRON_LABS_DIFFUSION",
     },
 )
 NORMS = Registry(

@@ -226,6 +226,9 @@ def check_context(spec: RunSpec) -> None:
     mode = ctx.mode
     if mode == "none":
         return
+    if obj.name == "nemotron_diffusion":  # its next-token loss reads x_0's rows, which bp copies to every rank
+        raise ConfigError("topology.context.mode: nemotron_diffusion does not support context or block "
+                          "parallelism yet; set mode: none")  # fmt: skip
     if mode == "cp" and ctx.bp_size != 1:
         raise ConfigError(
             f"topology.context.bp_size: mode cp shards positions only, got bp_size {ctx.bp_size}; "

@@ -59,6 +59,8 @@ class SamplerConfig(Section):
     """bidirectional (MDLM, LLaDA, Dream) or block-causal (BD3LM, Fast-dLLM v2); auto: from the run's objective."""
     sub_block_length: Int | None = Field(default=None, gt=0)
     """Block models: decode each block in sub-blocks of this length, left to right (Fast-dLLM v2); null: whole block."""
+    causal_context: Literal["auto", "on", "off"] = "auto"
+    """Block attention: read the prompt and committed blocks causally (Nemotron-Labs-Diffusion); auto: the run's."""
     shift: Literal["auto", "on", "off"] = "auto"
     """Predict position i from the hidden state at i-1 (Dream, Fast-dLLM v2); auto: from the model and the objective."""
     reuse_unchanged: bool = True
@@ -112,6 +114,8 @@ class SamplerConfig(Section):
             raise ValueError("cfg_scale > 0 runs a masked-prompt pass beside each forward: use cache none")
         if self.refresh_every is not None and not CACHES.has(self.cache, "approximate"):
             raise ValueError(f"refresh_every applies to the prefix and dual caches, not cache {self.cache}")
+        if self.attention == "bidirectional" and self.causal_context == "on":
+            raise ValueError("causal_context reads the context of block attention; set attention: block")
         if self.attention == "bidirectional" and (CACHES.has(self.cache, "block") or self.sub_block_length is not None):
             raise ValueError("cache block and sub_block_length need block attention (a block-diffusion model)")
         if self.attention == "block" and CACHES.has(self.cache, "approximate"):
@@ -154,19 +158,26 @@ def resolve_sampler(cfg: SamplerConfig, profile: DecodeProfile) -> SamplerConfig
     _check_length(cfg, profile)
     attention = cfg.attention if cfg.attention != "auto" else profile.attention
     shift = cfg.shift if cfg.shift != "auto" else ("on" if profile.shift else "off")
-    values = {**cfg.model_dump(), "attention": attention, "shift": shift, "generation": generation}
+    causal_context = cfg.causal_context
+    if causal_context == "auto":
+        causal_context = "on" if attention == "block" and profile.causal_context else "off"
+    values = {**cfg.model_dump(), "attention": attention, "shift": shift, "generation": generation,
+              "causal_context": causal_context}  # fmt: skip
     if generation == "edit_flow":
         if cfg.edit_kappa == "auto":
             values["edit_kappa"] = profile.edit_kappa or "cubic"
         if cfg.edit_end_time is None:
             values["edit_end_time"] = 1.0 - (profile.edit_eps or 1e-3)
     if attention == "block" and profile.block_size is not None:
-        if cfg.block_length is not None and cfg.block_length != profile.block_size:
+        # a causal context reads the same keys for any block length, so a shorter one is in distribution (the
+        # published Nemotron-Labs-Diffusion sampler decodes its 64-token training blocks in blocks of 32)
+        shorter_ok = causal_context == "on" and cfg.block_length is not None and cfg.block_length < profile.block_size
+        if cfg.block_length is not None and cfg.block_length != profile.block_size and not shorter_ok:
             raise ConfigError(
                 f"sampler.block_length: this run was trained with blocks of {profile.block_size}; "
-                "block-causal sampling must use the same block length"
+                "block-causal sampling must use the same block length (a causal-context run: the same or shorter)"
             )
-        values["block_length"] = profile.block_size
+        values["block_length"] = cfg.block_length if cfg.block_length is not None else profile.block_size
         if cfg.sub_block_length is None:
             values["sub_block_length"] = profile.sub_block_size
     if attention == "block" and values["block_length"] is None:

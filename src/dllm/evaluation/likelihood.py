@@ -43,6 +43,8 @@ class ScoringModel:
     """Block models: the training block size."""
     shift: bool = False
     """Block models trained with the token shift (Fast-dLLM v2, bd3lm shift)."""
+    causal_context: bool = False
+    """Block models whose clean half was trained token-causally (nemotron_diffusion)."""
     schedule: str = "linear"
 
 
@@ -177,7 +179,9 @@ def predictor_hidden(
         return torch.cat([hidden[:, :1], hidden[:, :-1]], dim=1), has
     if how.kind == "block":
         assert how.block_size is not None
-        tokens2, positions2, mask2 = two_halves(noisy_BL, tokens_BL, docs, how.block_size, noisy_only=not how.shift)
+        tokens2, positions2, mask2 = two_halves(
+            noisy_BL, tokens_BL, docs, how.block_size, noisy_only=not how.shift, causal_context=how.causal_context
+        )
         hidden = model(tokens2, positions2, mask2).hidden_BLE
         if not how.shift:
             return hidden[:, :L], has
@@ -292,7 +296,7 @@ def scoring_for(loaded, kind: str = "auto") -> ScoringModel:
         if profile.corruption != "mask":
             raise ConfigError("objective.corruption: the block bound is computed for mask corruption only")
         return ScoringModel("block", profile.mask_id, block_size=profile.block_size, shift=profile.shift,
-                            schedule=profile.schedule)  # fmt: skip
+                            schedule=profile.schedule, causal_context=profile.causal_context)  # fmt: skip
     if kind == "block":
         raise ConfigError("kind: block needs a run trained with bd3lm or fast_dllm_v2 (its block size)")
     if profile.shift:

@@ -24,7 +24,7 @@ from torch import nn
 
 from dllm.attention.backends import AttentionFn, make_attention
 from dllm.attention.masks import AttentionMask
-from dllm.config.model import ModelConfig
+from dllm.config.model import ModelConfig, YarnRope
 from dllm.config.registries import ACTIVATIONS, NORMS
 from dllm.models.edit_flow import EditHead
 from dllm.models.gemma import BesideDenseExperts, CanvasConditioning, rms_normalize
@@ -57,6 +57,39 @@ def rope_inv_freq(head_dim: int, theta: float, fraction: float = 1.0) -> torch.T
     inv_freq = 1.0 / (theta ** (torch.arange(0, D - D % 2, 2, dtype=torch.float32) / D))
     inv_freq[int(fraction * D // 2) :] = 0.0
     return inv_freq
+
+
+def yarn_inv_freq(rotary_dim: int, theta: float, yarn: YarnRope) -> torch.Tensor:
+    """YaRN's inverse frequencies (Peng et al. 2023, Sec. 3.2-3.3): frequency i is kept if it turns more
+    than beta_fast times over the pretraining context, divided by `factor` if it turns less than
+    beta_slow times, and blended linearly in between (the ramp's ends rounded outwards)."""
+    D, L0 = rotary_dim, yarn.original_max_seq_len
+
+    def dim_of(rotations: float) -> float:  # the (fractional) index 2i whose wavelength fits `rotations` in L0
+        return D * math.log(L0 / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    lo, hi = max(math.floor(dim_of(yarn.beta_fast)), 0), min(math.ceil(dim_of(yarn.beta_slow)), D - 1)
+    hi = hi + 0.001 if lo == hi else hi
+    ramp = ((torch.arange(D // 2, dtype=torch.float32) - lo) / (hi - lo)).clamp(0, 1)  # 0: keep, 1: interpolate
+    inv_freq = rope_inv_freq(D, theta)
+    return inv_freq / yarn.factor * ramp + inv_freq * (1 - ramp)
+
+
+def yarn_attention_factor(yarn: YarnRope | None) -> float:
+    """YaRN's factor on cos and sin (Sec. 3.4): m(mscale) / m(mscale_all_dim), m(s) = 0.1 s ln(factor) + 1
+    (m(1) when either is 0); 1.0 without YaRN."""
+    if yarn is None:
+        return 1.0
+
+    def m(scale: float) -> float:
+        return 0.1 * scale * math.log(yarn.factor) + 1.0
+
+    return m(yarn.mscale) / m(yarn.mscale_all_dim) if yarn.mscale and yarn.mscale_all_dim else m(1.0)
+
+
+def query_scale(positions_BL: torch.Tensor, beta: float, length: int) -> torch.Tensor:
+    """Llama-4's attention temperature per query position, [B, 1, L, 1]: 1 + beta ln(1 + floor(p / length))."""
+    return (1 + beta * torch.log1p(torch.floor(positions_BL.float() / length)))[:, None, :, None]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -121,9 +154,11 @@ class Attention(nn.Module):
             v = rms_normalize(v, self.value_norm_eps)
         if self.q_norm is not None and self.k_norm is not None and not self.qk_norm_full:
             q, k = self.q_norm(q), self.k_norm(k)
-        if rope is not None:
-            cos, sin = rope
+        if rope is not None:  # (cos, sin) or (cos, sin, query scale [B, 1, L, 1])
+            cos, sin = rope[0], rope[1]
             q, k = apply_rope(q, cos[:, :, :Q], sin[:, :, :Q]), apply_rope(k, cos, sin)
+            if len(rope) > 2:
+                q = q * rope[2][:, :, :Q].to(q.dtype)
         if self.q_scale is not None:
             q = q * self.q_scale
         if kv is not None:
@@ -249,12 +284,15 @@ class Transformer(nn.Module):
 
     def _inv_freq(self, local: bool) -> torch.Tensor:
         """The RoPE table of local or global layers: `rotary_fraction` of their head width (partial RoPE: the
-        first features), their base, and the global layers' proportional fraction (Gemma 4)."""
+        first features), their base, YaRN-scaled on the global layers when the model has it, and the global
+        layers' proportional fraction (Gemma 4)."""
         cfg = self.cfg
         _, D = cfg.layer_heads(local)
         R = int(D * cfg.rotary_fraction)
         if local:
             return rope_inv_freq(R, cfg.local_rope_theta or cfg.rope_theta)
+        if cfg.rope_yarn is not None:
+            return yarn_inv_freq(R, cfg.rope_theta, cfg.rope_yarn)
         return rope_inv_freq(R, cfg.rope_theta, cfg.global_rope_fraction)
 
     def _local_table(self) -> bool:
@@ -264,6 +302,20 @@ class Transformer(nn.Module):
             return False
         same_width = cfg.layer_heads(True)[1] == cfg.layer_heads(False)[1] and cfg.global_rope_fraction == 1
         return not same_width or cfg.local_rope_theta not in (None, cfg.rope_theta)
+
+    def _rope(self, positions_BL: torch.Tensor) -> tuple | None:
+        """RoPE tables of the global layers: YaRN's cos/sin factor folded in, the query temperature appended."""
+        cfg = self.cfg
+        if cfg.position != "rope":
+            return None
+        cos, sin = rope_cos_sin(positions_BL, self.inv_freq)
+        factor = yarn_attention_factor(cfg.rope_yarn)
+        if factor != 1.0:
+            cos, sin = cos * factor, sin * factor
+        if cfg.query_scale_beta is None:
+            return cos, sin
+        assert cfg.query_scale_length is not None  # checked by ModelConfig
+        return cos, sin, query_scale(positions_BL, cfg.query_scale_beta, cfg.query_scale_length)
 
     def forward(
         self,
@@ -285,7 +337,7 @@ class Transformer(nn.Module):
         # prefix_canvas: the token rows after the clean ones are the canvas (a cached forward starts at query_offset)
         num_clean = mask.num_clean - mask.query_offset if mask.num_clean is not None else None
         x = self.embed(tokens_BL, positions_BL, num_clean)
-        rope = rope_cos_sin(positions_BL, self.inv_freq) if self.cfg.position == "rope" else None
+        rope = self._rope(positions_BL)
         local_rope, local_mask = self._local_attention(positions_BL, rope, mask)
         last, aux = len(self.layers) - 1, []
         for i, layer in enumerate(self.layers):

@@ -67,7 +67,10 @@ class Runner:
                 m = AttentionMask("bidirectional", query_offset=qs)
             elif c.block_attention:
                 docs = valid.long() if padded else None  # padding is its own document
-                m = AttentionMask("block_causal", doc_ids_BL=docs, block_size=bl, query_offset=qs)
+                causal = self.cfg.causal_context == "on"  # committed blocks read causally (Nemotron-Labs-Diffusion)
+                m = AttentionMask(
+                    "block_causal", doc_ids_BL=docs, block_size=bl, query_offset=qs, causal_context=causal
+                )
             else:
                 m = AttentionMask("bidirectional", key_valid_BL=valid if padded else None, query_offset=qs)
             self._masks[(qs, ke)] = m
@@ -118,4 +121,5 @@ def _twice(mask: AttentionMask) -> AttentionMask:
         return None if t is None else t.repeat(2, 1)
 
     return AttentionMask(mask.kind, key_valid_BL=rep(mask.key_valid_BL), doc_ids_BL=rep(mask.doc_ids_BL),
-                         block_size=mask.block_size, window=mask.window, query_offset=mask.query_offset)  # fmt: skip
+                         block_size=mask.block_size, window=mask.window, query_offset=mask.query_offset,
+                         causal_context=mask.causal_context)  # fmt: skip

@@ -47,13 +47,21 @@ def pad_blocks_with_eos(batch: Batch, block: int, ids: TokenIds) -> Batch:
 
 
 def two_halves(
-    noisy_BL: torch.Tensor, clean_BL: torch.Tensor, doc_BL: torch.Tensor | None, block: int, noisy_only: bool = False
+    noisy_BL: torch.Tensor,
+    clean_BL: torch.Tensor,
+    doc_BL: torch.Tensor | None,
+    block: int,
+    noisy_only: bool = False,
+    causal_context: bool = False,
 ):
     """Tokens [x_t ; x_0], positions 0..L-1 twice, the block-diffusion mask (documents apply to both).
-    `noisy_only`: only x_t's outputs are read, so the model's last layer may skip x_0's queries."""
+    `noisy_only`: only x_t's outputs are read, so the model's last layer may skip x_0's queries.
+    `causal_context`: x_0 attends token-causally (nemotron_diffusion) instead of block-causally."""
     B, L = clean_BL.shape
     positions = torch.arange(L, device=clean_BL.device).repeat(2).expand(B, 2 * L)
-    mask = AttentionMask("block_diffusion", block_size=block, doc_ids_BL=doc_BL, num_outputs=L if noisy_only else None)
+    outputs = L if noisy_only else None
+    mask = AttentionMask("block_diffusion", block_size=block, doc_ids_BL=doc_BL, num_outputs=outputs,
+                         causal_context=causal_context)  # fmt: skip
     return torch.cat([noisy_BL, clean_BL], dim=1), positions, mask
 
 
