@@ -67,10 +67,10 @@ def test_index_matches_the_recipe_folders():
     for name in RECIPES:
         assert all((package / name / f).is_file() for f in CONFIG_FILES)
     smoke = {"mdlm", "sft", "bd3lm", "fast-dllm-v2", "uniform", "a2d-mdlm", "a2d-bd3lm", "ar", "dflash", "grpo",
-             "bert-chat", "editflow", "llada2", "nemotron-diffusion"}  # fmt: skip
+             "bert-chat", "editflow", "llada2", "nemotron-diffusion", "qwen3.5-fast-dllm-v2"}  # fmt: skip
     templates = {"qwen3-0.6b-bd3lm", "llada-8b-sft", "qwen2.5-fast-dllm-v2", "mdlm-small-pretrain", "dflash-qwen3-8b",
                  "bert-chat-modernbert-large", "editflow-small-sft", "grpo-llada-8b-gsm8k",
-                 "llada2-mini-sft", "nemotron-labs-diffusion-8b"}  # fmt: skip
+                 "llada2-mini-sft", "nemotron-labs-diffusion-8b", "qwen3.5-fast-dllm-v2"}  # fmt: skip
     for name in RECIPES:  # a recipe trained first is a smoke recipe listed before
         after = INFO[name].after
         assert after is None or (after in SMOKE and RECIPES.index(after) < RECIPES.index(name)), name
