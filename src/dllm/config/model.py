@@ -302,9 +302,25 @@ class ModelConfig(Section):
         pattern = self.attention_pattern
         return "global" if pattern is None else pattern[index % len(pattern)]
 
+    def layer_classes(self, stop: int | None = None) -> list[tuple[int, int]]:
+        """The layers [0, stop) (default: all) as (a representative index, how many layers share its layout):
+        a layer's layout depends on its index only through its place in attention_pattern and whether it is
+        one of the dense first layers, so a sum over the layers takes O(pattern) steps, whatever number of
+        layers a config claims."""
+        N = self.num_layers if stop is None else stop
+        P = len(self.attention_pattern) if self.attention_pattern else 1
+        D = min(self.first_dense_layers, N)
+        classes = []
+        for lo, hi in ((0, D), (D, N)):
+            for r in range(P):
+                first = lo + (r - lo) % P  # the first layer of [lo, hi) at place r of the pattern
+                if first < hi:
+                    classes.append((first, (hi - 1 - first) // P + 1))
+        return classes
+
     @property
     def has_linear_layers(self) -> bool:
-        return any(self.layer_kind(i) == "linear" for i in range(self.num_layers))
+        return any(self.layer_kind(i) == "linear" for i, _ in self.layer_classes())
 
     @property
     def rotary_dim(self) -> int:

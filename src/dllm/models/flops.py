@@ -89,7 +89,8 @@ def body_forward_flops(cfg: ModelConfig, layout: Layout) -> int:
     T = layout.row_len
     Q = T if layout.last_queries is None else layout.last_queries
     last = cfg.num_layers - 1
-    per_row = sum(layer_forward_flops(cfg, T, Q if i == last else T, i) for i in range(cfg.num_layers))
+    per_row = sum(n * layer_forward_flops(cfg, T, T, i) for i, n in cfg.layer_classes(last))
+    per_row += layer_forward_flops(cfg, T, Q, last)
     return layout.rows * per_row
 
 

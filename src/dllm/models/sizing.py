@@ -62,7 +62,7 @@ def count_params(cfg: ModelConfig) -> int:
     """Parameters of the model `cfg` describes (cfg.vocab_size must be resolved)."""
     assert cfg.vocab_size is not None, "resolve model.vocab_size first"
     E, V = cfg.hidden_size, cfg.vocab_size
-    n = V * E + sum(block_params(cfg, i) for i in range(cfg.num_layers))
+    n = V * E + sum(count * block_params(cfg, i) for i, count in cfg.layer_classes())
     n += 2 * E * cfg.mlp_size + E * cfg.mlp_size + _norm_params(cfg, E) if cfg.canvas_conditioning else 0
     n += cfg.max_seq_len * E if cfg.position == "learned" else 0
     n += _norm_params(cfg, E) if cfg.embedding_norm else 0

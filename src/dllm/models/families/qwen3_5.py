@@ -61,7 +61,7 @@ def _config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     if (
         cfg.norm != "rmsnorm_centered" or not cfg.qk_norm or cfg.qk_norm_width != "head" or not cfg.attn_output_gate
         or cfg.qkv_bias != cfg.attn_out_bias or cfg.mlp_bias or cfg.activation != "silu" or cfg.num_experts
-        or any(cfg.layer_kind(i) == "local" for i in range(cfg.num_layers))
+        or any(cfg.layer_kind(i) == "local" for i, _ in cfg.layer_classes())
     ):  # fmt: skip
         raise ConfigError("--to-hf: this model's layout has no Qwen3.5 equivalent (norms, gates, biases or layers)")
     kinds = {"linear": "linear_attention", "global": "full_attention"}
