@@ -160,18 +160,24 @@ class CanvasBatch:
         requests: the mask's); the requests that returned (or failed) with it, which leave the batch."""
         if not self.groups:
             return []
-        calls = [(groups, lambda groups=groups, block=block: self._forward(groups, block))
-                 for block, groups in self._forwards()]  # fmt: skip
-        calls += [(list(rows.groups), lambda rows=rows: self._logits(*rows.forward()))
-                  for rows in self.cached.values() if rows.groups]  # fmt: skip
+        finished: list[CanvasGroup] = []
+        for block, groups in self._forwards():
+            finished += self._answer(groups, self._forward(groups, block))
+        for rows in self.cached.values():
+            if rows.groups:
+                groups = list(rows.groups)  # answering may remove a group from rows.groups
+                finished += self._answer(groups, self._logits(*rows.forward()))
+        return finished
+
+    def _answer(self, groups: list[CanvasGroup], logits: list[torch.Tensor]) -> list[CanvasGroup]:
+        """Send each group its logits; the groups that returned (or failed), which leave the batch."""
         finished = []
-        for groups, forward in calls:
-            for g, logits_nQV in zip(groups, forward(), strict=True):
-                g.answer(logits_nQV)
-                if g.done:
-                    self.groups.remove(g)
-                    self._leave_rows(g)
-                    finished.append(g)
+        for g, logits_nQV in zip(groups, logits, strict=True):
+            g.answer(logits_nQV)
+            if g.done:
+                self.groups.remove(g)
+                self._leave_rows(g)
+                finished.append(g)
         return finished
 
     def _forwards(self) -> list[tuple[int | None, list[CanvasGroup]]]:
