@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -98,6 +99,35 @@ def test_spread_shrinks_with_more_samples_and_both_samplers_agree(kind):
     assert abs(many.mean() - plain.mean()) < 3 * (many.std() + plain.std()) / math.sqrt(12)
 
 
+class ShiftedStates(torch.nn.Module):
+    """`model` with its states moved one position right: row i is the state at i - 1 (row 0 its own)."""
+
+    def __init__(self, model: Transformer) -> None:
+        super().__init__()
+        self.model = model
+
+    def head(self, hidden):
+        return self.model.head(hidden)
+
+    def forward(self, tokens, positions, mask, cache=None):
+        out = self.model(tokens, positions, mask)
+        return replace(out, hidden_BLE=out.hidden_BLE[:, (torch.arange(tokens.shape[1]) - 1).clamp_min(0)])
+
+
+def test_a_shifted_masked_model_is_scored_from_the_state_before_each_token():
+    """shift: the bound of a model equals the unshifted bound of the same model whose states are moved one
+    position right (the alignment the mdlm objective trains a shift_logits model with)."""
+    model, (x, scored) = untrained(3), rows(3)
+
+    def samples(m, shift):
+        how = ScoringModel("mdlm", mask_id=V - 1, shift=shift)
+        return nelbo_samples(m, x, scored, how, num_samples=4, generator=torch.Generator().manual_seed(5)).samples_BK
+
+    shifted = samples(model, True)
+    assert torch.equal(shifted, samples(ShiftedStates(model), False))
+    assert not torch.allclose(shifted, samples(model, False))
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Tiny mdlm and bd3lm runs on rotations of a 16-letter cycle (every letter follows its neighbour)."""
@@ -108,9 +138,11 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
                            source="prepare.yaml", base_dir=root)  # fmt: skip
     prepare(prep, root)
     runs = {}
-    for name, objective in (("mdlm", {"name": "mdlm"}), ("bd3lm", {"name": "bd3lm", "block_size": 8})):
+    for name, objective, shift in (("mdlm", {"name": "mdlm"}, False), ("bd3lm", {"name": "bd3lm", "block_size": 8},
+                                   False), ("mdlm_shift", {"name": "mdlm"}, True)):  # fmt: skip
         values = {
-            "run": {"name": name, "output_dir": str(root / "runs")}, "model": {"preset": "tiny"},
+            "run": {"name": name, "output_dir": str(root / "runs")},
+            "model": {"preset": "tiny", "shift_logits": shift},
             "data": {"path": "p", "seq_len": 32}, "objective": objective,
             "training": {"steps": 150, "global_batch_size": 16, "micro_batch_size": 16},
             "optimizer": {"lr": 3e-3}, "scheduler": {"warmup_steps": 5},
@@ -122,11 +154,11 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return runs
 
 
-@pytest.mark.parametrize("name", ["mdlm", "bd3lm"])
+@pytest.mark.parametrize("name", ["mdlm", "bd3lm", "mdlm_shift"])
 def test_trained_model_prefers_the_right_continuation(trained, name):
     loaded = load_for_inference(run=trained[name])
     how = scoring_for(loaded)
-    assert how.kind == ("block" if name == "bd3lm" else "mdlm")
+    assert how.kind == ("block" if name == "bd3lm" else "mdlm") and how.shift == (name == "mdlm_shift")
     tok = loaded.tokenizer
     wins = 0
     for start in range(8):  # a training document is one 16-letter rotation: score its last 6 letters

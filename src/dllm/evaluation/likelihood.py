@@ -42,7 +42,8 @@ class ScoringModel:
     block_size: int | None = None
     """Block models: the training block size."""
     shift: bool = False
-    """Block models trained with the token shift (Fast-dLLM v2, bd3lm shift)."""
+    """Position i predicted from the state at i-1: block models trained with the token shift (Fast-dLLM v2,
+    bd3lm shift), masked models with model.shift_logits (Dream, a2d-smollm2-mdlm)."""
     causal_context: bool = False
     """Block models whose clean half was trained token-causally (nemotron_diffusion)."""
     schedule: str = "linear"
@@ -166,7 +167,7 @@ def predictor_hidden(
     """The model call of scoring: hidden states [B, L, E] whose row i is the state that predicts token
     i, and bool [B, L]: which positions have a predictor (not position 0 of AR and shifted models).
 
-    mdlm: one bidirectional pass over `noisy_BL`. block: [noisy ; clean] under the block-diffusion
+    mdlm: one bidirectional pass over `noisy_BL` (shifted: row i is the state at i - 1). block: [noisy ; clean] under the block-diffusion
     mask, the noisy half (or, shifted, hidden i-1 and the clean one at a block start). ar: a causal
     pass over the clean `tokens_BL`, hidden i-1 predicting token i. `docs`: document ids (padding)."""
     B, L = tokens_BL.shape
@@ -188,7 +189,12 @@ def predictor_hidden(
         rows = shifted_rows(L, how.block_size, device).expand(B, L)
         has[:, 0] = False
         return hidden.gather(1, rows[..., None].expand(-1, -1, hidden.shape[-1])), has
-    return model(noisy_BL, positions, AttentionMask("bidirectional", doc_ids_BL=docs)).hidden_BLE, has
+    hidden = model(noisy_BL, positions, AttentionMask("bidirectional", doc_ids_BL=docs)).hidden_BLE
+    if not how.shift:
+        return hidden, has
+    # Dream-style shift, as the mdlm objective trains it: hidden i-1 predicts token i, position 0 its own
+    rows = (torch.arange(L, device=device) - 1).clamp_min(0)
+    return hidden[:, rows], has
 
 
 def guided_hidden(model, tokens_BL, noisy_BL, scored_BL, how: ScoringModel, docs, cfg_scale: float):
@@ -299,10 +305,7 @@ def scoring_for(loaded, kind: str = "auto") -> ScoringModel:
                             schedule=profile.schedule, causal_context=profile.causal_context)  # fmt: skip
     if kind == "block":
         raise ConfigError("kind: block needs a run trained with bd3lm or fast_dllm_v2 (its block size)")
-    if profile.shift:
-        raise ConfigError("model.shift_logits: masked scoring of shifted models is not supported; use kind=ar "
-                          "for a causal model")  # fmt: skip
-    return ScoringModel("mdlm", profile.mask_id, schedule=profile.schedule)
+    return ScoringModel("mdlm", profile.mask_id, shift=profile.shift, schedule=profile.schedule)
 
 
 def _check_causal(loaded) -> None:
