@@ -41,7 +41,7 @@ def likelihood(
     import torch
 
     from dllm.checkpoint.inference import load_for_inference
-    from dllm.evaluation.likelihood import scoring_for, summarize
+    from dllm.evaluation.likelihood import score_artifact, scoring_for, summarize
 
     if mc_samples < 1 or batch_size < 1:
         raise ConfigError("--mc-samples and --batch-size must be >= 1")
@@ -53,7 +53,8 @@ def likelihood(
     how = scoring_for(loaded, kind)
     artifact = _scoring_data(data, loaded, how)
     samples = 1 if how.kind == "ar" else mc_samples
-    parts = _score_rows(loaded.model, artifact, how, limit, batch_size, samples, sampling == "stratified", seed, device)
+    parts = score_artifact(loaded.model, artifact, how, limit, batch_size, samples, sampling == "stratified",
+                           seed, torch.device(device))
     result = summarize(parts, exact=how.kind == "ar")
     if as_json:
         record = {"source": str(loaded.source), "data": str(data), "kind": how.kind, "sampling": sampling}
@@ -84,30 +85,6 @@ def _scoring_data(data: Path, loaded, how):
     if how.kind == "block" and artifact.seq_len % (how.block_size or 1):
         raise ConfigError(f"--data: seq_len {artifact.seq_len} is not a multiple of the block size {how.block_size}")
     return artifact
-
-
-def _score_rows(model, artifact, how, limit, batch_size, num_samples, antithetic, seed, device) -> list:
-    """Monte Carlo samples of the bound (or the exact NLL) for the first `limit` rows, a batch at a time."""
-    import numpy as np
-    import torch
-
-    from dllm.data.loader import StepLoader
-    from dllm.evaluation.likelihood import nelbo_samples
-
-    loader = StepLoader(artifact, global_batch_size=1, micro_batch_size=1, shuffle=False)
-    rows = artifact.num_sequences if limit is None else min(limit, artifact.num_sequences)
-    gen = torch.Generator().manual_seed(seed)
-    parts = []
-    for lo in range(0, rows, batch_size):
-        batch = loader.read(np.arange(lo, min(lo + batch_size, rows)))
-        valid = None if batch.doc_ids_BL is None or artifact.manifest["layout"] != "indexed" else batch.doc_ids_BL == 0
-        parts.append(
-            nelbo_samples(
-                model, batch.tokens_BL.to(device), batch.loss_mask_BL.to(device), how, num_samples=num_samples,
-                antithetic=antithetic, generator=gen, valid_BL=None if valid is None else valid.to(device),
-            )
-        )  # fmt: skip
-    return parts
 
 
 @app.command()
@@ -162,7 +139,7 @@ def tasks(
     s = setup_sampling(run, checkpoint, model, device, sampler_config, overrides, flags)
     task_length = gen_length is None and "gen_length" not in _file_and_set_fields(sampler_config, overrides)
     gen = torch.Generator(device=s.device).manual_seed(s.sampler.seed)
-    samplers = [_task_sampler(s, task, task_length, gen) for task in loaded_tasks]  # every prompt checked first
+    samplers = [task_sampler(s, task, task_length, gen) for task in loaded_tasks]  # every prompt checked first
     overlaps = _training_overlap(s, loaded_tasks, allow_overlap)  # then whether the scores are held out
     results = [run_task(task, sample, batch_size) for task, sample in zip(loaded_tasks, samplers, strict=True)]
     for r in results:
@@ -202,7 +179,7 @@ def _training_overlap(s, tasks, allow: bool) -> dict[str, int | None]:
     return counts
 
 
-def _task_sampler(s, task, task_length: bool, gen):
+def task_sampler(s, task, task_length: bool, gen):
     """prompts -> (answers, counters) for one task: its own generation length (whole blocks) unless
     the user set one, its stop strings unless the sampler has some."""
     from dllm.config.sampler import resolve_sampler

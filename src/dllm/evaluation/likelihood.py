@@ -167,9 +167,10 @@ def predictor_hidden(
     """The model call of scoring: hidden states [B, L, E] whose row i is the state that predicts token
     i, and bool [B, L]: which positions have a predictor (not position 0 of AR and shifted models).
 
-    mdlm: one bidirectional pass over `noisy_BL` (shifted: row i is the state at i - 1). block: [noisy ; clean] under the block-diffusion
-    mask, the noisy half (or, shifted, hidden i-1 and the clean one at a block start). ar: a causal
-    pass over the clean `tokens_BL`, hidden i-1 predicting token i. `docs`: document ids (padding)."""
+    mdlm: one bidirectional pass over `noisy_BL` (shifted: row i is the state at i - 1). block:
+    [noisy ; clean] under the block-diffusion mask, the noisy half (or, shifted, hidden i-1 and the
+    clean one at a block start). ar: a causal pass over the clean `tokens_BL`, hidden i-1 predicting
+    token i. `docs`: document ids (padding)."""
     B, L = tokens_BL.shape
     device = tokens_BL.device
     has = torch.ones(B, L, dtype=torch.bool, device=device)
@@ -229,6 +230,32 @@ def _row_ce(model, hidden, selected_BL, targets_BL, mask_id: int | None, weights
     if weights_BL is not None:
         ce_N = ce_N * weights_BL[selected_BL].double()
     return torch.zeros(B, dtype=torch.float64, device=ce_N.device).index_add_(0, rows, ce_N).cpu()
+
+
+def score_artifact(
+    model: torch.nn.Module, artifact, how: ScoringModel, limit: int | None, batch_size: int, num_samples: int,
+    antithetic: bool, seed: int, device: torch.device,
+) -> list[NelboSamples]:  # fmt: skip
+    """Monte Carlo samples of the bound (or the exact NLL) for the first `limit` rows of a prepared artifact
+    (data.artifact.Artifact), a batch at a time; an indexed row's padding is a document of its own."""
+    import numpy as np
+
+    from dllm.data.loader import StepLoader
+
+    loader = StepLoader(artifact, global_batch_size=1, micro_batch_size=1, shuffle=False)
+    rows = artifact.num_sequences if limit is None else min(limit, artifact.num_sequences)
+    gen = torch.Generator().manual_seed(seed)
+    parts = []
+    for lo in range(0, rows, batch_size):
+        batch = loader.read(np.arange(lo, min(lo + batch_size, rows)))
+        valid = None if batch.doc_ids_BL is None or artifact.manifest["layout"] != "indexed" else batch.doc_ids_BL == 0
+        parts.append(
+            nelbo_samples(
+                model, batch.tokens_BL.to(device), batch.loss_mask_BL.to(device), how, num_samples=num_samples,
+                antithetic=antithetic, generator=gen, valid_BL=None if valid is None else valid.to(device),
+            )
+        )  # fmt: skip
+    return parts
 
 
 @dataclass
