@@ -53,8 +53,9 @@ def likelihood(
     how = scoring_for(loaded, kind)
     artifact = _scoring_data(data, loaded, how)
     samples = 1 if how.kind == "ar" else mc_samples
-    parts = score_artifact(loaded.model, artifact, how, limit, batch_size, samples, sampling == "stratified",
-                           seed, torch.device(device))
+    parts = score_artifact(
+        loaded.model, artifact, how, limit, batch_size, samples, sampling == "stratified", seed, torch.device(device)
+    )
     result = summarize(parts, exact=how.kind == "ar")
     if as_json:
         record = {"source": str(loaded.source), "data": str(data), "kind": how.kind, "sampling": sampling}
