@@ -35,8 +35,10 @@ class ModelOutput:
     logit_softcap: float | None = None
     """Gemma's final soft-capping: logits = cap * tanh(logits / cap); None: none."""
 
-    def logits(self) -> torch.Tensor:
-        features, weight, bias = self.head(self.hidden_BLE)
+    def logits(self, rows: slice = slice(None)) -> torch.Tensor:
+        """Logits [B, rows, V] of the hidden rows `rows` only (the head is the largest matmul of a small model's
+        forward: a sampler that reads one block of a canvas runs it on that block's rows)."""
+        features, weight, bias = self.head(self.hidden_BLE[:, rows])
         return softcap(F.linear(features, weight, bias), self.logit_softcap)
 
 

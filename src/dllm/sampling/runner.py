@@ -76,8 +76,9 @@ class Runner:
             self._masks[(qs, ke)] = m
         return self._masks[(qs, ke)]
 
-    def forward(self, x_BT: torch.Tensor, qs: int, qe: int, ke: int) -> torch.Tensor:
-        """Raw (unshifted) logits [B, qe - qs, V] of canvas rows [qs, qe) attending to keys [0, ke).
+    def forward(self, x_BT: torch.Tensor, qs: int, qe: int, ke: int, rows: slice = slice(None)) -> torch.Tensor:
+        """Raw (unshifted) logits [B, R, V] of the query rows `rows` (indices into [qs, qe)) of canvas rows
+        [qs, qe) attending to keys [0, ke); the head runs on those rows only.
 
         The one place sampling calls the model. Classifier-free guidance (Ho & Salimans 2022; the
         prompt masked as in LLaDA, Nie et al. 2025) runs as one batched call: conditional rows, then
@@ -91,7 +92,7 @@ class Runner:
         if w > 0:
             uncond = torch.where(self.canvas.prompt_BT[:, qs:qe], self.special.mask_id, tokens)
             tokens, positions, mask = torch.cat([tokens, uncond]), positions.repeat(2, 1), _twice(mask)
-        logits = _at_least_float32(self.model(tokens, positions, mask, **kwargs).logits())
+        logits = _at_least_float32(self.model(tokens, positions, mask, **kwargs).logits(rows))
         if w > 0:
             cond, unc = logits.chunk(2)
             logits = unc + (1 + w) * (cond - unc)
@@ -105,8 +106,7 @@ class Runner:
         `refresh`: the first step of a block, or a scheduled refresh of an approximate cache."""
         T, s = x_BT.shape[1], self.shift
         qs, qe, ke = self.mode.window(lo, hi, T, s, refresh, self.canvas.block_attention)
-        raw = self.forward(x_BT, qs, qe, ke)
-        return raw[:, lo - s - qs : hi - s - qs]
+        return self.forward(x_BT, qs, qe, ke, slice(lo - s - qs, hi - s - qs))
 
 
 def _at_least_float32(logits: torch.Tensor) -> torch.Tensor:
