@@ -1,0 +1,356 @@
+"""A2D of SmolLM2-135M-Instruct: converted diffusion models against their AR original, side by side, held out.
+
+The AR original is the folder `dllm convert --from-gguf` makes of the packaged GGUF file (tests/real_model.py
+builds it once, in a cache outside the repository); each converted model is a run of a recipe
+(a2d-smollm2-mdlm, a2d-smollm2-fast-dllm-v2), given as NAME=RUN_DIR. One process, one JSON line:
+
+(o) overlap: per run, how many of the items scored below appear in the run's training artifact (the
+    chat tasks' eval questions, and the held-out open prompts, each looked up as a question:
+    evaluation/overlap.py, as `dllm eval tasks --run` does). Every number below is held out only
+    where these are 0; the bench refuses to go on otherwise (unless --allow-overlap);
+(a) accuracy on the eval split of the chat tasks (evaluation/facts.py: capitals, arithmetic, units, reverse,
+    yesno; half of each table by a stable hash, never in any training set the project builds): the AR
+    original (greedy, KV cache) and each run at each sampler setting (below), the same verifiers;
+(g) agreement with the AR original on --open-prompts held-out open instructions (data/instructions.py: the
+    topics no training prompt of the recipes names), up to --open-new tokens each: ROUGE-L F1 (longest
+    common subsequence of words) and bag-of-words token F1 (SQuAD's), mean over prompts, of each run's
+    answer (its fast setting) against the AR original's greedy answer;
+(s) speed on --speed-prompts of those prompts, --open-new tokens: tokens/s (answer tokens up to EOS over
+    wall time) and forwards per token (model forwards per answer token of a row: nfe x batch / tokens)
+    of each run's fast setting against the AR original with its KV cache, at batch 1 and 8; rounds
+    interleave the variants (A B C A B C ...), medians reported;
+(l) likelihood on --likelihood-rows held-out responses: the AR original's greedy answers to held-out open
+    prompts (the distribution the runs were distilled towards, on topics they never saw), prepared as
+    the recipes prepare their data (chat turns, the answer supervised); the AR original's exact NLL per
+    token against each run's Monte Carlo bound (negative ELBO per token, --mc-samples stratified samples
+    per row), with the bound's Monte Carlo and data standard errors.
+
+Sampler settings of a run (all greedy): `quality`, one token per step with the low-confidence policy
+(bidirectional runs in blocks of 32 without a cache; block runs with their exact block cache), and `fast`,
+the threshold policy (0.9) with a cache (dual for bidirectional runs, block for block runs).
+
+    python bench/real_a2d.py --run mdlm=RUN_DIR --run fast_dllm_v2=RUN_DIR [--ar-model DIR] [--limit 1000]
+        [--open-prompts 100] [--open-new 128] [--speed-prompts 8] [--rounds 3] [--likelihood-rows 200]
+        [--mc-samples 8] [--sections overlap,accuracy,agreement,speed,likelihood] [--allow-overlap]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.real_model, from a checkout
+
+from tests import real_model as rm  # noqa: E402
+
+TASKS = ("capitals", "arithmetic", "units", "reverse", "yesno")
+SECTIONS = ("overlap", "accuracy", "agreement", "speed", "likelihood")
+_WORD = re.compile(r"\w+")
+
+
+def progress(msg: str) -> None:
+    print(f"[real_a2d {time.strftime('%H:%M:%S')} load {os.getloadavg()[0]:.1f}] {msg}", file=sys.stderr, flush=True)
+
+
+# -- models and settings ------------------------------------------------------------------------------------
+def settings(profile) -> dict[str, dict]:
+    """The sampler fields of a run's `quality` and `fast` settings (see the module doc), by its attention."""
+    if profile.attention == "block":
+        return {"quality": {"policy": "low_confidence", "cache": "block"},
+                "fast": {"policy": "threshold", "threshold": 0.9, "cache": "block"}}  # fmt: skip
+    return {"quality": {"policy": "low_confidence", "cache": "none", "block_length": 32},
+            "fast": {"policy": "threshold", "threshold": 0.9, "cache": "dual", "block_length": 32}}  # fmt: skip
+
+
+def sampler_for(loaded, fields: dict, gen_length: int):
+    """A resolved sampler of `fields` for `gen_length` tokens (whole blocks; one token per step)."""
+    from dllm.config.sampler import SamplerConfig, resolve_sampler
+
+    if fields.get("generation") == "causal":
+        return resolve_sampler(SamplerConfig(gen_length=gen_length, generation="causal"), loaded.profile)
+    block = fields.get("block_length") or loaded.profile.block_size or gen_length
+    n = -(-gen_length // block) * block
+    return resolve_sampler(SamplerConfig(gen_length=n, steps=n, **fields), loaded.profile)
+
+
+def setup(loaded, fields: dict, gen_length: int):
+    from dllm.checkpoint.inference import SamplingSetup
+    from dllm.sampling.canvas import SpecialIds
+
+    return SamplingSetup(loaded, sampler_for(loaded, fields, gen_length), SpecialIds.of(loaded.profile),
+                         torch.device("cpu"))  # fmt: skip
+
+
+def chat_encoder(loaded):
+    tok = loaded.tokenizer
+    return lambda text: tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True).ids
+
+
+# -- (o) overlap --------------------------------------------------------------------------------------------
+def overlap(runs: dict, tasks: list, open_prompts: list[str]) -> dict:
+    from dllm.data.artifact import open_artifact
+    from dllm.evaluation.overlap import found_in_artifact
+    from dllm.evaluation.tasks import Example
+
+    out = {}
+    for name, (loaded, _) in runs.items():
+        art = open_artifact(loaded.spec.data.path)
+        found = {t.name: sum(found_in_artifact(art, loaded.tokenizer, t.examples, question_only=True)) for t in tasks}
+        opens = [Example(p, "") for p in open_prompts]
+        found["open_prompts"] = sum(found_in_artifact(art, loaded.tokenizer, opens, question_only=True))
+        found["items_checked"] = sum(len(t.examples) for t in tasks) + len(opens)
+        out[name] = found
+        progress(f"overlap {name}: {found}")
+    return out
+
+
+# -- (a) accuracy -------------------------------------------------------------------------------------------
+def accuracy(ar, runs: dict, tasks: list, batch: int) -> dict:
+    from dllm.cli.eval_cmd import task_sampler
+    from dllm.evaluation.tasks import run_task
+
+    variants = {"ar": (ar, {"generation": "causal"})}
+    for name, (loaded, setts) in runs.items():
+        variants |= {f"{name}/{s}": (loaded, fields) for s, fields in setts.items()}
+    out: dict = {}
+    for vname, (loaded, fields) in variants.items():
+        row, right, total = {}, 0, 0
+        for task in tasks:
+            s = setup(loaded, fields, task.max_new_tokens)
+            gen = torch.Generator().manual_seed(0)
+            r = run_task(task, task_sampler(s, task, False, gen), batch)
+            row[task.name] = {"accuracy": round(r.accuracy, 4), "correct": r.correct, "n": r.examples,
+                              "forwards_per_answer": round(r.forwards_per_answer, 2),
+                              "wall_s": round(r.wall_s, 1)}  # fmt: skip
+            right, total = right + r.correct, total + r.examples
+            progress(f"accuracy {vname} {task.name}: {r.correct}/{r.examples}")
+        row["all"] = {"accuracy": round(right / total, 4), "correct": right, "n": total,
+                      "macro_accuracy": round(statistics.mean(row[t.name]["accuracy"] for t in tasks), 4)}  # fmt: skip
+        out[vname] = row
+    for name in runs:
+        best = max((v for v in out if v.startswith(f"{name}/")), key=lambda v: out[v]["all"]["accuracy"])
+        kept = out[best]["all"]["accuracy"] / max(out["ar"]["all"]["accuracy"], 1e-9)
+        out[f"{name}_best"] = {"setting": best.split("/")[1], "kept_of_ar": round(kept, 4)}
+    return out
+
+
+# -- (g) agreement ------------------------------------------------------------------------------------------
+def words(text: str) -> list[str]:
+    return _WORD.findall(text.lower())
+
+
+def rouge_l(candidate: str, reference: str) -> float:
+    """ROUGE-L F1 over lowercase words: the longest common subsequence against both lengths."""
+    a, b = words(candidate), words(reference)
+    if not a or not b:
+        return float(a == b)
+    prev = [0] * (len(b) + 1)
+    for x in a:
+        cur = [0]
+        for j, y in enumerate(b):
+            cur.append(prev[j] + 1 if x == y else max(prev[j + 1], cur[j]))
+        prev = cur
+    lcs = prev[-1]
+    if lcs == 0:
+        return 0.0
+    p, r = lcs / len(a), lcs / len(b)
+    return 2 * p * r / (p + r)
+
+
+def token_f1(candidate: str, reference: str) -> float:
+    """SQuAD's F1: the overlap of the two bags of lowercase words."""
+    a, b = words(candidate), words(reference)
+    if not a or not b:
+        return float(a == b)
+    common = sum((Counter(a) & Counter(b)).values())
+    if common == 0:
+        return 0.0
+    p, r = common / len(a), common / len(b)
+    return 2 * p * r / (p + r)
+
+
+def answers(loaded, fields: dict, prompts: list[str], num_new: int, batch: int) -> list[str]:
+    from dllm.cli.sampling_common import decode_batches
+
+    s = setup(loaded, fields, num_new)
+    decoded = decode_batches(s, prompts, chat_encoder(loaded), batch, torch.Generator().manual_seed(0))
+    return [r["completion"] for r in decoded.records]
+
+
+def agreement(ar_answers: list[str], runs: dict, prompts: list[str], num_new: int, batch: int) -> dict:
+    out: dict = {"prompts": len(prompts), "new_tokens": num_new, "metric": "ROUGE-L F1 and token F1 over words"}
+    for name, (loaded, setts) in runs.items():
+        theirs = answers(loaded, setts["fast"], prompts, num_new, batch)
+        rl = [rouge_l(c, r) for c, r in zip(theirs, ar_answers, strict=True)]
+        f1 = [token_f1(c, r) for c, r in zip(theirs, ar_answers, strict=True)]
+        out[name] = {"setting": "fast", "rouge_l": round(statistics.mean(rl), 4),
+                     "token_f1": round(statistics.mean(f1), 4),
+                     "exact": sum(c.strip() == r.strip() for c, r in zip(theirs, ar_answers, strict=True)),
+                     "example": {"prompt": prompts[0], "ar": ar_answers[0], name: theirs[0]}}  # fmt: skip
+        progress(f"agreement {name}: {out[name]['rouge_l']} ROUGE-L, {out[name]['token_f1']} token F1")
+    return out
+
+
+# -- (s) speed ----------------------------------------------------------------------------------------------
+def speed(ar, runs: dict, prompts: list[str], num_new: int, rounds: int, batches: list[int]) -> dict:
+    from dllm.sampling.generate import generate
+
+    variants = {"ar": (ar, {"generation": "causal"})} | {n: (ld, st["fast"]) for n, (ld, st) in runs.items()}
+    out: dict = {"prompts": len(prompts), "new_tokens": num_new, "rounds": rounds}
+    for batch in batches:
+        ready = {}
+        for name, (loaded, fields) in variants.items():
+            s = setup(loaded, fields, num_new)
+            ids = [chat_encoder(loaded)(p) for p in prompts]
+            ready[name] = (s, [ids[i : i + batch] for i in range(0, len(ids), batch)])
+        walls: dict[str, list[float]] = {n: [] for n in ready}
+        counts: dict[str, tuple[int, int]] = {}
+
+        def run(name: str, ready: dict = ready) -> tuple[int, int]:
+            s, chunks = ready[name]
+            tokens = nfe = 0
+            for chunk in chunks:
+                res = generate(s.loaded.model, chunk, s.sampler, s.special, generator=torch.Generator().manual_seed(0))
+                tokens += sum(len(q) for q in res.sequences)
+                nfe += res.counters.nfe * len(chunk)
+            return tokens, nfe
+
+        for name in ready:  # warm-up
+            run(name)
+        for r in range(rounds):
+            order = list(ready)[r % len(ready) :] + list(ready)[: r % len(ready)]
+            for name in order:
+                t0 = time.perf_counter()
+                counts[name] = run(name)
+                walls[name].append(time.perf_counter() - t0)
+            progress(f"speed batch {batch} round {r + 1}/{rounds}")
+        row: dict = {}
+        for name, (tokens, nfe) in counts.items():
+            wall = statistics.median(walls[name])
+            row[name] = {"tok_s": round(tokens / wall, 2), "forwards_per_token": round(nfe / max(tokens, 1), 3),
+                         "answer_tokens": tokens}  # fmt: skip
+        for name in runs:
+            row[name]["speed_over_ar"] = round(row[name]["tok_s"] / row["ar"]["tok_s"], 3)
+        out[f"batch_{batch}"] = row
+    return out
+
+
+# -- (l) likelihood -----------------------------------------------------------------------------------------
+def prepare_responses(ar, prompts: list[str], responses: list[str], folder: Path) -> Path:
+    """The held-out exchanges as an artifact, prepared as the recipes prepare theirs (chat turns)."""
+    turn = [{"role": "user", "content": p} for p in prompts]
+    records = [{"chat": {"prompt": [u], "completion": [{"role": "assistant", "content": r}]}}
+               for u, r in zip(turn, responses, strict=True)]  # fmt: skip
+    (folder / "responses.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    config = {"tokenizer": {"kind": "hf", "path": str(ar.source)}, "output": "prepared", "seq_len": 192,
+              "layout": "indexed", "append_eos": False,
+              "sources": [{"path": "responses.jsonl", "format": "prompt_completion", "prompt_field": "chat.prompt",
+                           "completion_field": "chat.completion"}]}  # fmt: skip
+    (folder / "prepare.json").write_text(json.dumps(config))
+    cmd = [sys.executable, "-m", "dllm.cli.main", "data", "prepare", "--config", str(folder / "prepare.json")]
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+    return folder / "prepared"
+
+
+def likelihood(ar, runs: dict, prompts: list[str], responses: list[str], samples: int, batch: int) -> dict:
+    from dllm.data.artifact import validate_artifact
+    from dllm.evaluation.likelihood import score_artifact, scoring_for, summarize
+
+    with tempfile.TemporaryDirectory() as tmp:
+        artifact = validate_artifact(prepare_responses(ar, prompts, responses, Path(tmp)), checksums=True)
+        out: dict = {"rows": artifact.num_sequences, "what": "the AR original's greedy answers to held-out prompts"}
+        for name, loaded in [("ar", ar)] + [(n, ld) for n, (ld, _) in runs.items()]:
+            how = scoring_for(loaded, "ar" if name == "ar" else "auto")
+            k = 1 if how.kind == "ar" else samples
+            parts = score_artifact(loaded.model, artifact, how, None, batch, k, True, 0, torch.device("cpu"))
+            summary = summarize(parts, exact=how.kind == "ar").as_dict()
+            out[name] = {
+                "kind": how.kind,
+                **{key: round(v, 4) if isinstance(v, float) else v for key, v in summary.items()},
+            }
+            progress(f"likelihood {name}: {out[name]['nelbo_per_token']} nats/token")
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--run", action="append", default=[], help="NAME=RUN_DIR of a converted model (repeat)")
+    parser.add_argument("--ar-model", type=Path, help="the AR original's folder (default: the cached import)")
+    parser.add_argument("--model", choices=["full", "trunc"], default="full", help="the cached import to use")
+    parser.add_argument("--tasks", default=",".join(TASKS))
+    parser.add_argument("--limit", type=int, default=1000, help="eval items per task (each table's split holds fewer)")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--open-prompts", type=int, default=100)
+    parser.add_argument("--open-new", type=int, default=128)
+    parser.add_argument("--speed-prompts", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--likelihood-rows", type=int, default=200)
+    parser.add_argument("--mc-samples", type=int, default=8)
+    parser.add_argument("--sections", default=",".join(SECTIONS))
+    parser.add_argument("--allow-overlap", action="store_true", help="go on when an item is in a run's training data")
+    args = parser.parse_args(argv)
+    from dllm.checkpoint.inference import load_for_inference
+    from dllm.evaluation.tasks import load_task
+
+    sections = set(args.sections.split(","))
+    if sections - set(SECTIONS):
+        raise SystemExit(f"bench/real_a2d.py: --sections: unknown {sorted(sections - set(SECTIONS))}")
+    if args.ar_model is None and rm.missing() is not None:
+        raise SystemExit(f"bench/real_a2d.py: {rm.missing()}")
+    load_before = os.getloadavg()
+    ar = load_for_inference(model_dir=args.ar_model or rm.converted(args.model))
+    runs = {}
+    for item in args.run:
+        name, _, path = item.partition("=")
+        loaded = load_for_inference(run=Path(path))
+        runs[name] = (loaded, settings(loaded.profile))
+    tasks = [load_task(t, args.limit) for t in args.tasks.split(",") if t]
+    n_open = max(args.open_prompts, args.likelihood_rows if "likelihood" in sections else 0)
+    open_prompts = rm.instructions(n_open)  # the held-out split: topics no training prompt names
+    result: dict = {"bench": "real_a2d", "ar": str(ar.source),
+                    "runs": {n: str(ld.source) for n, (ld, _) in runs.items()},
+                    "settings": {n: st for n, (_, st) in runs.items()}, "threads": torch.get_num_threads(),
+                    "torch": torch.__version__}  # fmt: skip
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        if "overlap" in sections:
+            result["overlap"] = overlap(runs, tasks, open_prompts)
+            seen = {n: {k: v for k, v in o.items() if v and k != "items_checked"} for n, o in result["overlap"].items()}
+            if any(seen.values()) and not args.allow_overlap:
+                raise SystemExit(f"bench/real_a2d.py: items found in a run's training data: {seen}")
+        if "accuracy" in sections:
+            result["accuracy"] = accuracy(ar, runs, tasks, args.batch_size)
+        if sections & {"agreement", "likelihood"}:
+            ar_answers = answers(ar, {"generation": "causal"}, open_prompts, args.open_new, args.batch_size)
+        if "agreement" in sections:
+            prompts = open_prompts[: args.open_prompts]
+            result["agreement"] = agreement(ar_answers[: len(prompts)], runs, prompts, args.open_new, args.batch_size)
+        if "speed" in sections:
+            prompts = open_prompts[: args.speed_prompts]
+            result["speed"] = speed(ar, runs, prompts, args.open_new, args.rounds, args.batches)
+    if "likelihood" in sections:  # score_artifact runs its own no-grad forwards
+        rows = args.likelihood_rows
+        with torch.no_grad():
+            result["likelihood"] = likelihood(ar, runs, open_prompts[:rows], ar_answers[:rows], args.mc_samples,
+                                              args.batch_size)  # fmt: skip
+    result["wall_s"] = round(time.perf_counter() - t0, 1)
+    result["load_average_before"] = [round(x, 2) for x in load_before]
+    result["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
+    print(json.dumps(result), flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()

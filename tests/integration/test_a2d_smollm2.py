@@ -1,0 +1,113 @@
+"""The a2d-smollm2 recipes end to end on the truncated SmolLM2 (its first blocks, real weights and tokenizer;
+tests/real_model.py): each recipe's own commands through the CLI on 8 of its prompts and 2 training steps: the
+AR model answers its prompts (`generate --ar --chat`), `data prepare` reads the answers as chat turns, `launch`
+trains from the imported folder; then the converted run decodes held-out prompts with no mask left, with both
+of the bench's sampler settings; then bench/real_a2d.py's every section on the two runs. (The measured
+accuracy, agreement, speed and likelihood of the full runs are the bench's: docs/real-a2d.md.)"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from dllm.cli.main import main
+from tests import real_model as rm
+
+pytestmark = pytest.mark.skipif(rm.missing() is not None, reason=str(rm.missing()))
+
+RECIPES = {"mdlm": "a2d-smollm2-mdlm", "fast_dllm_v2": "a2d-smollm2-fast-dllm-v2"}
+NEW = 24  # answer tokens in the training data (the recipes: 128)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    """Each recipe's run folder after its steps (module-scoped: run once)."""
+    root = tmp_path_factory.mktemp("a2d-smollm2")
+    (root / "smollm2").symlink_to(rm.converted("trunc"), target_is_directory=True)  # the recipes' ../smollm2
+    mp = pytest.MonkeyPatch()
+    out = {}
+    try:
+        for name, recipe in RECIPES.items():
+            folder = root / name
+            mp.chdir(root)
+            assert main(["recipe", "copy", recipe, str(folder)]) == 0
+            mp.chdir(folder)
+            prompts = (folder / "data" / "prompts.jsonl").read_text().splitlines()
+            (folder / "data" / "prompts.jsonl").write_text("\n".join(prompts[:8]) + "\n")
+            answer = ["generate", "--model", "../smollm2", "--ar", "--chat", "--prompts-file", "data/prompts.jsonl",
+                      "--max-new-tokens", str(NEW), "--batch-size", "8", "--output", "data/train.jsonl"]  # fmt: skip
+            assert main(answer) == 0
+            assert main(["data", "prepare", "--config", "prepare.yaml"]) == 0
+            sets = ["training.steps=2", "training.global_batch_size=4", "training.micro_batch_size=4",
+                    "checkpointing.every_steps=2", "scheduler.warmup_steps=1", "logging.every_steps=1"]  # fmt: skip
+            assert main(["launch", "--config", "train.yaml", *[a for s in sets for a in ("--set", s)]]) == 0
+            out[name] = folder / "runs" / recipe
+    finally:
+        mp.undo()
+    return out
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_the_run_trains_from_the_imported_model(runs, name):
+    metrics = [json.loads(line) for line in (runs[name] / "metrics.jsonl").read_text().splitlines()]
+    losses = [m["loss"] for m in metrics if "loss" in m]
+    assert len(losses) == 2 and bool(torch.isfinite(torch.tensor(losses)).all())
+    from dllm.checkpoint.inference import load_for_inference
+
+    loaded = load_for_inference(run=runs[name])
+    assert loaded.spec.model.init_from is not None and loaded.model_cfg.num_layers == rm.TRUNCATED_LAYERS
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_the_converted_model_decodes_held_out_prompts_with_no_mask_left(runs, name):
+    from bench.real_a2d import chat_encoder, settings, setup
+
+    from dllm.checkpoint.inference import load_for_inference
+    from dllm.sampling.generate import generate
+
+    loaded = load_for_inference(run=runs[name])
+    assert loaded.profile.attention == ("block" if name == "fast_dllm_v2" else "bidirectional")
+    prompts = [chat_encoder(loaded)(p) for p in rm.instructions(3)]
+    for setting, fields in settings(loaded.profile).items():
+        s = setup(loaded, fields, 32)
+        res = generate(loaded.model, prompts, s.sampler, s.special, generator=torch.Generator().manual_seed(0))
+        assert res.counters.nfe > 0, setting
+        for start, row in zip(res.gen_start_B, res.canvas_BL.tolist(), strict=True):
+            assert loaded.profile.mask_id not in row[start:], (setting, row)
+
+
+def test_the_bench_runs_every_section(runs, capsys):
+    from bench.real_a2d import main as bench
+
+    args = ["--model", "trunc", *[a for n, p in runs.items() for a in ("--run", f"{n}={p}")], "--tasks",
+            "capitals,yesno", "--limit", "1", "--open-prompts", "2", "--open-new", "8", "--speed-prompts", "2",
+            "--rounds", "1", "--batches", "1", "2", "--likelihood-rows", "3", "--mc-samples", "2"]  # fmt: skip
+    result = bench(args)
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == result
+    for name in RECIPES:
+        assert result["overlap"][name]["items_checked"] == 2 * 1 + 3
+        assert all(v == 0 for k, v in result["overlap"][name].items() if k != "items_checked")
+        for setting in ("quality", "fast"):
+            acc = result["accuracy"][f"{name}/{setting}"]
+            assert acc["all"]["n"] == 2 and 0 <= acc["all"]["accuracy"] <= 1
+        assert 0 <= result["agreement"][name]["rouge_l"] <= 1 and 0 <= result["agreement"][name]["token_f1"] <= 1
+        for batch in ("batch_1", "batch_2"):
+            assert result["speed"][batch][name]["tok_s"] > 0 and result["speed"][batch][name]["forwards_per_token"] > 0
+        lik = result["likelihood"][name]
+        assert lik["rows"] == 3 and lik["mc_samples"] == 2 and lik["nelbo_per_token"] > 0
+    assert result["likelihood"]["ar"]["exact"] and result["likelihood"]["ar"]["mc_samples"] == 1
+    assert result["speed"]["batch_1"]["ar"]["forwards_per_token"] == pytest.approx(1.0, abs=0.2)
+
+
+def test_rouge_l_and_token_f1():
+    from bench.real_a2d import rouge_l, token_f1
+
+    assert rouge_l("the cat sat on the mat", "the cat sat on the mat") == 1.0
+    assert rouge_l("a b c d", "a x c y") == pytest.approx(0.5)  # LCS "a c": 2/4 both ways
+    assert rouge_l("b a", "a b") == pytest.approx(0.5)  # order matters for ROUGE-L ...
+    assert token_f1("b a", "a b") == 1.0  # ... not for the bag of words
+    assert token_f1("a a b", "a c") == pytest.approx(2 * (1 / 3) * (1 / 2) / (1 / 3 + 1 / 2))
+    assert rouge_l("", "") == 1.0 and token_f1("x", "") == 0.0
