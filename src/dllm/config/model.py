@@ -57,6 +57,13 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
         "attn_output_gate": True, "attention_pattern": ["linear", "linear", "linear", "global"],
         "tie_embeddings": False,
     },
+    # Qwen3.5-MoE: the same hybrid, every MLP softmax-routed experts plus one sigmoid-gated shared expert
+    "qwen3_5_moe": {
+        "norm": "rmsnorm_centered", "qk_norm": True, "rope_theta": 10000000.0, "rotary_fraction": 0.25,
+        "attn_output_gate": True, "attention_pattern": ["linear", "linear", "linear", "global"],
+        "tie_embeddings": False, "num_experts": 8, "num_experts_per_tok": 2, "num_shared_experts": 1,
+        "shared_expert_gate": True,
+    },
     "diffusion_gemma": {
         "embed_scale": True, "sandwich_norm": True, "qk_norm": True, "value_norm": True, "attention_scale": 1.0,
         "activation": "gelu_tanh", "layer_scale": True, "moe_layout": "beside_dense", "final_logit_softcap": 30.0,
@@ -233,6 +240,8 @@ class ModelConfig(Section):
     """Factor on the routed experts' weights (after the optional renormalisation)."""
     num_shared_experts: Int = Field(default=0, ge=0)
     """Experts every token goes through (one MLP of num_shared_experts * expert width), added to the routed output."""
+    shared_expert_gate: bool = False
+    """Scale the shared experts' output per token by sigmoid(a linear map of the token) (Qwen3-Next, Qwen3.5-MoE)."""
     first_dense_layers: Int = Field(default=0, ge=0)
     """The first N layers of an MoE model have a dense MLP of intermediate_size (LLaDA2's first_k_dense_replace)."""
     self_condition: bool = False
@@ -283,6 +292,9 @@ class ModelConfig(Section):
                              f"router_topk_groups {self.router_topk_groups} groups")  # fmt: skip
         if self.num_experts and self.mlp != "gated":
             raise ValueError("mixture-of-experts layers use gated experts; set mlp: gated")
+        if self.shared_expert_gate and not (self.num_experts and self.num_shared_experts):
+            raise ValueError("shared_expert_gate gates the shared experts of an MoE model; set num_experts and "
+                             "num_shared_experts > 0, or shared_expert_gate: false")  # fmt: skip
         if self.attention_pattern is not None and "local" in self.attention_pattern and self.local_window is None:
             raise ValueError("attention_pattern has local layers but local_window is not set")
         if self.linear_value_heads % self.linear_key_heads:

@@ -133,6 +133,7 @@ FAMILIES = Registry(
         "bert": "families.encoders:BERT",
         "modernbert": "families.encoders:MODERNBERT",
         "qwen3_5": "families.qwen3_5:QWEN3_5",
+        "qwen3_5_moe": "families.qwen3_5:QWEN3_5_MOE",
         "diffusion_gemma": "families.diffusion_gemma:DIFFUSION_GEMMA",
         "nemotron_labs_diffusion": "families.nemotron:NEMOTRON_LABS_DIFFUSION",
     },
