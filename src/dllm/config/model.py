@@ -7,7 +7,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from dllm.config.base import Float, Int, PathOrHubId, Section
-from dllm.config.registries import ACTIVATIONS, ATTENTION_BACKENDS, FAMILIES, NORMS
+from dllm.config.registries import ACTIVATIONS, ATTENTION_BACKENDS, DELTA_RULES, FAMILIES, NORMS
 
 # Size presets for the native transformer. A preset fills the fields the user did not set.
 MODEL_PRESETS: dict[str, dict[str, Any]] = {
@@ -154,6 +154,8 @@ class ModelConfig(Section):
     """Value width per head of the linear-attention layers; null: the attention head width."""
     linear_conv_kernel: Int = Field(default=4, gt=0)
     """Taps of the causal depthwise convolution on the linear layers' queries, keys and values."""
+    linear_attention_kernel: Literal[DELTA_RULES.names()] = "torch"  # type: ignore[valid-type]
+    """Linear layers' chunked delta rule: torch (the reference) or fla (flash-linear-attention, bf16/fp16 on CUDA)."""
     norm: Literal[NORMS.names()] = "rmsnorm"  # type: ignore[valid-type]
     """Normalisation layers: RMSNorm (llama, qwen), zero-centred RMSNorm (qwen3_5: scale 1 + w) or LayerNorm."""
     norm_bias: bool = False

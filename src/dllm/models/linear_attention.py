@@ -55,7 +55,7 @@ from torch import nn
 
 from dllm.attention.masks import AttentionMask
 from dllm.config.model import ModelConfig
-from dllm.config.registries import ACTIVATIONS
+from dllm.config.registries import ACTIVATIONS, DELTA_RULES
 from dllm.models import gated_delta
 from dllm.models.linear_state import CHUNK, Pending, RecurrentCache, RowStates, State, window_before
 
@@ -118,6 +118,8 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.value_dim, cfg.norm_eps)
         self.out_proj = nn.Linear(HV, E, bias=False)
         self.act = ACTIVATIONS.resolve(cfg.activation)
+        # the chunked rule of causal rows: gated_delta.chunked, or a kernel with its signature (models/fla_rule.py)
+        self.rule = DELTA_RULES.resolve(cfg.linear_attention_kernel)()
 
     def forward(self, x_BLE: torch.Tensor, mask: AttentionMask, kv: Any = None) -> torch.Tensor:
         """Outputs [B, L, E] of every row (see the module docstring for clean and noisy rows)."""
@@ -187,7 +189,7 @@ class GatedDeltaNet(nn.Module):
         if keep_B is not None:
             Q = f.qkv_BLC.shape[1]
             f = f.without_writes(torch.arange(Q, device=keep_B.device) >= keep_B[:, None])
-        o_BHLV, S = gated_delta.chunked(q, k, v, f.g_BHL, f.beta_BHL, start.S_BHKV, CHUNK)
+        o_BHLV, S = self.rule(q, k, v, f.g_BHL, f.beta_BHL, start.S_BHKV, CHUNK)
         if keep_B is not None:
             rows.state = State(window_before(x_BCL, keep_B, start.conv_BCW.shape[-1]), S)
         else:
@@ -197,7 +199,7 @@ class GatedDeltaNet(nn.Module):
     def _causal(self, f: Features, state: State) -> tuple[torch.Tensor, State]:
         x_BCL = torch.cat([state.conv_BCW, f.qkv_BLC.transpose(1, 2).to(state.conv_BCW.dtype)], dim=-1)
         q, k, v = self._qkv(self._conv(x_BCL, f.same_BLW))
-        o_BHLV, S = gated_delta.chunked(q, k, v, f.g_BHL, f.beta_BHL, state.S_BHKV, CHUNK, f.start_BL)
+        o_BHLV, S = self.rule(q, k, v, f.g_BHL, f.beta_BHL, state.S_BHKV, CHUNK, f.start_BL)
         return o_BHLV, State(x_BCL[..., x_BCL.shape[-1] - state.conv_BCW.shape[-1] :], S)
 
     def _noisy_block(self, f: Features, state: State) -> torch.Tensor:
