@@ -28,6 +28,12 @@ Sections (each has its own time budget; a case that would not fit is recorded as
    bidirectional decoding; none and block for block decoding): tokens/s, NFE, speed-up vs no cache;
    the exact block cache must give the same greedy tokens as no cache, in float32 on the default
    backend and in float64 on SDPA (the ties-free reference).
+6. `delta_rule` - flash-linear-attention's chunked gated delta rule (the optional kernel of the hybrid
+   models' linear layers, `model.linear_attention_kernel: fla`, models/fla_rule.py) against the pure-torch
+   chunked form on the same bf16 inputs, outputs and final states, with and without an initial state, and
+   the logits of a bf16 qwen3_5 with either kernel (tests/gpu/test_fla.py's comparisons, here with their
+   largest differences). Runs beside pytest with sections 2 and 3; recorded as not run where the fla package
+   is not installed (this adapter has never run: written without a GPU or the package).
 
 Reading the JSON: `ok` (no failure anywhere), `failures` ("section: case: why"), `not_run` (cases left
 out for time), `device`, `torch`, `wall_s` per section, and `sections.<name>` with the per-case results:
@@ -90,7 +96,7 @@ from dllm.training.optim import build_optimizer
 from dllm.training.trainer import run_model
 
 ROOT = Path(__file__).resolve().parent.parent
-SECTIONS = ("pytest", "flex_vs_sdpa", "compile_vs_eager", "mfu", "sampling")
+SECTIONS = ("pytest", "flex_vs_sdpa", "compile_vs_eager", "mfu", "sampling", "delta_rule")
 TOLERANCE = {torch.bfloat16: (2e-2, 2e-2), torch.float32: (1e-3, 1e-3)}
 """(atol, rtol) of compiled FlexAttention against the float64 dense reference, per input dtype."""
 LOSS_RTOL, GRAD_RTOL = 1e-2, 5e-2
@@ -121,10 +127,11 @@ class Sizes:
     sample_model: dict[str, Any]
     sample: tuple[int, int, int, int, int]  # batch, shortest prompt, longest prompt, gen length, block
     sample_repeats: int
+    delta_rule: tuple[tuple[int, int, int, int, int], ...]  # delta_rule: (batch, heads, L, key width, value width)
 
 
 GPU = Sizes(
-    budget_s={"pytest": 200, "flex_vs_sdpa": 70, "compile_vs_eager": 80, "mfu": 150, "sampling": 50},
+    budget_s={"pytest": 200, "flex_vs_sdpa": 70, "compile_vs_eager": 80, "mfu": 150, "sampling": 50, "delta_rule": 30},
     attn=(2, 8, 2, 64, 256),
     flex_workers=6,
     train_model={"hidden_size": 256, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2, "vocab_size": 1024},
@@ -136,9 +143,17 @@ GPU = Sizes(
     sample_model={"preset": "small", "vocab_size": 1024},
     sample=(8, 24, 64, 128, 32),
     sample_repeats=2,
+    delta_rule=((2, 4, 256, 64, 64), (1, 16, 2048, 128, 128)),
 )
 TINY = Sizes(
-    budget_s={"pytest": 120, "flex_vs_sdpa": 120, "compile_vs_eager": 120, "mfu": 120, "sampling": 120},
+    budget_s={
+        "pytest": 120,
+        "flex_vs_sdpa": 120,
+        "compile_vs_eager": 120,
+        "mfu": 120,
+        "sampling": 120,
+        "delta_rule": 60,
+    },  # fmt: skip
     attn=(2, 4, 2, 16, 32),
     flex_workers=0,
     train_model={"preset": "tiny", "vocab_size": 256},
@@ -150,6 +165,7 @@ TINY = Sizes(
     sample_model={"preset": "tiny", "vocab_size": 256},
     sample=(2, 4, 8, 16, 8),
     sample_repeats=1,
+    delta_rule=((1, 2, 40, 16, 16),),
 )
 
 
@@ -696,6 +712,32 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
 
 
 # --------------------------------------------------------------------------------------------------
+# 6. flash-linear-attention's gated delta rule vs the torch form
+
+
+def check_delta_rule(sz: Sizes, device: torch.device, deadline: float) -> dict[str, Any]:
+    """Section 6: tests/gpu/test_fla.py's comparisons, each case's largest differences recorded; not run without
+    CUDA or the fla package."""
+    from dllm.models.fla_rule import load_kernel
+
+    guard = Guard("delta_rule", sz.budget_s["delta_rule"], deadline, first_estimate_s=5.0)
+    if device.type != "cuda" or load_kernel() is None:
+        why = "needs CUDA" if device.type != "cuda" else "the fla package is not installed"
+        return guard.result([guard.skip("fla_vs_torch", f"skipped: {why}")])
+    if str(ROOT) not in sys.path:  # tests.gpu from a checkout (the script's own folder is bench/)
+        sys.path.insert(0, str(ROOT))
+    from tests.gpu import test_fla
+
+    cases = []
+    for B, H, L, K, V in sz.delta_rule:
+        for state in (False, True):
+            run = functools.partial(test_fla.compare_rule, B, H, L, K, V, state)
+            cases.append(guard.run(f"rule/B{B}_H{H}_L{L}_K{K}_V{V}{'_state' if state else ''}", run))
+    cases.append(guard.run("qwen3_5_bf16_logits", test_fla.compare_model))
+    return guard.result(cases, tolerance={"atol": test_fla.ATOL, "rtol": test_fla.RTOL})
+
+
+# --------------------------------------------------------------------------------------------------
 # the run
 
 
@@ -739,7 +781,8 @@ def run_sections(args, sz: Sizes, device: torch.device, report: Report, deadline
         report.proc = proc  # the watchdog kills it
     workers = sz.flex_workers if args.flex_workers is None else args.flex_workers
     numeric = (("flex_vs_sdpa", lambda: check_flex(sz, device, compile, deadline, workers)),
-               ("compile_vs_eager", lambda: check_compile(sz, device, compile, deadline)))  # fmt: skip
+               ("compile_vs_eager", lambda: check_compile(sz, device, compile, deadline)),
+               ("delta_rule", lambda: check_delta_rule(sz, device, deadline)))  # fmt: skip
     timed = (("mfu", lambda: check_mfu(sz, device, compile, deadline)),
              ("sampling", lambda: check_sampling(sz, device, deadline)))  # fmt: skip
     for name, section in numeric:

@@ -107,6 +107,7 @@ CONFIG_LITERALS = {  # registry -> names its config accepts
     "NORMS": lambda: literal_names(ModelConfig, "norm"),
     "ACTIVATIONS": lambda: literal_names(ModelConfig, "activation"),
     "ATTENTION_BACKENDS": lambda: literal_names(ModelConfig, "attention_backend"),
+    "DELTA_RULES": lambda: literal_names(ModelConfig, "linear_attention_kernel"),
     "OBJECTIVES": lambda: union_literals(ObjectiveConfig, "name"),
     "SCHEDULES": lambda: union_literals(ObjectiveConfig, "schedule") | literal_names(DecodeProfile, "schedule"),
     "POLICIES": lambda: literal_names(SamplerConfig, "policy"),

@@ -103,3 +103,16 @@ def test_the_gpu_sizes_are_valid_without_a_gpu():
         assert inputs.tokens_BL.shape == (batch.tokens_BL.shape[0], 2 * seq_len)
     for attention, cache in (("bidirectional", "dual"), ("block", "block")):
         assert sampler_cfg(GPU, attention, cache).num_blocks == GPU.sample[3] // GPU.sample[4]
+
+
+def test_the_delta_rule_section_is_recorded_not_run_without_cuda_or_fla(capfd):
+    """Section delta_rule compares flash-linear-attention's kernel with the torch form on a GPU with the fla
+    package (tests/gpu/test_fla.py's comparisons); here it says why it did not run, and fails nothing."""
+    code = main(["--device", "cpu", "--tiny", "--no-compile", "--sections", "delta_rule"])
+    report = json.loads(capfd.readouterr().out)
+    assert code == 0 and report["ok"] is True and report["not_run"] == ["delta_rule: fla_vs_torch"]
+    (case,) = report["sections"]["delta_rule"]["cases"]
+    assert case["ok"] is None and case["status"] == "skipped: needs CUDA"
+    from tests.gpu import test_fla  # what the section runs on a GPU: importable here, its tests skipped
+
+    assert callable(test_fla.compare_rule) and callable(test_fla.compare_model) and "delta_rule" in gpu_check.SECTIONS

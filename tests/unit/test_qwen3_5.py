@@ -256,8 +256,8 @@ def test_fast_dllm_v2_trains_the_hybrid():
 
 
 def test_greedy_decoding_equals_transformers(pair):
-    """The causal loop on the imported model (it recomputes: the ragged cache keeps no recurrent states)
-    gives transformers' greedy continuation, which runs its own recurrent cache."""
+    """The causal loop on the imported model (its ragged cache keeps the linear layers' states per row; more in
+    tests/unit/test_hybrid_decoding.py) gives transformers' greedy continuation, which runs its own cache."""
     from dllm.config.sampler import SamplerConfig
     from dllm.sampling.canvas import SpecialIds
     from dllm.sampling.generate import generate
@@ -267,7 +267,10 @@ def test_greedy_decoding_equals_transformers(pair):
     cfg = SamplerConfig(generation="causal", gen_length=8, temperature=0.0, stop_at_eos=False)
     got = generate(ours, prompts, cfg, SpecialIds(mask_id=V - 1, pad_id=0, eos_id=V - 2, num_tokens=V))
     with torch.no_grad():
-        want = hf.generate(torch.tensor(prompts), max_new_tokens=8, do_sample=False, eos_token_id=None)
+        # the mask id (V - 1) is never a prediction of the causal loop: nor of transformers here
+        want = hf.generate(
+            torch.tensor(prompts), max_new_tokens=8, do_sample=False, eos_token_id=None, suppress_tokens=[V - 1]
+        )
     assert got.sequences == want[:, 6:].tolist()
 
 
@@ -284,8 +287,9 @@ def test_a_bidirectional_canvas_is_refused():
 
 def test_the_hybrid_does_not_join_a_running_canvas_batch():
     """The linear layers read a forward's last block as the noisy one, so a canvas right-padded to a longer
-    one's length would decode its padding as the noisy block; and the batch's ragged cache keeps no recurrent
-    states. So the hybrid's requests run as calls of their own (the server takes turns between them)."""
+    one's length would decode its padding as the noisy block; and the batch's ragged cache keeps per-row states
+    for causal decoding only. So the hybrid's requests run as calls of their own (the server takes turns between
+    them)."""
     from dllm.config.sampler import SamplerConfig
     from dllm.sampling.canvas_batch import CanvasBatch
 

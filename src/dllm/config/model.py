@@ -7,7 +7,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from dllm.config.base import Float, Int, PathOrHubId, Section
-from dllm.config.registries import ACTIVATIONS, ATTENTION_BACKENDS, FAMILIES, NORMS
+from dllm.config.registries import ACTIVATIONS, ATTENTION_BACKENDS, DELTA_RULES, FAMILIES, NORMS
 
 # Size presets for the native transformer. A preset fills the fields the user did not set.
 MODEL_PRESETS: dict[str, dict[str, Any]] = {
@@ -56,6 +56,13 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
         "norm": "rmsnorm_centered", "qk_norm": True, "rope_theta": 10000000.0, "rotary_fraction": 0.25,
         "attn_output_gate": True, "attention_pattern": ["linear", "linear", "linear", "global"],
         "tie_embeddings": False,
+    },
+    # Qwen3.5-MoE: the same hybrid, every MLP softmax-routed experts plus one sigmoid-gated shared expert
+    "qwen3_5_moe": {
+        "norm": "rmsnorm_centered", "qk_norm": True, "rope_theta": 10000000.0, "rotary_fraction": 0.25,
+        "attn_output_gate": True, "attention_pattern": ["linear", "linear", "linear", "global"],
+        "tie_embeddings": False, "num_experts": 8, "num_experts_per_tok": 2, "num_shared_experts": 1,
+        "shared_expert_gate": True,
     },
     "diffusion_gemma": {
         "embed_scale": True, "sandwich_norm": True, "qk_norm": True, "value_norm": True, "attention_scale": 1.0,
@@ -147,6 +154,8 @@ class ModelConfig(Section):
     """Value width per head of the linear-attention layers; null: the attention head width."""
     linear_conv_kernel: Int = Field(default=4, gt=0)
     """Taps of the causal depthwise convolution on the linear layers' queries, keys and values."""
+    linear_attention_kernel: Literal[DELTA_RULES.names()] = "torch"  # type: ignore[valid-type]
+    """Linear layers' chunked delta rule: torch (the reference) or fla (flash-linear-attention, bf16/fp16 on CUDA)."""
     norm: Literal[NORMS.names()] = "rmsnorm"  # type: ignore[valid-type]
     """Normalisation layers: RMSNorm (llama, qwen), zero-centred RMSNorm (qwen3_5: scale 1 + w) or LayerNorm."""
     norm_bias: bool = False
@@ -233,6 +242,8 @@ class ModelConfig(Section):
     """Factor on the routed experts' weights (after the optional renormalisation)."""
     num_shared_experts: Int = Field(default=0, ge=0)
     """Experts every token goes through (one MLP of num_shared_experts * expert width), added to the routed output."""
+    shared_expert_gate: bool = False
+    """Scale the shared experts' output per token by sigmoid(a linear map of the token) (Qwen3-Next, Qwen3.5-MoE)."""
     first_dense_layers: Int = Field(default=0, ge=0)
     """The first N layers of an MoE model have a dense MLP of intermediate_size (LLaDA2's first_k_dense_replace)."""
     self_condition: bool = False
@@ -283,6 +294,9 @@ class ModelConfig(Section):
                              f"router_topk_groups {self.router_topk_groups} groups")  # fmt: skip
         if self.num_experts and self.mlp != "gated":
             raise ValueError("mixture-of-experts layers use gated experts; set mlp: gated")
+        if self.shared_expert_gate and not (self.num_experts and self.num_shared_experts):
+            raise ValueError("shared_expert_gate gates the shared experts of an MoE model; set num_experts and "
+                             "num_shared_experts > 0, or shared_expert_gate: false")  # fmt: skip
         if self.attention_pattern is not None and "local" in self.attention_pattern and self.local_window is None:
             raise ValueError("attention_pattern has local layers but local_window is not set")
         if self.linear_value_heads % self.linear_key_heads:

@@ -133,6 +133,7 @@ FAMILIES = Registry(
         "bert": "families.encoders:BERT",
         "modernbert": "families.encoders:MODERNBERT",
         "qwen3_5": "families.qwen3_5:QWEN3_5",
+        "qwen3_5_moe": "families.qwen3_5:QWEN3_5_MOE",
         "diffusion_gemma": "families.diffusion_gemma:DIFFUSION_GEMMA",
         "nemotron_labs_diffusion": "families.nemotron:NEMOTRON_LABS_DIFFUSION",
     },
@@ -151,6 +152,9 @@ ACTIVATIONS = Registry(
     "models",
     {"silu": "layers:silu", "gelu": "layers:gelu", "gelu_tanh": "layers:gelu_tanh"},
 )
+# the chunked gated delta rule of the linear-attention layers: a factory `() -> rule` with the signature of
+# models/gated_delta.py `chunked`; torch is that function (the reference), fla flash-linear-attention's kernel
+DELTA_RULES = Registry("delta rule kernel", "models", {"torch": "gated_delta:torch_rule", "fla": "fla_rule:FlaRule"})
 
 # -- training -----------------------------------------------------------------------------------------
 LR_SCHEDULES = Registry(
@@ -183,6 +187,7 @@ ALL: dict[str, Registry] = {
     "FAMILIES": FAMILIES,
     "NORMS": NORMS,
     "ACTIVATIONS": ACTIVATIONS,
+    "DELTA_RULES": DELTA_RULES,
     "DRAFTERS": DRAFTERS,
     "LR_SCHEDULES": LR_SCHEDULES,
     "REWARDS": REWARDS,

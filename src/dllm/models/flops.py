@@ -57,6 +57,7 @@ def _mlp(cfg: ModelConfig, n: int, index: int = 0) -> int:
         return dense
     experts = cfg.num_experts_per_tok + cfg.num_shared_experts  # the shared ones see every token
     routed = _linear(n, E, cfg.num_experts) + experts * 3 * _linear(n, E, cfg.expert_size)
+    routed += _linear(n, E, 1) if cfg.num_shared_experts and cfg.shared_expert_gate else 0
     return routed + (dense if cfg.moe_layout == "beside_dense" else 0)  # Gemma 4: experts beside the dense MLP
 
 

@@ -28,9 +28,9 @@ only the writes of the chunk's last segment.
 `block_reads` is block diffusion's noisy read: each block starts from a given state, writes all its
 tokens, and every token of the block reads the state after the block.
 
-There is no GPU kernel path (flash-linear-attention's Triton kernels): it could only be wired in where
-it can be tested against `chunked`, and this project's machines have no GPU; on a GPU these functions run
-as they are, as torch matmuls.
+`chunked` is the reference of the linear layers' rule (`model.linear_attention_kernel: torch`, `torch_rule`);
+flash-linear-attention's Triton kernel is the optional GPU path (`fla`, models/fla_rule.py), tested
+against `chunked` on a GPU only (tests/gpu/test_fla.py); elsewhere these functions run as torch matmuls.
 
 Queries and keys come in as the caller wants them read (normalised and scaled there). Both functions
 take an initial state (None: zeros) and return the final one; they compute in float32 at least
@@ -41,6 +41,7 @@ Shapes: B batch, H heads, L sequence, K key width, V value width, N chunks, C ch
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -136,6 +137,11 @@ def chunked_states(
     out = torch.cat(outs, dim=2)[:, :, :L] if outs else v[:, :, :L]
     starts_BHNKV = torch.stack(starts, dim=2) if starts else S.unsqueeze(2)[:, :, :0]
     return out.to(q_BHLK.dtype), S, starts_BHNKV
+
+
+def torch_rule() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """The `torch` entry of DELTA_RULES (config/registries.py): `chunked` itself."""
+    return chunked
 
 
 def block_reads(

@@ -35,6 +35,9 @@ So the state a noisy block reads is exactly the state an autoregressive pass ove
 leaves. With a cache (`kv`, a sampling.cache.LayerKV; `kv.recurrent` holds a RecurrentCache) a forward
 starts from the state kept at its first canvas index, keeps the state after its clean tokens (and
 before the last of them, which a shifted model re-reads), and never keeps a noisy block's writes.
+In a ragged causal decoding (`kv.recurrent` a RowStates: sampling/causal.py's cache, whose rows sit at
+different lengths) every token is clean and each row starts from its own state; which tokens a row keeps
+decides the state it is left with (models/linear_state.py).
 
 Shapes: B batch, L sequence, E hidden width, H value heads, G key heads, K key width, V value width,
 C convolution channels (2 G K + H V), W convolution taps, N blocks.
@@ -52,11 +55,9 @@ from torch import nn
 
 from dllm.attention.masks import AttentionMask
 from dllm.config.model import ModelConfig
-from dllm.config.registries import ACTIVATIONS
+from dllm.config.registries import ACTIVATIONS, DELTA_RULES
 from dllm.models import gated_delta
-
-CHUNK = 64
-"""Tokens per chunk of the gated delta rule (any value gives the same result up to rounding)."""
+from dllm.models.linear_state import CHUNK, Pending, RecurrentCache, RowStates, State, window_before
 
 
 class GatedRMSNorm(nn.Module):
@@ -70,37 +71,6 @@ class GatedRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         normed = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
         return (self.weight * normed * F.silu(z.float())).to(x.dtype)
-
-
-@dataclass(frozen=True)
-class State:
-    """A linear layer's memory after some position: the last W - 1 convolution inputs and the recurrence."""
-
-    conv_BCW: torch.Tensor
-    S_BHKV: torch.Tensor
-
-
-class RecurrentCache:
-    """A linear layer's states by canvas index, between the forwards of a cached decoding."""
-
-    def __init__(self) -> None:
-        self.states: dict[int, State] = {}
-
-    def at(self, index: int) -> State | None:
-        """The state before canvas index `index` (None at 0: zeros); a forward from elsewhere is refused."""
-        if index == 0:
-            return None
-        if index not in self.states:
-            raise ValueError(
-                f"linear-attention layers kept no state at canvas index {index}: decode them without a cache "
-                "or with the exact block cache (sampler.cache: block)"
-            )
-        return self.states[index]
-
-    def keep(self, index: int, state: State) -> None:
-        self.states[index] = state
-        for old in [i for i in self.states if i < index - 1]:  # only the last clean rows are re-read
-            del self.states[old]
 
 
 @dataclass(frozen=True)
@@ -148,16 +118,25 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.value_dim, cfg.norm_eps)
         self.out_proj = nn.Linear(HV, E, bias=False)
         self.act = ACTIVATIONS.resolve(cfg.activation)
+        # the chunked rule of causal rows: gated_delta.chunked, or a kernel with its signature (models/fla_rule.py)
+        self.rule = DELTA_RULES.resolve(cfg.linear_attention_kernel)()
 
     def forward(self, x_BLE: torch.Tensor, mask: AttentionMask, kv: Any = None) -> torch.Tensor:
         """Outputs [B, L, E] of every row (see the module docstring for clean and noisy rows)."""
-        valid_BL = _check_mask(mask, x_BLE.shape[1])
+        # a ragged causal decoding (sampling/causal.py): every token clean, each row from its own state; the
+        # mask (kind, per-row offsets) is the attention layers' business there
+        rows = kv.recurrent if kv is not None and isinstance(kv.recurrent, RowStates) else None
+        if rows is not None and mask.kind not in ("causal", "bidirectional"):  # (one query per row: all keys)
+            raise ValueError(f"linear-attention layers keep per-row states for causal decoding only, not {mask.kind}")
+        valid_BL = None if rows is not None else _check_mask(mask, x_BLE.shape[1])
         if valid_BL is not None:
             x_BLE = x_BLE * valid_BL.unsqueeze(-1).to(x_BLE.dtype)
         f = self._features(x_BLE, valid_BL)
         if mask.doc_ids_BL is not None:
             f = dataclasses.replace(f, **_documents(mask, x_BLE.shape[1], self.conv1d.weight.shape[-1]))
-        if mask.kind == "block_diffusion":
+        if rows is not None:
+            o_BHLV = self._ragged(f, rows)
+        elif mask.kind == "block_diffusion":
             assert mask.block_size is not None
             o_BHLV = self._two_halves(f, mask.block_size)
         else:
@@ -169,11 +148,14 @@ class GatedDeltaNet(nn.Module):
     def _features(self, x_BLE: torch.Tensor, valid_BL: torch.Tensor | None) -> Features:
         B, L, _ = x_BLE.shape
         z_BLHV = self.in_proj_z(x_BLE).view(B, L, self.num_heads, self.value_dim)
-        # log decay and write strength in float32 (A = exp(A_log) would overflow in half precision)
-        g_BLH = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x_BLE).float() + self.dt_bias.float())
+        # log decay and write strength in float32 at least (A = exp(A_log) would overflow in half precision; a
+        # float64 model stays float64, so that forwards over different lengths agree far below float32 rounding)
+        dtype = torch.promote_types(x_BLE.dtype, torch.float32)
+        a_BLH, dt_bias = self.in_proj_a(x_BLE).to(dtype), self.dt_bias.to(dtype)
+        g_BLH = -self.A_log.to(dtype).exp() * F.softplus(a_BLH + dt_bias)
         if valid_BL is not None:  # padding neither decays nor writes the state
             g_BLH = g_BLH * valid_BL.unsqueeze(-1)
-        beta_BLH = torch.sigmoid(self.in_proj_b(x_BLE).float())
+        beta_BLH = torch.sigmoid(self.in_proj_b(x_BLE).to(dtype))
         return Features(self.in_proj_qkv(x_BLE), z_BLHV, g_BLH.transpose(1, 2), beta_BLH.transpose(1, 2))
 
     def _sequence(self, f: Features, mask: AttentionMask, kv: Any) -> torch.Tensor:
@@ -197,10 +179,27 @@ class GatedDeltaNet(nn.Module):
             outs.append(self._noisy_block(f.rows(num_clean, L), state))
         return torch.cat(outs, dim=2)
 
+    def _ragged(self, f: Features, rows: RowStates) -> torch.Tensor:
+        """Q tokens of every row from its state (models/linear_state.py): with the kept counts known, the tokens
+        past them are no-ops and the state after them is kept now; else the rule's inputs wait for `commit`."""
+        start = rows.state if rows.state is not None else self._zero_state(f)
+        x_BCL = torch.cat([start.conv_BCW, f.qkv_BLC.transpose(1, 2).to(start.conv_BCW.dtype)], dim=-1)
+        q, k, v = self._qkv(self._conv(x_BCL, None))
+        keep_B = rows.keep_B
+        if keep_B is not None:
+            Q = f.qkv_BLC.shape[1]
+            f = f.without_writes(torch.arange(Q, device=keep_B.device) >= keep_B[:, None])
+        o_BHLV, S = self.rule(q, k, v, f.g_BHL, f.beta_BHL, start.S_BHKV, CHUNK)
+        if keep_B is not None:
+            rows.state = State(window_before(x_BCL, keep_B, start.conv_BCW.shape[-1]), S)
+        else:
+            rows.pending = Pending(start, x_BCL, k, v, f.g_BHL, f.beta_BHL)
+        return o_BHLV
+
     def _causal(self, f: Features, state: State) -> tuple[torch.Tensor, State]:
         x_BCL = torch.cat([state.conv_BCW, f.qkv_BLC.transpose(1, 2).to(state.conv_BCW.dtype)], dim=-1)
         q, k, v = self._qkv(self._conv(x_BCL, f.same_BLW))
-        o_BHLV, S = gated_delta.chunked(q, k, v, f.g_BHL, f.beta_BHL, state.S_BHKV, CHUNK, f.start_BL)
+        o_BHLV, S = self.rule(q, k, v, f.g_BHL, f.beta_BHL, state.S_BHKV, CHUNK, f.start_BL)
         return o_BHLV, State(x_BCL[..., x_BCL.shape[-1] - state.conv_BCW.shape[-1] :], S)
 
     def _noisy_block(self, f: Features, state: State) -> torch.Tensor:

@@ -3,7 +3,8 @@
 One MoE layer computes every routing the families need: softmax over experts then top-k (Qwen3-MoE,
 OLMoE, LLaDA-MoE), or an independent sigmoid per expert with a selection-only expert bias, expert
 groups (a token may use only the `router_topk_groups` groups of best top-2 score sum) and a scale
-on the weights (LLaDA2, after DeepSeek-V3, Liu et al. 2024); shared experts see every token.
+on the weights (LLaDA2, after DeepSeek-V3, Liu et al. 2024); shared experts see every token, their
+output scaled per token by a sigmoid gate where the family has one (Qwen3-Next, Qwen3.5-MoE).
 
 Shapes: B batch, L sequence, E hidden width, N tokens (flattened), X experts, K experts per token,
 G expert groups.
@@ -56,6 +57,10 @@ class MoE(nn.Module):
         self.experts = Experts(cfg)
         shared = cfg.num_shared_experts * cfg.expert_size
         self.shared_experts = mlp(cfg, shared) if shared else None
+        # Qwen3.5-MoE: a per-token scalar gate on the shared experts' output
+        self.shared_expert_gate = (
+            nn.Linear(cfg.hidden_size, 1, bias=False) if shared and cfg.shared_expert_gate else None
+        )
 
     def forward(self, x_BLE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x_NE = x_BLE.reshape(-1, x_BLE.shape[-1])
@@ -64,7 +69,10 @@ class MoE(nn.Module):
         aux_loss = self.num_experts * (routed_X * probs_NX.mean(0)).sum()
         out_NE = self.experts(x_NE, top_i, top_w.to(x_NE.dtype))
         if self.shared_experts is not None:
-            out_NE = out_NE + self.shared_experts(x_NE)
+            shared_NE = self.shared_experts(x_NE)
+            if self.shared_expert_gate is not None:
+                shared_NE = torch.sigmoid(self.shared_expert_gate(x_NE)) * shared_NE
+            out_NE = out_NE + shared_NE
         return out_NE.view_as(x_BLE), aux_loss
 
     def route(self, x_NE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

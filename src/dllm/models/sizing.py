@@ -32,7 +32,7 @@ def block_params(cfg: ModelConfig, index: int = 0) -> int:
     dense = (matrices - 1) * _linear(E, cfg.mlp_size, cfg.mlp_bias) + _linear(cfg.mlp_size, E, cfg.mlp_bias)
     experts = E * cfg.num_experts + cfg.num_experts * 3 * cfg.expert_size * E
     S, bias = cfg.num_shared_experts * cfg.expert_size, cfg.mlp_bias  # the shared experts: one MLP
-    experts += 2 * _linear(E, S, bias) + _linear(S, E, bias) if S else 0
+    experts += 2 * _linear(E, S, bias) + _linear(S, E, bias) + (E if cfg.shared_expert_gate else 0) if S else 0
     if not cfg.num_experts or index < cfg.first_dense_layers:
         mlp = dense
     elif cfg.moe_layout == "beside_dense":  # Gemma 4: router scales and three more norms

@@ -1,7 +1,7 @@
 """The native transformer: one single-device block stack for every family.
 
 A family (llama, qwen2/3, qwen3_moe, olmoe, llada, llada_moe, dream, gpt2, bert, modernbert, qwen3_5,
-diffusion_gemma) is a set of layout fields on ModelConfig (norm kind and position, positions, MLP kind,
+qwen3_5_moe, diffusion_gemma) is a set of layout fields on ModelConfig (norm kind and position, positions, MLP kind,
 biases, head, local attention layers, linear-attention layers: models/linear_attention.py, Gemma's
 sandwich norms and experts beside the MLP: models/gemma.py), not a copy of this file;
 `families/` maps each family's Hugging Face weight names onto these modules. The model is used

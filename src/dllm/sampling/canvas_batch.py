@@ -105,7 +105,7 @@ class CanvasBatch:
         if cfg.generation in ("causal", "edit_flow") or cfg.cfg_scale > 0:
             return False
         # linear-attention layers read the forward's last block as the noisy one (right padding would be)
-        # and keep recurrent states the ragged cache has no place for: their requests run as calls; so do
+        # and keep per-row states the ragged cache holds for causal rows only: their requests run as calls; so do
         # those reading their context causally (causal_context), which the batch's shared masks do not
         return cfg.cache in ("none", "block") and not keeps_recurrent_state(model) and cfg.causal_context != "on"
 

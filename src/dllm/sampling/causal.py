@@ -12,6 +12,14 @@ up to their own (the AttentionMask's per-row query offsets). Whatever a row's bu
 length (padding of a shorter prompt, drafts the target rejected) lies after every query of that row,
 so it is never read, and the next forward overwrites it: rolling back a rejection is setting the length.
 
+A hybrid model's linear-attention layers (qwen3_5) keep no keys: each layer keeps one state per row
+(convolution window and recurrent matrix, `RaggedLayerKV.recurrent`, models/linear_state.py), the state
+after the row's kept tokens. A state cannot be rolled back by setting a length, so `commit` tells the
+layers how many tokens each row keeps: a forward that knows it already (`keep_B`: a prefill of right-padded
+prompts, an AR round where ended rows keep none) keeps the states after them at once; a verification
+forward keeps its start states and the rule's per-token inputs, and `commit` re-runs the rule alone over
+the accepted prefix (linear_state.py says why that is the cheaper exact way).
+
 `Recompute` is the plain reference with the same interface: every forward runs each row's whole
 sequence again, no cache (tests and bench/ar_decoding.py compare the two).
 
@@ -33,6 +41,7 @@ from dllm.attention.masks import AttentionMask
 from dllm.config.profile import DecodeProfile
 from dllm.config.registries import FAMILIES
 from dllm.models.capture import CapturedLayers, capture_layers
+from dllm.models.linear_state import RowStates
 from dllm.sampling.results import Counters
 
 # ---------------------------------------------------------------------------------------------------
@@ -49,6 +58,11 @@ class RaggedLayerKV:
     bases: dict[str, torch.Tensor] = field(default_factory=dict)
     """Per buffer name, the memory its rows are the first rows of (kept when rows leave a running batch,
     reused when rows join it again)."""
+    recurrent: RowStates = field(init=False)
+    """A linear-attention layer's per-row states instead of keys and values (models/linear_state.py)."""
+
+    def __post_init__(self) -> None:
+        self.recurrent = RowStates(self.owner)
 
     def allocate(self, name: str, like: torch.Tensor, rows: int, capacity: int) -> torch.Tensor:
         """A zeroed buffer [rows, K, capacity, D] of `like`'s kind, as the buffer `name` and its base."""
@@ -87,6 +101,9 @@ class RaggedKVCache:
     """The next forward attends to buffer indices [0, key_end) (each row's causal mask cuts its own)."""
     write_start: int | None = None
     """Where the next forward writes when every row has the same length (None: rows differ, write_BQ says)."""
+    keep_B: torch.Tensor | None = None
+    """The tokens each row keeps of the next forward when known before it (a prefill, an AR round): linear
+    layers then keep their states after them at once (None: at `commit`, after speculative verification)."""
     layers: dict[int, RaggedLayerKV] = field(default_factory=dict)
 
     def layer(self, i: int) -> RaggedLayerKV:
@@ -113,6 +130,8 @@ class RaggedKVCache:
         in_place = capacity == self.capacity and list(rows) == [*range(kept_rows), *([-1] * new_rows)]
         index = torch.tensor(rows, dtype=torch.long, device=self.length_B.device)
         kept = index >= 0
+        for layer in self.layers.values():
+            layer.recurrent.rebuild(rows)
         for layer, name, old in list(self._buffers()):
             base = layer.bases.get(name, old)
             if in_place and base.shape[0] >= n:
@@ -132,6 +151,8 @@ class RaggedKVCache:
         stays, to be reused when rows join again)."""
         s = torch.tensor(src, dtype=torch.long, device=self.length_B.device)
         d = torch.tensor(dst, dtype=torch.long, device=self.length_B.device)
+        for layer in self.layers.values():
+            layer.recurrent.move(src, dst, num_rows)
         for layer, name, buf in list(self._buffers()):
             if len(src):
                 buf[d] = buf[s]
@@ -143,6 +164,7 @@ class RaggedKVCache:
         index = torch.tensor(rows, dtype=torch.long, device=self.length_B.device)
         for i, src in other.layers.items():
             dst = self.layer(i)
+            dst.recurrent.put(index, src.recurrent, num_rows)
             for name in ("k_BKTD", "v_BKTD"):
                 values = getattr(src, name)
                 if values is None:
@@ -150,6 +172,12 @@ class RaggedKVCache:
                 if getattr(dst, name) is None:
                     dst.allocate(name, values, num_rows, self.capacity)
                 getattr(dst, name)[index, :, :length] = values[:, :, :length]
+
+    def commit(self, n_B: torch.Tensor) -> None:
+        """The linear layers keep the first n_B tokens per row of the last forward (their K/V rows need nothing:
+        the lengths say what is kept)."""
+        for layer in self.layers.values():
+            layer.recurrent.commit(n_B)
 
     def at(self, num_queries: int) -> tuple[torch.Tensor, AttentionMask]:
         """Place the next forward of Q tokens per row after each row's cached tokens: their positions
@@ -198,16 +226,18 @@ class Target:
                 self._captured = None
 
     def forward(
-        self, tokens_BQ: torch.Tensor, logit_rows_BR: torch.Tensor | None = None
+        self, tokens_BQ: torch.Tensor, logit_rows_BR: torch.Tensor | None = None, keep_B: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits [B, R, V] at query rows `logit_rows_BR` (indices into Q; None: all Q) and features [B, Q, F]."""
-        self.cache.length_B = self.length_B
+        """Logits [B, R, V] at query rows `logit_rows_BR` (indices into Q; None: all Q) and features [B, Q, F].
+        `keep_B`: what the next `commit` keeps, when known now (linear layers then keep their states at once)."""
+        self.cache.length_B, self.cache.keep_B = self.length_B, keep_B
         positions_BQ, mask = self.cache.at(tokens_BQ.shape[1])
         self.counters.cached_tokens += tokens_BQ.shape[0] * (self.cache.key_end - tokens_BQ.shape[1])
         return self._run(tokens_BQ, positions_BQ, mask, self.cache, None, logit_rows_BR)
 
     def commit(self, n_B: torch.Tensor) -> None:
         """Keep n_B more tokens per row (those the last forward ran first); the rest is rolled back."""
+        self.cache.commit(n_B)
         self.length_B = self.length_B + n_B
 
     def _run(self, tokens_BL, positions_BL, mask, cache, rows_BQ, logit_rows_BR):
@@ -242,7 +272,7 @@ class Recompute(Target):
         self.tokens_BT = torch.zeros(batch, capacity, dtype=torch.long, device=self.device)
 
     def forward(
-        self, tokens_BQ: torch.Tensor, logit_rows_BR: torch.Tensor | None = None
+        self, tokens_BQ: torch.Tensor, logit_rows_BR: torch.Tensor | None = None, keep_B: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         B, Q = tokens_BQ.shape
         write_BQ = self.length_B[:, None] + torch.arange(Q, device=self.device)
@@ -253,9 +283,9 @@ class Recompute(Target):
 
 
 def keeps_recurrent_state(model: nn.Module) -> bool:
-    """A model with linear-attention layers (qwen3_5): the ragged KV cache has no place for their recurrent
-    states yet (rows that roll back rejected drafts would need them per position), so it decodes with
-    `Recompute`."""
+    """A model with linear-attention layers (qwen3_5): a recurrent state per layer, which a canvas decodes only
+    with block attention, and which the running canvas batch does not keep (the causal loop and the running
+    AR batch keep them per row: `RaggedLayerKV.recurrent`)."""
     return bool(getattr(getattr(model, "cfg", None), "has_linear_layers", False))
 
 

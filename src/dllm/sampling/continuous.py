@@ -21,6 +21,10 @@ for arriving requests is made in one copy (`reserve`), or none where the memory 
 (RaggedKVCache.rebuild); the capacity in positions grows by half at least. So a server's buffers reach
 their working size once and stay at it, rather than being allocated and freed with every wave of requests.
 
+A hybrid model's linear-attention layers keep one state per buffer row next to the attention layers' K/V
+rows (causal.py, models/linear_state.py): a prefill keeps each prompt's state, a step the state after each
+running row's anchor, and the states move, join and leave with their rows.
+
 Speculative decoding (a drafter's own per-row state) does not join a running batch: the server
 interleaves those calls step by step instead (serving/engine.py). Diffusion canvases have a running
 batch of their own (canvas_batch.py).
@@ -174,7 +178,7 @@ class RunningBatch:
         tokens_nP, len_n = right_pad(group.prompts, self.device)
         n, P = tokens_nP.shape
         prefill = Target(self.model, n, P, group.counters, (), self.special.mask_id)
-        logits_n1V, _ = prefill.forward(tokens_nP, (len_n - 1)[:, None])
+        logits_n1V, _ = prefill.forward(tokens_nP, (len_n - 1)[:, None], keep_B=len_n)  # linear layers: the prompts
         first_n = choose(cfg, logits_n1V[:, 0], generator)
         group.take(first_n.tolist())
         group.batch_rows += n
@@ -210,11 +214,16 @@ class RunningBatch:
         requests that ended with it, which leave the batch."""
         if not self.groups:
             return []
-        logits_R1V, _ = self.target.forward(self.anchor_R[:, None])
+        keep = [0] * len(self.owner)  # the anchors of running rows are kept (an ended row's stays where it was)
+        for g in self.groups:
+            for r, ended in zip(g.rows, g.ended, strict=True):
+                keep[r] = 0 if ended else 1
+        keep_R = torch.tensor(keep, device=self.device)
+        logits_R1V, _ = self.target.forward(self.anchor_R[:, None], keep_B=keep_R)
         logits_RV = logits_R1V[:, 0]
         greedy = logits_RV.argmax(-1)
         greedy_rows = greedy.tolist()  # the step's host sync
-        next_R, keep = greedy.clone(), [0] * len(self.owner)
+        next_R = greedy.clone()
         cached, live_rows, finished = self.target.cache.key_end - 1, self.rows, []
         for g in self.groups:
             if g.cfg.temperature == 0:
@@ -224,8 +233,6 @@ class RunningBatch:
                 drawn = choose(g.cfg, logits_RV[index], g.generator)
                 next_R[index] = drawn
                 chosen = drawn.tolist()
-            for r, ended in zip(g.rows, g.ended, strict=True):
-                keep[r] = 0 if ended else 1
             c = g.counters
             c.nfe, c.steps = c.nfe + 1, c.steps + 1
             c.query_tokens, c.cached_tokens = c.query_tokens + len(g.rows), c.cached_tokens + len(g.rows) * cached
@@ -235,9 +242,7 @@ class RunningBatch:
             g.show(took)
             if g.done:
                 finished.append(g)
-        self.target.commit(
-            torch.tensor(keep, device=self.device)
-        )  # the anchors ran: cached now (an ended row's stays where it was)
+        self.target.commit(keep_R)  # the anchors ran: cached now
         self.anchor_R = next_R
         for g in finished:
             self.leave(g)

@@ -44,7 +44,7 @@ from dllm.config.registries import DRAFTER_ARCHITECTURES, DRAFTERS
 from dllm.config.sampler import SamplerConfig
 from dllm.errors import CheckpointError, ConfigError
 from dllm.sampling.canvas import SpecialIds
-from dllm.sampling.causal import Recompute, Target, keeps_recurrent_state, right_pad
+from dllm.sampling.causal import Recompute, Target, right_pad
 from dllm.sampling.proposals import draw, token_probs
 from dllm.sampling.results import Counters, GenerationResult, StepEvent
 
@@ -149,7 +149,7 @@ class CausalLoop:
         self.counters = Counters(loop="causal")
         # a row's last round may end b - 1 tokens past its N-th, and an ended row still runs a block there
         capacity = P + N + 2 * b
-        kind = Target if use_cache and not keeps_recurrent_state(model) else Recompute
+        kind = Target if use_cache else Recompute
         self.target = kind(model, B, capacity, self.counters, drafter.target_layer_ids, special.mask_id)
         self.state = drafter.start(B, capacity)
         self.drafting = b > 1
@@ -170,7 +170,7 @@ class CausalLoop:
     def prefill(self) -> bool:
         """Every prompt position's features, and the first token from the last one's logits; whether a row runs on."""
         B, P = self.tokens_BP.shape
-        logits_B1V, features = self.target.forward(self.tokens_BP, (self.len_B - 1)[:, None])
+        logits_B1V, features = self.target.forward(self.tokens_BP, (self.len_B - 1)[:, None], keep_B=self.len_B)
         self.target.commit(self.len_B)
         if self.drafting:
             positions_BP = torch.arange(P, device=self.device).expand(B, P)
@@ -192,9 +192,10 @@ class CausalLoop:
         anchor_pos_B = self.target.length_B  # commit replaces the tensor: this one stays the round's
         drafts_Bd, q = self.draft(anchor_pos_B)
         block_Bb = torch.cat([self.anchor_B[:, None], drafts_Bd], dim=1) if self.drafting else self.anchor_B[:, None]
-        logits_BbV, features = self.target.forward(block_Bb)
-        num_accepted_B, next_B = self.verify(drafts_Bd, q, logits_BbV)
         live_B = ~self.ended_B
+        # AR keeps the anchor of each live row, known now; a verification's kept tokens are known after it
+        logits_BbV, features = self.target.forward(block_Bb, keep_B=None if self.drafting else live_B.long())
+        num_accepted_B, next_B = self.verify(drafts_Bd, q, logits_BbV)
         if num_accepted_B is None:  # AR: the round's token is the target's own
             keep_B, new_Bb, kept_Bb = live_B.long(), next_B[:, None], live_B[:, None]
         else:  # the accepted drafts, then the target's own token (the rest is overwritten by masks below)

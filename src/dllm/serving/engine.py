@@ -34,7 +34,7 @@ import torch
 from dllm.config.sampler import SamplerConfig
 from dllm.sampling.canvas import SpecialIds
 from dllm.sampling.canvas_batch import CanvasBatch, CanvasGroup
-from dllm.sampling.causal import keeps_recurrent_state, score_tokens
+from dllm.sampling.causal import score_tokens
 from dllm.sampling.continuous import Group, RunningBatch
 from dllm.sampling.generate import generate
 from dllm.sampling.results import GenerationResult, StepEvent
@@ -119,13 +119,12 @@ class Engine:
         """Whether a request joins the running batch (step-level continuous batching: AR decoding of a causal
         model, or unguided diffusion, uncached or block-cached, `CanvasBatch.takes`) rather than a sampler call
         of its own (speculative decoding, approximate caches or guidance, or `max_calls` 1: the one-call-at-a-time
-        engine kept for comparison). A causal model with linear-attention layers has no running batch yet (the
-        ragged cache keeps no recurrent states): its calls recompute (sampling/causal.py)."""
+        engine kept for comparison)."""
         cfg = job.settings.cfg
         if self.max_calls <= 1:
             return False
         if cfg.generation == "causal":
-            return self.drafter is None and not keeps_recurrent_state(self.model)
+            return self.drafter is None
         return CanvasBatch.takes(cfg, self.model)
 
     def _new_batch(self, cfg: SamplerConfig) -> RunningBatch | CanvasBatch:
