@@ -24,8 +24,9 @@ pytest.importorskip("transformers.models.diffusion_gemma")
 CANVAS = 8
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory) -> Path:
+def save_printable_model(path: Path) -> Path:
+    """A tiny random DiffusionGemmaForBlockDiffusion over bytes (canvases of CANVAS) saved to `path`, whose
+    proposals are printable ASCII (see above)."""
     from transformers.models.diffusion_gemma import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
 
     from tests.unit.test_diffusion_gemma import TEXT, VISION
@@ -42,9 +43,13 @@ def folder(tmp_path_factory) -> Path:
             p.add_(torch.randn_like(p) * 0.1)
         for emb in {model.get_input_embeddings().weight, model.get_output_embeddings().weight}:
             emb[~printable] = 0
-    path = tmp_path_factory.mktemp("dgemma") / "model"
     model.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    return save_printable_model(tmp_path_factory.mktemp("dgemma") / "model")
 
 
 def _records(out: str) -> list[dict]:
