@@ -132,6 +132,18 @@ def test_stop_strings_and_eos_end_the_call(pair):  # noqa: F811
     assert plain.canvas_BL.shape == (2, 3 + 3 * C) and [len(s) for s in plain.sequences] == [3 * C, 3 * C]
 
 
+@pytest.mark.slow  # ~2 min on 2 CPU cores: inductor compiles the Gemma blocks (cached and uncached forwards)
+def test_compiled_blocks_decode_as_eager(pair):  # noqa: F811
+    import copy
+
+    _, ours, _ = pair
+    cfg = _sampler(gen_length=2 * C, steps=8)
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    eager = _ours(ours, prompts, cfg)
+    compiled = _ours(copy.deepcopy(ours), prompts, cfg.model_copy(update={"compile": True}))
+    assert torch.equal(compiled.canvas_BL, eager.canvas_BL) and compiled.nfe == eager.nfe
+
+
 def test_sampler_config_maps_onto_the_denoiser():
     """gen_length rounds up to whole canvases, steps default to 48 a canvas (the reference's) and split evenly,
     block_length is the model's, temperature picks argmax (0) or sampled (1) proposals, the reference's
