@@ -83,8 +83,7 @@ class SamplerConfig(Section):
     seed: Seed = 0
     """Seed of the sampling noise (temperature, random orders and the process policies)."""
     generation: Literal["auto", "canvas", "edit_flow", "causal", "canvas_denoise"] = "auto"
-    """canvas (a policy commits masks), edit_flow (tau-leaping), causal (AR; --draft: speculative), canvas_denoise
-    (DiffusionGemma's random canvases after a causal prefix); auto: from the model's decode profile."""
+    """canvas (mask policies), edit_flow, causal (AR; --draft), canvas_denoise (DiffusionGemma); auto: by profile."""
     edit_kappa: Literal["auto", "cubic", "linear"] = "auto"
     """edit_flow: the schedule whose weight tau-leaping integrates; auto: the run's objective.kappa."""
     edit_end_time: Float | None = Field(default=None, gt=0, le=1)
