@@ -97,7 +97,7 @@ class SamplerConfig(Section):
     denoise_stability_threshold: Int = Field(default=1, ge=0)
     """canvas_denoise: a canvas stops once its argmax was unchanged for this many steps (and it is confident)."""
     denoise_confidence_threshold: Float = Field(default=0.005, gt=0)
-    """canvas_denoise: ... and once the mean entropy of its tempered logits is below this."""
+    """canvas_denoise: a canvas stops only once the mean entropy of its tempered logits is also below this."""
     denoise_cache: bool = True
     """canvas_denoise: keep the clean rows' keys and values across steps and canvases (exact: they never see one)."""
     compile: bool = False
@@ -156,8 +156,9 @@ class SamplerConfig(Section):
 
 
 def resolve_sampler(cfg: SamplerConfig, profile: DecodeProfile) -> SamplerConfig:
-    """Fill `attention`, `shift`, the block and sub-block lengths from the model's decode profile, and
-    refuse a sampler the model was not trained for. Causal decoding reads only the length, temperature,
+    """Fill `attention`, `shift`, the block and sub-block lengths from the model's decode profile, pick the
+    loop (`generation`; canvas_denoise for a DiffusionGemma profile, `_resolve_denoise`), and refuse a
+    sampler the model was not trained for. Causal decoding reads only the length, temperature,
     top-k/p, EOS and stop fields as they are (whether the model is causal is the loader's to say:
     `sampling.causal.is_causal_model` also knows the model family)."""
     if profile.attention == "prefix_canvas" and cfg.generation != "causal":
