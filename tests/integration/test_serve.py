@@ -253,6 +253,7 @@ def test_denoise_stream_shows_masks_turning_into_tokens(server):
         (b'{"prompt": "x", "block_length": -2}', 400, "block_length"),
         (b'{"prompt": "x", "steps": [4]}', 400, "steps"),
         (b'{"prompt": "x", "cache": "block"}', 400, "cache"),
+        (b'{"prompt": "x", "denoise_entropy_bound": 0.5}', 400, "denoise_entropy_bound"),  # DiffusionGemma's only
         (b'{"prompt": "x", "colour": 1}', 400, "colour"),
         (b'{"prompt": "x", "draft_model": "d"}', 400, "draft_model"),
         (b'{"prompt": "x", "model": "gpt-4"}', 404, "model"),

@@ -154,8 +154,8 @@ def test_config_checks_are_one_line(model, objective, extra, message):
 
 def test_profile_and_frozen_routers(pair):  # noqa: F811
     """Runs record prefix_canvas decoding with the block size (a folder not trained here: its canvas length),
-    which the canvas sampler refuses in one line (not decoded yet); the build's freeze leaves the routers out
-    of training and the rest in."""
+    which resolves the sampler to canvas_denoise in canvases of that size (a mask policy is refused in one
+    line); the build's freeze leaves the routers out of training and the rest in."""
     from dllm.config.profile import build_profile
     from dllm.config.sampler import SamplerConfig, resolve_sampler
     from dllm.models.gemma import freeze_routers
@@ -164,7 +164,9 @@ def test_profile_and_frozen_routers(pair):  # noqa: F811
     profile = build_profile(DiffusionGemmaSFTConfig(block_size=S), shift_logits=False, max_length=64,
                             mask_id=IDS.mask_id, pad_id=PAD, eos_id=1, num_tokens=V)  # fmt: skip
     assert (profile.attention, profile.block_size, profile.corruption) == ("prefix_canvas", S, "uniform")
-    with pytest.raises(ConfigError, match="^this model decodes canvases after a causally encoded prefix") as e:
+    cfg = resolve_sampler(SamplerConfig(gen_length=6), profile)
+    assert (cfg.generation, cfg.block_length, cfg.gen_length, cfg.total_steps) == ("canvas_denoise", S, 8, 2 * 48)
+    with pytest.raises(ConfigError, match="^sampler.policy: no effect on canvas_denoise") as e:
         resolve_sampler(SamplerConfig(policy="uniform"), profile)
     assert "\n" not in str(e.value)
     folder = build_profile(None, shift_logits=False, max_length=64, mask_id=IDS.mask_id, pad_id=PAD, eos_id=1,

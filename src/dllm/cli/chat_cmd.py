@@ -11,7 +11,13 @@ from typing import TYPE_CHECKING
 import typer
 
 from dllm.cli.common import MODEL_HELP, finite, info, out
-from dllm.cli.sampling_common import SAMPLER_CONFIG_OPTION, SET_OPTION, check_prompt_lengths, setup_sampling
+from dllm.cli.sampling_common import (
+    SAMPLER_CONFIG_OPTION,
+    SET_OPTION,
+    check_prompt_lengths,
+    denoise_summary,
+    setup_sampling,
+)
 from dllm.sampling.stops import cut_at_stop, stop_function
 
 if TYPE_CHECKING:
@@ -67,7 +73,8 @@ def chat(
     gen = torch.Generator(device=s.device).manual_seed(cfg.seed)
     history: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
     interactive = sys.stdin.isatty()
-    how = {"edit_flow": "edit_flow, tau_leaping", "causal": "causal" + (", speculative" if s.drafter else "")}
+    how = {"edit_flow": "edit_flow, tau_leaping", "causal": "causal" + (", speculative" if s.drafter else ""),
+           "canvas_denoise": denoise_summary(cfg)}  # fmt: skip
     info(f"{s.loaded.source}: chatting ({how.get(cfg.generation, f'{cfg.policy}, cache {cfg.cache}')}); /reset, /exit")
     while (text := _read_turn(interactive)) is not None:
         if text.strip() == "/exit":
@@ -98,7 +105,8 @@ def _reply(s: SamplingSetup, history: list[dict[str, str]], gen, live: bool) -> 
     check_prompt_lengths([ids], cfg, s.loaded.profile, "the conversation", "start over with /reset")
 
     def show(event) -> None:
-        row, g = event.canvas_BT[0].tolist(), event.gen_start_B[0]
+        view = event.canvas_BT if event.draft_BT is None else event.draft_BT  # canvas_denoise: the proposals
+        row, g = view[0].tolist(), event.gen_start_B[0]
         sys.stderr.write("\r\033[K" + render_canvas(tok, row[g : g + cfg.gen_length], event.mask_id)[-200:])
         sys.stderr.flush()
 

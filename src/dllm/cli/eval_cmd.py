@@ -8,7 +8,13 @@ from pathlib import Path
 import typer
 
 from dllm.cli.common import MODEL_HELP, check_output_file, info, model_folder, out, seed_option, write_lines
-from dllm.cli.sampling_common import SAMPLER_CONFIG_OPTION, SET_OPTION, check_prompt_lengths, setup_sampling
+from dllm.cli.sampling_common import (
+    SAMPLER_CONFIG_OPTION,
+    SET_OPTION,
+    check_prompt_lengths,
+    denoise_summary,
+    setup_sampling,
+)
 from dllm.errors import ConfigError
 from dllm.sampling.stops import cut_at_stop, stop_function
 
@@ -213,6 +219,8 @@ def _how(sampler) -> tuple[str, str]:
     """The decoding a score came from: (policy, cache); causal decoding is AR with its KV cache."""
     if sampler.generation == "causal":
         return "ar", "kv"
+    if sampler.generation == "canvas_denoise":
+        return "canvas_denoise", "clean_rows" if sampler.denoise_cache else "none"
     return ("tau_leaping" if sampler.generation == "edit_flow" else sampler.policy), sampler.cache
 
 
@@ -233,6 +241,8 @@ def _report_tasks(s, results, as_json: bool) -> None:
         info(f"{s.loaded.source}: edit_flow/tau_leaping (steps = NFE/call); edits per answer: {edits}")
     elif s.sampler.generation == "causal":
         info(f"{s.loaded.source}: AR decoding with a KV cache")
+    elif s.sampler.generation == "canvas_denoise":
+        info(f"{s.loaded.source}: {denoise_summary(s.sampler)}")
     else:
         info(f"{s.loaded.source}: {s.sampler.policy}/{s.sampler.cache}/{s.sampler.attention}")
 

@@ -14,6 +14,7 @@ from dllm.cli.sampling_common import (
     SAMPLER_CONFIG_OPTION,
     SET_OPTION,
     decode_batches,
+    denoise_summary,
     setup_sampling,
 )
 from dllm.errors import ConfigError, DataError
@@ -105,7 +106,9 @@ def generate(
             f"acceptance {c['acceptance_rate']:.2f}, {done.elapsed_s:.2f}s"
         )
         return
-    how = "edit_flow/tau_leaping" if cfg.generation == "edit_flow" else f"{cfg.policy}/{cfg.cache}/{cfg.attention}"
+    how = {"edit_flow": "edit_flow/tau_leaping", "canvas_denoise": denoise_summary(cfg)}.get(
+        cfg.generation, f"{cfg.policy}/{cfg.cache}/{cfg.attention}"
+    )
     info(
         f"{s.loaded.source}: {len(texts)} prompt(s), {how}, NFE {c['nfe']}, "
         f"{c['tokens_per_forward']:.2f} tokens/forward, {done.elapsed_s:.2f}s"

@@ -22,7 +22,11 @@ if TYPE_CHECKING:  # torch and the model stack load with the command, not with t
     from dllm.sampling.results import Counters
 
 SAMPLER_CONFIG_OPTION = typer.Option(None, "--sampler-config", help="YAML file of sampler settings (SamplerConfig).")
-SET_OPTION = typer.Option(None, "--set", help="Override a sampler field: --set cache=dual (repeatable).")
+SET_OPTION = typer.Option(
+    None,
+    "--set",
+    help="Override a sampler field: --set cache=dual, --set denoise_entropy_bound=0.2 (DiffusionGemma) (repeatable).",
+)
 DRAFT_BLOCK_SIZE_OPTION = typer.Option(
     None, "--draft-block-size", help="Verify blocks of this size: 2 to the drafter's own (default its own)."
 )
@@ -74,6 +78,13 @@ def setup_sampling(
     return load_and_resolve(cfg, torch.device(device), run=run, checkpoint=checkpoint, model_dir=model_folder(model),
                             drafter_dir=drafter_dir, draft_block_size=draft_block_size,
                             causal_option=causal_option)  # fmt: skip
+
+
+def denoise_summary(cfg: SamplerConfig) -> str:
+    """How a DiffusionGemma model decodes (generation canvas_denoise), for the commands' summary lines."""
+    steps = cfg.total_steps // cfg.num_blocks
+    return (f"canvas_denoise/canvas {cfg.block}/{steps} steps a canvas/entropy bound {cfg.denoise_entropy_bound}/"
+            f"cache {'clean rows' if cfg.denoise_cache else 'none'}")  # fmt: skip
 
 
 def check_prompt_lengths(prompts_ids: list[list[int]], cfg: SamplerConfig, profile: DecodeProfile,

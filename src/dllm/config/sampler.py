@@ -13,6 +13,15 @@ from dllm.errors import ConfigError
 
 MAX_STEPS = 1 << 20
 """The largest step budget (a forward each): more is no schedule, and sizes a tensor past what torch can index."""
+DENOISE_STEPS = 48
+"""canvas_denoise: steps per canvas when `steps` is unset (the reference generation mixin's max_denoising_steps)."""
+NOT_FOR_DENOISE = ("policy", "threshold", "edit_threshold", "max_post_steps", "min_commit", "factor", "top_k", "top_p",
+                   "cfg_scale", "cache", "refresh_every", "attention", "sub_block_length", "causal_context", "shift",
+                   "reuse_unchanged", "edit_kappa", "edit_end_time")  # fmt: skip
+"""SamplerConfig fields that have no effect on canvas_denoise (refused there when set to other than their default)."""
+DENOISE_FIELDS = ("denoise_entropy_bound", "denoise_t_min", "denoise_t_max", "denoise_stability_threshold",
+                  "denoise_confidence_threshold", "denoise_cache")  # fmt: skip
+"""The fields of canvas_denoise alone (refused for the other loops when set to other than their default)."""
 
 
 class SamplerConfig(Section):
@@ -23,14 +32,16 @@ class SamplerConfig(Section):
     after its budget keeps going, counted as overrun, so no output ever holds a mask. Block models
     (attention: block) decode block-causally with their training block size, blocks aligned to
     positions from each prompt's start; `auto` fields are filled from the run (config.rules.resolve_sampler).
+    Edit Flows models decode by tau-leaping (edit_*), DiffusionGemma models (attention prefix_canvas) by their
+    canvas sampler (generation canvas_denoise, denoise_*), both chosen by the model's decode profile.
     """
 
     gen_length: Int = Field(default=32, gt=0)
-    """Tokens to generate after the prompt (max_new_tokens)."""
+    """Tokens to generate after the prompt (max_new_tokens); canvas_denoise: rounded up to whole canvases."""
     block_length: Int | None = Field(default=None, gt=0)
-    """Semi-autoregressive block, decoded left to right; divides gen_length. null: gen_length / the run's block."""
+    """Semi-autoregressive block (canvas_denoise: the canvas); divides gen_length. null: gen_length / run's block."""
     steps: Int | None = Field(default=None, gt=0, le=MAX_STEPS)
-    """Step budget over all blocks, a multiple of the number of blocks; null: gen_length (one token per step)."""
+    """Step budget over all blocks, a multiple of the number of blocks; null: gen_length (canvas_denoise: 48/canvas)."""
     policy: Literal[POLICIES.names()] = "low_confidence"  # type: ignore[valid-type]
     """low_confidence, random, margin, entropy, threshold, factor, ancestral, first_hitting, uniform, llada2[_edit]."""
     threshold: Float = Field(default=0.9, gt=0, le=1)
@@ -44,7 +55,7 @@ class SamplerConfig(Section):
     factor: Float = Field(default=1.0, gt=0)
     """policy factor: commit the n most confident positions with (n + 1) * (1 - p_n) < factor (at least one)."""
     temperature: Float = Field(default=0.0, ge=0)
-    """0 is greedy; above 0 samples with Gumbel noise computed in float64."""
+    """0 is greedy; above 0 samples with Gumbel noise in float64 (canvas_denoise: 1 samples at denoise_t_min..t_max)."""
     top_k: Int | None = Field(default=None, gt=0)
     """Sample only among the k most probable tokens (with temperature > 0); null keeps all."""
     top_p: Float | None = Field(default=None, gt=0, le=1)
@@ -71,12 +82,24 @@ class SamplerConfig(Section):
     """Cut each output at the first of these strings, and stop early once every row has one."""
     seed: Seed = 0
     """Seed of the sampling noise (temperature, random orders and the process policies)."""
-    generation: Literal["auto", "canvas", "edit_flow", "causal"] = "auto"
-    """canvas (a policy commits masks), edit_flow (tau-leaping), causal (AR; with --draft speculative); auto: by run."""
+    generation: Literal["auto", "canvas", "edit_flow", "causal", "canvas_denoise"] = "auto"
+    """canvas (mask policies), edit_flow, causal (AR; --draft), canvas_denoise (DiffusionGemma); auto: by profile."""
     edit_kappa: Literal["auto", "cubic", "linear"] = "auto"
     """edit_flow: the schedule whose weight tau-leaping integrates; auto: the run's objective.kappa."""
     edit_end_time: Float | None = Field(default=None, gt=0, le=1)
     """edit_flow: the time tau-leaping ends at (1 fires every intensity left); null: 1 - the run's objective.eps."""
+    denoise_entropy_bound: Float = Field(default=0.1, gt=0)
+    """canvas_denoise: accept the lowest-entropy proposals whose entropies, less the largest, sum to at most this."""
+    denoise_t_min: Float = Field(default=0.4, ge=0)
+    """canvas_denoise: temperature of a canvas's last step (t = t_min + (t_max - t_min) * steps left / steps)."""
+    denoise_t_max: Float = Field(default=0.8, ge=0)
+    """canvas_denoise: temperature of a canvas's first step; above denoise_t_min."""
+    denoise_stability_threshold: Int = Field(default=1, ge=0)
+    """canvas_denoise: a canvas stops once its argmax was unchanged for this many steps (and it is confident)."""
+    denoise_confidence_threshold: Float = Field(default=0.005, gt=0)
+    """canvas_denoise: a canvas stops only once the mean entropy of its tempered logits is also below this."""
+    denoise_cache: bool = True
+    """canvas_denoise: keep the clean rows' keys and values across steps and canvases (exact: they never see one)."""
     compile: bool = False
     """Compile each transformer block in place with torch.compile (dynamic shapes: a new prompt length reuses it)."""
 
@@ -91,7 +114,9 @@ class SamplerConfig(Section):
 
     @property
     def total_steps(self) -> int:
-        """The step budget in effect (gen_length when unset)."""
+        """The step budget in effect (gen_length when unset; canvas_denoise: DENOISE_STEPS per canvas)."""
+        if self.steps is None and self.generation == "canvas_denoise":
+            return DENOISE_STEPS * self.num_blocks
         return self.steps or self.gen_length
 
     @model_validator(mode="after")
@@ -125,22 +150,23 @@ class SamplerConfig(Section):
                              "attention block and no sub_block_length")  # fmt: skip
         if self.attention == "block" and self.policy in ("ancestral", "first_hitting", "uniform"):
             raise ValueError(f"policy {self.policy} decodes bidirectional models; use attention bidirectional")
+        if self.denoise_t_max <= self.denoise_t_min:
+            raise ValueError(f"denoise_t_max {self.denoise_t_max} must be above denoise_t_min {self.denoise_t_min}")
         return self
 
 
 def resolve_sampler(cfg: SamplerConfig, profile: DecodeProfile) -> SamplerConfig:
-    """Fill `attention`, `shift`, the block and sub-block lengths from the model's decode profile, and
-    refuse a sampler the model was not trained for. Causal decoding reads only the length, temperature,
+    """Fill `attention`, `shift`, the block and sub-block lengths from the model's decode profile, pick the
+    loop (`generation`; canvas_denoise for a DiffusionGemma profile, `_resolve_denoise`), and refuse a
+    sampler the model was not trained for. Causal decoding reads only the length, temperature,
     top-k/p, EOS and stop fields as they are (whether the model is causal is the loader's to say:
     `sampling.causal.is_causal_model` also knows the model family)."""
+    if profile.attention == "prefix_canvas" and cfg.generation != "causal":
+        return _resolve_denoise(cfg, profile)
+    _refuse_denoise_fields(cfg)
     if cfg.generation == "causal":
         _check_length(cfg, profile)
         return cfg
-    if profile.attention == "prefix_canvas":
-        raise ConfigError(
-            "this model decodes canvases after a causally encoded prefix (DiffusionGemma, attention prefix_canvas in "
-            "its decode profile); the diffusion sampler does not decode it yet"
-        )
     if profile.attention == "causal":
         raise ConfigError(
             f"this model is autoregressive (trained with {profile.objective or 'a causal objective'}: attention causal "
@@ -199,6 +225,9 @@ def _check_length(cfg: SamplerConfig, profile: DecodeProfile) -> None:
 
 def _check_generation(cfg: SamplerConfig, profile: DecodeProfile, trained: str) -> str:
     """canvas or edit_flow, from the profile; a sampler of the other kind is refused."""
+    if cfg.generation == "canvas_denoise":
+        raise ConfigError(f"sampler.generation: canvas_denoise decodes DiffusionGemma models (attention prefix_canvas "
+                          f"in the decode profile); {trained}; use generation auto")  # fmt: skip
     if cfg.generation not in ("auto", profile.generation):
         if cfg.generation == "edit_flow":
             raise ConfigError(f"sampler.generation: edit_flow (tau-leaping) needs an Edit Flows model; {trained}")
@@ -220,33 +249,41 @@ def _check_generation(cfg: SamplerConfig, profile: DecodeProfile, trained: str) 
     return "edit_flow"
 
 
-class CanvasDenoiserConfig(Section):
-    """DiffusionGemma's canvas decoding (defaults: the reference generation mixin's): uniform random canvases
-    after the prompt, entropy-bounded acceptance, re-noising, self-conditioning and a temperature schedule."""
+def _resolve_denoise(cfg: SamplerConfig, profile: DecodeProfile) -> SamplerConfig:
+    """canvas_denoise, for a model that decodes canvases after a causally encoded prefix (DiffusionGemma):
+    canvases of the profile's block size, gen_length rounded up to whole canvases; a field of the other
+    loops set to other than its default is refused (it would do nothing)."""
+    what = "canvas_denoise, DiffusionGemma's canvas sampler (attention prefix_canvas in the model's decode profile)"
+    if cfg.generation not in ("auto", "canvas_denoise"):
+        raise ConfigError(f"sampler.generation: {cfg.generation} cannot decode this model, which decodes with {what}; "
+                          "use generation auto")  # fmt: skip
+    for name in NOT_FOR_DENOISE:
+        if getattr(cfg, name) != SamplerConfig.model_fields[name].default:
+            raise ConfigError(f"sampler.{name}: no effect on {what}; leave it out")
+    if cfg.temperature not in (0.0, 1.0):
+        raise ConfigError(
+            f"sampler.temperature: {cfg.temperature}: canvas_denoise proposes each position's argmax (0) or samples "
+            "at its schedule's temperature (1); set denoise_t_min / denoise_t_max to change the schedule"
+        )
+    canvas = profile.block_size
+    assert canvas is not None, "a prefix_canvas profile has a block size (DecodeProfile checks it)"
+    if cfg.block_length is not None and cfg.block_length != canvas:
+        raise ConfigError(f"sampler.block_length: this model decodes canvases of {canvas} tokens (its decode "
+                          f"profile's block_size); leave block_length out or set {canvas}")  # fmt: skip
+    gen_length = -(-cfg.gen_length // canvas) * canvas  # whole canvases, as the reference decodes
+    values = {**cfg.model_dump(), "generation": "canvas_denoise", "block_length": canvas, "gen_length": gen_length}
+    try:
+        resolved = SamplerConfig.model_validate(values)
+    except ValidationError as e:  # steps that do not split evenly over the canvases
+        msg = str(e.errors()[0]["msg"]).removeprefix("Value error, ")
+        raise ConfigError(f"sampler: {msg} (canvas_denoise: {gen_length // canvas} canvas(es) of {canvas})") from None
+    _check_length(resolved, profile)
+    return resolved
 
-    canvas_length: Int = Field(default=256, gt=0)
-    """Tokens per canvas (the model's canvas_length: its training block size)."""
-    max_new_tokens: Int = Field(default=256, gt=0)
-    """Tokens to generate after the prompt, rounded up to whole canvases."""
-    max_denoising_steps: Int = Field(default=48, gt=0)
-    """N: the most denoising steps per canvas."""
-    entropy_bound: Float = Field(default=0.1, gt=0)
-    """Accept the lowest-entropy proposals whose entropies, less the largest, sum to at most this."""
-    t_min: Float = Field(default=0.4, gt=0)
-    """Temperature at the last step: t = t_min + (t_max - t_min) * n / N with n steps left."""
-    t_max: Float = Field(default=0.8, gt=0)
-    """Temperature at the first step."""
-    stability_threshold: Int = Field(default=1, ge=0)
-    """A canvas stops once its argmax canvas was unchanged this many steps (and it is confident)."""
-    confidence_threshold: Float = Field(default=0.005, gt=0)
-    """... and the mean entropy of its tempered logits is below this."""
-    greedy: bool = False
-    """Propose each position's most likely token instead of a sample."""
-    cache: bool = True
-    """Keep the clean rows' keys and values across steps and canvases (exact: they never see a canvas)."""
 
-    @model_validator(mode="after")
-    def _check_temperatures(self) -> CanvasDenoiserConfig:
-        if self.t_max <= self.t_min:
-            raise ValueError(f"t_max {self.t_max} must be above t_min {self.t_min}")
-        return self
+def _refuse_denoise_fields(cfg: SamplerConfig) -> None:
+    """The fields of canvas_denoise set for a model that another loop decodes (they would do nothing)."""
+    for name in DENOISE_FIELDS:
+        if getattr(cfg, name) != SamplerConfig.model_fields[name].default:
+            raise ConfigError(f"sampler.{name}: applies to canvas_denoise (DiffusionGemma models, attention "
+                              "prefix_canvas); this model decodes otherwise: leave it out")  # fmt: skip

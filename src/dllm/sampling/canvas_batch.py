@@ -16,7 +16,8 @@ same objects and see the same logits, up to the floating-point sums of a batch o
 (tests/unit/test_canvas_batch.py checks greedy and sampled requests against `generate`, in float64).
 
 Which requests join (`CanvasBatch.takes`): canvas decoding (masked or uniform-state diffusion, any
-policy) without classifier-free guidance, uncached or with the exact block cache of a block model (not a hybrid
+policy; not DiffusionGemma's canvas_denoise, whose requests run as calls of their own) without
+classifier-free guidance, uncached or with the exact block cache of a block model (not a hybrid
 model with linear-attention layers, whose calls run on their own). The
 block-cached ones keep their keys in one ragged cache per block size (canvas_kv.py: `CachedRows`): each
 runs its first call (prompt and first block) alone, then its windows share one forward with the other
@@ -102,8 +103,8 @@ class CanvasBatch:
     @staticmethod
     def takes(cfg: SamplerConfig, model: nn.Module) -> bool:
         """Whether a request of these (resolved) settings can join a running canvas batch of `model`."""
-        if cfg.generation in ("causal", "edit_flow") or cfg.cfg_scale > 0:
-            return False
+        if cfg.generation in ("causal", "edit_flow", "canvas_denoise") or cfg.cfg_scale > 0:
+            return False  # canvas_denoise (DiffusionGemma): a sampler call of its own (canvas_denoiser.py)
         # linear-attention layers read the forward's last block as the noisy one (right padding would be)
         # and keep per-row states the ragged cache holds for causal rows only: their requests run as calls; so do
         # those reading their context causally (causal_context), which the batch's shared masks do not

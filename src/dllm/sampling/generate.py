@@ -1,8 +1,9 @@
 """THE entry point of decoding, `generate`, and the canvas loop of masked, block and uniform-state diffusion.
 
-`generate` runs one of three loops by the sampler's resolved `generation`: the canvas loop here (every
-policy and cache of diffusion), tau-leaping over edit rates (edit_flow.py), or the causal loop
-(speculative.py: AR decoding, with a drafter speculative decoding). All three return the same
+`generate` runs one of four loops by the sampler's resolved `generation`: the canvas loop here (every
+policy and cache of diffusion), tau-leaping over edit rates (edit_flow.py), the causal loop
+(speculative.py: AR decoding, with a drafter speculative decoding), or DiffusionGemma's canvas sampler
+(canvas_denoiser.py: random canvases after a causally encoded prefix). All four return the same
 `GenerationResult`, count with the same `Counters` and show their steps with the same `StepEvent`
 (results.py).
 
@@ -32,6 +33,7 @@ import torch
 
 from dllm.config.sampler import SamplerConfig
 from dllm.sampling.canvas import Canvas, SpecialIds
+from dllm.sampling.canvas_denoiser import canvas_denoise_generate
 from dllm.sampling.compiled import compile_blocks
 from dllm.sampling.edit_flow import edit_flow_generate
 from dllm.sampling.policies import Commit, StepState, make_policy
@@ -57,7 +59,8 @@ def generate(
 ) -> GenerationResult:
     """Decode `gen_length` tokens after each prompt. `stop(row_ids)` says whether a row's decided
     prefix already ends the row (stop strings); `callback` sees the canvas after every step. `cfg`
-    must be resolved (`config.sampler.resolve_sampler`): its shift is on or off, never auto.
+    must be resolved (`config.sampler.resolve_sampler`: it picks the loop from the model's decode profile);
+    the canvas loop needs its shift on or off, never auto.
     `cfg.compile` compiles the model's blocks in place (sampling.compiled), once; later calls reuse them.
     `drafter` proposes tokens for causal decoding (`cfg.generation == "causal"`; None: AR decoding).
 
@@ -73,6 +76,8 @@ def generate(
                                      callback=callback, stop=stop)  # fmt: skip
         elif cfg.generation == "edit_flow":  # no canvas: tau-leaping over edit rates (sampling/edit_flow.py)
             result = edit_flow_generate(model, prompts, cfg, special, generator, callback)
+        elif cfg.generation == "canvas_denoise":  # DiffusionGemma (sampling/canvas_denoiser.py)
+            result = canvas_denoise_generate(model, prompts, cfg, special, generator, callback, stop)
         else:
             result = Loop(model, prompts, cfg, special, generator, callback, stop).run()
     result.canvas_BL = result.canvas_BL.clone()  # inference tensors cannot enter autograd

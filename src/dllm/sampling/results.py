@@ -1,6 +1,6 @@
 """What a decoding call returns and what it cost: one result, one set of counters and one step event
 for every loop (canvas diffusion in generate.py, Edit Flows in edit_flow.py, causal decoding in
-speculative.py).
+speculative.py, DiffusionGemma's canvases in canvas_denoiser.py).
 
 Shapes: B batch, L canvas, N new tokens, V vocabulary.
 """
@@ -12,7 +12,7 @@ from typing import Literal
 
 import torch
 
-Loop = Literal["canvas", "edit_flow", "causal"]
+Loop = Literal["canvas", "edit_flow", "causal", "canvas_denoise"]
 
 
 @dataclass
@@ -103,3 +103,6 @@ class StepEvent:
     mask_id: int
     edits: int = 0
     """Edit Flows: edits applied at this step, over all rows (the canvas is then each row's new sequence)."""
+    draft_BT: torch.Tensor | None = None
+    """canvas_denoise: the canvas with the current proposals where `canvas_BT`, which holds only what is decided,
+    has masks (what a denoising view shows; text streams from `canvas_BT`); None: `canvas_BT` is that view."""

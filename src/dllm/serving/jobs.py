@@ -69,19 +69,23 @@ class Streams:
         self.pieces: dict[int, str] = {}
 
     def show_step(self, batch: list[Job], watched: list[Job], event: StepEvent, step: int, nfe: int) -> None:
-        """The step's text deltas and denoising frames of the jobs that watch them."""
+        """The step's text deltas and denoising frames of the jobs that watch them (frames show the draft of a
+        loop that has one, canvas_denoise's proposals; text streams only what is decided)."""
         canvas = event.canvas_BT.tolist()
+        view = canvas if event.draft_BT is None else event.draft_BT.tolist()
         offset = 0
         for job in batch:
             if job in watched and not job.cancelled.is_set():
-                self.stream(job, canvas[offset : offset + len(job.rows)], event, offset, step, nfe)
+                n = len(job.rows)
+                self.stream(job, canvas[offset : offset + n], view[offset : offset + n], event, offset, step, nfe)
             offset += len(job.rows)
 
-    def stream(self, job: Job, rows: list[list[int]], event: StepEvent, offset: int, step: int, nfe: int) -> None:
+    def stream(self, job: Job, rows: list[list[int]], view: list[list[int]], event: StepEvent, offset: int, step: int,
+               nfe: int) -> None:  # fmt: skip
         s, mask_id = job.settings, self.special.mask_id
         if job.denoise:
             committed = int(event.committed_BT[offset : offset + len(rows)].sum())
-            self.frame(job, rows, event.gen_start_B[offset:], committed, step, event.block, nfe)
+            self.frame(job, view, event.gen_start_B[offset:], committed, step, event.block, nfe)
         if job.stream_text and s.cfg.policy != "uniform":
             gens = [row[g : g + s.max_tokens] for row, g in zip(rows, event.gen_start_B[offset:], strict=False)]
             for i, ids in enumerate(gens):

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError,
 
 from dllm.config.base import MAX_SEED
 from dllm.config.profile import DecodeProfile
-from dllm.config.sampler import SamplerConfig, resolve_sampler
+from dllm.config.sampler import DENOISE_FIELDS, SamplerConfig, resolve_sampler
 from dllm.errors import UserError
 from dllm.serving.errors import ApiError
 from dllm.serving.unserved import LOGPROB_FIELDS, MESSAGE_FIELDS, REQUEST_FIELDS, refuse_unserved
@@ -30,10 +30,14 @@ from dllm.serving.unserved import LOGPROB_FIELDS, MESSAGE_FIELDS, REQUEST_FIELDS
 DIFFUSION_FIELDS = (
     "policy", "steps", "block_length", "sub_block_length", "threshold", "factor", "cache", "refresh_every",
     "cfg_scale", "top_k", "stop_at_eos", "reuse_unchanged", "edit_threshold", "max_post_steps", "min_commit",
+    *DENOISE_FIELDS,
 )  # fmt: skip
 CAUSAL_FIELDS = ("top_k", "stop_at_eos")
 """The extra fields that also apply to a causal model (AR or speculative decoding: one token per position,
 no steps, no canvas policy); the others are a 400 there."""
+CANVAS_DENOISE_FIELDS = ("steps", "block_length", "stop_at_eos", *DENOISE_FIELDS)
+"""The extra fields that apply to a DiffusionGemma model (generation canvas_denoise: random canvases, no mask
+policy, no cache kinds, no guidance); the others are a 400 there (DENOISE_FIELDS are a 400 everywhere else)."""
 MAX_N = 16
 """Choices per prompt (OpenAI documents none): n in [1, 16]."""
 MAX_ROWS = 256
@@ -63,7 +67,7 @@ class _Request(BaseModel):
     top_p: float | None = Field(default=None, gt=0, le=1)
     stop: str | list[str] | None = None
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
-    """Seed of a stochastic request (temperature > 0 or a random-order policy): it then runs in its own
+    """Seed of a stochastic request (temperature > 0, a random-order policy, DiffusionGemma): it then runs in its own
     batch with its own generator, so the same seed gives the same text whatever else is queued."""
     n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
@@ -282,6 +286,10 @@ def sampler_settings(req: _Request, base: SamplerConfig, profile: DecodeProfile,
             raise ApiError(400, f"{name}: a diffusion setting; this server decodes a causal model one token per "
                            f"position (fields that apply: {', '.join(CAUSAL_FIELDS)})", param=name,
                            code="unsupported_field")  # fmt: skip
+        if base.generation == "canvas_denoise" and name not in CANVAS_DENOISE_FIELDS:
+            raise ApiError(400, f"{name}: no effect on this server's DiffusionGemma model (canvas_denoise: random "
+                           f"canvases, no mask policy; fields that apply: {', '.join(CANVAS_DENOISE_FIELDS)})",
+                           param=name, code="unsupported_field")  # fmt: skip
     values.update(extra)
     length_field = req.max_tokens_field() or "max_tokens"
     max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens
@@ -318,7 +326,8 @@ def sampler_settings(req: _Request, base: SamplerConfig, profile: DecodeProfile,
     except UserError as e:
         msg = str(e).removeprefix("sampler.")
         raise ApiError(400, msg, param=msg.split(":")[0] if ":" in msg else None, code="invalid_value") from None
-    stochastic = cfg.temperature > 0 or cfg.policy in RANDOM_POLICIES
+    # canvas_denoise draws its canvases and their re-noising at random even with greedy proposals
+    stochastic = cfg.temperature > 0 or cfg.policy in RANDOM_POLICIES or cfg.generation == "canvas_denoise"
     return Settings(cfg, max_tokens, req.seed, stochastic)
 
 
