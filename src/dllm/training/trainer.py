@@ -193,7 +193,10 @@ def run_model(model: nn.Module, inputs: ModelInputs) -> ModelOutput:
     canvas after a clean prefix (DiffusionGemma) the first pass's canvas logits)."""
     rows = inputs.self_cond_rows_B
     tokens: torch.Tensor | SelfConditioned | CanvasConditioned = inputs.tokens_BL
-    if rows is not None and bool(rows.any()):
+    # the first pass runs even when no row of this rank's batch is drawn (its rows then add exactly 0): the
+    # forward holds collectives (FSDP's all-gathers, expert and context parallelism's exchanges), so every
+    # rank must run the same passes whatever its own draws
+    if rows is not None:
         with torch.no_grad():
             tokens = _conditioned(model(tokens, inputs.positions_BL, inputs.mask), inputs, rows)
     return model(tokens, inputs.positions_BL, inputs.mask)
