@@ -225,7 +225,7 @@ def test_two_training_steps_end_to_end(tmp_path):
              "local_window": 8}  # fmt: skip
     values = tiny_train_values(model=model, objective={"name": "diffusiongemma_native_sft", "block_size": 8},
                                training={"steps": 2})  # fmt: skip
-    trainer, _ = _trainer(write_yaml(tmp_path / "train.yaml", values))
+    trainer, run_dir = _trainer(write_yaml(tmp_path / "train.yaml", values))
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     for _ in range(2):
         stats = trainer.train_step(trainer.loader.next_step())
@@ -234,6 +234,12 @@ def test_two_training_steps_end_to_end(tmp_path):
     moved = {n for n, p in before.items() if not torch.equal(p, after[n].detach())}
     assert moved and not any(".router." in n for n in moved)
     assert any(".experts." in n for n in moved)
+    # a checkpoint holds what trained; loading it for inference rebuilds the frozen routers from the config
+    from dllm.checkpoint.inference import load_for_inference
+
+    trainer.checkpoints.save(trainer.step, trainer.model, trainer.optimizer, trainer.state_dict())
+    loaded = dict(load_for_inference(run=run_dir).model.named_parameters())
+    assert all(torch.equal(loaded[n].detach(), p.detach()) for n, p in after.items())
 
 
 def test_tensor_parallelism_is_refused_for_gemma_layers():

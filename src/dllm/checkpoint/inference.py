@@ -21,11 +21,12 @@ from dllm.checkpoint.manager import TRAINER_STATE, latest_checkpoint, load_model
 from dllm.config.loading import load_config
 from dllm.config.model import ModelConfig
 from dllm.config.profile import PROFILE_FILE, DecodeProfile, build_profile, read_profile
-from dllm.config.registries import FAMILIES
+from dllm.config.registries import FAMILIES, OBJECTIVES
 from dllm.config.sampler import SamplerConfig, resolve_sampler
 from dllm.config.spec import RunSpec
 from dllm.errors import CheckpointError, ConfigError
 from dllm.models import factory
+from dllm.models.gemma import freeze_routers
 from dllm.models.lora import merge_lora
 from dllm.models.transformer import Transformer
 from dllm.sampling.canvas import SpecialIds
@@ -140,8 +141,13 @@ def load_for_inference(
     tok = build_tokenizer(spec.tokenizer)
     cfg = _attention_for(spec.model, device)
     model = factory.build_model(cfg, spec.lora, spec.training.seed)
-    if spec.lora is not None:  # the checkpoint holds the adapters; the frozen base is rebuilt
+    # the checkpoint holds what trained; what stayed frozen (a LoRA base, the routers an objective keeps) is
+    # rebuilt from the config, as training built it, and left out of the load
+    frozen_routers = OBJECTIVES.has(spec.objective.name, "frozen_routers")
+    if spec.lora is not None or frozen_routers:
         model.load_state_dict(factory.initial_state(cfg, spec.lora, spec.training.seed))
+    if frozen_routers:
+        freeze_routers(model)
     with _pruned_while_loading(run_dir, ckpt, files, follows_latest=run is not None):
         profile = read_profile(ckpt, spec.model.vocab_size)
         _load_run_weights(ckpt, model, run_dir, spec)
