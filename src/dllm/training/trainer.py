@@ -205,7 +205,7 @@ def run_model(model: nn.Module, inputs: ModelInputs) -> ModelOutput:
 def _conditioned(first: ModelOutput, inputs: ModelInputs, rows: torch.Tensor) -> SelfConditioned | CanvasConditioned:
     """The second pass's tokens: the canvas rows' logits for a prefix_canvas model, else the argmax ids."""
     if inputs.mask.kind == "prefix_canvas":
-        canvas_BLE = first.hidden_BLE[:, inputs.mask.num_clean :]
+        canvas_BLE = first.hidden_BLE[:, inputs.mask.input_clean_rows :]  # a context rank holds some rows
         logits = ModelOutput(canvas_BLE, first.head, logit_softcap=first.logit_softcap).logits()
         return CanvasConditioned(inputs.tokens_BL, logits, rows)
     guess_BL = _argmax_tokens(first)
