@@ -29,14 +29,22 @@ compared at the SAME CP size, 4, and the same number of ranks):
   indices) for dual_end vs contiguous at 8 noisy blocks per rank, max/mean over the ranks.
 - `projection`: the same formula for a Qwen2.5-14B-like shape at L = 256K, CP8 (bf16), next to the
   published 210 -> 105 GiB per GPU (docs/parallelism.md explains the difference in what is counted).
+- `windowed` (bench/context_parallel_windows.py): DiffusionGemma's [clean ; canvas] layout on a 2-layer
+  model with one sliding-window layer (window `--window`) and one full layer of its own head shape,
+  trained one step with the real objective (responses starting off a block boundary): position-sharded
+  CP, full-attention CSBP and window-aware CSBP (cp = bp = world, contiguous) through the routed
+  exchange (all_to_all_single, wrapped by a counter), bytes per rank and layer kind measured against
+  that file's formula; `projection_diffusion_gemma`: the formula for DiffusionGemma 26B-A4B, next to
+  the published 433 -> 28.3 GiB per GPU.
 
 Targets (pass/fail in `targets`): CSBP K/V bytes <= 1/2 of position-sharded CP at the same CP size;
-dual_end max/mean <= 1.05 at 8 blocks per rank; measured bytes = formula within 2%.
+dual_end max/mean <= 1.05 at 8 blocks per rank; measured bytes = formula within 2%; windowed: every
+rank's bytes per layer kind = formula exactly, window-aware CSBP below full-attention CSBP.
 
 All ranks and modes run in ONE spawn of `--world` gloo processes (one intra-op thread each); the
-JSON line is printed by this process. `--quick` (L = 256, block 8) is what the unit test runs.
+JSON line is printed by this process. `--quick` (L = 256, block 8, window 32) is what the unit test runs.
 
-    python bench/context_parallel.py [--quick] [--lengths 2048 8192] [--block-size 64] [--world 4]
+    python bench/context_parallel.py [--quick] [--lengths 2048 8192] [--block-size 64] [--window 256] [--world 4]
 
 Shapes: B batch, H query heads, K key/value heads, D head width, L sequence length, Q query rows and
 S keys held by one rank.
@@ -58,9 +66,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from bench import context_parallel_windows as windows
+from bench.context_parallel_counters import Counters
 
 from dllm.attention.masks import AttentionMask, mask_mod
-from dllm.parallel import context_attention
 from dllm.parallel.context import allowed_pairs, build_plan, cp_group_ranks
 from dllm.parallel.context_attention import apply_context_parallel
 
@@ -89,6 +98,11 @@ class Job:
     bp: int
     layout: str = "block_diffusion"
     transport: str = "collective"
+    schedule: str = "dual_end"
+    window: int | None = None
+    """prefix_canvas jobs: the sliding layer's window."""
+    window_aware: bool = True
+    """prefix_canvas jobs: sliding layers receive only what their window reaches (False: as full layers)."""
 
     @property
     def group_size(self) -> int:
@@ -117,6 +131,21 @@ def jobs_for(lengths: list[int], block_size: int, size: int) -> list[Job]:
             Job(f"csbp_cp{size}_bp{size}_ring", L, block_size, "csbp", size, size, transport="ring"),
             Job(f"mdlm_cp{size}_ring", L, block_size, "cp", size, 1, "sequence", "ring"),
         ]
+    return jobs
+
+
+def windowed_jobs(lengths: list[int], block_size: int, size: int, window: int) -> list[Job]:
+    """DiffusionGemma's layout: position-sharded CP, full-attention CSBP and window-aware CSBP at cp = size."""
+    canvas = dict(layout="prefix_canvas", window=window)
+    jobs = []
+    for L in lengths:
+        jobs += [
+            Job(f"dgemma_cp{size}", L, block_size, "cp", size, 1, window_aware=False, **canvas),
+            Job(f"dgemma_csbp_cp{size}_bp{size}_full", L, block_size, "csbp", size, size, schedule="contiguous",
+                window_aware=False, **canvas),
+            Job(f"dgemma_csbp_cp{size}_bp{size}_window", L, block_size, "csbp", size, size, schedule="contiguous",
+                **canvas),
+        ]  # fmt: skip
     return jobs
 
 
@@ -181,58 +210,6 @@ def projection() -> dict[str, object]:
 # the measured run (one spawn, every job)
 
 
-class Counters:
-    """Wraps the two collectives and the ring's batch_isend_irecv that context_attention.py calls; records
-    (phase, kind, group size, sent bytes), and the attention calls' shapes."""
-
-    def __init__(self) -> None:
-        self.phase = "forward"
-        self.records: list[tuple[str, str, int, int]] = []
-        self.attention: list[dict[str, int]] = []
-
-    def install(self) -> None:
-        gather, scatter = context_attention._ALL_GATHER, context_attention._REDUCE_SCATTER
-        attend, partial = context_attention.sharded_attention, context_attention.partial_attention
-        p2p = context_attention._BATCH_ISEND_IRECV
-
-        def batch_isend_irecv(ops):
-            sent = sum(op.tensor.numel() * op.tensor.element_size() for op in ops if op.op is dist.isend)
-            self.records.append((self.phase, "p2p", len(ops), sent))
-            return p2p(ops)
-
-        def partial_attention(q_BHQD, k_BKSD, *args, **kw):  # one ring step (forward, and its recompute)
-            B, H, Q, D = q_BHQD.shape
-            self.attention.append({"B": B, "H": H, "K": k_BKSD.shape[1], "Q": Q, "S": k_BKSD.shape[2], "D": D})
-            return partial(q_BHQD, k_BKSD, *args, **kw)
-
-        def all_gather(out, inp, *args, group=None, **kw):
-            n = dist.get_world_size(group)
-            self.records.append((self.phase, "all_gather", n, (n - 1) * inp.numel() * inp.element_size()))
-            return gather(out, inp, *args, group=group, **kw)
-
-        def reduce_scatter(out, inp, *args, group=None, **kw):
-            n = dist.get_world_size(group)
-            self.records.append((self.phase, "reduce_scatter", n, (n - 1) * inp.numel() * inp.element_size() // n))
-            return scatter(out, inp, *args, group=group, **kw)
-
-        def sharded_attention(q_BHQD, k_BKSD, *args, **kw):
-            B, H, Q, D = q_BHQD.shape
-            self.attention.append({"B": B, "H": H, "K": k_BKSD.shape[1], "Q": Q, "S": k_BKSD.shape[2], "D": D})
-            return attend(q_BHQD, k_BKSD, *args, **kw)
-
-        context_attention._ALL_GATHER, context_attention._REDUCE_SCATTER = all_gather, reduce_scatter
-        context_attention.sharded_attention = sharded_attention
-        context_attention._BATCH_ISEND_IRECV, context_attention.partial_attention = batch_isend_irecv, partial_attention
-
-    def reset(self) -> None:
-        self.phase, self.records, self.attention = "forward", [], []
-
-    def sent(self, phase: str) -> tuple[int, int]:
-        """(bytes, calls) of one phase."""
-        hits = [r for r in self.records if r[0] == phase]
-        return sum(r[3] for r in hits), len(hits)
-
-
 def _inputs(job: Job):
     from dllm.config.objectives import BD3LMConfig, MDLMConfig
     from dllm.data.loader import Batch
@@ -243,6 +220,15 @@ def _inputs(job: Job):
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, VOCAB - 3, (BATCH, job.seq_len), generator=g)
     batch = Batch(tokens, torch.ones_like(tokens, dtype=torch.bool), torch.arange(BATCH))
+    if job.layout == "prefix_canvas":  # a 3-token prompt: the response's blocks start off the block grid
+        from dllm.config.objectives import DiffusionGemmaSFTConfig
+        from dllm.diffusion.objectives.diffusion_gemma import DiffusionGemmaSFT
+
+        sup = torch.ones_like(tokens, dtype=torch.bool)
+        sup[:, :3] = False
+        # one pass per step: self-conditioning's detached first pass would repeat the forward exchange
+        obj = DiffusionGemmaSFT(DiffusionGemmaSFTConfig(block_size=job.block_size, self_condition_prob=0.0), ids)
+        return obj, obj.prepare(Batch(tokens, sup, torch.arange(BATCH)), NoiseKeys(0, BATCH))
     if job.layout == "sequence":
         obj = MDLMObjective(MDLMConfig(), ids)
     else:
@@ -256,15 +242,19 @@ def _run_job(rank: int, job: Job, counters: Counters) -> dict[str, object] | Non
     from dllm.models import Transformer
     from dllm.training.trainer import run_model
 
-    plan0 = build_plan(job.mode, job.seq_len, job.block_size, job.cp, job.bp, 0, "dual_end", job.layout)
-    groups = [dist.new_group(r) for r in cp_group_ranks(plan0)] if job.mode != "bp" else []
+    plan0 = build_plan(job.mode, job.seq_len, job.block_size, job.cp, job.bp, 0, job.schedule, job.layout)
+    canvas = job.layout == "prefix_canvas"  # its exchange runs over the whole context group
+    ranks = [list(range(job.group_size))] if canvas else cp_group_ranks(plan0) if job.mode != "bp" else []
+    groups = [dist.new_group(r) for r in ranks]
     if rank >= job.group_size:
         return None
     plan = plan0.peer(rank)
-    model = Transformer(ModelConfig(vocab_size=VOCAB, **MODEL))
+    shape = dict(windows.DGEMMA_MODEL, local_window=job.window, canvas_length=job.block_size) if canvas else MODEL
+    model = Transformer(ModelConfig(vocab_size=VOCAB, **shape))
     model.init_weights(torch.Generator().manual_seed(0))
     obj, inputs = _inputs(job)
-    apply_context_parallel(model, plan, groups[rank // job.cp] if groups else None, job.transport)
+    group = groups[0 if canvas else rank // job.cp] if groups else None
+    apply_context_parallel(model, plan, group, job.transport, window_aware=job.window_aware)
     counters.reset()
     start = time.perf_counter()
     local = plan.shard(inputs)
@@ -274,6 +264,12 @@ def _run_job(rank: int, job: Job, counters: Counters) -> dict[str, object] | Non
     step_s = time.perf_counter() - start
     (fwd, fwd_calls), (bwd, bwd_calls) = counters.sent("forward"), counters.sent("backward")
     layers = MODEL["num_layers"]
+    if canvas:  # one call per layer: forward sliding then full, backward full then sliding
+        f, b = ([r[3] for r in counters.records if r[0] == phase] for phase in ("forward", "backward"))
+        sent = {"sliding_forward": f[0], "full_forward": f[1], "full_backward": b[0], "sliding_backward": b[1]}
+        widest = max(counters.attention, key=lambda a: a["Q"] * a["S"])
+        return {"job": job.name, "L": job.seq_len, "rank": rank, "sent": sent, "calls": [len(f), len(b)],
+                "attention": widest, "step_s": time.perf_counter() - start}  # fmt: skip
     return {
         "job": job.name,
         "L": job.seq_len,
@@ -409,9 +405,11 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192])
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--world", type=int, default=4, help="ranks per group (cp, bp, csbp cp=bp=world)")
+    ap.add_argument("--window", type=int, default=256, help="the windowed model's sliding window")
     args = ap.parse_args(argv)
-    lengths, block = ([256], 8) if args.quick else (args.lengths, args.block_size)
-    jobs = jobs_for(lengths, block, args.world)
+    lengths, block, window = ([256], 8, 32) if args.quick else (args.lengths, args.block_size, args.window)
+    dgemma = windowed_jobs(lengths, block, args.world, window)
+    jobs = jobs_for(lengths, block, args.world) + dgemma
     start = time.perf_counter()
     measured = measure(jobs, args.world)
     result: dict[str, object] = {
@@ -423,9 +421,14 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         "sent_bytes_definition": "all_gather: (n-1) x input; reduce_scatter: (n-1)/n x input (per rank, any "
         "bandwidth-optimal algorithm); ring: the isend tensors; per step per layer; per-rank max",
     }
-    checks: dict[str, list[bool]] = {"formula": [], "halving": [], "ring_bytes": []}
+    checks: dict[str, list[bool]] = {"formula": [], "halving": [], "ring_bytes": [], "windowed": [], "window": []}
     for L in lengths:
-        rows = {job.name: summarize(job, measured[(job.name, L)]) for job in jobs if job.seq_len == L}
+        canvas = {job.name: windows.summarize(job, measured[(job.name, L)]) for job in dgemma if job.seq_len == L}
+        checks["windowed"] += [row["every_rank_equals_formula"] for row in canvas.values()]
+        result[f"windowed_L{L}"] = windows.summarize_group(canvas, args.world)
+        checks["window"].append(result[f"windowed_L{L}"]["window_over_full_csbp"] < 1)
+        rows = {job.name: summarize(job, measured[(job.name, L)]) for job in jobs if job.seq_len == L
+                and job.layout != "prefix_canvas"}  # fmt: skip
         for row in rows.values():
             checks["formula"].append(abs(row["measured_over_formula"] - 1) <= TOLERANCE)
         ratios = {}
@@ -444,11 +447,14 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     result["balance"] = bal
     dual = [bal[f"{m}_dual_end"]["max_over_mean"] for m in ("bp", "csbp")]
     result["projection"] = projection()
+    result["projection_diffusion_gemma"] = windows.projection()
     result["targets"] = {
         "csbp_kv_bytes_le_half_of_cp_same_cp_size": all(checks["halving"]),
         "dual_end_max_over_mean_le_1.05": max(dual) <= 1.05,
         "measured_equals_formula_within_2pct": all(checks["formula"]),
         "ring_bytes_equal_collective": all(checks["ring_bytes"]),
+        "windowed_measured_equals_formula": all(checks["windowed"]),
+        "window_aware_below_full_csbp": all(checks["window"]),
     }
     result["targets"]["all_pass"] = all(result["targets"].values())
     print(json.dumps(result))

@@ -804,6 +804,11 @@ _CP2 = ["topology.context.mode=cp", "topology.context.cp_size=2"]
 _BD3LM = ["objective.name=bd3lm", "objective.block_size=4"]  # 8 blocks of data.seq_len 32
 _FAST_DLLM_V2 = ["objective.name=fast_dllm_v2", "objective.block_size=4", "objective.sub_block_size=2"]
 _CSBP22 = ["topology.context.mode=csbp", "topology.context.cp_size=2", "topology.context.bp_size=2", *_BD3LM]
+# DiffusionGemma's native SFT (8 canvas blocks of 4 over data.seq_len 32)
+_DGEMMA = ["model.family=diffusion_gemma", "model.canvas_length=4", "objective.name=diffusiongemma_native_sft",
+           "objective.block_size=4"]  # fmt: skip
+_DGEMMA_MOE = [*_DGEMMA, "model.num_experts=4", "model.router_aux_loss_coef=0"]
+_CSBP22_DGEMMA = [*_CSBP22[:3], *_DGEMMA]
 
 CONTEXT_REFUSALS = {
     "cp-with-bp": (2, [*_CP2, "topology.context.bp_size=2"], "topology.context.bp_size: mode cp shards positions only"),
@@ -833,7 +838,18 @@ CONTEXT_REFUSALS = {
         ["topology.context.mode=cp", "topology.context.cp_size=3"],
         "topology.context: dual_end needs the sequence (32 rows) divisible by 6",
     ),
-    "moe": (2, [*_CP2, "model.num_experts=4"], "topology.context.mode: cp does not support MoE models"),
+    "moe": (2, [*_CP2, "model.num_experts=4"], "model.router_aux_loss_coef: 0.001 with topology.context.mode cp: the"),
+    "dgemma-ring": (
+        2,
+        [*_CSBP22_DGEMMA, "topology.context.transport=ring"],
+        "topology.context.transport: ring does not carry diffusiongemma_native_sft's routed K/V exchange",
+    ),
+    "dgemma-tp": (2, [*_DGEMMA, "topology.tp_size=2"], "topology.tp_size: diffusion_gemma's Gemma 4 layers"),
+    "ep-with-context": (
+        4,
+        [*_CP2, *_DGEMMA_MOE, "topology.ep_size=2"],
+        "topology.ep_size: expert parallelism does not combine with context, block or tensor parallelism yet",
+    ),
     "linear-layers-cp": (
         2,
         [*_CP2, "model.family=qwen3_5", "objective.name=ar"],
@@ -889,12 +905,23 @@ def test_context_parallel_refusals(tmp_path: Path, no_gpu: None, case: str, caps
         (2, [*_CP2, "training.micro_batch_size=8"]),  # the batch rule counts data-parallel ranks, not the world
         (2, ["topology.context.mode=bp", "topology.context.bp_size=2", *_FAST_DLLM_V2]),
         (4, [*_CP2, *_BD3LM, "topology.context.schedule=contiguous"]),  # the position-sharded 2L baseline
+        # DiffusionGemma's SFT (self-conditioning drawn, its default): cp, bp and csbp, the MoE variant without
+        # a router loss
+        (2, [*_CP2, *_DGEMMA]),
+        (2, ["topology.context.mode=bp", "topology.context.bp_size=2", *_DGEMMA_MOE]),
+        (4, [*_CSBP22_DGEMMA, "topology.context.bp_size=4", "topology.context.schedule=contiguous"]),
     ],
 )
 def test_context_parallel_accepted(tmp_path: Path, no_gpu: None, nproc: int, sets: list[str], capsys):
     code, err, out = _validate_cli(tmp_path, nproc, sets, capsys)
     assert code == 0 and not [line for line in err if "error" in line or "context" in line], err  # core-count warning
     assert yaml.safe_load(out)["topology"]["context"]["mode"] in ("cp", "bp", "csbp")  # recorded in the resolved config
+
+
+def test_diffusion_gemma_expert_parallelism_is_accepted(tmp_path: Path, no_gpu: None, capsys):
+    code, err, out = _validate_cli(tmp_path, 2, [*_DGEMMA_MOE, "topology.ep_size=2"], capsys)
+    assert code == 0 and not [line for line in err if "error" in line], err
+    assert yaml.safe_load(out)["topology"]["ep_size"] == 2
 
 
 def test_context_settings_without_effect_warn(artifact_root: Path, no_gpu: None):

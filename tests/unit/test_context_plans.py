@@ -4,7 +4,9 @@ Every global row is held exactly once per group (clean rows once per CP group), 
 row may see is in its rank's key set, the dual_end schedule balances the allowed query-key pairs,
 every target is owned by exactly one rank (shifted objectives too), the index-mapped mask equals the
 global one, the sharded attention of each rank equals the global attention at its rows (dense SDPA and
-the FlexAttention forward), and layouts that cannot be split evenly are refused.
+the FlexAttention forward), and layouts that cannot be split evenly are refused. DiffusionGemma's
+prefix_canvas layout: its rows and targets, and the routes of its exchange (every key the mask allows,
+whatever each batch row's canvas origin, for full and sliding-window layers).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from dllm.diffusion.objectives import BD3LMObjective, MDLMObjective, TokenIds
 from dllm.models import Transformer
 from dllm.parallel.context import ShardPlan, allowed_pairs, build_plan, cp_group_ranks
 from dllm.parallel.context_attention import ContextParallelAttention, apply_context_parallel
+from dllm.parallel.context_routes import exchange_routes, needed_rows
 
 V = 40
 IDS = TokenIds(mask_id=V - 1, eos_id=V - 2, pad_id=V - 3, num_tokens=V)
@@ -124,7 +127,7 @@ def test_dual_end_balances_the_position_sharded_baseline_better():
         (dict(mode="cp", seq_len=30, cp=4, schedule="contiguous"), "divisible by 4"),
         (dict(mode="bp", seq_len=32, block_size=4, bp=8), "8 noisy blocks divisible by 16"),
         (dict(mode="bp", seq_len=30, block_size=4, bp=2), "multiple of block_size"),
-        (dict(mode="bp", seq_len=32, block_size=4, bp=2, layout="sequence"), "block_diffusion layout"),
+        (dict(mode="bp", seq_len=32, block_size=4, bp=2, layout="sequence"), "block_diffusion or prefix_canvas layout"),
         (dict(mode="csbp", seq_len=36, block_size=2, cp=4, bp=4, schedule="contiguous"), "divisible by 4"),
         (dict(mode="cp", seq_len=32, cp=2, bp=2), "bp must be 1"),
         (dict(mode="bp", seq_len=32, block_size=4, cp=2, bp=2), "cp must be 1"),
@@ -291,3 +294,121 @@ def test_parallel_dims_place_context_groups_on_consecutive_ranks():
     assert cp.cp_groups() == [[0, 1], [2, 3]]
     none = ParallelDims.from_topology(TopologyConfig(nproc_per_node=2, context={"mode": "cp"}), 2)  # cp_size 1
     assert (none.mode, none.dp, none.group) == ("none", 2, 1)
+
+
+# --------------------------------------------------------------------------------------------------
+# DiffusionGemma's [clean ; canvas] layout (prefix_canvas): canvas blocks play the noisy blocks' part
+
+PREFIX_LAYOUTS = [
+    ("cp", 32, 4, 2, 1, "dual_end", "prefix_canvas"),
+    ("cp", 32, 4, 4, 1, "contiguous", "prefix_canvas"),
+    ("bp", 32, 4, 1, 2, "dual_end", "prefix_canvas"),
+    ("bp", 32, 4, 1, 4, "contiguous", "prefix_canvas"),
+    ("csbp", 32, 4, 2, 2, "dual_end", "prefix_canvas"),
+    ("csbp", 32, 4, 2, 4, "dual_end", "prefix_canvas"),
+    ("csbp", 32, 4, 4, 4, "contiguous", "prefix_canvas"),
+]
+
+
+@pytest.mark.parametrize("layout", PREFIX_LAYOUTS, ids=lambda x: "-".join(map(str, x)))
+def test_prefix_canvas_rows_and_targets_are_held_and_owned_once(layout):
+    """Canvas rows once per group, clean rows once per CP group (all of them on every bp rank), and every
+    row's target owned by exactly one rank."""
+    plans = _plans(*layout)
+    mode, L = layout[0], layout[1]
+    for p in plans:
+        assert torch.equal(p.rows, p.rows.sort().values) and p.owned is not None
+    owned = torch.zeros(2 * L, dtype=torch.long)
+    for p in plans:
+        owned.index_add_(0, p.rows[p.owned], torch.ones(int(p.owned.sum()), dtype=torch.long))
+    assert owned.tolist() == [1] * (2 * L)
+    if mode == "cp":
+        assert _sorted(torch.cat([p.rows for p in plans])) == list(range(2 * L))
+        return
+    assert _sorted(torch.cat([p.rows[p.rows >= L] for p in plans])) == list(range(L, 2 * L))
+    for group in cp_group_ranks(plans[0]):
+        assert _sorted(torch.cat([plans[r].rows[plans[r].rows < L] for r in group])) == list(range(L))
+
+
+def _canvas_mask(L: int, block: int, window: int | None, origins: list[int]) -> AttentionMask:
+    valid = torch.ones(len(origins), 2 * L, dtype=torch.bool)
+    valid[1, 27:L] = valid[1, L + 27 :] = False  # padding after row 1's response
+    return AttentionMask("prefix_canvas", key_valid_BL=valid, block_size=block, num_clean=L, canvas_start=0,
+                         canvas_origin_B=torch.tensor(origins), window=window)  # fmt: skip
+
+
+@pytest.mark.parametrize("window", [None, 5, 9])
+@pytest.mark.parametrize("layout", PREFIX_LAYOUTS, ids=lambda x: "-".join(map(str, x)))
+def test_routes_bring_every_key_the_mask_allows(layout, window: int | None):
+    """For responses starting anywhere (origins on and off the block grid, none): the keys a rank holds
+    after its exchange (received rows + its own) cover every key its queries may see, each once; what p
+    sends q is what q receives from p; and each rank's sharded attention equals the global one at its rows."""
+    plans = _plans(*layout)
+    L, block, N = layout[1], layout[2], 2 * layout[1]
+    mask = _canvas_mask(L, block, window, [0, 3, 6, 13, 31, 32])
+    allowed = dense_mask(mask_mod(mask, N), 6, N, N, torch.device("cpu"))[:, 0]
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(6, h, N, 8, generator=g) for h in (4, 2, 2))
+    full = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None], enable_gqa=True)
+    routes = [exchange_routes(p, window) for p in plans]
+    for p, r in zip(plans, routes, strict=True):
+        keys = torch.cat([r.recv_rows, p.rows])
+        assert keys.unique().numel() == keys.numel()
+        assert set(allowed[:, p.rows].any(1).any(0).nonzero().squeeze(1).tolist()) <= set(keys.tolist())
+        assert set(keys.tolist()) == set(needed_rows(p, window).nonzero().squeeze(1).tolist())
+        for peer in plans:  # p's rows sent to `peer`, in order, are what `peer` receives from p
+            start = sum(r.send_counts[: peer.rank])
+            sent = p.rows[r.send_idx[start : start + r.send_counts[peer.rank]]]
+            theirs = routes[peer.rank]
+            got = theirs.recv_rows[sum(theirs.recv_counts[: p.rank]) :][: theirs.recv_counts[p.rank]]
+            assert torch.equal(sent, got)
+        out = sharded_attention(q[:, :, p.rows], k[:, :, keys], v[:, :, keys], mask, p.rows, keys, N, ("t", p.rank))
+        torch.testing.assert_close(out, full[:, :, p.rows], atol=1e-5, rtol=1e-5)
+
+
+def test_a_sliding_window_receives_fewer_rows_than_a_full_layer():
+    """csbp cp4 x bp4, contiguous: a window of 5 reaches the 7 clean rows before a rank's run of blocks and
+    3 canvas rows each side; a full layer receives every other rank's clean rows too (3 x 8 + 6)."""
+    plans = _plans("csbp", 32, 4, 4, 4, "contiguous", "prefix_canvas")
+    received = [[sum(exchange_routes(p, w).recv_counts) for p in plans] for w in (5, None)]
+    assert received == [[3, 13, 13, 10], [27, 30, 30, 27]]
+
+
+def _dgemma_inputs(self_condition_prob: float = 0.0):
+    from dllm.config.objectives import DiffusionGemmaSFTConfig
+    from dllm.diffusion.objectives.diffusion_gemma import DiffusionGemmaSFT
+
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(2, V - 1, (2, 32), generator=g)
+    sup = torch.zeros(2, 32, dtype=torch.bool)
+    sup[0, 3:], sup[1, 6:] = True, True
+    obj = DiffusionGemmaSFT(DiffusionGemmaSFTConfig(block_size=4, self_condition_prob=self_condition_prob), IDS)
+    return obj.prepare(Batch(tokens, sup, torch.tensor([4, 7])), NoiseKeys(0, 2))
+
+
+def test_prefix_canvas_shard_counts_its_clean_rows_and_keeps_self_conditioning():
+    """The sharded mask says how many of a rank's rows are clean (the model embeds the rest as canvas),
+    self-conditioning's draws pass through, and a mask that is not training's prefix_canvas is refused."""
+    inputs = _dgemma_inputs(0.5)
+    assert inputs.self_cond_rows_B is not None
+    for p in _plans("csbp", 32, 4, 2, 4, "dual_end", "prefix_canvas"):
+        local = p.shard(inputs)
+        assert local.mask.input_clean_rows == int((p.rows < 32).sum()) == 16  # L / cp
+        assert local.self_cond_rows_B is inputs.self_cond_rows_B
+        assert torch.equal(local.weights_BL, inputs.weights_BL[:, p.rows] * p.owned)
+    assert inputs.mask.input_clean_rows == 32  # one process: the whole clean stream
+    plan = build_plan("bp", 32, 4, bp=2, layout="prefix_canvas")
+    with pytest.raises(ValueError, match="canvas_start 0"):
+        plan.shard(dataclasses.replace(inputs, mask=dataclasses.replace(inputs.mask, canvas_start=32)))
+
+
+def test_prefix_canvas_attention_needs_the_context_group_and_the_collective():
+    plan = build_plan("bp", 32, 4, bp=2, layout="prefix_canvas")
+    with pytest.raises(ValueError, match="ring transport does not carry prefix_canvas"):
+        ContextParallelAttention(FlexBackend(compiled=False), plan, None, transport="ring")
+    with pytest.raises(ValueError, match="pass the context group"):  # bp exchanges canvas rows next to its blocks
+        ContextParallelAttention(FlexBackend(compiled=False), plan, None)
+    # an MoE model without a router loss shards exactly (routing is per token)
+    moe = Transformer(ModelConfig(preset="tiny", vocab_size=V, num_experts=4, num_experts_per_tok=2,
+                                  router_aux_loss_coef=0.0))  # fmt: skip
+    apply_context_parallel(moe, build_plan("bp", 32, 4, bp=2), None)

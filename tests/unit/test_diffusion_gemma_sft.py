@@ -102,6 +102,31 @@ def test_loss_equals_the_blockwise_reference(pair, self_condition_prob: float): 
     assert objective.normalizer(batch) == int(batch.loss_mask_BL.sum())
 
 
+def test_the_first_pass_runs_when_no_example_of_the_batch_is_drawn(pair):  # noqa: F811
+    """Every rank runs both passes whenever the objective draws self-conditioning (the forward holds
+    collectives under FSDP, expert and context parallelism); undrawn examples add exactly 0, so the step
+    equals the plain one-pass step bit for bit."""
+    import dataclasses
+
+    from dllm.config.registries import OBJECTIVES
+
+    _, ours, _ = pair
+    cfg = DiffusionGemmaSFTConfig(block_size=S, self_condition_prob=0.5)
+    objective = OBJECTIVES.resolve(cfg.name)(cfg, IDS, chunked_loss=True)
+    inputs = objective.prepare(_batch(), NoiseKeys(seed=9, group_size=2))
+    none_drawn = dataclasses.replace(inputs, self_cond_rows_B=torch.zeros(2, dtype=torch.bool))
+    calls = []
+    hook = ours.register_forward_pre_hook(lambda module, args: calls.append(type(args[0]).__name__))
+    try:
+        with torch.no_grad():
+            got = run_model(ours, none_drawn).hidden_BLE
+            plain = run_model(ours, dataclasses.replace(inputs, self_cond_rows_B=None)).hidden_BLE
+    finally:
+        hook.remove()
+    assert calls == ["Tensor", "CanvasConditioned", "Tensor"]
+    assert torch.equal(got, plain)
+
+
 def test_supervision_must_be_one_suffix():
     from dllm.diffusion.objectives.diffusion_gemma import DiffusionGemmaSFT
 
@@ -202,7 +227,7 @@ def test_two_training_steps_end_to_end(tmp_path):
              "local_window": 8}  # fmt: skip
     values = tiny_train_values(model=model, objective={"name": "diffusiongemma_native_sft", "block_size": 8},
                                training={"steps": 2})  # fmt: skip
-    trainer, _ = _trainer(write_yaml(tmp_path / "train.yaml", values))
+    trainer, run_dir = _trainer(write_yaml(tmp_path / "train.yaml", values))
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     for _ in range(2):
         stats = trainer.train_step(trainer.loader.next_step())
@@ -211,6 +236,12 @@ def test_two_training_steps_end_to_end(tmp_path):
     moved = {n for n, p in before.items() if not torch.equal(p, after[n].detach())}
     assert moved and not any(".router." in n for n in moved)
     assert any(".experts." in n for n in moved)
+    # a checkpoint holds what trained; loading it for inference rebuilds the frozen routers from the config
+    from dllm.checkpoint.inference import load_for_inference
+
+    trainer.checkpoints.save(trainer.step, trainer.model, trainer.optimizer, trainer.state_dict())
+    loaded = dict(load_for_inference(run=run_dir).model.named_parameters())
+    assert all(torch.equal(loaded[n].detach(), p.detach()) for n, p in after.items())
 
 
 def test_tensor_parallelism_is_refused_for_gemma_layers():

@@ -93,6 +93,10 @@ class AttentionMask:
     canvas_origin_B: torch.Tensor | None = None
     """prefix_canvas, per row [B] (int64): canvas blocks are aligned to this many rows after canvas_start (each
     response's start in training); None: 0."""
+    held_clean_rows: int | None = None
+    """prefix_canvas, when the model input holds only some of the rows (a rank of a context-parallel group,
+    parallel/context.py): how many of its first rows are clean rows, the rest canvas rows; None: the input
+    is rows query_offset.. of the whole layout (see `input_clean_rows`)."""
     causal_context: bool = False
     """Block kinds: the clean context attends token-causally (Nemotron-Labs-Diffusion, whose clean half also
     trains next-token prediction): block_diffusion's x_0 half, and every block_causal block but the last
@@ -128,7 +132,8 @@ class AttentionMask:
 
     def _check_canvas(self) -> None:
         if self.kind != "prefix_canvas":
-            if self.num_clean is not None or self.canvas_start or self.canvas_origin_B is not None:
+            held = self.held_clean_rows is not None
+            if self.num_clean is not None or self.canvas_start or self.canvas_origin_B is not None or held:
                 raise ValueError(f"num_clean and canvas_* are for prefix_canvas masks, not {self.kind!r}")
             return
         origin = self.canvas_origin_B
@@ -139,6 +144,16 @@ class AttentionMask:
                              f"{self.canvas_start}")  # fmt: skip
         if self.query_offset_B is not None or self.doc_ids_BL is not None:
             raise ValueError("prefix_canvas takes no per-row query offsets or documents")
+        if self.held_clean_rows is not None and self.held_clean_rows < 0:
+            raise ValueError(f"held_clean_rows must be >= 0, got {self.held_clean_rows}")
+
+    @property
+    def input_clean_rows(self) -> int | None:
+        """prefix_canvas: how many of the model input's first rows are clean rows (the rows after them are
+        the canvas, which the model embeds through its self-conditioning block); None for other kinds."""
+        if self.num_clean is None:
+            return None
+        return self.held_clean_rows if self.held_clean_rows is not None else self.num_clean - self.query_offset
 
     @property
     def is_plain(self) -> bool:

@@ -28,8 +28,11 @@ OBJECTIVES = Registry(
         "nemotron_diffusion": entry("objectives.nemotron:NemotronDiffusionObjective", "block"),
         "uniform": "objectives.uniform:UniformObjective",
         # DiffusionGemma's native SFT: [clean ; canvas of every response block] under the prefix_canvas mask;
-        # frozen_routers: the build freezes the MoE routers (they keep their pretrained routing)
-        "diffusiongemma_native_sft": entry("objectives.diffusion_gemma:DiffusionGemmaSFT", "frozen_routers"),
+        # frozen_routers: the build freezes the MoE routers (they keep their pretrained routing); prefix_canvas:
+        # its model input is [clean ; canvas] (context parallelism's prefix_canvas shard layout)
+        "diffusiongemma_native_sft": entry(
+            "objectives.diffusion_gemma:DiffusionGemmaSFT", "frozen_routers", "prefix_canvas"
+        ),
         "ar": entry("objectives.ar:ARObjective", "causal"),  # causal: next-token training, decoded with --ar
         "edit_flow": "objectives.edit_flow:EditFlowObjective",  # Edit Flows: insert/delete/substitute rates
         # target: trains a drafter of a frozen target model that training/build.py loads and hands over

@@ -57,7 +57,9 @@ def check_objective(spec: RunSpec) -> None:
 
 
 def _check_diffusion_gemma_sft(spec: RunSpec) -> None:
-    """The native DiffusionGemma SFT: its model, a block that fits the rows, the routers kept frozen."""
+    """The native DiffusionGemma SFT: its model, a block that fits the rows, the routers kept frozen. Context,
+    block and expert parallelism are exact for it (check_context, check_expert_parallel); tensor parallelism
+    of its Gemma 4 layers is not implemented."""
     obj, model, topo = spec.objective, spec.model, spec.topology
     b = obj.block_size  # type: ignore[union-attr]
     router_lora = spec.lora is not None and any("router" in t for t in spec.lora.targets)
@@ -72,8 +74,8 @@ def _check_diffusion_gemma_sft(spec: RunSpec) -> None:
         (bool(model.num_experts) and model.router_aux_loss_coef > 0, "model.router_aux_loss_coef: this objective "
          "keeps the MoE routers frozen, so a load-balancing loss has no effect; set it to 0"),
         (router_lora, "lora.targets: this objective keeps the MoE routers frozen; remove the router targets"),
-        (topo.tp_size > 1 or topo.context.group_size > 1, "topology: diffusiongemma_native_sft trains "
-         "data-parallel (and FSDP) only; set tp_size, cp_size and bp_size to 1"),
+        (topo.tp_size > 1, "topology.tp_size: diffusiongemma_native_sft's Gemma 4 layers are not tensor-parallel; "
+         "set tp_size: 1 (context, block and expert parallelism are supported)"),
     )  # fmt: skip
     for bad, message in refused:
         if bad:
@@ -215,6 +217,9 @@ def check_expert_parallel(spec: RunSpec, dp: int) -> None:
         )
     if topo.data_parallel != "fsdp":
         raise ConfigError("topology.data_parallel: expert parallelism needs fsdp (ddp would replicate the experts)")
+    if topo.context.group_size > 1 or topo.tp_size > 1:  # its mesh splits the data-parallel ranks only
+        raise ConfigError("topology.ep_size: expert parallelism does not combine with context, block or tensor "
+                          "parallelism yet; set ep_size: 1, or context.mode: none and tp_size: 1")  # fmt: skip
     if spec.lora is not None:
         raise ConfigError("lora: LoRA adapters are not supported with expert parallelism; set ep_size: 1")
 
@@ -246,26 +251,33 @@ def check_context(spec: RunSpec) -> None:
             f"topology.context.bp_size: csbp needs bp_size a multiple of cp_size (each CP group holds the clean "
             f"half once), got bp_size {ctx.bp_size}, cp_size {ctx.cp_size}"
         )
-    if mode in ("bp", "csbp") and not OBJECTIVES.has(obj.name, "block"):
+    canvas = OBJECTIVES.has(obj.name, "prefix_canvas")  # [clean ; canvas]: canvas blocks dealt like noisy blocks
+    if mode in ("bp", "csbp") and not (OBJECTIVES.has(obj.name, "block") or canvas):
         raise ConfigError(
             f"topology.context.mode: {mode} deals out the noisy blocks of block diffusion, and objective "
-            f"{obj.name} has none; use a block objective (bd3lm, fast_dllm_v2) or mode: cp"
+            f"{obj.name} has none; use a block objective (bd3lm, fast_dllm_v2, diffusiongemma_native_sft) or mode: cp"
+        )
+    if canvas and ctx.transport == "ring":
+        raise ConfigError(
+            f"topology.context.transport: ring does not carry {obj.name}'s routed K/V exchange (only the rows "
+            "a sliding window reaches); set transport: collective"
         )
     if model.has_linear_layers:
         raise ConfigError(
             f"topology.context.mode: {mode} shards the sequence, and the linear-attention layers of {model.family} "
             "carry a recurrent state along it; set mode: none"
         )
-    if model.num_experts:
+    if model.num_experts and model.router_aux_loss_coef > 0:
         raise ConfigError(
-            f"topology.context.mode: {mode} does not support MoE models (model.num_experts {model.num_experts}): "
-            "the router's load-balancing loss is not a sum over rows; set mode: none"
+            f"model.router_aux_loss_coef: {model.router_aux_loss_coef} with topology.context.mode {mode}: the "
+            "router's load-balancing loss is not a sum over rows, so sharded rows cannot reproduce it; set it to 0 "
+            "(routing itself is per token) or mode: none"
         )
     if obj.name == "edit_flow":
         raise ConfigError(
             f"topology.context.mode: {mode} shards fixed-length rows; edit_flow rows change length; set mode: none"
         )
-    if getattr(obj, "self_condition_prob", 0) > 0:
+    if getattr(obj, "self_condition_prob", 0) > 0 and not canvas:  # a canvas row conditions on its own logits
         raise ConfigError(
             f"objective.self_condition_prob: self-conditioning runs a second model pass, which context "
             f"parallelism (topology.context.mode {mode}) does not shard; set it to 0 or mode: none"

@@ -335,8 +335,7 @@ class Transformer(nn.Module):
         `query_offset` must say where the slice sits)."""
         mask = mask if mask is not None else AttentionMask()
         # prefix_canvas: the token rows after the clean ones are the canvas (a cached forward starts at query_offset)
-        num_clean = mask.num_clean - mask.query_offset if mask.num_clean is not None else None
-        x = self.embed(tokens_BL, positions_BL, num_clean)
+        x = self.embed(tokens_BL, positions_BL, mask.input_clean_rows)
         rope = self._rope(positions_BL)
         local_rope, local_mask = self._local_attention(positions_BL, rope, mask)
         last, aux = len(self.layers) - 1, []

@@ -8,7 +8,8 @@ attention that uses it:
    (`rows`, sorted) and which of them are SHARED over its CP process group (their K/V are
    all-gathered in the forward, their K/V gradients reduce-scattered back in the backward) or
    PRIVATE (K/V stay local). Rows index the objective's layout: length L for MDLM, 2L = [x_t ; x_0]
-   for block diffusion (rows < L noisy, rows >= L clean).
+   for block diffusion (rows < L noisy, rows >= L clean), 2L = [clean ; canvas] for DiffusionGemma's
+   `prefix_canvas` (rows < L clean, rows >= L the canvas, whose blocks play the noisy blocks' part).
    - `cp`: the N rows (N = L or 2L) cut into 2*cp chunks; rank r holds chunks r and 2cp-1-r
      (`dual_end`, load balance for causal-like masks) or chunk r of cp (`contiguous`). All shared.
      Over BD3LM's 2L layout this is the position-sharded baseline.
@@ -22,6 +23,13 @@ attention that uses it:
      sequence x_0 is cut like `cp` mode cuts its rows (2*cp chunks, dual_end or contiguous) and cp
      index c holds its chunk(s); so each CP group covers x_0 exactly once and there are bp/cp copies
      of the clean shards (one per CP group). Clean rows shared, noisy rows private.
+   `prefix_canvas` cuts its rows the same way (cp: the 2L rows; bp, csbp: canvas blocks dealt, clean rows
+   replicated or CP-sharded), but moves K/V by static per-layer-kind routes (context_routes.py): the rows
+   a peer's queries can reach, a sliding window's worth for sliding-window layers, and the canvas rows
+   next to its blocks (training aligns canvas blocks per batch row, so a block may straddle two ranks).
+   The clean rows replicated over CP groups (bp: every rank; csbp: one copy per CP group) own their
+   targets (the encoder's next-token loss) once: clean row x in the copy of CP group x mod (bp / cp)
+   (`owned`).
    Ranks here are indices inside one CP/BP group (0 .. group_size-1), not world ranks: the data-
    parallel placement of these groups on the mesh is the integration step's (ParallelDims).
 2. `gather_rows` / `ring_shift` (context_attention.py): the shared K/V of a CP group, all-gathered
@@ -52,9 +60,12 @@ ranks of their parameter gradients equals the one-process gradient of the group'
 - every rank of a group must run backward on a loss connected to every layer's gather (the
   reduce-scatter is a collective): `shard` keeps at least one output row per rank.
 
-Not supported yet (refused): MoE models (the router's load-balancing loss is a product of two means
-over all tokens, not a sum over rows); self-conditioning (a second model pass); masks with
-`query_offset` (cached decoding); a shifted objective whose `loss_rows` differ between batch rows.
+Not supported yet (refused): MoE models whose router's load-balancing loss enters the loss (a product
+of two means over all tokens, not a sum over rows; with router_aux_loss_coef 0, as DiffusionGemma's SFT
+requires, routing is per token and sharding is exact); self-conditioning outside prefix_canvas (there the
+detached first pass is sharded like the second: each rank conditions its own canvas rows on their own
+logits); masks with `query_offset` (cached decoding); a shifted objective whose `loss_rows` differ between
+batch rows.
 
 Shapes: B batch, L rows of the model input (2L for block diffusion), R rows held, T targets.
 """
@@ -72,7 +83,8 @@ from dllm.diffusion.objectives.base import ModelInputs
 
 Mode = Literal["cp", "bp", "csbp"]
 Schedule = Literal["dual_end", "contiguous"]
-Layout = Literal["sequence", "block_diffusion"]
+Layout = Literal["sequence", "block_diffusion", "prefix_canvas"]
+TWO_HALVES = ("block_diffusion", "prefix_canvas")  # layouts of 2L rows
 
 
 @dataclass(frozen=True, eq=False)
@@ -92,12 +104,15 @@ class ShardPlan:
     rows: torch.Tensor
     """Global row indices held, sorted ascending (LongTensor [R])."""
     shared: torch.Tensor
-    """Per held row: K/V all-gathered over the CP group (True) or kept local (False) (bool [R])."""
+    """Per held row: K/V all-gathered over the CP group (True) or kept local (False) (bool [R]);
+    prefix_canvas: the rows held once per CP group (every row in cp, the clean rows in csbp)."""
+    owned: torch.Tensor | None = None
+    """prefix_canvas: per held row, whether this rank counts its target (bool [R]); None: every held row's."""
 
     @property
     def num_rows(self) -> int:
-        """Rows of the global model input: L, or 2L for the block-diffusion layout."""
-        return 2 * self.seq_len if self.layout == "block_diffusion" else self.seq_len
+        """Rows of the global model input: L, or 2L for the block-diffusion and prefix_canvas layouts."""
+        return 2 * self.seq_len if self.layout in TWO_HALVES else self.seq_len
 
     @property
     def group_size(self) -> int:
@@ -137,20 +152,32 @@ class ShardPlan:
 
     def shard(self, inputs: ModelInputs) -> ModelInputs:
         """This rank's rows of the model inputs, targets and weights (see the module doc)."""
-        if inputs.self_cond_rows_B is not None:
+        canvas = self.layout == "prefix_canvas"
+        if inputs.self_cond_rows_B is not None and not canvas:
             raise ValueError("context/block parallelism does not support self-conditioning (a second model pass)")
         num_rows = inputs.tokens_BL.shape[1]
         if num_rows != self.num_rows:
             raise ValueError(
                 f"shard plan is for {self.num_rows} rows ({self.layout}, L={self.seq_len}), inputs have {num_rows}"
             )
+        m = inputs.mask
+        if canvas and (m.kind != "prefix_canvas" or m.num_clean != self.seq_len or m.canvas_start):
+            raise ValueError(
+                f"a prefix_canvas plan needs a prefix_canvas mask with num_clean {self.seq_len} and canvas_start 0 "
+                f"(training's layout), got {m.kind} {m.num_clean} {m.canvas_start}"
+            )
         rows = self.rows.to(inputs.tokens_BL.device)
-        num_out = _local_num_outputs(rows, inputs.mask.num_outputs)
-        mask = dataclasses.replace(inputs.mask, num_outputs=num_out)
+        num_out = _local_num_outputs(rows, m.num_outputs)
+        held_clean = int((self.rows < self.seq_len).sum()) if canvas else None  # the model embeds the rest as canvas
+        mask = dataclasses.replace(m, num_outputs=num_out, held_clean_rows=held_clean)
         group_rows = torch.cat([self.peer(r).rows for r in self.cp_group]).to(rows.device)
         targets, weights, loss_rows = _shard_targets(inputs, rows, group_rows, num_out)
+        if self.owned is not None:  # a replicated clean row counts its target on one rank only
+            weights = weights * self.owned.to(weights.device, weights.dtype)
         tokens, positions = inputs.tokens_BL[:, rows], inputs.positions_BL[:, rows]
-        return ModelInputs(tokens, positions, mask, targets, weights, loss_rows=loss_rows)
+        # self-conditioning (prefix_canvas): the first pass is sharded like the second, and a canvas row's
+        # conditioning reads only its own logits, so every rank conditions its own rows (trainer.run_model)
+        return ModelInputs(tokens, positions, mask, targets, weights, loss_rows, inputs.self_cond_rows_B)
 
 
 def _local_num_outputs(rows: torch.Tensor, num_outputs: int | None) -> int | None:
@@ -194,20 +221,29 @@ def build_plan(
     layout: Layout | None = None,
 ) -> ShardPlan:
     """The plan of `rank` (inside its CP/BP group); ValueError for layouts that cannot be split evenly.
-    `layout` defaults to "sequence" for cp and must be (and defaults to) "block_diffusion" for bp/csbp."""
+    `layout` defaults to "sequence" for cp and "block_diffusion" for bp/csbp (which also take
+    "prefix_canvas")."""
     layout = layout or ("sequence" if mode == "cp" else "block_diffusion")
     _check(mode, seq_len, block_size, cp, bp, rank, schedule, layout)
     L = seq_len
     if mode == "cp":
-        rows = _chunk_rows(2 * L if layout == "block_diffusion" else L, cp, rank, schedule)
+        rows = _chunk_rows(2 * L if layout in TWO_HALVES else L, cp, rank, schedule)
         shared = torch.ones_like(rows, dtype=torch.bool)
     else:
         assert block_size is not None  # checked
-        noisy = _block_rows(L // block_size, block_size, bp, rank, schedule)
-        clean = L + (torch.arange(L) if mode == "bp" else _chunk_rows(L, cp, rank % cp, schedule))
-        rows = torch.cat([noisy, clean])
-        shared = rows >= L if mode == "csbp" else torch.zeros_like(rows, dtype=torch.bool)
-    return ShardPlan(mode, layout, L, block_size, cp, bp, rank, schedule, rows, shared)
+        blocks = _block_rows(L // block_size, block_size, bp, rank, schedule)  # noisy blocks, canvas blocks
+        clean = torch.arange(L) if mode == "bp" else _chunk_rows(L, cp, rank % cp, schedule)
+        if layout == "prefix_canvas":  # [clean ; canvas]
+            rows = torch.cat([clean, L + blocks])
+            shared = rows < L if mode == "csbp" else torch.zeros_like(rows, dtype=torch.bool)
+        else:  # [x_t ; x_0]
+            rows = torch.cat([blocks, L + clean])
+            shared = rows >= L if mode == "csbp" else torch.zeros_like(rows, dtype=torch.bool)
+    owned = None
+    if layout == "prefix_canvas":  # clean row x counts in the copy of CP group x mod (bp / cp) (cp mode: 1 group)
+        groups, group = (1, 0) if mode == "cp" else (bp // cp, rank // cp)
+        owned = (rows >= L) | (rows % groups == group)
+    return ShardPlan(mode, layout, L, block_size, cp, bp, rank, schedule, rows, shared, owned)
 
 
 def _check(mode, seq_len, block_size, cp, bp, rank, schedule, layout) -> None:
@@ -224,12 +260,16 @@ def _check(mode, seq_len, block_size, cp, bp, rank, schedule, layout) -> None:
     size = cp if mode == "cp" else bp
     if not 0 <= rank < size:
         raise ValueError(f"rank {rank} outside the {mode} group of size {size}")
+    if layout not in ("sequence", *TWO_HALVES):
+        raise ValueError(f"unknown layout {layout!r} (sequence, block_diffusion, prefix_canvas)")
     if mode == "cp":
-        two = layout == "block_diffusion"
+        two = layout in TWO_HALVES
         _check_even(2 * seq_len if two else seq_len, cp, schedule, "2L layout" if two else "sequence")
         return
-    if layout != "block_diffusion":
-        raise ValueError(f"mode {mode} splits noisy blocks: it needs the block_diffusion layout, got {layout!r}")
+    if layout not in TWO_HALVES:
+        raise ValueError(
+            f"mode {mode} splits noisy blocks: it needs the block_diffusion or prefix_canvas layout, got {layout!r}"
+        )
     if block_size is None or block_size < 1 or seq_len % block_size:
         raise ValueError(f"mode {mode}: seq_len {seq_len} must be a positive multiple of block_size {block_size}")
     num_blocks, per = seq_len // block_size, 2 * bp if schedule == "dual_end" else bp

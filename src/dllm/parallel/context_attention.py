@@ -10,11 +10,15 @@
    With `transport="ring"` the shared K/V shards travel around the CP group instead (`ring_shift`),
    one checkpointed partial attention per shard, merged by log-sum-exp: the same bytes, a score tile
    of one shard (see the class doc).
+4. `exchange_rows` (the prefix_canvas layout, DiffusionGemma): the rows of the static `Routes` of a
+   layer kind (context_routes.py: a sliding-window layer's queries reach only the last w clean rows
+   before them) move in one all_to_all_single over the context group; the backward sends the K/V
+   gradients back the reverse way and adds them into the senders' rows.
 
 The K/V gradient a rank computes for another rank's rows travels back through the exchange's backward
 to the rank that owns them, so the parameter gradients of a group's ranks add up to the one-process
 gradient (context.py says how the plan splits the targets, and what is refused).
-bench/context_parallel.py wraps this module's `_ALL_GATHER`, `_REDUCE_SCATTER`, `_BATCH_ISEND_IRECV`,
+bench/context_parallel.py wraps this module's `_ALL_GATHER`, `_REDUCE_SCATTER`, `_BATCH_ISEND_IRECV`, `_ALL_TO_ALL`,
 `sharded_attention` and `partial_attention` to count bytes and time.
 
 Shapes: B batch, H query heads, K key/value heads, R rows held, Q query rows, S keys held, D head width.
@@ -33,6 +37,7 @@ from dllm.attention.backends import AttentionFn
 from dllm.attention.backends.flex import FlexBackend
 from dllm.attention.backends.sharded import Kernel, merge_partials, partial_attention, shard_mask, sharded_attention
 from dllm.parallel.context import ShardPlan
+from dllm.parallel.context_routes import Routes, exchange_routes
 
 Transport = Literal["collective", "ring"]
 
@@ -40,6 +45,7 @@ Transport = Literal["collective", "ring"]
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _BATCH_ISEND_IRECV = dist.batch_isend_irecv  # the ring's point-to-point exchange (wrapped by the bench)
+_ALL_TO_ALL = dist.all_to_all_single  # the routed exchange of prefix_canvas plans (gloo and NCCL, uneven splits)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -106,6 +112,33 @@ def ring_shift(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor
     return _RingShift.apply(x, group)
 
 
+class _ExchangeRows(torch.autograd.Function):
+    """Rows `routes.send_idx` of x (dim 0) to their peers, `routes.recv_rows` back (one all_to_all_single);
+    backward: the received rows' gradients go back the reverse way and are added into the sent rows'."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, routes: Routes, group: dist.ProcessGroup | None) -> torch.Tensor:
+        ctx.routes, ctx.group, ctx.num_rows = routes, group, x.shape[0]
+        send = x.index_select(0, routes.send_idx.to(x.device)).contiguous()
+        out = x.new_empty((routes.recv_rows.numel(), *x.shape[1:]))
+        _ALL_TO_ALL(out, send, routes.recv_counts, routes.send_counts, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        routes = ctx.routes
+        back = grad.new_empty((routes.send_idx.numel(), *grad.shape[1:]))
+        _ALL_TO_ALL(back, grad.contiguous(), routes.send_counts, routes.recv_counts, group=ctx.group)
+        out = grad.new_zeros((ctx.num_rows, *grad.shape[1:]))
+        return out.index_add_(0, routes.send_idx.to(grad.device), back), None, None
+
+
+def exchange_rows(x: torch.Tensor, routes: Routes, group: dist.ProcessGroup | None, dim: int = 0) -> torch.Tensor:
+    """The rows this rank receives under `routes` (along `dim`, in `routes.recv_rows` order); every rank of
+    the group must call it with its own routes of the same layer kind, in the same order."""
+    return _ExchangeRows.apply(x.movedim(dim, 0), routes, group).movedim(0, dim)
+
+
 # --------------------------------------------------------------------------------------------------
 # the attention
 
@@ -127,6 +160,10 @@ class ContextParallelAttention:
     collective. The received shards are kept for the backward (as the gathered K/V are). The dense
     plain-torch partial attention runs on every device (no FlexAttention), and no step overlaps its
     transfer with compute yet.
+    prefix_canvas plans (DiffusionGemma) use neither: keys = the rows the layer kind's `Routes` bring in
+    (one `exchange_rows` per layer over the whole context group) + every held row; a sliding-window layer
+    (its mask has a window) gets only what its window reaches (`window_aware`; False: what a full layer
+    gets, the all-gather's rows, for comparison).
     """
 
     def __init__(
@@ -136,6 +173,7 @@ class ContextParallelAttention:
         group: dist.ProcessGroup | None,
         kernel: Kernel | None = None,
         transport: Transport = "collective",
+        window_aware: bool = True,
     ) -> None:
         if transport not in ("collective", "ring"):
             raise ValueError(f"unknown K/V transport {transport!r} (collective or ring)")
@@ -143,8 +181,14 @@ class ContextParallelAttention:
         self.kernel = kernel  # None: dense SDPA on CPU, FlexAttention elsewhere
         self.transport = transport
         self.flex = inner if isinstance(inner, FlexBackend) else FlexBackend()
-        self.gathers = bool(plan.shared.any())
-        if self.gathers:
+        self.routed = plan.layout == "prefix_canvas"
+        self.window_aware = window_aware
+        self.routes: dict[int | None, Routes] = {}  # per layer kind (window), built on first use: static per plan
+        if self.routed and transport == "ring":
+            raise ValueError("the ring transport does not carry prefix_canvas plans (their routed exchange); "
+                             "use the collective transport")  # fmt: skip
+        self.gathers = bool(plan.shared.any()) and not self.routed
+        if self.gathers or (self.routed and plan.group_size > 1):
             _check_group(plan, group)
         self.shared_idx = torch.nonzero(plan.shared).squeeze(1)
         self.private_idx = torch.nonzero(~plan.shared).squeeze(1)
@@ -160,6 +204,8 @@ class ContextParallelAttention:
         R, Q = self.plan.rows.numel(), q_BHQD.shape[2]
         if k_BKRD.shape[2] != R or Q > R:
             raise ValueError(f"context parallel attention: {R} rows held, got {k_BKRD.shape[2]} keys and {Q} queries")
+        if self.routed:
+            return self.routed_attention(q_BHQD, k_BKRD, v_BKRD, mask)
         if self.transport == "ring" and self.gathers:
             return self.ring(q_BHQD, k_BKRD, v_BKRD, mask)
         k_BKSD, v_BKSD = self.keys_values(k_BKRD, v_BKRD)
@@ -167,6 +213,27 @@ class ContextParallelAttention:
         return sharded_attention(
             q_BHQD, k_BKSD, v_BKSD, mask, self.plan.rows[:Q], self.kv_rows, self.plan.num_rows,
             (*self.map_key, Q), kernel, self.flex,
+        )  # fmt: skip
+
+    def layer_routes(self, window: int | None) -> Routes:
+        """The static routes of a layer kind: its window if window-aware, else a full layer's."""
+        window = window if self.window_aware else None
+        if window not in self.routes:
+            self.routes[window] = exchange_routes(self.plan, window)
+        return self.routes[window]
+
+    def routed_attention(self, q_BHQD: torch.Tensor, k_BKRD: torch.Tensor, v_BKRD: torch.Tensor, mask):
+        """prefix_canvas: keys = the layer kind's received rows + every held row, under the global mask."""
+        Q, plan = q_BHQD.shape[2], self.plan
+        routes = self.layer_routes(mask.window)
+        kv_2BKRD = torch.stack([k_BKRD, v_BKRD])
+        if plan.group_size > 1:  # one collective per layer on every rank, even with nothing to send
+            kv_2BKRD = torch.cat([exchange_rows(kv_2BKRD, routes, self.group, dim=3), kv_2BKRD], dim=3)
+        kv_rows = torch.cat([routes.recv_rows, plan.rows])
+        kernel = self.kernel or ("dense" if q_BHQD.device.type == "cpu" else "flex")
+        return sharded_attention(
+            q_BHQD, kv_2BKRD[0], kv_2BKRD[1], mask, plan.rows[:Q], kv_rows, plan.num_rows,
+            (*self.map_key, routes.window, Q), kernel, self.flex,
         )  # fmt: skip
 
     def keys_values(self, k_BKRD: torch.Tensor, v_BKRD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -217,35 +284,51 @@ def _checkpointed_partial(q_BHQD: torch.Tensor, kv_2BKSD: torch.Tensor, where: t
 
 
 def _check_group(plan: ShardPlan, group: dist.ProcessGroup | None) -> None:
+    """The exchange's group: the CP group, or for prefix_canvas plans the whole context group (their
+    canvas rows next to a block may sit on a rank of another CP group)."""
+    whole = plan.layout == "prefix_canvas"
+    what = "context group" if whole else "CP group"
     if not dist.is_initialized():
-        raise ValueError(f"mode {plan.mode} exchanges K/V: initialise torch.distributed and pass the CP group")
+        raise ValueError(f"mode {plan.mode} exchanges K/V: initialise torch.distributed and pass the {what}")
     size, rank = dist.get_world_size(group), dist.get_rank(group)
-    if size != plan.cp or rank != plan.cp_index:
+    want_size, want_rank = (plan.group_size, plan.rank) if whole else (plan.cp, plan.cp_index)
+    if size != want_size or rank != want_rank:
+        how = "every rank of the context group, in order" if whole else "cp_group_ranks(plan), in order"
         raise ValueError(
-            f"the CP process group (size {size}, this rank {rank}) does not match the plan "
-            f"(cp={plan.cp}, cp index {plan.cp_index}): build it from cp_group_ranks(plan), in order"
+            f"the {what}'s process group (size {size}, this rank {rank}) does not match the plan "
+            f"(size {want_size}, index {want_rank}): build it from {how}"
         )
 
 
 def apply_context_parallel(
-    model: nn.Module, plan: ShardPlan, group: dist.ProcessGroup | None, transport: Transport = "collective"
+    model: nn.Module,
+    plan: ShardPlan,
+    group: dist.ProcessGroup | None,
+    transport: Transport = "collective",
+    window_aware: bool = True,
 ) -> nn.Module:
     """Replace every layer's attention backend with `ContextParallelAttention` (in place; returns the model).
-    Feed the model `plan.shard(inputs)`. `transport`: how shared K/V move (collective or ring)."""
+    Feed the model `plan.shard(inputs)`. `transport`: how shared K/V move (collective or ring). `group`: the
+    CP group's process group, or for a prefix_canvas plan the whole context group's. `window_aware`
+    (prefix_canvas): sliding-window layers receive only what their window reaches."""
     layers = getattr(model, "layers", None)
     if layers is None or not all(hasattr(layer, "self_attn") for layer in layers):
         raise ValueError("context parallelism needs a dllm Transformer (layers[i].self_attn.attend)")
     cfg = getattr(model, "cfg", None)
-    if cfg is not None and getattr(cfg, "num_experts", 0):
+    if cfg is not None and getattr(cfg, "num_experts", 0) and getattr(cfg, "router_aux_loss_coef", 0) > 0:
         raise ValueError(
-            "context/block parallelism does not support MoE models yet: the router's load-balancing loss "
-            "is not a sum over rows, so the ranks' losses would not add up to the one-process loss"
+            "context/block parallelism does not support MoE models with a router loss (router_aux_loss_coef > 0): "
+            "the load-balancing loss is not a sum over rows, so the ranks' losses would not add up"
         )
     inner = layers[0].self_attn.attend
     if isinstance(inner, ContextParallelAttention):
         raise ValueError("context parallelism is already applied to this model")
     # one object for all layers, like the model's backend
-    attend = ContextParallelAttention(inner, plan, group, transport=transport)
+    attend = ContextParallelAttention(inner, plan, group, transport=transport, window_aware=window_aware)
+    if attend.routed:  # the routes of both layer kinds now, outside any compiled region (static per plan)
+        local = getattr(cfg, "local_window", None) if any(getattr(layer, "local", False) for layer in layers) else None
+        for window in {None, local}:
+            attend.layer_routes(window)
     for layer in layers:
         layer.self_attn.attend = attend
     return model

@@ -68,11 +68,12 @@ def context_plan(spec: RunSpec, group_rank: int = 0) -> ShardPlan | None:
     ctx, obj = spec.topology.context, spec.objective
     if ctx.group_size == 1:
         return None
-    block = OBJECTIVES.has(obj.name, "block")
+    block, canvas = OBJECTIVES.has(obj.name, "block"), OBJECTIVES.has(obj.name, "prefix_canvas")
+    layout = "prefix_canvas" if canvas else "block_diffusion" if block else "sequence"
     try:
         plan = build_plan(
             ctx.mode, spec.data.seq_len, getattr(obj, "block_size", None), ctx.cp_size, ctx.bp_size, group_rank,
-            ctx.schedule, "block_diffusion" if block else "sequence",
+            ctx.schedule, layout,
         )  # fmt: skip
     except ValueError as e:
         raise ConfigError(
@@ -94,6 +95,8 @@ def build_model(
     cfg, lora, seed = spec.model, spec.lora, spec.training.seed
     meshes = dims.build_meshes(device)
     cp_group = dims.build_cp_group(env.rank)  # every rank builds every CP group, after the meshes
+    if plan is not None and plan.layout == "prefix_canvas" and meshes is not None:
+        cp_group = meshes.named["cp"].get_group()  # its routed exchange runs over the whole context group
     with torch.device("meta"):
         model = factory.build_model(cfg, lora, seed)
     model = apply_parallelism(

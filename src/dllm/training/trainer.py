@@ -193,7 +193,10 @@ def run_model(model: nn.Module, inputs: ModelInputs) -> ModelOutput:
     canvas after a clean prefix (DiffusionGemma) the first pass's canvas logits)."""
     rows = inputs.self_cond_rows_B
     tokens: torch.Tensor | SelfConditioned | CanvasConditioned = inputs.tokens_BL
-    if rows is not None and bool(rows.any()):
+    # the first pass runs even when no row of this rank's batch is drawn (its rows then add exactly 0): the
+    # forward holds collectives (FSDP's all-gathers, expert and context parallelism's exchanges), so every
+    # rank must run the same passes whatever its own draws
+    if rows is not None:
         with torch.no_grad():
             tokens = _conditioned(model(tokens, inputs.positions_BL, inputs.mask), inputs, rows)
     return model(tokens, inputs.positions_BL, inputs.mask)
@@ -202,7 +205,7 @@ def run_model(model: nn.Module, inputs: ModelInputs) -> ModelOutput:
 def _conditioned(first: ModelOutput, inputs: ModelInputs, rows: torch.Tensor) -> SelfConditioned | CanvasConditioned:
     """The second pass's tokens: the canvas rows' logits for a prefix_canvas model, else the argmax ids."""
     if inputs.mask.kind == "prefix_canvas":
-        canvas_BLE = first.hidden_BLE[:, inputs.mask.num_clean :]
+        canvas_BLE = first.hidden_BLE[:, inputs.mask.input_clean_rows :]  # a context rank holds some rows
         logits = ModelOutput(canvas_BLE, first.head, logit_softcap=first.logit_softcap).logits()
         return CanvasConditioned(inputs.tokens_BL, logits, rows)
     guess_BL = _argmax_tokens(first)
