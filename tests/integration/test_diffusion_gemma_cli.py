@@ -143,3 +143,21 @@ def test_generate_on_a_native_sft_run(tmp_path: Path, capsys):
     out, err = capsys.readouterr()
     rows = _records(out)
     assert len(rows) == 2 and all(1 <= r["nfe"] <= 48 for r in rows) and "canvas_denoise/canvas 8" in err
+
+
+def test_no_likelihood_bound_but_lm_eval_still_generates(folder: Path, capsys):
+    """`eval likelihood` refuses a DiffusionGemma model in one line (no masked or block bound applies to its
+    uniform canvases); lm-eval's adapter loads it, generates, and refuses only its log-likelihood requests."""
+    from lm_eval.api.instance import Instance
+
+    from dllm.errors import ConfigError
+    from dllm.evaluation.harness import DllmLM
+
+    code = main(["eval", "likelihood", "--model", str(folder), "--data", str(folder / "no-artifact")])
+    err = capsys.readouterr().err
+    assert code == 2 and "DiffusionGemma" in err and err.strip().count("\n") == 0, err
+    lm = DllmLM(model=str(folder), gen_length=CANVAS)
+    (text,) = lm.generate_until([Instance("generate_until", {}, ("Hi", {"until": ["\n"]}), 0)])
+    assert _printable(text)
+    with pytest.raises(ConfigError, match="evaluate it with tasks"):
+        lm.loglikelihood([Instance("loglikelihood", {}, ("Hi", " there"), 0)])

@@ -55,7 +55,7 @@ from dllm.config.base import Float, Int, Section, Seed
 from dllm.config.loading import format_validation_error, read_yaml, validate_config
 from dllm.config.sampler import SamplerConfig, resolve_sampler
 from dllm.errors import ConfigError, UserError
-from dllm.evaluation.likelihood import guided_hidden, nelbo_samples, predictor_hidden, scoring_for
+from dllm.evaluation.likelihood import ScoringModel, guided_hidden, nelbo_samples, predictor_hidden, scoring_for
 from dllm.sampling.canvas import SpecialIds
 from dllm.sampling.causal import is_causal_model
 from dllm.sampling.generate import generate
@@ -201,7 +201,11 @@ class DllmLM(LM):
         self._device = _device(a.device)
         self.loaded = load_for_inference(_path(a.run), _path(a.checkpoint), self._device, model_dir=_path(a.model))
         self.model, self.tokenizer = self.loaded.model, self.loaded.tokenizer
-        self.scoring = scoring_for(self.loaded, a.kind)
+        try:
+            self._scoring: ScoringModel | ConfigError = scoring_for(self.loaded, a.kind)
+        except ConfigError as e:  # no likelihood for this model (uniform-state, DiffusionGemma): it still generates
+            self._scoring = e
+        scoring = None if isinstance(self._scoring, ConfigError) else self._scoring
         if sampler.generation == "auto" and is_causal_model(self.loaded.profile, self.loaded.model_cfg.family):
             sampler = sampler.model_copy(update={"generation": "causal"})  # generate_until decodes it causally
         self.sampler = resolve_sampler(sampler, self.loaded.profile)
@@ -214,10 +218,11 @@ class DllmLM(LM):
         if self.max_length > self.loaded.model_cfg.max_seq_len:
             raise ConfigError(f"model_args max_length: {self.max_length} exceeds the model's max_seq_len "
                               f"{self.loaded.model_cfg.max_seq_len}")  # fmt: skip
-        bs = self.scoring.block_size if self.scoring.kind == "block" else None
+        bs = scoring.block_size if scoring is not None and scoring.kind == "block" else None
         self.window = self.max_length // bs * bs if bs else self.max_length  # rows padded to whole blocks
-        self.suffix = a.suffix_masks if self.scoring.kind != "ar" else 0
-        if "suffix_masks" in a.model_fields_set and a.suffix_masks and self.scoring.kind == "ar":
+        is_ar = scoring is not None and scoring.kind == "ar"
+        self.suffix = 0 if is_ar else a.suffix_masks
+        if "suffix_masks" in a.model_fields_set and a.suffix_masks and is_ar:
             warnings.warn("model_args suffix_masks: an ar score never sees later tokens; ignored", stacklevel=2)
         if self.window - self.suffix < 2:
             raise ConfigError(f"model_args suffix_masks: {self.suffix} masks leave no room for a context and a "
@@ -234,6 +239,13 @@ class DllmLM(LM):
     @property
     def tokenizer_name(self) -> str:
         return str(self.tokenizer.identity().get("vocab_hash", self.tokenizer.kind))
+
+    @property
+    def scoring(self) -> ScoringModel:
+        """How this model is scored; a model without a likelihood here refuses the log-likelihood requests."""
+        if isinstance(self._scoring, ConfigError):
+            raise self._scoring
+        return self._scoring
 
     # -- likelihood -------------------------------------------------------------------------------------
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:

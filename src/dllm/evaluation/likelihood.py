@@ -308,6 +308,11 @@ def scoring_for(loaded, kind: str = "auto") -> ScoringModel:
     profile = loaded.profile
     if kind not in ("auto", "mdlm", "block", "ar"):
         raise ConfigError(f"kind: {kind!r} is not one of auto, mdlm, block, ar")
+    if profile.attention == "prefix_canvas":
+        raise ConfigError(
+            "this model denoises uniform-state canvases after a causally encoded prefix (DiffusionGemma): the "
+            "masked and block bounds do not apply to it; evaluate it with tasks"
+        )
     if profile.corruption == "uniform" and profile.attention == "bidirectional":
         raise ConfigError(
             "this run was trained with the uniform objective (a simplified x0 loss without a mask token): "
