@@ -138,7 +138,8 @@ def test_export_loads_back_in_transformers(pair, tmp_path: Path):
 
 def test_parameter_count_and_dense_layout(pair):
     """count_params is exact for the imported MoE layout (global layers of their own shape, values from
-    the key projection) and for a dense DiffusionGemma, which builds and runs but has no reference layout."""
+    the key projection) and for a dense DiffusionGemma, which runs but has no Hugging Face layout (its
+    stack without the canvas block is Gemma 4's text model: tests/unit/test_diffusion_gemma_gemma4.py)."""
     from dllm.config.model import ModelConfig
     from dllm.errors import ConfigError
     from dllm.models.sizing import count_params
@@ -153,7 +154,7 @@ def test_parameter_count_and_dense_layout(pair):
     with torch.no_grad():
         logits = _ours(dense, _inputs(padded=True)).logits()
     assert bool(torch.isfinite(logits[:, P:]).all()) and float(logits.abs().max()) <= 30.0  # soft-capped
-    with pytest.raises(ConfigError, match="experts beside the dense MLP"):
+    with pytest.raises(ConfigError, match="^--to-hf: a dense DiffusionGemma has no Hugging Face layout"):
         export_hf(dense.state_dict(), dense_cfg, folder.parent / "dense")
 
 

@@ -227,7 +227,7 @@ class ModelConfig(Section):
     final_logit_softcap: Float | None = Field(default=None, gt=0)
     """Logits are cap * tanh(logits / cap) (Gemma); null: no cap."""
     canvas_conditioning: bool = False
-    """DiffusionGemma's self-conditioning block on the canvas rows (an MLP of the previous step's soft embedding)."""
+    """DiffusionGemma's self-conditioning block on the canvas rows; true over a Gemma 4 init_from adds it, fresh."""
     canvas_length: Int | None = Field(default=None, gt=0)
     """Tokens per canvas a DiffusionGemma model decodes after its prompt (config.json canvas_length); null: none."""
     router_score: Literal["softmax", "sigmoid"] = "softmax"
@@ -269,7 +269,10 @@ class ModelConfig(Section):
             if name not in MODEL_PRESETS:
                 raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(MODEL_PRESETS)}")
             merged.update(MODEL_PRESETS[name])
-        return {**merged, **data}
+        out = {**merged, **data}
+        if not out.get("canvas_conditioning") and "canvas_length" not in data:
+            out.pop("canvas_length", None)  # a model without DiffusionGemma's canvas block decodes no canvas
+        return out
 
     @model_validator(mode="after")
     def _check_shapes(self) -> ModelConfig:

@@ -64,8 +64,11 @@ def _check_diffusion_gemma_sft(spec: RunSpec) -> None:
     b = obj.block_size  # type: ignore[union-attr]
     router_lora = spec.lora is not None and any("router" in t for t in spec.lora.targets)
     refused = (
-        (not model.canvas_conditioning, "model.family: diffusiongemma_native_sft trains DiffusionGemma's canvas "
+        (model.family != "diffusion_gemma", "model.family: diffusiongemma_native_sft trains DiffusionGemma's canvas "
          "(its self-conditioning block); use model.family: diffusion_gemma"),
+        (not model.canvas_conditioning, "model.canvas_conditioning: diffusiongemma_native_sft trains DiffusionGemma's "
+         "self-conditioning block, which this model lacks (a Gemma 4 checkpoint); set it true to add it, freshly "
+         "initialised"),
         (model.shift_logits, "model.shift_logits: the canvas predicts each token in place; set it false"),
         (model.canvas_length not in (None, b), f"objective.block_size: {b} differs from the {model.canvas_length} "
          "tokens of the model's canvas (model.canvas_length); train with the canvas it decodes"),

@@ -31,10 +31,10 @@ def initial_state(cfg: ModelConfig, lora: LoraConfig | None, seed: int) -> dict[
     """The initial weights as a full CPU state dict, identical on every rank and world size: the
     `model.init_from` checkpoint or a seeded initialisation, plus fresh adapters (B = 0)."""
     if cfg.init_from is not None and lora is None:
-        return pretrained_state(cfg)  # no second copy of a large model in memory
+        return pretrained_state(cfg, seed)  # no second copy of a large model in memory
     model = Transformer(cfg)
     if cfg.init_from is not None:
-        model.load_state_dict(pretrained_state(cfg), strict=True)
+        model.load_state_dict(pretrained_state(cfg, seed), strict=True)
     else:
         model.init_weights(torch.Generator().manual_seed(seed))
     if lora is not None:

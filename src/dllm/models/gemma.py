@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dllm.config.model import ModelConfig
-from dllm.config.registries import ACTIVATIONS
+from dllm.config.registries import ACTIVATIONS, NORMS
 from dllm.models.output import CanvasConditioned
 
 ExpertsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -101,6 +101,19 @@ class CanvasConditioning(nn.Module):
             h = self.pre_norm(soft_BCE)
             canvas_BCE = canvas_BCE + self.down_proj(self.act(self.gate_proj(h)) * self.up_proj(h))
         return rms_normalize(canvas_BCE, self.eps)
+
+
+def fresh_canvas_conditioning(cfg: ModelConfig, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """A new self-conditioning block's weights (a Gemma 4 checkpoint converted to DiffusionGemma has none): its
+    norm 1, gate and up Normal(0, init_std), down 0, so the block starts as a no-op whose down projection
+    trains first (as the zero-initialised self-conditioning projection of `Transformer.init_weights`)."""
+    E, inner, std = cfg.hidden_size, cfg.mlp_size, cfg.init_std
+    block = CanvasConditioning(cfg, lambda: NORMS.resolve(cfg.norm).of(cfg, E))
+    state = {k: v.detach().clone() for k, v in block.state_dict().items()}
+    for name in ("gate_proj.weight", "up_proj.weight"):
+        state[name] = torch.randn(inner, E, generator=generator) * std
+    state["down_proj.weight"] = torch.zeros(E, inner)
+    return state
 
 
 def freeze_routers(model: nn.Module) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 import yaml
 
 from dllm.config.data import TokenizerConfig
@@ -19,6 +20,7 @@ from dllm.config.model import ModelConfig
 from dllm.errors import ConfigError
 from dllm.hub import local_folder
 from dllm.models.families.base import StateDict
+from dllm.models.gemma import fresh_canvas_conditioning
 from dllm.models.hf_io import (
     TOKENIZER_FILES,
     check_weight_shapes,
@@ -30,9 +32,13 @@ from dllm.models.hf_io import (
     resize_vocab,
     safetensors_shapes,
 )
+from dllm.seeding import mix_key
 
 MODEL_YAML = "model.yaml"
 WEIGHTS = "model.safetensors"
+CANVAS_PREFIX = "canvas_cond."
+"""The native names of DiffusionGemma's self-conditioning block (Transformer.canvas_cond)."""
+_CANVAS_STREAM = 0xCA57  # keeps an added canvas block's random stream apart from the base initialisation
 
 # fields that may differ from the checkpoint's: how the weights are used, not what they are
 _USAGE_FIELDS = {"preset", "init_from", "vocab_size", "max_seq_len", "attention_backend", "flex_compile",
@@ -79,24 +85,29 @@ def pretrained_tokenizer(source: Path | str) -> TokenizerConfig | None:
 
 def merge_pretrained(user: ModelConfig) -> ModelConfig:
     """The checkpoint's architecture plus the user's usage fields; an architecture field the user set
-    to something else than the checkpoint's is an error naming it."""
+    to something else than the checkpoint's is an error naming it. A checkpoint without DiffusionGemma's
+    canvas block (Gemma 4) may be given one (`canvas_conditioning`, and its `canvas_length`): AR-to-diffusion
+    conversion, the block starting fresh (`pretrained_state`)."""
     assert user.init_from is not None
     pre = pretrained_config(user.init_from)
-    for name in sorted(user.model_fields_set - _USAGE_FIELDS):
+    adds_canvas = "canvas_conditioning" in user.model_fields_set and user.canvas_conditioning > pre.canvas_conditioning
+    grown = {"canvas_conditioning", "canvas_length"} if adds_canvas else set()
+    for name in sorted(user.model_fields_set - _USAGE_FIELDS - grown):
         if getattr(user, name) != getattr(pre, name):
             raise ConfigError(
                 f"model.{name}: {getattr(user, name)!r} but the checkpoint in {user.init_from} has "
                 f"{getattr(pre, name)!r}; remove it from the config (model.init_from sets the architecture)"
             )
-    usage = {name: getattr(user, name) for name in user.model_fields_set & _USAGE_FIELDS if name != "preset"}
+    usage = {name: getattr(user, name) for name in user.model_fields_set & (_USAGE_FIELDS | grown) if name != "preset"}
     data = {**pre.model_dump(exclude={"preset"}), **usage, "init_from": user.init_from}
     if "vocab_size" not in user.model_fields_set:
         data["vocab_size"] = pre.vocab_size
     return ModelConfig.model_validate(data)
 
 
-def pretrained_state(cfg: ModelConfig) -> StateDict:
-    """Native float32 weights of `cfg.init_from`, the vocabulary grown to cfg.vocab_size if needed."""
+def pretrained_state(cfg: ModelConfig, seed: int = 0) -> StateDict:
+    """Native float32 weights of `cfg.init_from`, the vocabulary grown to cfg.vocab_size if needed, and
+    DiffusionGemma's canvas block added when `cfg` has it and the checkpoint has not (seeded by `seed`)."""
     assert cfg.init_from is not None and cfg.vocab_size is not None
     path = local_folder(cfg.init_from, "model.init_from")
     if is_model_folder(path):
@@ -106,9 +117,13 @@ def pretrained_state(cfg: ModelConfig) -> StateDict:
         check_weight_shapes(path / MODEL_YAML, pretrained_config(path), cfg, shapes, lambda: shapes)
         state = load_file(str(path / WEIGHTS))
         check_weight_values(state, path / WEIGHTS)
-        state = {k: v.float() for k, v in state.items()}
-        return resize_vocab(state, cfg.vocab_size)
-    return import_hf(path, cfg)
+        state = resize_vocab({k: v.float() for k, v in state.items()}, cfg.vocab_size)
+    else:
+        state = import_hf(path, cfg)
+    if cfg.canvas_conditioning and not any(k.startswith(CANVAS_PREFIX) for k in state):
+        generator = torch.Generator().manual_seed(mix_key(seed, _CANVAS_STREAM))
+        state.update({CANVAS_PREFIX + k: v for k, v in fresh_canvas_conditioning(cfg, generator).items()})
+    return state
 
 
 def save_model_folder(folder: Path, state: StateDict, cfg: ModelConfig, tokenizer: TokenizerConfig) -> Path:

@@ -27,7 +27,8 @@ ConfigMap = Callable[[dict[str, Any]], dict[str, Any]]
 class Family:
     name: str
     model_types: tuple[str, ...]
-    """config.json `model_type` values read as this family (the first is written on export)."""
+    """config.json `model_type` values read as this family (the first is written on export, unless
+    `config_to_hf` writes another: a DiffusionGemma stack without its canvas block is Gemma 4's text model)."""
     architecture: str
     """config.json `architectures` entry written on export."""
     causal_lm: bool

@@ -24,7 +24,15 @@ encoder cache (sampling/canvas_denoiser.py).
 
 On disk only the decoder's text weights are read (the encoder's are tied to them; a differing copy is
 refused); the vision tower is not part of the native model and is skipped. Every reference layer has
-a dense MLP and routed experts beside it, so only MoE models export.
+a dense MLP and routed experts beside it.
+
+The same family reads Gemma 4's text model (transformers' `gemma4_text`, Gemma4ForCausalLM, or the text
+part of the multimodal `gemma4` folder; dense, or MoE with `enable_moe_block`): a DiffusionGemma stack
+without the self-conditioning block (`canvas_conditioning: false`), which computes exactly Gemma 4's
+causal LM and exports back to a `gemma4_text` folder. AR-to-diffusion conversion switches the block on
+(`model.canvas_conditioning: true` over such a checkpoint; models/pretrained.py adds it freshly
+initialised). A dense model with the block has no Hugging Face layout (Gemma 4 has no self-conditioning
+block, DiffusionGemma has experts in every layer), so its export is refused.
 """
 
 from __future__ import annotations
@@ -55,6 +63,9 @@ _RENAMES = (
     (r"layers\.(\d+)\.(self_attn|mlp|input_layernorm)\.(.+)", f"{_LAYER}.{{}}.{{}}"),
 )
 _ENCODER = re.compile(r"model\.encoder\.language_model\.(.+)")
+# Gemma 4's text weights: Gemma4ForCausalLM's (model.*), or the multimodal folder's language model
+_GEMMA4_TEXT = re.compile(r"model\.(?:language_model\.)?((?:embed_tokens|layers|norm)\..+)")
+_GEMMA4_TYPES = ("gemma4_text", "gemma4")
 _ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "silu": "silu"}
 
 
@@ -66,7 +77,7 @@ def _layer_types(tc: dict[str, Any]) -> list[str]:
     return types
 
 
-def _global_shape(tc: dict[str, Any], types: list[str]) -> tuple[Any, Any]:
+def _global_shape(tc: dict[str, Any], types: list[str], values_are_keys: bool) -> tuple[Any, Any]:
     """(head width, key/value heads) of the full-attention layers: per_layer_config, else the global_* keys."""
     per_layer = tc.get("per_layer_config") or {}
     overrides = [per_layer.get(str(i)) or per_layer.get(i) or {} for i, t in enumerate(types) if t == "full_attention"]
@@ -77,9 +88,9 @@ def _global_shape(tc: dict[str, Any], types: list[str]) -> tuple[Any, Any]:
             "model.init_from: per-layer shapes other than one for all full-attention layers are not supported"
         )
     head_dim = overrides[0].get("head_dim", tc.get("global_head_dim", 512))
-    # without per_layer_config the reference gives full layers num_global_key_value_heads unless attention_k_eq_v
-    # is false
-    global_kv = tc.get("num_global_key_value_heads") if tc.get("attention_k_eq_v", True) else None
+    # without per_layer_config the reference gives full layers num_global_key_value_heads only when their values
+    # are their keys (attention_k_eq_v; DiffusionGemma's always are)
+    global_kv = tc.get("num_global_key_value_heads") if values_are_keys else None
     kv_heads = overrides[0].get("num_key_value_heads", global_kv)
     return head_dim, kv_heads
 
@@ -106,14 +117,12 @@ def _rope(tc: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
-    tc = hf["text_config"]
+def _text_fields(hf: dict[str, Any], tc: dict[str, Any], values_are_keys: bool) -> dict[str, Any]:
+    """The fields DiffusionGemma's and Gemma 4's text configs share (the stack, its attention and RoPE)."""
     if tc.get("use_bidirectional_attention") == "all":
-        raise ConfigError("model.init_from: a DiffusionGemma encoder with bidirectional attention is not supported")
-    if not tc.get("num_experts"):
-        raise KeyError("num_experts")
+        raise ConfigError("model.init_from: a Gemma 4 stack with bidirectional attention is not supported")
     types = _layer_types(tc)
-    head_dim, kv_heads = _global_shape(tc, types)
+    head_dim, kv_heads = _global_shape(tc, types, values_are_keys)
     return {
         "vocab_size": tc["vocab_size"], "hidden_size": tc["hidden_size"], "num_layers": tc["num_hidden_layers"],
         "num_heads": tc["num_attention_heads"], "num_kv_heads": tc.get("num_key_value_heads"),
@@ -124,26 +133,61 @@ def _config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         "qkv_bias": bool(tc.get("attention_bias")), "attn_out_bias": bool(tc.get("attention_bias")),
         "attention_pattern": ["global" if t == "full_attention" else "local" for t in types],
         "local_window": tc.get("sliding_window", 512), "global_head_dim": head_dim, "global_num_kv_heads": kv_heads,
-        "num_experts": tc["num_experts"], "num_experts_per_tok": tc["top_k_experts"],
-        "moe_intermediate_size": tc["moe_intermediate_size"],
-        "final_logit_softcap": tc.get("final_logit_softcapping", 30.0), "canvas_length": hf.get("canvas_length", 256),
-        **_rope(tc),
+        "global_values_are_keys": values_are_keys, **_rope(tc),
     }  # fmt: skip
 
 
-def _config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
-    if not cfg.num_experts or cfg.moe_layout != "beside_dense" or not cfg.canvas_conditioning:
-        raise ConfigError("--to-hf: DiffusionGemma layers all have experts beside the dense MLP; this model has not")
+def _config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
+    if hf.get("model_type") in _GEMMA4_TYPES:
+        return _gemma4_from_hf(hf)
+    tc = hf["text_config"]
+    if not tc.get("num_experts"):
+        raise KeyError("num_experts")
+    return {
+        **_text_fields(hf, tc, values_are_keys=True), "num_experts": tc["num_experts"],
+        "num_experts_per_tok": tc["top_k_experts"], "moe_intermediate_size": tc["moe_intermediate_size"],
+        "final_logit_softcap": tc.get("final_logit_softcapping", 30.0), "canvas_length": hf.get("canvas_length", 256),
+    }  # fmt: skip
+
+
+def _gemma4_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 4's text model (the multimodal folder's text_config): the stack without a self-conditioning block.
+    Gemma4TextConfig's defaults where a key is absent (per-layer embeddings on, no soft-capping)."""
+    tc = hf["text_config"] if hf.get("model_type") == "gemma4" else hf
+    refused = (
+        (tc.get("hidden_size_per_layer_input", 256), "per-layer input embeddings (hidden_size_per_layer_input "
+         f"{tc.get('hidden_size_per_layer_input', 256)}, Gemma 4's small sizes) are not supported; use a Gemma 4 "
+         "text model without them (hidden_size_per_layer_input 0)"),
+        (tc.get("num_kv_shared_layers", 0), f"num_kv_shared_layers {tc.get('num_kv_shared_layers')}: layers that "
+         "reuse an earlier layer's keys and values are not supported"),
+        (tc.get("final_logit_softcapping") is None, "final_logit_softcapping null: a Gemma 4 model without "
+         "logit soft-capping is not supported (DiffusionGemma caps its logits)"),
+    )  # fmt: skip
+    for bad, message in refused:
+        if bad:
+            raise ConfigError(f"model.init_from: {message}")
+    values_are_keys = bool(tc.get("attention_k_eq_v", False))
+    fields = {**_text_fields(hf, tc, values_are_keys), "canvas_conditioning": False,
+              "final_logit_softcap": tc["final_logit_softcapping"]}  # fmt: skip
+    if tc.get("enable_moe_block"):
+        fields.update(num_experts=tc["num_experts"], num_experts_per_tok=tc["top_k_experts"],
+                      moe_intermediate_size=tc["moe_intermediate_size"])  # fmt: skip
+    return fields
+
+
+def _text_config(cfg: ModelConfig) -> dict[str, Any]:
+    """The text config keys DiffusionGemma and Gemma 4 share."""
     types = ["sliding_attention" if cfg.layer_is_local(i) else "full_attention" for i in range(cfg.num_layers)]
     kv_heads, head_dim = cfg.layer_heads(local=False)
-    text = {
-        "model_type": "diffusion_gemma_text", "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.mlp_size, "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+    return {
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.mlp_size,
+        "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
         "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.dim_per_head, "max_position_embeddings": cfg.max_seq_len,
         "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": cfg.qkv_bias,
         "hidden_activation": {v: k for k, v in _ACTIVATIONS.items()}[cfg.activation], "layer_types": types,
-        "sliding_window": cfg.local_window or 512, "num_experts": cfg.num_experts,
-        "top_k_experts": cfg.num_experts_per_tok, "moe_intermediate_size": cfg.expert_size,
+        "sliding_window": cfg.local_window or 512, "num_experts": cfg.num_experts or None,
+        "top_k_experts": cfg.num_experts_per_tok if cfg.num_experts else None,
+        "moe_intermediate_size": cfg.expert_size if cfg.num_experts else None,
         "final_logit_softcapping": cfg.final_logit_softcap,
         "per_layer_config": {str(i): {"head_dim": head_dim, "num_key_value_heads": kv_heads}
                              for i, t in enumerate(types) if t == "full_attention"},
@@ -153,11 +197,40 @@ def _config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
                                "rope_theta": cfg.rope_theta},
         },
     }  # fmt: skip
+
+
+def _config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    """Gemma 4's text model without a self-conditioning block, else DiffusionGemma (which has experts)."""
+    if cfg.num_experts and cfg.moe_layout != "beside_dense":
+        raise ConfigError("--to-hf: Gemma 4 layers run their experts beside the dense MLP; this model's replace it")
+    if not cfg.canvas_conditioning:
+        return {
+            **_text_config(cfg), "model_type": "gemma4_text", "architectures": ["Gemma4ForCausalLM"],
+            "attention_k_eq_v": cfg.global_values_are_keys, "enable_moe_block": bool(cfg.num_experts),
+            "hidden_size_per_layer_input": 0, "num_kv_shared_layers": 0, "use_double_wide_mlp": False,
+        }  # fmt: skip
+    if not cfg.num_experts:
+        raise ConfigError(
+            "--to-hf: a dense DiffusionGemma has no Hugging Face layout (transformers' DiffusionGemma has experts "
+            "in every layer, Gemma 4's text model no self-conditioning block); sample or serve it from its run "
+            "(dllm generate --run RUN), which holds all of it"
+        )
+    if not cfg.global_values_are_keys:
+        raise ConfigError("--to-hf: DiffusionGemma's full-attention layers take their values from the key "
+                          "projection; this model's have a value projection")  # fmt: skip
+    text = {"model_type": "diffusion_gemma_text", **_text_config(cfg)}
     return {"text_config": text, "tie_word_embeddings": cfg.tie_embeddings, "canvas_length": cfg.canvas_length or 256}
 
 
 def _from_hf(sd: StateDict, cfg: ModelConfig) -> StateDict:
-    """Keep the decoder's text weights: the encoder's are tied to them (a copy that differs is refused)."""
+    """Gemma 4's text weights under the decoder's names; of a DiffusionGemma, the decoder's text weights (the
+    encoder's are tied to them: a copy that differs is refused)."""
+    if not cfg.canvas_conditioning:
+        renamed = {}
+        for k, v in sd.items():
+            m = _GEMMA4_TEXT.fullmatch(k)
+            renamed[f"model.decoder.{m.group(1)}" if m else k] = v
+        return drop_tied_head(renamed, cfg)
     out: StateDict = {}
     for k, v in sd.items():
         m = _ENCODER.fullmatch(k)
@@ -173,14 +246,18 @@ def _from_hf(sd: StateDict, cfg: ModelConfig) -> StateDict:
 
 
 def _to_hf(sd: StateDict, cfg: ModelConfig) -> StateDict:
-    """The encoder's layer scalars are buffers the reference does not tie: write them as the decoder's."""
+    """Gemma4ForCausalLM's names (model.*) without a self-conditioning block; else the encoder's layer scalars,
+    buffers the reference does not tie, written as the decoder's."""
+    if not cfg.canvas_conditioning:
+        return {re.sub(r"^model\.decoder\.", "model.", k): v for k, v in sd.items()}
     for k in [k for k in sd if k.endswith("layer_scalar")]:
         sd[k.replace("model.decoder.", "model.encoder.language_model.", 1)] = sd[k].clone()
     return sd
 
 
 DIFFUSION_GEMMA = Family(
-    "diffusion_gemma", ("diffusion_gemma",), "DiffusionGemmaForBlockDiffusion", False, _config_from_hf,
-    _config_to_hf, _RENAMES, from_hf_extra=_from_hf, to_hf_extra=_to_hf,
-    ignore_hf=(r"model\.encoder\.(vision_tower|embed_vision)\..*",),
+    "diffusion_gemma", ("diffusion_gemma", *_GEMMA4_TYPES), "DiffusionGemmaForBlockDiffusion", False,
+    _config_from_hf, _config_to_hf, _RENAMES, from_hf_extra=_from_hf, to_hf_extra=_to_hf,
+    ignore_hf=(r"model\.encoder\.(vision_tower|embed_vision)\..*",
+               r"model\.(vision_tower|embed_vision|audio_tower|embed_audio)\..*"),
 )  # fmt: skip
