@@ -149,6 +149,24 @@ def test_export_back_to_gemma4(saved, variant: str, tmp_path: Path):
         assert torch.equal(again.state_dict()[k], v), k
 
 
+def test_recipe_ar_model_is_a_gemma4_folder(tmp_path: Path):
+    """a2d-diffusiongemma-smoke's generated ar-model: a from-scratch stack without the canvas block, written as
+    gemma4_text, loads in transformers (no weight missing or left over) with our logits."""
+    from transformers import Gemma4ForCausalLM
+
+    from dllm.recipes import write_ar_model
+
+    folder = write_ar_model(tmp_path / "ar-model", family="gemma4")
+    back, info = Gemma4ForCausalLM.from_pretrained(str(folder), output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    ours = _import(folder)
+    assert ours.cfg.layer_is_local(0) and ours.cfg.local_window is not None and ours.cfg.local_window < P
+    tokens, valid, positions = _inputs(padded=True)
+    with torch.no_grad():
+        ref = _theirs(back.eval(), tokens, valid, positions)
+        assert _max_diff(_causal(ours, tokens, valid, positions)[valid], ref[valid]) <= 1e-4
+
+
 def _converted(folder: Path, seed: int = 0) -> Transformer:
     """The AR-to-diffusion start: the checkpoint plus a fresh self-conditioning block (as a run builds it)."""
     from dllm.models.factory import initial_state

@@ -67,7 +67,8 @@ def test_index_matches_the_recipe_folders():
     for name in RECIPES:
         assert all((package / name / f).is_file() for f in CONFIG_FILES)
     smoke = {"mdlm", "sft", "bd3lm", "fast-dllm-v2", "uniform", "a2d-mdlm", "a2d-bd3lm", "ar", "dflash", "grpo",
-             "bert-chat", "editflow", "llada2", "nemotron-diffusion", "qwen3.5-fast-dllm-v2"}  # fmt: skip
+             "bert-chat", "editflow", "llada2", "nemotron-diffusion", "qwen3.5-fast-dllm-v2",
+             "a2d-diffusiongemma"}  # fmt: skip
     templates = {"qwen3-0.6b-bd3lm", "llada-8b-sft", "qwen2.5-fast-dllm-v2", "mdlm-small-pretrain", "dflash-qwen3-8b",
                  "bert-chat-modernbert-large", "editflow-small-sft", "grpo-llada-8b-gsm8k",
                  "llada2-mini-sft", "nemotron-labs-diffusion-8b", "qwen3.5-fast-dllm-v2"}  # fmt: skip
@@ -136,7 +137,8 @@ def test_smoke_recipe_copies_prepares_and_resolves(name: str, tmp_path: Path):
     assert spec.training.device == "auto" and spec.topology.world_size == 1
     if INFO[name].ar_model:
         assert spec.model.init_from == (tmp_path / name / AR_MODEL_DIR).absolute()
-        assert spec.model.family == "llama" and spec.model.vocab_size == BYTE_VOCAB_SIZE
+        family = {"llama": "llama", "gemma4": "diffusion_gemma"}[INFO[name].ar_family]
+        assert spec.model.family == family and spec.model.vocab_size == BYTE_VOCAB_SIZE
     if INFO[name].encoder_model:  # an encoder-only masked LM, imported from the Hugging Face folder `copy` wrote
         assert spec.model.init_from == (tmp_path / name / ENCODER_MODEL_DIR).absolute()
         assert spec.model.family == "modernbert" and spec.model.head == "mlm" and not spec.model.shift_logits
@@ -262,6 +264,8 @@ def test_index_entries_are_checked():
         RecipeInfo(name="x", objective="mdlm", kind="smoke", description="d")
     with pytest.raises(ValueError, match="brings its own data"):
         RecipeInfo(name="x", objective="mdlm", kind="template", description="d", ar_model=True)
+    with pytest.raises(ValueError, match="set ar_model: true"):
+        RecipeInfo(name="x", objective="mdlm", kind="smoke", data="demo_sums", description="d", ar_family="gemma4")
 
 
 # ---- CLI ----------------------------------------------------------------------------------------

@@ -59,7 +59,9 @@ class RecipeInfo(Section):
     and data/held-out.jsonl, which the target answers first; instructions_tasks: the chat tasks' train
     split too, evaluation/facts.py)."""
     ar_model: bool = False
-    """`copy` also writes ar-model/, a tiny random causal llama (Hugging Face folder) to convert."""
+    """`copy` also writes ar-model/, a tiny random causal model (Hugging Face folder) to convert."""
+    ar_family: Literal["llama", "gemma4"] = "llama"
+    """The ar-model's layout: a llama, or a dense Gemma 4 text model (gemma4_text) for DiffusionGemma."""
     encoder_model: bool = False
     """`copy` also writes encoder-model/, a small random ModernBERT encoder (Hugging Face folder) to fine-tune."""
     after: str | None = None
@@ -73,6 +75,8 @@ class RecipeInfo(Section):
             raise ValueError(f"recipe {self.name}: a real recipe, and only one, writes the instruction prompts")
         if self.kind == "template" and (self.data != "none" or self.ar_model or self.encoder_model):
             raise ValueError(f"recipe {self.name}: a template brings its own data and model")
+        if self.ar_family != "llama" and not self.ar_model:
+            raise ValueError(f"recipe {self.name}: ar_family names the layout of the ar-model; set ar_model: true")
         return self
 
 
@@ -119,7 +123,7 @@ def copy_recipe(name: str, dest: Path, force: bool = False) -> list[Path]:
     elif info.data != "none":
         written.append(write_jsonl(dest / DATA_FILE, GENERATORS[info.data](NUM_RECORDS)))
     if info.ar_model:
-        written.append(write_ar_model(dest / AR_MODEL_DIR))
+        written.append(write_ar_model(dest / AR_MODEL_DIR, family=info.ar_family))
     if info.encoder_model:
         written.append(write_encoder_model(dest / ENCODER_MODEL_DIR))
     return written
@@ -212,11 +216,19 @@ GENERATORS: dict[str, Callable[[int], list[dict[str, Any]]]] = {
 }
 
 
-def write_ar_model(folder: Path, seed: int = 0) -> Path:
-    """A tiny random causal llama as a Hugging Face folder: the 'AR model' an A2D recipe converts."""
+def write_ar_model(folder: Path, seed: int = 0, family: str = "llama") -> Path:
+    """A tiny random causal model as a Hugging Face folder: the 'AR model' an A2D recipe converts. A llama, or
+    a dense Gemma 4 text model (a sliding-window layer, its window shorter than the rows, then a global one of
+    its own head width: the diffusion_gemma stack without its canvas block, exported as gemma4_text)."""
     from dllm.config.model import ModelConfig
 
-    return _write_hf_model(ModelConfig(family="llama", preset="tiny", vocab_size=BYTE_VOCAB_SIZE), folder, seed)
+    if family == "gemma4":
+        cfg = ModelConfig(family="diffusion_gemma", preset="tiny", vocab_size=BYTE_VOCAB_SIZE,
+                          canvas_conditioning=False, attention_pattern=["local", "global"], local_window=8,
+                          global_head_dim=32, global_num_kv_heads=1)  # fmt: skip
+    else:
+        cfg = ModelConfig(family="llama", preset="tiny", vocab_size=BYTE_VOCAB_SIZE)
+    return _write_hf_model(cfg, folder, seed)
 
 
 def write_encoder_model(folder: Path, seed: int = 0) -> Path:

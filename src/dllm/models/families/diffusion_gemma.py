@@ -203,6 +203,9 @@ def _config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     """Gemma 4's text model without a self-conditioning block, else DiffusionGemma (which has experts)."""
     if cfg.num_experts and cfg.moe_layout != "beside_dense":
         raise ConfigError("--to-hf: Gemma 4 layers run their experts beside the dense MLP; this model's replace it")
+    if cfg.layer_is_local(cfg.num_layers - 1):
+        raise ConfigError("--to-hf: Gemma 4's last layer attends globally (transformers makes it so); this model's "
+                          "is a sliding-window layer")  # fmt: skip
     if not cfg.canvas_conditioning:
         return {
             **_text_config(cfg), "model_type": "gemma4_text", "architectures": ["Gemma4ForCausalLM"],
