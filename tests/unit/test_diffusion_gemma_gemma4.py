@@ -4,8 +4,9 @@ shorter than the sequence and a full layer of its own head width, kv heads and p
 imported gives its causal logits, with and without left padding; so does the multimodal Gemma 4 folder's text
 model. The import is the stack without a self-conditioning block and exports back to a Gemma 4 folder that
 transformers loads with the same logits. `canvas_conditioning: true` over it adds the block (seeded, a no-op
-at start), so the encoder pass of the converted model still gives Gemma 4's logits; `dllm convert`, five
-steps of diffusiongemma_native_sft from it and `dllm generate` run end to end."""
+at start), so the encoder pass of the converted model still gives Gemma 4's logits, and a converted MoE model
+exports as a DiffusionGemma folder with our canvas logits; `dllm convert`, five steps of
+diffusiongemma_native_sft from it and `dllm generate` run end to end."""
 
 from __future__ import annotations
 
@@ -204,6 +205,32 @@ def test_encoder_pass_of_the_converted_model_is_gemma4(saved, padded: bool):
         assert _max_diff(out[:, :P][valid], ref[valid]) <= 1e-4
         conditioned = model(CanvasConditioned(torch.cat([tokens, canvas], 1), previous), all_positions, mask).logits()
     assert bool(torch.isfinite(out).all()) and _max_diff(conditioned, out) == 0.0  # the block starts as a no-op
+
+
+def test_converted_moe_exports_as_diffusion_gemma(saved, tmp_path: Path):
+    """Gemma 4 MoE plus the added block is DiffusionGemma's layout: it exports to a folder that transformers'
+    DiffusionGemmaForBlockDiffusion loads (no text weight missing or left over) with our canvas logits, with
+    and without self-conditioning logits."""
+    pytest.importorskip("transformers.models.diffusion_gemma")
+    from transformers.models.diffusion_gemma import DiffusionGemmaForBlockDiffusion
+
+    from tests.unit import test_diffusion_gemma as dg
+
+    model = _converted(saved["moe"][1])
+    with torch.no_grad():  # a trained block: every weight of it matters
+        for p in model.canvas_cond.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(4)) * 0.1)
+    export_hf(model.state_dict(), model.cfg, tmp_path / "dgemma")
+    hf, info = DiffusionGemmaForBlockDiffusion.from_pretrained(str(tmp_path / "dgemma"), output_loading_info=True)
+    vision = ("model.encoder.vision_tower.", "model.encoder.embed_vision.")
+    text_missing = [k for k in info["missing_keys"] if not k.startswith(vision)]
+    assert not (text_missing or info["unexpected_keys"] or info["mismatched_keys"]), info  # no vision tower written
+    x = dg._inputs(padded=True)
+    previous = torch.randn(2, dg.C, V, generator=torch.Generator().manual_seed(5)) * 3
+    with torch.no_grad():
+        for logits_BCV in (None, previous):
+            ref = dg._theirs(hf.eval(), x, logits_BCV).logits
+            assert _max_diff(dg._ours(model, x, logits_BCV).logits()[:, dg.P :], ref) <= 1e-4
 
 
 def test_refusals_are_one_line(saved, tmp_path: Path):
