@@ -90,7 +90,8 @@ def merge_pretrained(user: ModelConfig) -> ModelConfig:
     conversion, the block starting fresh (`pretrained_state`)."""
     assert user.init_from is not None
     pre = pretrained_config(user.init_from)
-    adds_canvas = "canvas_conditioning" in user.model_fields_set and user.canvas_conditioning > pre.canvas_conditioning
+    asked = "canvas_conditioning" in user.model_fields_set and user.canvas_conditioning
+    adds_canvas = asked and not pre.canvas_conditioning
     grown = {"canvas_conditioning", "canvas_length"} if adds_canvas else set()
     for name in sorted(user.model_fields_set - _USAGE_FIELDS - grown):
         if getattr(user, name) != getattr(pre, name):
