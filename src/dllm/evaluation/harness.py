@@ -204,6 +204,8 @@ class DllmLM(LM):
         try:
             self._scoring: ScoringModel | ConfigError = scoring_for(self.loaded, a.kind)
         except ConfigError as e:  # no likelihood for this model (uniform-state, DiffusionGemma): it still generates
+            if a.kind != "auto":  # a likelihood was asked for by name: refused now
+                raise
             self._scoring = e
         scoring = None if isinstance(self._scoring, ConfigError) else self._scoring
         if sampler.generation == "auto" and is_causal_model(self.loaded.profile, self.loaded.model_cfg.family):
