@@ -31,8 +31,9 @@ class Family:
     `config_to_hf` writes another: a DiffusionGemma stack without its canvas block is Gemma 4's text model)."""
     architecture: str
     """config.json `architectures` entry written on export."""
-    causal_lm: bool
-    """Loadable with transformers' AutoModelForCausalLM (an autoregressive family)."""
+    causal_lm: bool | Callable[[ModelConfig], bool]
+    """Loadable with transformers' AutoModelForCausalLM (an autoregressive family); a function of the config
+    for a family only some of whose models are (`is_causal_lm`)."""
     config_from_hf: Callable[[dict[str, Any]], dict[str, Any]]
     config_to_hf: Callable[[ModelConfig], dict[str, Any]]
     renames: tuple[tuple[str, str], ...]
@@ -45,6 +46,11 @@ class Family:
     """config.json `architectures` entries that pick this family before `model_type` is looked at."""
     block_size: int | None = None
     """A folder of this family without a decode profile decodes block-causally in blocks of this size (LLaDA2)."""
+
+    def is_causal_lm(self, cfg: ModelConfig) -> bool:
+        """Whether a model of this config is a causal LM (diffusion_gemma: Gemma 4's text model, without the
+        canvas block, is; DiffusionGemma is not)."""
+        return self.causal_lm(cfg) if callable(self.causal_lm) else self.causal_lm
 
 
 # -- name maps -----------------------------------------------------------------------------------------

@@ -258,8 +258,13 @@ def _to_hf(sd: StateDict, cfg: ModelConfig) -> StateDict:
     return sd
 
 
+def _causal_lm(cfg: ModelConfig) -> bool:
+    """Without the canvas block the stack is Gemma 4's causal LM (exported as Gemma4ForCausalLM)."""
+    return not cfg.canvas_conditioning
+
+
 DIFFUSION_GEMMA = Family(
-    "diffusion_gemma", ("diffusion_gemma", *_GEMMA4_TYPES), "DiffusionGemmaForBlockDiffusion", False,
+    "diffusion_gemma", ("diffusion_gemma", *_GEMMA4_TYPES), "DiffusionGemmaForBlockDiffusion", _causal_lm,
     _config_from_hf, _config_to_hf, _RENAMES, from_hf_extra=_from_hf, to_hf_extra=_to_hf,
     ignore_hf=(r"model\.encoder\.(vision_tower|embed_vision)\..*",
                r"model\.(vision_tower|embed_vision|audio_tower|embed_audio)\..*"),
