@@ -143,6 +143,10 @@ def test_generate_on_a_native_sft_run(tmp_path: Path, capsys):
     out, err = capsys.readouterr()
     rows = _records(out)
     assert len(rows) == 2 and all(1 <= r["nfe"] <= 48 for r in rows) and "canvas_denoise/canvas 8" in err
+    assert main(["generate", "--run", str(run_dir), "--ar", "-p", "x"]) == 2  # its canvas decodes, not AR
+    err = capsys.readouterr().err
+    assert "--ar:" in err and "not a causal model (trained with diffusiongemma_native_sft" in err
+    assert err.count("\n") == 1, err
 
 
 def test_no_likelihood_bound_but_lm_eval_still_generates(folder: Path, capsys):

@@ -6,7 +6,8 @@ model. The import is the stack without a self-conditioning block and exports bac
 transformers loads with the same logits. `canvas_conditioning: true` over it adds the block (seeded, a no-op
 at start), so the encoder pass of the converted model still gives Gemma 4's logits, and a converted MoE model
 exports as a DiffusionGemma folder with our canvas logits; `dllm convert`, five steps of
-diffusiongemma_native_sft from it and `dllm generate` run end to end."""
+diffusiongemma_native_sft from it and `dllm generate` run end to end. A LoRA run over the import exports an
+adapter in Gemma 4's module names, which peft loads onto the Gemma 4 folder with our merged model's logits."""
 
 from __future__ import annotations
 
@@ -317,3 +318,51 @@ def test_convert_train_and_generate(saved, tmp_path: Path, capsys):
     rows = [json.loads(line) for line in out.splitlines()]
     assert len(rows) == 2 and all(1 <= r["nfe"] == r["steps"] <= 48 and r["tokens_committed"] > 0 for r in rows)
     assert "canvas_denoise/canvas 8" in err
+
+
+def test_lora_adapter_of_a_gemma4_run_loads_in_peft(saved, tmp_path: Path, capsys):
+    """`convert --adapter-only` of a LoRA run over the imported Gemma 4 (no canvas block) names Gemma4ForCausalLM's
+    modules (model.layers.*): peft loads it onto the Gemma 4 folder with the logits of our merged model."""
+    peft = pytest.importorskip("peft")
+    from dllm.checkpoint.inference import load_for_inference
+    from dllm.cli.main import main
+    from dllm.config.loading import load_config, validate_config
+    from dllm.config.prepare import PrepareSpec
+    from dllm.config.spec import RunSpec
+    from dllm.data.prepare import prepare
+    from dllm.training.preflight import resolve_run_spec
+    from dllm.training.run import prepare_run_dir, train_from_run_dir
+    from tests.helpers import PREPARE, tiny_train_values, write_yaml
+
+    _, folder = saved["dense"]
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.jsonl").write_text("".join(json.dumps({"text": f"a dog finds {i} apples"}) + "\n"
+                                                           for i in range(64)))  # fmt: skip
+    write_yaml(tmp_path / "prepare.yaml", PREPARE)
+    prepare(load_config(PrepareSpec, tmp_path / "prepare.yaml"), tmp_path)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "down_proj"]
+    values = tiny_train_values(run={"name": "lora", "output_dir": str(tmp_path / "runs")},
+                               model={"init_from": str(folder), "attention_backend": "sdpa"}, objective={"name": "ar"},
+                               training={"steps": 2}, optimizer={"lr": 0.05})  # fmt: skip
+    values["model"].pop("preset")
+    values["lora"] = {"rank": 4, "alpha": 8, "targets": targets}
+    spec, _ = resolve_run_spec(validate_config(RunSpec, values, source="train.yaml", base_dir=tmp_path))
+    run_dir = prepare_run_dir(spec)
+    train_from_run_dir(run_dir)
+    assert main(["convert", "--to-hf", str(tmp_path / "adapter"), "--run", str(run_dir), "--adapter-only"]) == 0
+    assert "a LoRA adapter for a Gemma4ForCausalLM" in capsys.readouterr().err
+    adapter = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert sorted(adapter["target_modules"]) == sorted(targets)
+    base = transformers.Gemma4ForCausalLM.from_pretrained(str(folder))  # (peft adapts the model it is given)
+    adapted = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
+    lora_B = [p for n, p in adapted.named_parameters() if "lora_B" in n]
+    assert len(lora_B) == 6 * 3 - 1 and all(bool(p.any()) for p in lora_B)  # no v_proj in the full layer; trained
+    merged = load_for_inference(run=run_dir).model
+    tokens, valid, positions = _inputs(padded=True)
+    with torch.no_grad():
+        ref = _theirs(adapted, tokens, valid, positions)
+        diff = _max_diff(_causal(merged, tokens, valid, positions)[valid], ref[valid])
+        with adapted.disable_adapter():
+            moved = _max_diff(ref[valid], _theirs(adapted, tokens, valid, positions)[valid])
+    print(f"gemma4 LoRA adapter in peft vs our merged model: logits max|diff| {diff:.1e} (adapter moves {moved:.2f})")
+    assert diff <= 1e-4 and moved > 1e-2

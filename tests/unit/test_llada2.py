@@ -253,11 +253,11 @@ def test_adapter_names_follow_the_public_layout():
     from dllm.config.registries import FAMILIES
     from dllm.models.families.base import module_path_to_hf
 
-    family = FAMILIES.resolve("llada2_moe")
-    assert module_path_to_hf(family, "layers.1.self_attn.o_proj") == "model.layers.1.attention.dense"
-    assert module_path_to_hf(family, "layers.0.mlp.gate_proj") == "model.layers.0.mlp.gate_proj"
+    family, cfg = FAMILIES.resolve("llada2_moe"), ModelConfig(family="llada2_moe", preset="tiny")
+    assert module_path_to_hf(family, "layers.1.self_attn.o_proj", cfg) == "model.layers.1.attention.dense"
+    assert module_path_to_hf(family, "layers.0.mlp.gate_proj", cfg) == "model.layers.0.mlp.gate_proj"
     with pytest.raises(ConfigError, match="fuses q, k, v"):
-        module_path_to_hf(family, "layers.0.self_attn.q_proj")
+        module_path_to_hf(family, "layers.0.self_attn.q_proj", cfg)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "olmoe", "llada_moe"])

@@ -125,11 +125,15 @@ def test_sample_inverts_the_cdf_and_never_draws_zero_probability():
 
 def test_which_models_decode_causally():
     ids = {"mask_id": 3, "pad_id": 0, "eos_id": 1, "num_tokens": 8, "max_length": 16}
-    assert is_causal_model(DecodeProfile(attention="causal", objective="ar", shift=True, **ids), "llama")
+
+    def of(family: str) -> ModelConfig:
+        return ModelConfig(family=family, preset="tiny")
+
+    assert is_causal_model(DecodeProfile(attention="causal", objective="ar", shift=True, **ids), of("llama"))
     folder = DecodeProfile(**ids)  # a folder never trained here
-    assert is_causal_model(folder, "qwen3") and is_causal_model(folder, "gpt2")
-    assert not is_causal_model(folder, "llada") and not is_causal_model(folder, "bert")
-    assert not is_causal_model(DecodeProfile(objective="mdlm", **ids), "llama")  # an AR-to-diffusion run
+    assert is_causal_model(folder, of("qwen3")) and is_causal_model(folder, of("gpt2"))
+    assert not is_causal_model(folder, of("llada")) and not is_causal_model(folder, of("bert"))
+    assert not is_causal_model(DecodeProfile(objective="mdlm", **ids), of("llama"))  # an AR-to-diffusion run
 
 
 def test_bad_arguments_raise():

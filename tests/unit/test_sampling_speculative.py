@@ -94,8 +94,10 @@ class ReplayDrafter:
 
     target_layer_ids: tuple[int, ...] = ()
 
-    def __init__(self, sequences_BT: torch.Tensor, block_size: int, error: float, seed: int = 0) -> None:
-        self.seq, self.block_size, self.error = sequences_BT, block_size, error
+    def __init__(
+        self, sequences_BT: torch.Tensor, block_size: int, error: float, seed: int = 0, vocab: int = V
+    ) -> None:
+        self.seq, self.block_size, self.error, self.vocab = sequences_BT, block_size, error, vocab
         self.gen = torch.Generator().manual_seed(seed)
         self.anchor_positions: list[torch.Tensor] = []
 
@@ -112,7 +114,7 @@ class ReplayDrafter:
         tokens = self.seq.gather(1, at)
         wrong = torch.rand(B, b1, generator=self.gen) < self.error
         tokens = torch.where(wrong, torch.randint(0, MASK_ID, (B, b1), generator=self.gen), tokens)
-        return torch.nn.functional.one_hot(tokens, V).to(F64) * 10
+        return torch.nn.functional.one_hot(tokens, self.vocab).to(F64) * 10
 
 
 @dataclass

@@ -75,13 +75,14 @@ def setup_sampling(
     loaded = load_for_inference(run, checkpoint, device, model_dir=model_dir)
     drafter = None
     if sampler.generation == "causal":
-        profile, family = loaded.profile, loaded.model_cfg.family
-        if not is_causal_model(profile, family):
-            trained = f"trained with {profile.objective}" if profile.objective else f"a {family} model"
+        profile, cfg = loaded.profile, loaded.model_cfg
+        if not is_causal_model(profile, cfg):
+            canvas = " with DiffusionGemma's canvas block" if cfg.canvas_conditioning else ""
+            trained = f"trained with {profile.objective}" if profile.objective else f"a {cfg.family} model{canvas}"
             raise ConfigError(
                 f"{causal_option}: {loaded.source} is not a causal model ({trained}, attention {profile.attention} "
-                f"in its decode profile); causal decoding needs an ar run or an AR family folder; drop "
-                f"{causal_option} to sample it"
+                f"in its decode profile); causal decoding needs an ar run or a causal LM folder (an AR family, "
+                f"Gemma 4's text model); drop {causal_option} to sample it"
             )
         if drafter_dir is not None:
             drafter = check_drafter(load_drafter(drafter_dir, loaded.model), loaded.model, draft_block_size)
@@ -259,7 +260,7 @@ def check_causal_target(path: Path) -> None:
         attention, what = spec.objective.decode_facts()["attention"], f"objective {spec.objective.name}"
     elif path.is_dir():
         profile = read_profile(path)
-        if profile is not None and is_model_folder(path) and is_causal_model(profile, pretrained_config(path).family):
+        if profile is not None and is_model_folder(path) and is_causal_model(profile, pretrained_config(path)):
             attention, what = "causal", ""
         elif profile is not None:
             attention, what = profile.attention, f"objective {profile.objective or 'unknown'}"

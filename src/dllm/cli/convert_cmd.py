@@ -293,11 +293,12 @@ def _export_adapter(stage: Path, out: Path, run: Path | None, checkpoint: Path |
     loaded = load_for_inference(run, checkpoint, merge=False)
     if loaded.spec is None or loaded.spec.lora is None:
         raise ConfigError("--adapter-only needs a run trained with a lora section")
-    family = FAMILIES.resolve(loaded.model_cfg.family)
-    base = str(loaded.model_cfg.init_from) if loaded.model_cfg.init_from else None
+    family, cfg = FAMILIES.resolve(loaded.model_cfg.family), loaded.model_cfg
+    architecture = family.exported_architecture(cfg)  # the base it adapts must have a layout (refused otherwise)
+    base = str(cfg.init_from) if cfg.init_from else None
     save_adapter(loaded.model, stage, loaded.spec.lora, base_model_name_or_path=base,
-                 rename_module=lambda path: module_path_to_hf(family, path))  # fmt: skip
-    return [f"wrote {out}: a LoRA adapter for a {family.architecture} (peft.PeftModel.from_pretrained)"]
+                 rename_module=lambda path: module_path_to_hf(family, path, cfg))  # fmt: skip
+    return [f"wrote {out}: a LoRA adapter for a {architecture} (peft.PeftModel.from_pretrained)"]
 
 
 def _save_tokenizer(tok, stage: Path, out: Path) -> list[str]:

@@ -340,6 +340,11 @@ class ModelConfig(Section):
         return any(self.layer_kind(i) == "linear" for i, _ in self.layer_classes())
 
     @property
+    def has_local_layers(self) -> bool:
+        """Some layers attend through the sliding window (`local_window`)."""
+        return any(self.layer_kind(i) == "local" for i, _ in self.layer_classes())
+
+    @property
     def rotary_dim(self) -> int:
         """Features of each head that RoPE rotates (the first ones)."""
         return int(self.dim_per_head * self.rotary_fraction)

@@ -208,7 +208,7 @@ class DllmLM(LM):
                 raise
             self._scoring = e
         scoring = None if isinstance(self._scoring, ConfigError) else self._scoring
-        if sampler.generation == "auto" and is_causal_model(self.loaded.profile, self.loaded.model_cfg.family):
+        if sampler.generation == "auto" and is_causal_model(self.loaded.profile, self.loaded.model_cfg):
             sampler = sampler.model_copy(update={"generation": "causal"})  # generate_until decodes it causally
         self.sampler = resolve_sampler(sampler, self.loaded.profile)
         self.cfg_scale = self.sampler.cfg_scale

@@ -347,7 +347,7 @@ def _check_causal(loaded) -> None:
     from dllm.sampling.causal import is_causal_model
 
     profile = loaded.profile
-    if profile.attention == "causal" or is_causal_model(profile, loaded.model_cfg.family):
+    if profile.attention == "causal" or is_causal_model(profile, loaded.model_cfg):
         return
     trained = f"trained with {profile.objective}" if profile.objective else f"a {loaded.model_cfg.family} model"
     raise ConfigError(

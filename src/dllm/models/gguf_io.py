@@ -189,7 +189,7 @@ def gguf_names(family: Family, cfg: ModelConfig, arch: str, path: Path) -> dict[
         native_keys = list(Transformer(cfg).state_dict())
     out: dict[str, str] = {}
     for native in native_keys:
-        hf = native_to_hf_name(family, native)
+        hf = native_to_hf_name(family, native, cfg)
         base, _, suffix = hf.rpartition(".")
         name = table.get_name(base)
         if name is None:

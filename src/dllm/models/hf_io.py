@@ -247,7 +247,9 @@ def check_hf_weights(folder: Path, family: Family, src_cfg: ModelConfig, cfg: Mo
             raise ConfigError(f"{folder}: the weights do not fit a {family.name} model ({e})") from None
         return {k: tuple(v.shape) for k, v in native.items()}
 
-    check_weight_shapes(Path(folder) / "config.json", src_cfg, cfg, shapes, to_native, lambda k: _hf_name(family, k))
+    check_weight_shapes(
+        Path(folder) / "config.json", src_cfg, cfg, shapes, to_native, lambda k: _hf_name(family, k, src_cfg)
+    )
 
 
 def check_weight_shapes(
@@ -298,9 +300,9 @@ def _meta_model(cfg: ModelConfig) -> torch.nn.Module:
     return Transformer(cfg)
 
 
-def _hf_name(family: Family, native_key: str) -> str:
+def _hf_name(family: Family, native_key: str, cfg: ModelConfig) -> str:
     try:
-        return native_to_hf_name(family, native_key)
+        return native_to_hf_name(family, native_key, cfg)
     except KeyError:
         return native_key
 
@@ -312,7 +314,7 @@ def import_hf(folder: Path, cfg: ModelConfig) -> StateDict:
     src_cfg = model_config_from_hf(folder)
     check_hf_weights(folder, family, src_cfg, cfg)
     native = state_from_hf(family, load_hf_state_dict(folder), src_cfg)
-    check_weight_values(native, folder, lambda k: _hf_name(family, k))
+    check_weight_values(native, folder, lambda k: _hf_name(family, k, src_cfg))
     native = {k: v.float() for k, v in native.items()}
     assert cfg.vocab_size is not None
     return resize_vocab(native, cfg.vocab_size)

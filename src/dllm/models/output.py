@@ -43,10 +43,10 @@ class ModelOutput:
 
 
 def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
-    """cap * tanh(logits / cap) in float32 (Gemma's final logit soft-capping); unchanged when cap is None."""
+    """cap * tanh(logits / cap) in float32 at least (Gemma's final logit soft-capping); unchanged when cap is None."""
     if cap is None:
         return logits
-    return torch.tanh(logits.float() / cap) * cap
+    return torch.tanh(logits.to(torch.promote_types(logits.dtype, torch.float32)) / cap) * cap
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The causal target of the causal loop (speculative.py): a ragged KV cache (rows at different lengths)
 and the two ways to run the target over it.
 
-A causal target (a run trained with objective `ar`, or an imported llama/qwen2/qwen3/gpt2 folder)
+A causal target (a run trained with objective `ar`, or an imported llama/qwen2/qwen3/gpt2 or Gemma 4 folder)
 runs its prompts once (prefill), then each round a few new tokens per row against the cache: one for
 AR decoding, the anchor and the drafts for speculative decoding, where rows keep different numbers of
 them.
@@ -11,6 +11,8 @@ Q tokens writes them (scatter) at length_B[b] + [0, Q) and its queries attend ca
 up to their own (the AttentionMask's per-row query offsets). Whatever a row's buffer holds past its
 length (padding of a shorter prompt, drafts the target rejected) lies after every query of that row,
 so it is never read, and the next forward overwrites it: rolling back a rejection is setting the length.
+Sliding-window layers (Gemma 4's local ones) read the same buffers: the window counts back from each query's
+buffer index, its position, so the keys past the window stay cached and are masked, never dropped.
 
 A hybrid model's linear-attention layers (qwen3_5) keep no keys: each layer keeps one state per row
 (convolution window and recurrent matrix, `RaggedLayerKV.recurrent`, models/linear_state.py), the state
@@ -38,10 +40,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from dllm.attention.masks import AttentionMask
+from dllm.config.model import ModelConfig
 from dllm.config.profile import DecodeProfile
 from dllm.config.registries import FAMILIES
 from dllm.models.capture import CapturedLayers, capture_layers
 from dllm.models.linear_state import RowStates
+from dllm.models.output import softcap
 from dllm.sampling.results import Counters
 
 # ---------------------------------------------------------------------------------------------------
@@ -104,6 +108,9 @@ class RaggedKVCache:
     keep_B: torch.Tensor | None = None
     """The tokens each row keeps of the next forward when known before it (a prefill, an AR round): linear
     layers then keep their states after them at once (None: at `commit`, after speculative verification)."""
+    windowed: bool = False
+    """The model has sliding-window layers (Gemma 4): their window is counted from each query's own index, so
+    every forward's mask places its queries (no mask-free step)."""
     layers: dict[int, RaggedLayerKV] = field(default_factory=dict)
 
     def layer(self, i: int) -> RaggedLayerKV:
@@ -191,7 +198,7 @@ class RaggedKVCache:
             raise ValueError(f"ragged cache: {self.key_end} positions do not fit its capacity {self.capacity}")
         if longest == 0:  # every row empty (a prefill): plain causal, SDPA's is_causal kernel
             return self.write_BQ, AttentionMask("causal")
-        if num_queries == 1 and shortest == longest:  # each row's query sees every key: no mask at all
+        if num_queries == 1 and shortest == longest and not self.windowed:  # each query sees every key: no mask
             return self.write_BQ, AttentionMask("bidirectional")
         return self.write_BQ, AttentionMask("causal", query_offset_B=self.length_B.clone())
 
@@ -208,7 +215,7 @@ class Target:
         self.device = next(model.parameters()).device
         self.length_B = torch.zeros(batch, dtype=torch.long, device=self.device)
         self.capacity, self.counters = capacity, counters
-        self.cache = RaggedKVCache(capacity, self.length_B)
+        self.cache = RaggedKVCache(capacity, self.length_B, windowed=has_sliding_window(model))
         self._captured: CapturedLayers | None = None  # open while `capturing()` is
 
     @contextmanager
@@ -256,7 +263,7 @@ class Target:
         if logit_rows_BR is not None:  # the head only where logits are read (a prefill needs one row)
             hidden = _rows(hidden, logit_rows_BR)
         head, weight, bias = out.head(hidden)
-        logits = F.linear(head, weight, bias)
+        logits = softcap(F.linear(head, weight, bias), out.logit_softcap)  # Gemma's: what `.logits()` gives
         logits = logits if logits.dtype == torch.float64 else logits.float()
         if self.mask_id is not None:  # never a prediction (the objectives exclude it from the softmax too)
             logits[..., self.mask_id] = float("-inf")
@@ -287,6 +294,11 @@ def keeps_recurrent_state(model: nn.Module) -> bool:
     with block attention, and which the running canvas batch does not keep (the causal loop and the running
     AR batch keep them per row: `RaggedLayerKV.recurrent`)."""
     return bool(getattr(getattr(model, "cfg", None), "has_linear_layers", False))
+
+
+def has_sliding_window(model: nn.Module) -> bool:
+    """A model with sliding-window layers (Gemma 4's local layers)."""
+    return bool(getattr(getattr(model, "cfg", None), "has_local_layers", False))
 
 
 def _rows(x_BLE: torch.Tensor, rows_BQ: torch.Tensor) -> torch.Tensor:
@@ -352,11 +364,12 @@ def score_tokens(model: nn.Module, rows: Sequence[Sequence[int]], top: int = 0, 
 # which models decode causally
 
 
-def is_causal_model(profile: DecodeProfile, family: str) -> bool:
+def is_causal_model(profile: DecodeProfile, model_cfg: ModelConfig) -> bool:
     """Whether a loaded model decodes autoregressively: its profile says attention causal (a run trained
     with objective ar, or exported from one), or it is a folder never trained here (no objective in its
-    profile) of an autoregressive family (llama, qwen2, qwen3, qwen3_moe, gpt2 are causal LMs; llada,
-    dream and bert are not). A diffusion run converted from an AR model is not: it was trained otherwise."""
+    profile) of a causal LM (`Family.is_causal_lm`: llama, qwen2, qwen3, qwen3_moe, gpt2, and Gemma 4's text
+    model, a diffusion_gemma stack without the canvas block; not llada, dream, bert or DiffusionGemma). A
+    diffusion run converted from an AR model is not: it was trained otherwise."""
     if profile.attention == "causal":
         return True
-    return profile.objective is None and FAMILIES.resolve(family).causal_lm
+    return profile.objective is None and FAMILIES.resolve(model_cfg.family).is_causal_lm(model_cfg)

@@ -31,20 +31,34 @@ class Family:
     `config_to_hf` writes another: a DiffusionGemma stack without its canvas block is Gemma 4's text model)."""
     architecture: str
     """config.json `architectures` entry written on export."""
-    causal_lm: bool
-    """Loadable with transformers' AutoModelForCausalLM (an autoregressive family)."""
+    causal_lm: bool | Callable[[ModelConfig], bool]
+    """Loadable with transformers' AutoModelForCausalLM (an autoregressive family); a function of the config
+    for a family only some of whose models are (`is_causal_lm`)."""
     config_from_hf: Callable[[dict[str, Any]], dict[str, Any]]
     config_to_hf: Callable[[ModelConfig], dict[str, Any]]
     renames: tuple[tuple[str, str], ...]
     """(native regex, HF template) pairs, applied in order; `{i}` stands for the layer index."""
     from_hf_extra: Callable[[StateDict, ModelConfig], StateDict] = field(default=lambda sd, cfg: sd)
     to_hf_extra: Callable[[StateDict, ModelConfig], StateDict] = field(default=lambda sd, cfg: sd)
+    hf_name: Callable[[str, ModelConfig], str] = field(default=lambda name, cfg: name)
+    """A name the renames give as the export of a model of this config writes it (diffusion_gemma: Gemma 4's
+    text model, without the canvas block, is Gemma4ForCausalLM's model.* where DiffusionGemma has
+    model.decoder.*). Exported weights and adapter module paths both pass through it."""
     ignore_hf: tuple[str, ...] = ()
     """HF keys (regex) that carry nothing the native model needs (buffers, unused poolers)."""
     architectures_read: tuple[str, ...] = ()
     """config.json `architectures` entries that pick this family before `model_type` is looked at."""
     block_size: int | None = None
     """A folder of this family without a decode profile decodes block-causally in blocks of this size (LLaDA2)."""
+
+    def exported_architecture(self, cfg: ModelConfig) -> str:
+        """The `architectures` entry of the folder a model of `cfg` exports to (ConfigError when it has none)."""
+        return (self.config_to_hf(cfg).get("architectures") or [self.architecture])[0]
+
+    def is_causal_lm(self, cfg: ModelConfig) -> bool:
+        """Whether a model of this config is a causal LM (diffusion_gemma: Gemma 4's text model, without the
+        canvas block, is; DiffusionGemma is not)."""
+        return self.causal_lm(cfg) if callable(self.causal_lm) else self.causal_lm
 
 
 # -- name maps -----------------------------------------------------------------------------------------
@@ -72,21 +86,23 @@ def _hf_to_native(name: str, renames: tuple[tuple[str, str], ...]) -> str:
     raise KeyError(name)
 
 
-def native_to_hf_name(family: Family, name: str) -> str:
-    """The Hugging Face name of a native parameter (KeyError when the family has no place for it)."""
-    return _native_to_hf(name, family.renames)
+def native_to_hf_name(family: Family, name: str, cfg: ModelConfig) -> str:
+    """The Hugging Face name of a native parameter of a model of `cfg` (KeyError when the family has no place
+    for it)."""
+    return family.hf_name(_native_to_hf(name, family.renames), cfg)
 
 
-def module_path_to_hf(family: Family, path: str) -> str:
-    """The Hugging Face module path of a native linear layer (for adapter files)."""
-    hf = _native_to_hf(f"{path}.weight", family.renames).removesuffix(".weight")
+def module_path_to_hf(family: Family, path: str, cfg: ModelConfig) -> str:
+    """The Hugging Face module path of a native linear layer of a model of `cfg` (for adapter files): the
+    module of the folder that model exports to."""
+    hf = native_to_hf_name(family, f"{path}.weight", cfg).removesuffix(".weight")
     if re.search(r"(c_attn|Wqkv)\.[qkv]$|Wi\.(gate|up)$|\battention\.[qkv]_proj$", hf):
         raise ConfigError("--adapter-only: this family fuses q, k, v (or gate, up) in one layer; export merged weights")
     return hf
 
 
 def state_to_hf(family: Family, native: StateDict, cfg: ModelConfig) -> StateDict:
-    out = {_native_to_hf(k, family.renames): v for k, v in native.items()}
+    out = {native_to_hf_name(family, k, cfg): v for k, v in native.items()}
     return family.to_hf_extra(out, cfg)
 
 

@@ -248,19 +248,30 @@ def _from_hf(sd: StateDict, cfg: ModelConfig) -> StateDict:
     return drop_tied_head(out, cfg)
 
 
+def _hf_name(name: str, cfg: ModelConfig) -> str:
+    """Gemma4ForCausalLM's names (model.*) without a self-conditioning block, DiffusionGemma's (model.decoder.*)
+    with it: of weights and of an adapter's modules alike."""
+    return name if cfg.canvas_conditioning else re.sub(r"^model\.decoder\.", "model.", name)
+
+
 def _to_hf(sd: StateDict, cfg: ModelConfig) -> StateDict:
-    """Gemma4ForCausalLM's names (model.*) without a self-conditioning block; else the encoder's layer scalars,
-    buffers the reference does not tie, written as the decoder's."""
+    """DiffusionGemma's encoder layer scalars, buffers the reference does not tie, written as the decoder's
+    (Gemma 4's text model has no encoder)."""
     if not cfg.canvas_conditioning:
-        return {re.sub(r"^model\.decoder\.", "model.", k): v for k, v in sd.items()}
+        return sd
     for k in [k for k in sd if k.endswith("layer_scalar")]:
         sd[k.replace("model.decoder.", "model.encoder.language_model.", 1)] = sd[k].clone()
     return sd
 
 
+def _causal_lm(cfg: ModelConfig) -> bool:
+    """Without the canvas block the stack is Gemma 4's causal LM (exported as Gemma4ForCausalLM)."""
+    return not cfg.canvas_conditioning
+
+
 DIFFUSION_GEMMA = Family(
-    "diffusion_gemma", ("diffusion_gemma", *_GEMMA4_TYPES), "DiffusionGemmaForBlockDiffusion", False,
-    _config_from_hf, _config_to_hf, _RENAMES, from_hf_extra=_from_hf, to_hf_extra=_to_hf,
+    "diffusion_gemma", ("diffusion_gemma", *_GEMMA4_TYPES), "DiffusionGemmaForBlockDiffusion", _causal_lm,
+    _config_from_hf, _config_to_hf, _RENAMES, from_hf_extra=_from_hf, to_hf_extra=_to_hf, hf_name=_hf_name,
     ignore_hf=(r"model\.encoder\.(vision_tower|embed_vision)\..*",
                r"model\.(vision_tower|embed_vision|audio_tower|embed_audio)\..*"),
 )  # fmt: skip
