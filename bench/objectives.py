@@ -5,7 +5,8 @@ All variants are built in this one process and stepped interleaved (A B C ... on
 this shared VM the same step's wall time drifts by up to 1.7x with other tenants' load, so a ratio is
 the median over rounds of the ratio within each round (the variants of one round run seconds apart,
 under the same load); step times are medians, with each variant's fastest round next to them.
-`uniform` does mdlm's work, so its ratio shows how far the remaining noise reaches.
+`uniform` does mdlm's work, so its ratio shows how far the remaining noise reaches. `fast_dllm_v2` runs
+its two views over one clean stream (3L rows), `fast_dllm_v2_two_rows` as two 2L rows (the same loss).
 Tokens/s counts data tokens (L per sequence) for every objective, so a ratio is the cost per token.
 `page_faults_per_step` is the process's minor page faults during each objective's steps (median):
 memory the C allocator gave back to the OS and the step faults in again (training.cpu_allocator;
@@ -49,7 +50,8 @@ TOKENS_PER_STEP = 4096
 OBJECTIVES: dict[str, dict[str, Any]] = {
     "mdlm": {"name": "mdlm"},
     "bd3lm": {"name": "bd3lm", "block_size": 16},
-    "fast_dllm_v2": {"name": "fast_dllm_v2", "block_size": 16, "sub_block_size": 4},
+    "fast_dllm_v2": {"name": "fast_dllm_v2", "block_size": 16, "sub_block_size": 4},  # 3L rows: one clean stream
+    "fast_dllm_v2_two_rows": {"name": "fast_dllm_v2", "block_size": 16, "sub_block_size": 4, "shared_clean": False},
     "uniform": {"name": "uniform"},
 }
 

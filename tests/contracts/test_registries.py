@@ -339,8 +339,10 @@ def test_objective_loss_finite_and_gradients_only_at_supervised_positions(name, 
     grad = logits.grad
     assert grad is not None and bool(torch.isfinite(grad).all())
     # the gradient reaches exactly the hidden positions that predict a supervised, weighted target
-    expected = torch.zeros(grad.shape[:2], dtype=torch.bool)
-    expected.scatter_(1, predictor_positions(inp), inp.weights_BL > 0)
+    # (a union: one hidden position may predict several targets, e.g. Fast-dLLM v2's two views read the same
+    # clean row at a block start)
+    weighted = (inp.weights_BL > 0).float()
+    expected = torch.zeros(grad.shape[:2]).scatter_reduce(1, predictor_positions(inp), weighted, "amax") > 0
     touched = grad.abs().sum(-1) > 0
     assert not bool((touched & ~expected).any()), "gradient at a position that predicts no target"
     assert bool(touched[expected].any())

@@ -41,11 +41,11 @@ def base_allowed(mask: AttentionMask, i: int, j: int, seq_len: int) -> bool:
         return i >= j
     if mask.kind == "block_causal":
         return j // mask.block_size <= i // mask.block_size
-    if mask.kind == "block_diffusion":
+    if mask.kind == "block_diffusion":  # [x_t ; x_0], or V noisy copies [x_t^1 ; ... ; x_t^V ; x_0]
         bi, bj = (i % seq_len) // mask.block_size, (j % seq_len) // mask.block_size
-        q_noisy, kv_noisy = i < seq_len, j < seq_len
+        q_noisy, kv_noisy = i < mask.views * seq_len, j < mask.views * seq_len
         if q_noisy and kv_noisy:
-            return bi == bj  # block-diagonal
+            return bi == bj and i // seq_len == j // seq_len  # block-diagonal, inside one copy
         if q_noisy:
             return bj < bi  # offset block-causal into x_0
         return not kv_noisy and bj <= bi  # block-causal inside x_0; clean never sees noisy
@@ -54,7 +54,7 @@ def base_allowed(mask: AttentionMask, i: int, j: int, seq_len: int) -> bool:
 
 def reference_allowed(mask: AttentionMask, batch: int, q_len: int, kv_len: int) -> torch.Tensor:
     """bool [B, 1, Lq, Lk]; per-position tensors are read at position i mod L in the 2L layout."""
-    seq_len = kv_len // 2 if mask.kind == "block_diffusion" else kv_len
+    seq_len = kv_len // (mask.views + 1) if mask.kind == "block_diffusion" else kv_len
     out = torch.zeros(batch, 1, q_len, kv_len, dtype=torch.bool)
     for b in range(batch):
         for i in range(q_len):
@@ -102,6 +102,7 @@ PATTERNS = {
     "bidirectional_window": {"window": 2},
     "causal_window": {"kind": "causal", "window": 3},
     "block_diffusion_window": {"kind": "block_diffusion", "block_size": 4, "window": 3},
+    "block_diffusion_views": {"kind": "block_diffusion", "block_size": 2, "views": 2},  # two copies share x_0
 }
 
 
@@ -110,7 +111,7 @@ def make_mask(pattern: str, extra: str) -> AttentionMask:
 
 
 def seq_len_of(mask: AttentionMask) -> int:
-    return 2 * L if mask.kind == "block_diffusion" else L
+    return (mask.views + 1) * L if mask.kind == "block_diffusion" else L
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,10 +1,11 @@
 """The `blockwise` backend (exact block-sparse SDPA over query chunks) against the dense SDPA reference.
 
-Covers: block_diffusion (BD3LM 2L layout) over several (L, block, chunks) including uneven chunks,
-block = L, block = 1, more chunks than blocks; with batch-dependent documents, key padding (a row
-with no allowed key included), a window and all of them; GQA / MQA / MHA, batch 1 and 3; block_causal
-and causal with documents; outputs and gradients w.r.t. q, k, v. Also: every allowed pair lies in
-one chunk, the fallback kinds are the reference, the chunk-mask cache, and `auto`'s CPU routing.
+Covers: block_diffusion (BD3LM 2L layout, and two noisy copies sharing x_0: 3L) over several (L, block,
+chunks) including uneven chunks, block = L, block = 1, more chunks than blocks; with batch-dependent
+documents, key padding (a row with no allowed key included), a window and all of them; GQA / MQA /
+MHA, batch 1 and 3; block_causal and causal with documents; outputs and gradients w.r.t. q, k, v.
+Also: every allowed pair lies in one chunk, the fallback kinds are the reference, the chunk-mask
+cache, and `auto`'s CPU routing.
 
 Shapes: B batch, H query heads, K key/value heads, L sequence (block_diffusion runs on S = 2L), D head width.
 """
@@ -95,6 +96,55 @@ def test_block_diffusion_equals_sdpa(seq, block, num_chunks, extra, impl, noisy_
     q_len = seq if noisy_only else 2 * seq
     assert (chunk_plan(mask, q_len, 2 * seq, num_chunks) is None) == (block == seq)
     assert_equals_sdpa(mask, 3, (4, 2), 2 * seq, num_chunks, impl=impl, q_len=q_len)
+
+
+# (L, block, chunks) for the layout of two noisy copies sharing x_0 (3L rows): uneven chunks, block = 1,
+# more chunks than blocks, block = L (one chunk)
+VIEWS_CASES = [(32, 8, 3), (16, 1, 5), (24, 8, 100), (16, 16, 2)]
+
+
+@pytest.mark.parametrize("extra", ["alone", "docs", "all"])
+@pytest.mark.parametrize(("seq", "block", "num_chunks"), VIEWS_CASES)
+@pytest.mark.parametrize("impl", ["split", "chunked"])
+@pytest.mark.parametrize("noisy_only", [False, True], ids=["all_rows", "noisy_queries"])
+def test_shared_clean_views_equal_sdpa(seq, block, num_chunks, extra, impl, noisy_only):
+    """[x_t^1 ; x_t^2 ; x_0] (Fast-dLLM v2's two views over one clean stream): both exact paths equal the
+    dense reference on all 3L queries and on the 2L noisy ones, outputs and gradients."""
+    mask = AttentionMask("block_diffusion", block_size=block, views=2, **extras(extra, 3, seq))
+    q_len = 2 * seq if noisy_only else 3 * seq
+    assert (chunk_plan(mask, q_len, 3 * seq, num_chunks) is None) == (block == seq)
+    assert_equals_sdpa(mask, 3, (4, 2), 3 * seq, num_chunks, impl=impl, q_len=q_len)
+
+
+@pytest.mark.parametrize("extra", ["alone", "all"])
+def test_shared_clean_views_are_two_separate_rows(extra):
+    """The mask of V copies sharing x_0 is, per copy, the 2L mask [x_t ; x_0], and no copy sees another;
+    so each copy's attention output equals a 2L call's, and x_0's rows are the same as well."""
+    seq, block = 24, 4
+    views = AttentionMask("block_diffusion", block_size=block, views=2, **extras(extra, 2, seq))
+    pair = AttentionMask("block_diffusion", block_size=block, **extras(extra, 2, seq))
+    big = dense_mask(mask_mod(views, 3 * seq), 2, 3 * seq, 3 * seq, CPU)
+    small = dense_mask(mask_mod(pair, 2 * seq), 2, 2 * seq, 2 * seq, CPU)
+    for v in range(2):
+        rows = torch.cat([torch.arange(v * seq, (v + 1) * seq), torch.arange(2 * seq, 3 * seq)])
+        assert torch.equal(big[:, :, rows][..., rows], small)
+        other = torch.arange((1 - v) * seq, (2 - v) * seq)
+        assert not bool(big[:, :, rows][..., other].any())  # never the other copy (x_0 included)
+    q, k, v = (t.detach() for t in make_qkv(2, (4, 2), 3 * seq, seed=3))
+    out = split_attention(q, k, v, views, 3)
+    for copy in range(2):
+        rows = torch.cat([torch.arange(copy * seq, (copy + 1) * seq), torch.arange(2 * seq, 3 * seq)])
+        ref = split_attention(q[:, :, rows], k[:, :, rows], v[:, :, rows], pair, 3)
+        torch.testing.assert_close(out[:, :, rows], ref, atol=1e-6, rtol=1e-6)
+
+
+def test_views_only_with_block_diffusion_and_whole_layouts():
+    with pytest.raises(ValueError, match="views"):
+        AttentionMask("causal", views=2)
+    with pytest.raises(ValueError, match="views"):
+        AttentionMask("block_diffusion", block_size=4, views=0)
+    with pytest.raises(ValueError, match="multiple of 3"):
+        mask_mod(AttentionMask("block_diffusion", block_size=4, views=2), 32)
 
 
 @pytest.mark.parametrize("impl", ["split", "chunked"])

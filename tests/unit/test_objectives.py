@@ -88,17 +88,52 @@ def test_shifted_rows_point_at_the_previous_token():
     assert rows == [0, 0, 1, 2, 8 + 3, 4, 5, 6]
 
 
-def test_fast_dllm_v2_complementary_masks_cover_every_token_once():
-    obj = FastDLLMv2Objective(FastDLLMv2Config(block_size=4, sub_block_size=2), IDS)
+@pytest.mark.parametrize("shared_clean", [True, False], ids=["3L", "two_rows"])
+def test_fast_dllm_v2_complementary_masks_cover_every_token_once(shared_clean: bool):
+    obj = FastDLLMv2Objective(FastDLLMv2Config(block_size=4, sub_block_size=2), IDS, shared_clean=shared_clean)
     batch = _batch(B=6, L=16)
     inp = obj.prepare(batch, NoiseKeys(0, 6))
-    assert inp.tokens_BL.shape == (12, 32)
-    masked = inp.tokens_BL[:, :16] == IDS.mask_id
-    first, second = masked[:6], masked[6:]
+    if shared_clean:  # [x_t^1 ; x_t^2 ; x_0] in one row
+        assert inp.tokens_BL.shape == (6, 48) and inp.mask.views == 2
+        assert torch.equal(inp.tokens_BL[:, 32:], batch.tokens_BL)
+        first, second = inp.tokens_BL[:, :16] == IDS.mask_id, inp.tokens_BL[:, 16:32] == IDS.mask_id
+        assert bool((inp.weights_BL[:, [0, 16]] == 0).all())
+    else:
+        assert inp.tokens_BL.shape == (12, 32)
+        masked = inp.tokens_BL[:, :16] == IDS.mask_id
+        first, second = masked[:6], masked[6:]
     assert not bool((first & second).any())
     assert torch.equal(first | second, batch.loss_mask_BL)
     assert inp.loss_rows is not None and bool((inp.weights_BL[:, 0] == 0).all())
     assert obj.normalizer(batch) == int(batch.loss_mask_BL[:, 1:].sum()) == int((inp.weights_BL > 0).sum())
+
+
+def test_fast_dllm_v2_shared_clean_stream_equals_two_rows():
+    """One clean stream for both views (3L rows) is the two-row layout (2 x 2L) computed once: the same
+    noise, targets and predicting states, so the same loss and gradient, with documents and padding."""
+    cfg = ModelConfig(preset="tiny", vocab_size=V, num_layers=3)
+    model = Transformer(cfg)
+    model.init_weights(torch.Generator().manual_seed(0))
+    batch = _batch(B=3, L=24, seed=4)
+    doc = torch.zeros(3, 24, dtype=torch.long)
+    doc[0, 10:], doc[2, 17:] = 1, 1  # documents start inside blocks
+    batch = Batch(batch.tokens_BL, batch.loss_mask_BL, batch.sample_ids_B, doc)
+    results = []
+    for shared in (True, False):
+        obj = FastDLLMv2Objective(FastDLLMv2Config(block_size=4, sub_block_size=2), IDS, shared_clean=shared)
+        inputs = obj.prepare(batch, NoiseKeys(3, 3))
+        out = model(inputs.tokens_BL, inputs.positions_BL, inputs.mask)
+        loss = obj.loss(out, inputs)
+        model.zero_grad()
+        loss.loss_sum.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        results.append((loss.loss_sum.detach(), int(loss.metrics["num_masked"]), grads))
+    (loss_a, n_a, grads_a), (loss_b, n_b, grads_b) = results
+    assert n_a == n_b == obj.normalizer(batch)
+    torch.testing.assert_close(loss_a, loss_b, atol=1e-4, rtol=1e-5)
+    assert grads_a.keys() == grads_b.keys()
+    for name, g in grads_a.items():
+        torch.testing.assert_close(g, grads_b[name], atol=1e-5, rtol=1e-4, msg=name)
 
 
 @pytest.mark.parametrize("block", [False, True])
@@ -174,6 +209,34 @@ def test_objective_rules(tmp_path: Path, objective: dict, model: dict, message: 
 def test_objective_config_errors(tmp_path: Path, objective: dict, message: str):
     with pytest.raises(ConfigError, match=message):
         _spec(tmp_path, objective)
+
+
+@pytest.mark.parametrize(
+    ("shared_clean", "model", "topology", "shares"),
+    [
+        (None, {}, {}, True),
+        (False, {}, {}, False),
+        (True, {}, {}, True),
+        (None, {"family": "qwen3_5", "num_layers": 4}, {}, False),  # linear-attention layers: two rows
+        (None, {}, {"context": {"mode": "bp", "bp_size": 2}}, False),  # a context group shards 2L rows
+        (True, {"family": "qwen3_5", "num_layers": 4}, {}, "the linear-attention layers of qwen3_5"),
+        (True, {}, {"context": {"mode": "bp", "bp_size": 2}}, "topology.context splits the two-row layout"),
+    ],
+)
+def test_fast_dllm_v2_shared_clean_stream_where_the_layers_allow(tmp_path: Path, shared_clean, model, topology, shares):
+    from dllm.config.rules import check_objective, model_rows, shares_clean_stream
+
+    values = {"model": {"preset": "tiny", **model}, "data": {"path": "x", "seq_len": 32}, "topology": topology,
+              "objective": {"name": "fast_dllm_v2", "block_size": 8, "shared_clean": shared_clean},
+              "training": {"steps": 1, "global_batch_size": 2, "micro_batch_size": 2}}  # fmt: skip
+    spec = validate_config(RunSpec, values, source="train.yaml", base_dir=tmp_path)
+    if isinstance(shares, str):
+        with pytest.raises(ConfigError, match=shares):
+            check_objective(spec)
+        return
+    check_objective(spec)
+    assert shares_clean_stream(spec) is shares
+    assert model_rows(spec, 32) == (96 if shares else 64)
 
 
 def test_objective_name_defaults_to_mdlm(tmp_path: Path):

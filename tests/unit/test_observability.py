@@ -39,6 +39,9 @@ OBJECTIVES = {
     "bd3lm": lambda: BD3LMObjective(BD3LMConfig(block_size=8), IDS, chunked_loss=False),
     "bd3lm_shift": lambda: BD3LMObjective(BD3LMConfig(block_size=8, shift=True), IDS, chunked_loss=False),
     "fast_dllm_v2": lambda: FastDLLMv2Objective(FastDLLMv2Config(block_size=8), IDS, chunked_loss=False),
+    "fast_dllm_v2_two_rows": lambda: FastDLLMv2Objective(
+        FastDLLMv2Config(block_size=8), IDS, chunked_loss=False, shared_clean=False
+    ),
 }
 MODELS = {
     "llama": {},
@@ -82,7 +85,8 @@ def test_flops_match_torch_flop_counter_per_objective(objective_name: str):
         "mdlm": Layout(32, 32, 1, None),
         "bd3lm": Layout(32, 64, 1, 32),  # [x_t ; x_0], the last layer's queries for x_t only
         "bd3lm_shift": Layout(32, 64, 1, None),  # the shift reads clean rows too: all queries
-        "fast_dllm_v2": Layout(32, 64, 2, None),  # two complementary views per sequence
+        "fast_dllm_v2": Layout(32, 96, 1, None),  # two complementary views over one clean stream
+        "fast_dllm_v2_two_rows": Layout(32, 64, 2, None),  # a row [x_t ; x_0] per view
     }[objective_name]
     assert layout == expected
 

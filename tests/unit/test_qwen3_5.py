@@ -237,7 +237,10 @@ def test_fast_dllm_v2_trains_the_hybrid():
     model = Transformer(cfg)
     model.init_weights(torch.Generator().manual_seed(0))
     ids = TokenIds(mask_id=V - 1, eos_id=1, pad_id=0, num_tokens=V - 1)
-    obj = FastDLLMv2Objective(FastDLLMv2Config(block_size=8, sub_block_size=4), ids, chunked_loss=False)
+    # linear-attention layers take one x_t per row (training/build.py passes shared_clean=False for them)
+    obj = FastDLLMv2Objective(
+        FastDLLMv2Config(block_size=8, sub_block_size=4), ids, chunked_loss=False, shared_clean=False
+    )
     pattern = torch.arange(32) % 7 + 2  # a learnable sequence
     batch = Batch(pattern.expand(4, 32).clone(), torch.ones(4, 32, dtype=torch.bool), torch.arange(4))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)

@@ -62,10 +62,11 @@ class AttentionMask:
     """Which (query, key) pairs may interact. Backends turn this into what they need.
 
     The base pattern (`kind`) is intersected with the optional sliding window, documents and key
-    padding. For `block_diffusion` the sequence is the 2L layout [x_t ; x_0] and the per-position
-    tensors (`key_valid_BL`, `doc_ids_BL`) have length L: position i of either half reads entry
-    i mod L, because x_t and x_0 are the same L tokens (noisy and clean). The tensors must not be
-    mutated after the mask is built: backends cache what they derive from them (see `cache`).
+    padding. For `block_diffusion` the sequence is the 2L layout [x_t ; x_0] (or (V + 1) * L rows with
+    `views` V) and the per-position tensors (`key_valid_BL`, `doc_ids_BL`) have length L: position i of
+    either half reads entry i mod L, because x_t and x_0 are the same L tokens (noisy and clean). The
+    tensors must not be mutated after the mask is built: backends cache what they derive from them (see
+    `cache`).
     """
 
     kind: MaskKind = "bidirectional"
@@ -101,6 +102,11 @@ class AttentionMask:
     """Block kinds: the clean context attends token-causally (Nemotron-Labs-Diffusion, whose clean half also
     trains next-token prediction): block_diffusion's x_0 half, and every block_causal block but the last
     key block (the one being denoised). False: block-causal context (BD3LM)."""
+    views: int = 1
+    """block_diffusion: noisy copies of the sequence sharing one clean stream, the layout [x_t^1 ; ... ; x_t^V ;
+    x_0] of (V + 1) * L rows. Each noisy copy sees its own blocks and x_0 as the single x_t of the 2L layout
+    does and never another copy, so its states equal those of V separate 2L rows while x_0 is computed once
+    (Fast-dLLM v2's two complementary views: 3L rows instead of 2 x 2L). 1: the 2L layout."""
     num_outputs: int | None = None
     """Only the first N query rows' outputs are used (BD3LM's loss reads x_t only): a model may compute
     just those queries in its last layer. None: every row's output is used."""
@@ -119,6 +125,10 @@ class AttentionMask:
             raise ValueError(f"query_offset must be >= 0 and is not used with block_diffusion, got {self.query_offset}")
         if self.causal_context and not needs_block:
             raise ValueError(f"causal_context applies to the block kinds, not {self.kind!r}")
+        if self.views < 1 or (self.views > 1 and self.kind != "block_diffusion"):
+            raise ValueError(
+                f"views must be >= 1 and above 1 only with block_diffusion, got {self.views} ({self.kind})"
+            )
         if self.num_outputs is not None and self.num_outputs < 1:
             raise ValueError(f"num_outputs must be >= 1 (or None for all rows), got {self.num_outputs}")
         if self.window is not None and self.window < 1:
@@ -212,7 +222,7 @@ def causal_before_last_block(block_size: int, kv_len: int) -> MaskMod:
     return mod
 
 
-def block_diffusion(seq_len: int, block_size: int, causal_context: bool = False) -> MaskMod:
+def block_diffusion(seq_len: int, block_size: int, causal_context: bool = False, views: int = 1) -> MaskMod:
     """BD3LM's vectorised training mask over [x_t ; x_0] of length 2L (Arriola et al. 2025, Sec. 3.2).
 
     Blocks are indexed by (i mod L) // B in both halves. A noisy query (i < L) sees the noisy keys of
@@ -222,12 +232,17 @@ def block_diffusion(seq_len: int, block_size: int, causal_context: bool = False)
     position (Nemotron-Labs-Diffusion: x_0 is a causal pass that trains next-token prediction). Clean
     never sees noisy, so x_0's states equal those of a block-causal (causal) pass over x_0. Allowed
     pairs: L*L + L*B of 4*L*L (BD3LM).
+
+    With `views` V > 1 the layout is [x_t^1 ; ... ; x_t^V ; x_0] ((V + 1) * L rows): a noisy query sees the
+    noisy keys of its own block of its own copy only, and the clean rows are the last L.
     """
+    clean_from = views * seq_len
 
     def mod(b, h, q, kv):
-        q_clean, kv_clean = q >= seq_len, kv >= seq_len
+        q_clean, kv_clean = q >= clean_from, kv >= clean_from
         q_block, kv_block = (q % seq_len) // block_size, (kv % seq_len) // block_size
-        noisy_noisy = ~q_clean & ~kv_clean & (q_block == kv_block)
+        same_block = q_block == kv_block if views == 1 else (q // block_size) == (kv // block_size)
+        noisy_noisy = ~q_clean & ~kv_clean & same_block
         noisy_clean = ~q_clean & kv_clean & (kv_block < q_block)
         clean_clean = q_clean & kv_clean & ((kv <= q) if causal_context else (kv_block <= q_block))
         return noisy_noisy | noisy_clean | clean_clean
@@ -381,18 +396,20 @@ def base_mod(mask: AttentionMask, seq_len: int | None) -> MaskMod:
     assert seq_len is not None  # layout_length raises for block_diffusion without kv_len
     if mask.kind == "block_causal":
         return and_masks(block_causal(mask.block_size), causal_before_last_block(mask.block_size, seq_len))
-    return block_diffusion(seq_len, mask.block_size, mask.causal_context)
+    return block_diffusion(seq_len, mask.block_size, mask.causal_context, mask.views)
 
 
 def layout_length(mask: AttentionMask, kv_len: int | None) -> int | None:
-    """L of the per-position tensors (kv_len // 2 for block_diffusion); raises on a mismatch."""
+    """L of the per-position tensors (kv_len // (views + 1) for block_diffusion); raises on a mismatch."""
     seq_len = kv_len
     if mask.kind == "block_diffusion":
-        if kv_len is None or kv_len % 2:
+        parts = mask.views + 1
+        if kv_len is None or kv_len % parts:
+            need = "an even length" if parts == 2 else f"a multiple of {parts} ({mask.views} noisy copies and x_0)"
             raise ValueError(
-                f"block_diffusion attends over the 2L layout [x_t ; x_0]: needs an even length, got {kv_len}"
+                f"block_diffusion attends over the {parts}L layout [x_t ; x_0]: needs {need}, got {kv_len}"
             )
-        seq_len = kv_len // 2
+        seq_len = kv_len // parts
         assert mask.block_size is not None  # checked in AttentionMask.__post_init__
         if seq_len % mask.block_size:
             raise ValueError(f"block_diffusion: L={seq_len} is not a multiple of block_size={mask.block_size}")

@@ -75,6 +75,8 @@ class FastDLLMv2Config(Section):
     """Smallest mask ratio of a block: t ~ U(eps, 1]."""
     antithetic: bool = True
     """Stratify the mask ratio over the global batch x blocks."""
+    shared_clean: bool | None = None
+    """Both views in one row [x_t^1 ; x_t^2 ; x_0] (3L rows, the loss of two 2L rows); None: where layers allow."""
 
     @model_validator(mode="after")
     def _check_sub_block(self) -> FastDLLMv2Config:

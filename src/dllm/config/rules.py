@@ -17,6 +17,40 @@ def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+def shares_clean_stream(spec: RunSpec) -> bool:
+    """Whether Fast-dLLM v2's two views run in one row over one clean stream ([x_t^1 ; x_t^2 ; x_0], 3L rows):
+    as objective.shared_clean says; by default unless linear-attention layers (one x_t per row) or a
+    context group (its plans shard 2L rows) run it."""
+    obj = spec.objective
+    if obj.name != "fast_dllm_v2" or obj.shared_clean is False:
+        return False
+    return spec.topology.context.group_size == 1 and not spec.model.has_linear_layers
+
+
+def _check_shared_clean(spec: RunSpec) -> None:
+    obj = spec.objective
+    if obj.name != "fast_dllm_v2" or not obj.shared_clean:
+        return
+    if spec.model.has_linear_layers:
+        raise ConfigError(
+            f"objective.shared_clean: the linear-attention layers of {spec.model.family} run one noisy view per "
+            "row; set it to false or leave it unset"
+        )
+    if spec.topology.context.group_size > 1:
+        raise ConfigError(
+            "objective.shared_clean: topology.context splits the two-row layout [x_t ; x_0]; set it to false or "
+            "leave it unset"
+        )
+
+
+def model_rows(spec: RunSpec, seq_len: int) -> int:
+    """Rows of one model input for a data sequence of `seq_len` tokens: 3L (Fast-dLLM v2's shared clean
+    stream), 2L (the other block layouts [x_t ; x_0]) or L."""
+    if shares_clean_stream(spec):
+        return 3 * seq_len
+    return seq_len * (2 if OBJECTIVES.has(spec.objective.name, "block") else 1)
+
+
 def check_objective(spec: RunSpec) -> None:
     """Objective x model x data combinations that cannot work, with the reason."""
     obj, model = spec.objective, spec.model
@@ -54,6 +88,7 @@ def check_objective(spec: RunSpec) -> None:
         )
     if obj.name == "diffusiongemma_native_sft":
         _check_diffusion_gemma_sft(spec)
+    _check_shared_clean(spec)
 
 
 def _check_diffusion_gemma_sft(spec: RunSpec) -> None:
@@ -195,7 +230,7 @@ def check_tensor_parallel(spec: RunSpec) -> None:
         if not model.final_norm:
             raise ConfigError("topology.sequence_parallel: needs a model with a final norm (model.final_norm: true)")
         seq_len = spec.data.seq_len if spec.data is not None else model.max_seq_len
-        rows = seq_len * (2 if OBJECTIVES.has(spec.objective.name, "block") else 1)
+        rows = model_rows(spec, seq_len)
         if topo.context.mode == "none" and rows % tp:
             raise ConfigError(
                 f"topology.sequence_parallel: the model input's {rows} rows are not divisible by tp_size {tp}; "

@@ -9,7 +9,8 @@ as PaLM counts causal attention, so a sparse kernel (FlexAttention, blockwise) t
 pairs reports the same model FLOPs and a higher utilisation.
 
 The layout says what one forward sees: `row_len` tokens per row (2L for the [x_t ; x_0] layout of
-block objectives), `rows` rows per data sequence (fast_dllm_v2 trains two views of each), and the
+block objectives, 3L for fast_dllm_v2's two views over one clean stream), `rows` rows per data sequence
+(fast_dllm_v2 in its two-row layout: 2), and the
 last layer's queries (`last_queries`: BD3LM's loss reads only the noisy half, so the last block
 computes queries, attention output and MLP for those L rows only, see Transformer.forward). The LM
 head runs on the rows in the loss only (the masked positions, see diffusion weighted_ce), so its
@@ -39,9 +40,9 @@ class Layout:
     seq_len: int
     """Tokens of one data sequence (data.seq_len)."""
     row_len: int
-    """Tokens of one model row (seq_len, or 2 * seq_len for the [x_t ; x_0] layout)."""
+    """Tokens of one model row (seq_len, 2 * seq_len for the [x_t ; x_0] layout, 3 * seq_len for two views)."""
     rows: int = 1
-    """Model rows per data sequence (fast_dllm_v2's complementary views: 2)."""
+    """Model rows per data sequence (fast_dllm_v2's complementary views in two rows: 2)."""
     last_queries: int | None = None
     """Rows of the last layer's queries (the mask's num_outputs); None: all row_len."""
 

@@ -138,6 +138,10 @@ class GatedDeltaNet(nn.Module):
             o_BHLV = self._ragged(f, rows)
         elif mask.kind == "block_diffusion":
             assert mask.block_size is not None
+            if mask.views != 1:  # objectives give these layers one x_t per row (training/build.py)
+                raise ValueError(
+                    f"linear-attention layers run the 2L layout [x_t ; x_0], not {mask.views} noisy copies"
+                )
             o_BHLV = self._two_halves(f, mask.block_size)
         else:
             o_BHLV = self._sequence(f, mask, kv)

@@ -22,7 +22,7 @@ from dllm.checkpoint.inference import LoadedModel, derive_profile, drafter_confi
 from dllm.checkpoint.manager import CheckpointManager
 from dllm.config.profile import DecodeProfile
 from dllm.config.registries import OBJECTIVES
-from dllm.config.rules import check_topology
+from dllm.config.rules import check_topology, shares_clean_stream
 from dllm.config.spec import RunSpec
 from dllm.data.artifact import check_layout, open_artifact
 from dllm.data.loader import StepLoader
@@ -242,6 +242,8 @@ def _supervised_trainer(run: _Run) -> Trainer:
     else:
         model = build_drafter(spec, target, run.tok, run.device, env, dims)
     extra: dict[str, Any] = {} if target is None else {"target": target.model}
+    if spec.objective.name == "fast_dllm_v2":  # one clean stream for both views where the layers allow it
+        extra["shared_clean"] = shares_clean_stream(spec)
     if getattr(spec.objective, "feature_cache", None) is not None:
         extra["features"] = feature_cache(spec, target, artifact, env)  # type: ignore[arg-type]
     loader = StepLoader(

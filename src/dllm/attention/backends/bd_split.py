@@ -9,6 +9,10 @@ of a query lies in one of two disjoint sets:
 - part B, noisy keys: a noisy query sees x_t of its own block only. The L noisy rows reshaped to
   [B * L/B blocks, H, B, D] make that one batched call of L*B pairs.
 
+With V noisy copies sharing one clean stream (`AttentionMask.views`, the layout [x_t^1 ; ... ; x_t^V ;
+x_0] of Fast-dLLM v2's two views) the same two parts hold: part A's calls take every copy's rows of
+the chunk (and x_0's) against x_0's keys, part B's batched call every copy's blocks.
+
 The noisy rows' two partial softmaxes are merged exactly with their log-sum-exps (the flash-attention
 / ring-attention identity); the backward runs each part's flash backward with the merged output and
 log-sum-exp, which yields exactly the gradient of the merged softmax. At S = 8 this scores 1.16*L*L
@@ -57,15 +61,16 @@ def supports(q_BHQD: torch.Tensor, k_BKSD: torch.Tensor, mask: AttentionMask) ->
         return False
     if q_BHQD.dtype not in (torch.float32, torch.bfloat16, torch.float64, torch.float16):
         return False
-    kv_len, q_len = k_BKSD.shape[2], q_BHQD.shape[2]
-    return kv_len % 2 == 0 and q_len in (kv_len, kv_len // 2)
+    kv_len, q_len, parts = k_BKSD.shape[2], q_BHQD.shape[2], mask.views + 1
+    return kv_len % parts == 0 and q_len in (kv_len, kv_len // parts * mask.views)
 
 
 @torch.compiler.disable  # data-dependent plans (key spans, rows without keys): eager inside compiled blocks
 def split_attention(
     q_BHQD: torch.Tensor, k_BKSD: torch.Tensor, v_BKSD: torch.Tensor, mask: AttentionMask, num_chunks: int
 ) -> torch.Tensor:
-    """q [B, H, 2L or L, D], k/v [B, K, 2L, D] -> [B, H, 2L or L, D]; equal to the dense-mask SDPA."""
+    """q [B, H, 2L or L, D], k/v [B, K, 2L, D] -> [B, H, 2L or L, D]; equal to the dense-mask SDPA. With
+    `mask.views` V noisy copies: k/v [B, K, (V + 1) L, D], q all those rows or the V * L noisy ones."""
     seq_len = layout_length(mask, k_BKSD.shape[2])
     assert seq_len is not None and mask.block_size is not None
     plan = Plan.of(mask, q_BHQD, k_BKSD, seq_len, num_chunks)
@@ -79,20 +84,22 @@ class Plan:
         self, mask: AttentionMask, batch: int, seq_len: int, q_len: int, num_chunks: int, group: int, dtype, device
     ):
         assert mask.block_size is not None
-        self.seq_len, self.block_size, self.noisy_only = seq_len, mask.block_size, q_len == seq_len
+        V = mask.views  # noisy copies before x_0 (one in the 2L layout)
+        self.seq_len, self.views, self.noisy_len, self.block_size = seq_len, V, V * seq_len, mask.block_size
+        self.noisy_only = q_len == self.noisy_len
         self.group = 1 if self.noisy_only else group
         self.spans: list[Span] = chunk_spans(seq_len, mask.block_size, num_chunks)
-        mod = mask_mod(mask, 2 * seq_len)
+        mod = mask_mod(mask, (V + 1) * seq_len)
         mb = batch if depends_on_batch(mask) else 1
-        L, bs = seq_len, mask.block_size
+        L, N, bs = seq_len, self.noisy_len, mask.block_size
         self.a_masks: list[torch.Tensor] = []  # additive [mb, 1, Q, hi - lo] per chunk
         self.a_has_key: list[torch.Tensor] = []  # bool [mb, 1, Q] per chunk
         self.key_ranges: list[Span] = []  # per chunk: the x_0 keys [lo, hi) some row of the call may see
         for s, e in self.spans:
-            rows = [torch.arange(s, e, device=device)]
+            rows = [torch.arange(v * L + s, v * L + e, device=device) for v in range(V)]  # each copy's x_t[s:e]
             if not self.noisy_only:
-                rows.append(torch.arange(L + s, L + e, device=device))
-            allowed = _evaluate(mod, mb, torch.cat(rows), torch.arange(L, L + e, device=device))
+                rows.append(torch.arange(N + s, N + e, device=device))
+            allowed = _evaluate(mod, mb, torch.cat(rows), torch.arange(N, N + e, device=device))
             lo, hi = _seen_keys(allowed)  # other documents, outside a window, x_t's own block: left out
             self.key_ranges.append((lo, hi))
             self.a_masks.append(_additive(allowed[..., lo:hi], dtype))
@@ -101,11 +108,11 @@ class Plan:
         G = self.group
         self.call_masks = [m.repeat(1, 1, G, 1) for m in self.a_masks] if G > 1 else self.a_masks
         self.call_no_key = [_missing(h, G) for h in self.a_has_key]
-        n = L // bs
-        idx = torch.arange(L, device=device).view(n, bs)
-        allowed_b = _evaluate(mod, mb, idx[:, :, None], idx[:, None, :], blocked=True)  # [mb, N, bs, bs]
+        n = N // bs  # the blocks of every noisy copy, in row order
+        idx = torch.arange(N, device=device).view(n, bs)
+        allowed_b = _evaluate(mod, mb, idx[:, :, None], idx[:, None, :], blocked=True)  # [mb, n, bs, bs]
         self.b_mask = _additive(allowed_b.expand(batch, n, bs, bs).reshape(batch * n, 1, bs, bs), dtype)
-        self.b_no_key = _missing(allowed_b.any(-1).expand(batch, n, bs).reshape(batch, 1, L), 1)  # [B, 1, L]
+        self.b_no_key = _missing(allowed_b.any(-1).expand(batch, n, bs).reshape(batch, 1, N), 1)  # [B, 1, V L]
 
     def noisy_rows(self) -> Plan:
         """The plan of a call whose queries are x_t's rows only (a last layer): part A's masks are views
@@ -114,12 +121,13 @@ class Plan:
         plan = copy.copy(self)
         plan.noisy_only = True
         plan.a_masks, plan.key_ranges = [], []
+        V = self.views
         for m, (s, e), (lo, _) in zip(self.a_masks, self.spans, self.key_ranges, strict=True):
-            m = m[:, :, : e - s]  # x_t's rows; they see fewer keys (not their own block's x_0)
+            m = m[:, :, : V * (e - s)]  # x_t's rows; they see fewer keys (not their own block's x_0)
             a, b = _seen_keys(m == 0)
             plan.a_masks.append(m[..., a:b])
             plan.key_ranges.append((lo + a, lo + b))
-        plan.a_has_key = [h[:, :, : e - s] for h, (s, e) in zip(self.a_has_key, self.spans, strict=True)]
+        plan.a_has_key = [h[:, :, : V * (e - s)] for h, (s, e) in zip(self.a_has_key, self.spans, strict=True)]
         plan.call_masks, plan.call_no_key, plan.group = plan.a_masks, [_missing(h, 1) for h in plan.a_has_key], 1
         return plan
 
@@ -129,58 +137,62 @@ class Plan:
         layer of one forward gets the same description."""
         group = q.shape[1] // k.shape[1]  # query heads per key/value head
         key = ("bd_split", q.shape[0], seq_len, q.shape[2], num_chunks, group, q.dtype, q.device)
-        if q.shape[2] == seq_len:  # x_t's queries only: a view of the full plan when the step built one
-            full = ("bd_split", q.shape[0], seq_len, 2 * seq_len, num_chunks, group, q.dtype, q.device)
+        if q.shape[2] == mask.views * seq_len:  # x_t's queries only: a view of the full plan when the step built one
+            full = ("bd_split", q.shape[0], seq_len, k.shape[2], num_chunks, group, q.dtype, q.device)
             if (built := mask.cache.built(full)) is not None:
                 return mask.cache.memo(key, built.noisy_rows)
         build = lambda: Plan(mask, q.shape[0], seq_len, q.shape[2], num_chunks, group, q.dtype, q.device)  # noqa: E731
         return mask.cache.memo(key, build)
 
     def query_rows(self, x_BHQD: torch.Tensor, s: int, e: int) -> torch.Tensor:
-        """Part A's call rows of chunk [s, e): x_t[s:e] then (unless noisy-only) x_0[s:e], as
-        [B, H / G, G * Q, D]: the G query heads that share a key/value head are stacked along the rows
-        (G = `group`), so one call has G times the rows and reads each key once for all G heads. The
-        CPU kernel tiles queries 32 rows at a time below 192 rows and 64 above: 2 * 64 rows at S = 8
-        run in the small tiles unless heads are stacked. Noisy-only calls (G = 1) are views."""
-        if self.noisy_only:
+        """Part A's call rows of chunk [s, e): x_t[s:e] (of each noisy copy) then (unless noisy-only)
+        x_0[s:e], as [B, H / G, G * Q, D]: the G query heads that share a key/value head are stacked along
+        the rows (G = `group`), so one call has G times the rows and reads each key once for all G heads.
+        The CPU kernel tiles queries 32 rows at a time below 192 rows and 64 above: 2 * 64 rows at S = 8
+        run in the small tiles unless heads are stacked. Noisy-only calls (G = 1) of one copy are views."""
+        if self.noisy_only and self.views == 1:
             return x_BHQD[:, :, s:e]
         B, H, _, D = x_BHQD.shape
-        G, n = self.group, e - s
-        rows = torch.empty(B, H // G, G, 2, n, D, dtype=x_BHQD.dtype, device=x_BHQD.device)
-        rows.copy_(self._halves(x_BHQD)[..., s:e, :])  # both halves' rows in one copy
-        return rows.view(B, H // G, G * 2 * n, D)
+        G, n, parts = self.group, e - s, self._parts()
+        rows = torch.empty(B, H // G, G, parts, n, D, dtype=x_BHQD.dtype, device=x_BHQD.device)
+        rows.copy_(self._halves(x_BHQD)[..., s:e, :])  # every part's rows in one copy
+        return rows.view(B, H // G, G * parts * n, D)
+
+    def _parts(self) -> int:
+        """Row blocks of L in a call's queries: the noisy copies, and x_0 unless noisy-only."""
+        return self.views + (0 if self.noisy_only else 1)
 
     def _halves(self, x_BHQD: torch.Tensor) -> torch.Tensor:
-        """[B, H, 2L, D] as a [B, H / G, G, 2 (x_t, x_0), L, D] view."""
+        """[B, H, P L, D] as a [B, H / G, G, P (the x_t copies, then x_0 unless noisy-only), L, D] view."""
         B, H, _, D = x_BHQD.shape
-        return x_BHQD.view(B, H // self.group, self.group, 2, self.seq_len, D)
+        return x_BHQD.view(B, H // self.group, self.group, self._parts(), self.seq_len, D)
 
     def put_rows(self, dst_BHQD: torch.Tensor, rows: torch.Tensor, s: int, e: int) -> None:
         """Inverse of `query_rows`: write a call's rows back to the chunk's rows of dst [B, H, Q, D]."""
         n = e - s
-        if self.noisy_only:
+        if self.noisy_only and self.views == 1:
             dst_BHQD[:, :, s:e] = rows
             return
         B, H, _, D = dst_BHQD.shape
-        self._halves(dst_BHQD)[..., s:e, :] = rows.view(B, H // self.group, self.group, 2, n, D)
+        self._halves(dst_BHQD)[..., s:e, :] = rows.view(B, H // self.group, self.group, self._parts(), n, D)
 
     def blocks(self, x_BHLD: torch.Tensor) -> torch.Tensor:
-        """x_t's rows [B, H, L, D] -> [B*N, H, bs, D] (one batch entry per block). On row-major memory
-        ([B, L, H, D], the model's and the kernel's layout) this is a view for L rows and one block
-        copy per batch entry for 2L."""
+        """The noisy rows (every copy's) [B, H, V L, D] -> [B*N, H, bs, D] (one batch entry per block). On
+        row-major memory ([B, L, H, D], the model's and the kernel's layout) this is a view for the noisy
+        rows alone and one block copy per batch entry when x_0's rows follow."""
         B, H, _, D = x_BHLD.shape
-        n, bs = self.seq_len // self.block_size, self.block_size
-        return x_BHLD[:, :, : self.seq_len].transpose(1, 2).reshape(B * n, bs, H, D).transpose(1, 2)
+        n, bs = self.noisy_len // self.block_size, self.block_size
+        return x_BHLD[:, :, : self.noisy_len].transpose(1, 2).reshape(B * n, bs, H, D).transpose(1, 2)
 
     def unblocks(self, x_GHbD: torch.Tensor, batch: int) -> torch.Tensor:
         """Inverse of `blocks`: [B*N, H, bs, D] -> [B, H, N, bs, D] (a view of the kernel's outputs)."""
         _, H, bs, D = x_GHbD.shape
-        return x_GHbD.transpose(1, 2).reshape(batch, self.seq_len // bs, bs, H, D).permute(0, 3, 1, 2, 4)
+        return x_GHbD.transpose(1, 2).reshape(batch, self.noisy_len // bs, bs, H, D).permute(0, 3, 1, 2, 4)
 
     def rows5(self, x_BHSD: torch.Tensor) -> torch.Tensor:
-        """x_t's rows of [B, H, S, D] as a [B, H, N, bs, D] view (to meet `unblocks` without copies)."""
+        """The noisy rows of [B, H, S, D] as a [B, H, N, bs, D] view (to meet `unblocks` without copies)."""
         B, H, _, D = x_BHSD.shape
-        return x_BHSD[:, :, : self.seq_len].view(B, H, self.seq_len // self.block_size, self.block_size, D)
+        return x_BHSD[:, :, : self.noisy_len].view(B, H, self.noisy_len // self.block_size, self.block_size, D)
 
 
 def _missing(has_key: torch.Tensor, group: int) -> torch.Tensor | None:
@@ -231,8 +243,8 @@ class _SplitAttention(torch.autograd.Function):
     def forward(ctx, q_BHQD, k_BKSD, v_BKSD, plan: Plan):  # type: ignore[override]
         q_BHQD, k_BKSD, v_BKSD = _dense_rows(q_BHQD), _dense_rows(k_BKSD), _dense_rows(v_BKSD)
         B, H, Q, D = q_BHQD.shape
-        L, scale = plan.seq_len, 1.0 / math.sqrt(D)
-        k0, v0 = k_BKSD[:, :, L:], v_BKSD[:, :, L:]  # x_0's keys: part A
+        N, scale = plan.noisy_len, 1.0 / math.sqrt(D)
+        k0, v0 = k_BKSD[:, :, N:], v_BKSD[:, :, N:]  # x_0's keys: part A
         acc = torch.promote_types(q_BHQD.dtype, torch.float32)  # the kernel's log-sum-exp dtype
         out = _rows_major(B, H, Q, D, acc, q_BHQD.device)
         lse = torch.empty(B, H, Q, dtype=acc, device=q_BHQD.device)
@@ -250,18 +262,18 @@ class _SplitAttention(torch.autograd.Function):
         # part B: noisy queries against their own block of x_t, then the exact merge on x_t's rows
         qkv_b = plan.blocks(q_BHQD), plan.blocks(k_BKSD), plan.blocks(v_BKSD)
         o_b, lse_b = _flash(*qkv_b, attn_mask=plan.b_mask, scale=scale)
-        n, bs = L // plan.block_size, plan.block_size
-        lse_b = plan.unblocks(lse_b[..., None], B).reshape(B, H, L)
+        n, bs = N // plan.block_size, plan.block_size
+        lse_b = plan.unblocks(lse_b[..., None], B).reshape(B, H, N)
         if plan.b_no_key is not None:
             lse_b = lse_b.masked_fill(plan.b_no_key, float("-inf"))
-        lse_a = lse[:, :, :L]
+        lse_a = lse[:, :, :N]
         merged = _neginf_to_zero(torch.logaddexp(lse_a, lse_b))  # no key at all: out 0, lse 0
         w_a, w_b = torch.exp(lse_a - merged), torch.exp(lse_b - merged)
         o_a = plan.rows5(out)  # in place on x_t's rows: out = w_a * o_a + w_b * o_b
         o_a.mul_(w_a.view(B, H, n, bs, 1)).addcmul_(plan.unblocks(o_b, B), w_b.view(B, H, n, bs, 1))
         lse_a.copy_(merged)
         if not plan.noisy_only and any(t is not None for t in plan.call_no_key):
-            _neginf_to_zero(lse[:, :, L:])  # clean rows without keys (key padding)
+            _neginf_to_zero(lse[:, :, N:])  # clean rows without keys (key padding)
         out = out.to(q_BHQD.dtype)
         # q itself is not kept: its chunk rows and blocks are (copies made above, or views of it)
         ctx.save_for_backward(k_BKSD, v_BKSD, out, lse, *qkv_b, *q_calls)
@@ -274,12 +286,12 @@ class _SplitAttention(torch.autograd.Function):
         k, v, out, lse, q_b, k_b, v_b, *q_calls = ctx.saved_tensors
         plan: Plan = ctx.plan
         (B, H, Q, D), q_dtype = ctx.q_meta
-        L = plan.seq_len
+        L, N = plan.seq_len, plan.noisy_len
         grad = _dense_rows(grad_BHQD)  # any strides the kernel reads (an expanded gradient is made dense)
         acc = lse.dtype
         dq = _rows_major(B, H, Q, D, acc, k.device)  # every row written by part A
         dk0 = dv0 = None  # x_0's key gradients: summed over the chunks, from the last (all keys) down
-        k0, v0 = k[:, :, L:], v[:, :, L:]
+        k0, v0 = k[:, :, N:], v[:, :, N:]
         calls = zip(plan.spans, plan.key_ranges, plan.call_masks, q_calls, strict=True)
         for (s, e), (lo, hi), m, q_c in reversed(list(calls)):
             g_c, o_c = plan.query_rows(grad, s, e), plan.query_rows(out, s, e)
@@ -296,7 +308,7 @@ class _SplitAttention(torch.autograd.Function):
             dk0[:, :, lo:hi] += dk_c
             dv0[:, :, lo:hi] += dv_c
         assert dk0 is not None and dv0 is not None
-        lse_blocks = plan.blocks(lse[:, :, :L, None])[..., 0].contiguous()
+        lse_blocks = plan.blocks(lse[:, :, :N, None])[..., 0].contiguous()
         dq_b, dk_b, dv_b = _flash_backward(
             plan.blocks(grad), q_b, k_b, v_b, plan.blocks(out), lse_blocks, 0.0, False, attn_mask=plan.b_mask,
             scale=ctx.scale,
@@ -305,6 +317,6 @@ class _SplitAttention(torch.autograd.Function):
         dk, dv = _rows_major(*k.shape, acc, k.device), _rows_major(*v.shape, acc, v.device)
         plan.rows5(dk).copy_(plan.unblocks(dk_b, B))  # x_t's keys: only their own block's queries
         plan.rows5(dv).copy_(plan.unblocks(dv_b, B))
-        dk[:, :, L:] = dk0
-        dv[:, :, L:] = dv0
+        dk[:, :, N:] = dk0
+        dv[:, :, N:] = dv0
         return dq.to(q_dtype), dk.to(k.dtype), dv.to(v.dtype), None

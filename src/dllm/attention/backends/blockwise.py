@@ -100,7 +100,8 @@ def chunk_plan(mask: AttentionMask, q_len: int, kv_len: int, num_chunks: int) ->
     pattern, a query offset, or one chunk)."""
     if num_chunks < 1:
         raise ValueError(f"blockwise attention needs num_chunks >= 1, got {num_chunks}")
-    noisy_only = mask.kind == "block_diffusion" and 2 * q_len == kv_len  # only x_t's outputs are needed
+    views = mask.views  # noisy copies before x_0 in the block_diffusion layout
+    noisy_only = mask.kind == "block_diffusion" and (views + 1) * q_len == views * kv_len  # only x_t's outputs
     if mask.kind not in BLOCK_KINDS or mask.query_offset or mask.query_offset_B is not None:
         return None
     if q_len != kv_len and not noisy_only:
@@ -113,10 +114,13 @@ def chunk_plan(mask: AttentionMask, q_len: int, kv_len: int, num_chunks: int) ->
     reach = mask.window - 1 if mask.window is not None else seq_len  # keys before s - reach are out of the window
     if mask.kind == "block_diffusion":
         # BD3LM 2L layout: x_t rows [s, e) and x_0 rows L + [s, e); keys x_0[:e] and x_t[s:e]. In a last
-        # layer whose x_0 outputs are unused the queries are x_t's only (q is the first L rows).
+        # layer whose x_0 outputs are unused the queries are x_t's only (q is the first L rows). With V
+        # noisy copies, x_0 starts at V L and each copy v adds its rows v L + [s, e) to queries and keys.
+        clean, L = views * seq_len, seq_len
+        noisy = lambda s, e: tuple((v * L + s, v * L + e) for v in range(views))  # noqa: E731
         return tuple(
-            Chunk(((s, e),) if noisy_only else ((s, e), (seq_len + s, seq_len + e)),
-                  ((seq_len + max(0, s - reach), seq_len + e), (s, e)))
+            Chunk(noisy(s, e) if noisy_only else (*noisy(s, e), (clean + s, clean + e)),
+                  ((clean + max(0, s - reach), clean + e), *noisy(s, e)))
             for s, e in spans
         )  # fmt: skip
     return tuple(Chunk(((s, e),), ((max(0, s - reach), e),)) for s, e in spans)

@@ -8,7 +8,11 @@ t is drawn per block (stratified over batch x blocks) from a clipped interval [e
 Fast-dLLM v2 (Wu et al. 2025): the same layout for an AR-initialised model, with complementary masks
 (two views of each sequence; every supervised token is masked in exactly one of them) and the AR
 token shift: token i is predicted from the hidden state at i-1, and a block's first token from the
-last clean token of the previous block (the only earlier state a noisy block can see).
+last clean token of the previous block (the only earlier state a noisy block can see). The two views
+share one clean stream: a row is [x_t^1 ; x_t^2 ; x_0] (3L rows, the mask's `views` = 2), whose
+states equal those of two 2L rows [x_t^v ; x_0] (x_0 never sees a noisy row, and a view never sees the
+other), so the loss and its gradient are the two-row layout's with x_0 computed once: 3L rows instead
+of 4L. Linear-attention layers and context/block parallelism run the two-row layout (`shared_clean`).
 
 Shapes: B batch, L sequence, K blocks (L / block), E hidden.
 """
@@ -65,12 +69,14 @@ def two_halves(
     return torch.cat([noisy_BL, clean_BL], dim=1), positions, mask
 
 
-def shifted_rows(L: int, block: int, device: torch.device) -> torch.Tensor:
+def shifted_rows(L: int, block: int, device: torch.device, view: int = 0, views: int = 1) -> torch.Tensor:
     """For each noisy position i, the hidden position (in 2L) that predicts token i: i-1 inside a
-    block, the clean L+i-1 at a block start; position 0 has no predictor (its weight is zeroed)."""
+    block, the clean L+i-1 at a block start; position 0 has no predictor (its weight is zeroed). In the
+    layout of `views` noisy copies ((views + 1) * L rows) the rows of copy `view`: v L + i - 1 inside a
+    block, the clean views * L + i - 1 at a block start; position 0 points at its copy's first row."""
     i = torch.arange(L, device=device)
-    rows = torch.where(i % block == 0, L + i - 1, i - 1)
-    return torch.where(i == 0, torch.zeros_like(i), rows)
+    rows = torch.where(i % block == 0, views * L + i - 1, view * L + i - 1)
+    return torch.where(i == 0, torch.full_like(i, view * L), rows)
 
 
 def block_times(batch: Batch, noise: NoiseKeys, num_blocks: int, lo: float, hi: float, antithetic: bool):
@@ -119,10 +125,17 @@ class BD3LMObjective:
 
 class FastDLLMv2Objective:
     def __init__(
-        self, cfg: FastDLLMv2Config, ids: TokenIds, chunked_loss: bool = True, shift_logits: bool = False
+        self,
+        cfg: FastDLLMv2Config,
+        ids: TokenIds,
+        chunked_loss: bool = True,
+        shift_logits: bool = False,
+        shared_clean: bool = True,
     ) -> None:
+        """`shared_clean`: both views in one row over one clean stream ([x_t^1 ; x_t^2 ; x_0], 3L rows); False:
+        two rows [x_t^v ; x_0] (4L in all), for linear-attention layers and context/block parallelism."""
         assert not shift_logits, "config rules refuse model.shift_logits with this objective"
-        self.cfg, self.ids = cfg, ids
+        self.cfg, self.ids, self.shared_clean = cfg, ids, shared_clean
         self.cross_entropy = linear_cross_entropy if chunked_loss else plain_cross_entropy
 
     def normalizer(self, batch: Batch) -> int:
@@ -141,6 +154,14 @@ class FastDLLMv2Objective:
         second = ~first & sup  # the complement: together they mask each supervised token once
         mask_BL = torch.full_like(x0, self.ids.mask_id)
         views = [torch.where(m, mask_BL, x0) for m in (first, second)]
+        if self.shared_clean:  # [x_t^1 ; x_t^2 ; x_0]: targets, weights and predicting rows per view
+            positions = torch.arange(L, device=x0.device).repeat(3).expand(B, 3 * L)
+            mask = AttentionMask("block_diffusion", block_size=cfg.block_size, doc_ids_BL=batch.doc_ids_BL, views=2)
+            weights = torch.cat([first, second], dim=1).float()
+            weights[:, [0, L]] = 0.0  # no hidden state predicts a view's first token
+            rows = torch.cat([shifted_rows(L, cfg.block_size, x0.device, v, views=2) for v in (0, 1)])
+            tokens = torch.cat([*views, x0], dim=1)
+            return ModelInputs(tokens, positions, mask, x0.repeat(1, 2), weights, loss_rows=rows.expand(B, 2 * L))
         doc = None if batch.doc_ids_BL is None else batch.doc_ids_BL.repeat(2, 1)
         tokens, positions, mask = two_halves(torch.cat(views), x0.repeat(2, 1), doc, cfg.block_size)
         weights = torch.cat([first, second]).float()
