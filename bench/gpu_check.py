@@ -317,6 +317,9 @@ def mask_cases(batch: int, L: int, device: torch.device) -> dict[str, tuple[Atte
         "block_diffusion": (A("block_diffusion", block_size=bs), 2 * L, 2 * L, True),
         "block_diffusion_xt_queries": (A("block_diffusion", block_size=bs, num_outputs=L), L, 2 * L, True),
         "block_diffusion_documents": (A("block_diffusion", block_size=bs, doc_ids_BL=docs), 2 * L, 2 * L, True),
+        # Fast-dLLM v2's two views over one clean stream: [x_t^1 ; x_t^2 ; x_0]
+        "block_diffusion_two_views": (
+            A("block_diffusion", block_size=bs, views=2, doc_ids_BL=docs), 3 * L, 3 * L, True),
         "causal_documents": (A("causal", doc_ids_BL=docs), L, L, True),
         "bidirectional_documents": (A("bidirectional", doc_ids_BL=docs), L, L, True),
         "bidirectional_key_padding": (A("bidirectional", key_valid_BL=valid), L, L, True),
