@@ -17,8 +17,8 @@ builds it once, in a cache outside the repository); each converted model is a ru
     answer (its fast setting) against the AR original's greedy answer;
 (s) speed on --speed-prompts of those prompts, --open-new tokens: tokens/s (answer tokens up to EOS over
     wall time) and forwards per token (model forwards per answer token of a row: nfe x batch / tokens)
-    of each run's fast setting against the AR original with its KV cache, at batch 1 and 8; rounds
-    interleave the variants (A B C A B C ...), medians reported;
+    of each run's fast setting against the AR original with its KV cache, at batch 1 and 8; after one
+    warm-up call of each, rounds interleave the variants (A B C, B C A, ...), medians reported;
 (l) likelihood on --likelihood-rows held-out responses: the AR original's greedy answers to held-out open
     prompts (the distribution the runs were distilled towards, on topics they never saw), prepared as
     the recipes prepare their data (chat turns, the answer supervised); the AR original's exact NLL per
@@ -27,7 +27,9 @@ builds it once, in a cache outside the repository); each converted model is a ru
 
 Sampler settings of a run (all greedy): `quality`, one token per step with the low-confidence policy
 (bidirectional runs in blocks of 32 without a cache; block runs with their exact block cache), and `fast`,
-the threshold policy (0.9) with a cache (dual for bidirectional runs, block for block runs).
+the threshold policy (0.9) with a cache (dual for bidirectional runs, block for block runs);
+--threshold-sweep adds the fast setting at other thresholds (`threshold_<t>`: the accuracy against
+forwards per answer trade-off), --settings keeps the named ones only.
 
     python bench/real_a2d.py --run mdlm=RUN_DIR --run fast_dllm_v2=RUN_DIR [--ar-model DIR] [--limit 1000]
         [--open-prompts 100] [--open-new 128] [--speed-prompts 8] [--rounds 3] [--likelihood-rows 200]
@@ -64,13 +66,16 @@ def progress(msg: str) -> None:
 
 
 # -- models and settings ------------------------------------------------------------------------------------
-def settings(profile) -> dict[str, dict]:
-    """The sampler fields of a run's `quality` and `fast` settings (see the module doc), by its attention."""
+def settings(profile, sweep: tuple[float, ...] = ()) -> dict[str, dict]:
+    """The sampler fields of a run's `quality` and `fast` settings (see the module doc), by its attention;
+    `sweep`: more threshold settings (`threshold_<t>`, the fast setting at another threshold)."""
     if profile.attention == "block":
-        return {"quality": {"policy": "low_confidence", "cache": "block"},
-                "fast": {"policy": "threshold", "threshold": 0.9, "cache": "block"}}  # fmt: skip
-    return {"quality": {"policy": "low_confidence", "cache": "none", "block_length": 32},
-            "fast": {"policy": "threshold", "threshold": 0.9, "cache": "dual", "block_length": 32}}  # fmt: skip
+        out = {"quality": {"policy": "low_confidence", "cache": "block"},
+               "fast": {"policy": "threshold", "threshold": 0.9, "cache": "block"}}  # fmt: skip
+    else:
+        out = {"quality": {"policy": "low_confidence", "cache": "none", "block_length": 32},
+               "fast": {"policy": "threshold", "threshold": 0.9, "cache": "dual", "block_length": 32}}  # fmt: skip
+    return out | {f"threshold_{t:g}": {**out["fast"], "threshold": t} for t in sweep}
 
 
 def sampler_for(loaded, fields: dict, gen_length: int):
@@ -116,13 +121,13 @@ def overlap(runs: dict, tasks: list, open_prompts: list[str]) -> dict:
 
 
 # -- (a) accuracy -------------------------------------------------------------------------------------------
-def accuracy(ar, runs: dict, tasks: list, batch: int) -> dict:
+def accuracy(ar, runs: dict, tasks: list, batch: int, keep: str | None = None) -> dict:
     from dllm.cli.eval_cmd import task_sampler
     from dllm.evaluation.tasks import run_task
 
     variants = {"ar": (ar, {"generation": "causal"})}
     for name, (loaded, setts) in runs.items():
-        variants |= {f"{name}/{s}": (loaded, fields) for s, fields in setts.items()}
+        variants |= {f"{name}/{s}": (loaded, fields) for s, fields in setts.items() if not keep or s in keep.split(",")}
     out: dict = {}
     for vname, (loaded, fields) in variants.items():
         row, right, total = {}, 0, 0
@@ -132,6 +137,7 @@ def accuracy(ar, runs: dict, tasks: list, batch: int) -> dict:
             r = run_task(task, task_sampler(s, task, False, gen), batch)
             row[task.name] = {"accuracy": round(r.accuracy, 4), "correct": r.correct, "n": r.examples,
                               "forwards_per_answer": round(r.forwards_per_answer, 2),
+                              "tokens_per_forward": round(r.tokens_per_forward, 2),
                               "wall_s": round(r.wall_s, 1)}  # fmt: skip
             right, total = right + r.correct, total + r.examples
             progress(f"accuracy {vname} {task.name}: {r.correct}/{r.examples}")
@@ -217,17 +223,17 @@ def speed(ar, runs: dict, prompts: list[str], num_new: int, rounds: int, batches
         walls: dict[str, list[float]] = {n: [] for n in ready}
         counts: dict[str, tuple[int, int]] = {}
 
-        def run(name: str, ready: dict = ready) -> tuple[int, int]:
+        def run(name: str, ready: dict = ready, calls: int | None = None) -> tuple[int, int]:
             s, chunks = ready[name]
             tokens = nfe = 0
-            for chunk in chunks:
+            for chunk in chunks[:calls]:
                 res = generate(s.loaded.model, chunk, s.sampler, s.special, generator=torch.Generator().manual_seed(0))
                 tokens += sum(len(q) for q in res.sequences)
                 nfe += res.counters.nfe * len(chunk)
             return tokens, nfe
 
-        for name in ready:  # warm-up
-            run(name)
+        for name in ready:  # warm-up: one call each (kernels, allocator), not a whole round
+            run(name, calls=1)
         for r in range(rounds):
             order = list(ready)[r % len(ready) :] + list(ready)[: r % len(ready)]
             for name in order:
@@ -299,6 +305,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--likelihood-rows", type=int, default=200)
     parser.add_argument("--mc-samples", type=int, default=8)
     parser.add_argument("--sections", default=",".join(SECTIONS))
+    parser.add_argument(
+        "--threshold-sweep",
+        type=float,
+        nargs="*",
+        default=[],
+        help="accuracy: the fast setting at these thresholds too (settings threshold_<t>)",
+    )
+    parser.add_argument("--settings", help="accuracy: the settings to score, comma-separated (default: all)")
     parser.add_argument("--allow-overlap", action="store_true", help="go on when an item is in a run's training data")
     args = parser.parse_args(argv)
     from dllm.checkpoint.inference import load_for_inference
@@ -315,7 +329,9 @@ def main(argv: list[str] | None = None) -> dict:
     for item in args.run:
         name, _, path = item.partition("=")
         loaded = load_for_inference(run=Path(path))
-        runs[name] = (loaded, settings(loaded.profile))
+        runs[name] = (loaded, settings(loaded.profile, tuple(args.threshold_sweep)))
+        if args.settings and (unknown := set(args.settings.split(",")) - set(runs[name][1])):
+            raise SystemExit(f"bench/real_a2d.py: --settings: unknown {sorted(unknown)} (have {sorted(runs[name][1])})")
     tasks = [load_task(t, args.limit) for t in args.tasks.split(",") if t]
     n_open = max(args.open_prompts, args.likelihood_rows if "likelihood" in sections else 0)
     open_prompts = rm.instructions(n_open)  # the held-out split: topics no training prompt names
@@ -331,7 +347,7 @@ def main(argv: list[str] | None = None) -> dict:
             if any(seen.values()) and not args.allow_overlap:
                 raise SystemExit(f"bench/real_a2d.py: items found in a run's training data: {seen}")
         if "accuracy" in sections:
-            result["accuracy"] = accuracy(ar, runs, tasks, args.batch_size)
+            result["accuracy"] = accuracy(ar, runs, tasks, args.batch_size, args.settings)
         if sections & {"agreement", "likelihood"}:
             ar_answers = answers(ar, {"generation": "causal"}, open_prompts, args.open_new, args.batch_size)
         if "agreement" in sections:

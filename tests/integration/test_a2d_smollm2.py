@@ -84,15 +84,19 @@ def test_the_bench_runs_every_section(runs, capsys):
 
     args = ["--model", "trunc", *[a for n, p in runs.items() for a in ("--run", f"{n}={p}")], "--tasks",
             "capitals,yesno", "--limit", "1", "--open-prompts", "2", "--open-new", "8", "--speed-prompts", "2",
-            "--rounds", "1", "--batches", "1", "2", "--likelihood-rows", "3", "--mc-samples", "2"]  # fmt: skip
+            "--rounds", "1", "--batches", "1", "2", "--likelihood-rows", "3", "--mc-samples", "2",
+            "--threshold-sweep", "0.5", "--settings", "fast,threshold_0.5"]  # fmt: skip
     result = bench(args)
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == result
     for name in RECIPES:
         assert result["overlap"][name]["items_checked"] == 2 * 1 + 3
         assert all(v == 0 for k, v in result["overlap"][name].items() if k != "items_checked")
-        for setting in ("quality", "fast"):
+        assert f"{name}/quality" not in result["accuracy"]  # --settings keeps the fast ones
+        for setting in ("fast", "threshold_0.5"):
             acc = result["accuracy"][f"{name}/{setting}"]
             assert acc["all"]["n"] == 2 and 0 <= acc["all"]["accuracy"] <= 1
+            assert acc["capitals"]["tokens_per_forward"] > 0
+        assert result["settings"][name]["threshold_0.5"]["threshold"] == 0.5
         assert 0 <= result["agreement"][name]["rouge_l"] <= 1 and 0 <= result["agreement"][name]["token_f1"] <= 1
         for batch in ("batch_1", "batch_2"):
             assert result["speed"][batch][name]["tok_s"] > 0 and result["speed"][batch][name]["forwards_per_token"] > 0
