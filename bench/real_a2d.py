@@ -29,7 +29,9 @@ Sampler settings of a run (all greedy): `quality`, one token per step with the l
 (bidirectional runs in blocks of 32 without a cache; block runs with their exact block cache), and `fast`,
 the threshold policy (0.9) with a cache (dual for bidirectional runs, block for block runs);
 --threshold-sweep adds the fast setting at other thresholds (`threshold_<t>`: the accuracy against
-forwards per answer trade-off), --settings keeps the named ones only.
+forwards per answer trade-off), --settings keeps the named ones only. An accuracy row's `tokens_per_forward`
+is run_task's count of canvas positions committed per forward, the EOS fill after an answer included (so
+not answer tokens: the AR original reports more than 1 there too).
 
     python bench/real_a2d.py --run mdlm=RUN_DIR --run fast_dllm_v2=RUN_DIR [--ar-model DIR] [--limit 1000]
         [--open-prompts 100] [--open-new 128] [--speed-prompts 8] [--rounds 3] [--likelihood-rows 200]
