@@ -241,8 +241,8 @@ def block_diffusion(seq_len: int, block_size: int, causal_context: bool = False,
     def mod(b, h, q, kv):
         q_clean, kv_clean = q >= clean_from, kv >= clean_from
         q_block, kv_block = (q % seq_len) // block_size, (kv % seq_len) // block_size
-        same_block = q_block == kv_block if views == 1 else (q // block_size) == (kv // block_size)
-        noisy_noisy = ~q_clean & ~kv_clean & same_block
+        # noisy rows: the block of the whole layout, so one copy's block never meets another's
+        noisy_noisy = ~q_clean & ~kv_clean & (q // block_size == kv // block_size)
         noisy_clean = ~q_clean & kv_clean & (kv_block < q_block)
         clean_clean = q_clean & kv_clean & ((kv <= q) if causal_context else (kv_block <= q_block))
         return noisy_noisy | noisy_clean | clean_clean

@@ -22,25 +22,22 @@ def shares_clean_stream(spec: RunSpec) -> bool:
     as objective.shared_clean says; by default unless linear-attention layers (one x_t per row) or a
     context group (its plans shard 2L rows) run it."""
     obj = spec.objective
-    if obj.name != "fast_dllm_v2" or obj.shared_clean is False:
-        return False
-    return spec.topology.context.group_size == 1 and not spec.model.has_linear_layers
+    return obj.name == "fast_dllm_v2" and obj.shared_clean is not False and _needs_two_rows(spec) is None
+
+
+def _needs_two_rows(spec: RunSpec) -> str | None:
+    """Why this model or topology runs one noisy view per row (None: it can share the clean stream)."""
+    if spec.model.has_linear_layers:
+        return f"the linear-attention layers of {spec.model.family} run one noisy view per row"
+    if spec.topology.context.group_size > 1:
+        return "topology.context splits the two-row layout [x_t ; x_0]"
+    return None
 
 
 def _check_shared_clean(spec: RunSpec) -> None:
     obj = spec.objective
-    if obj.name != "fast_dllm_v2" or not obj.shared_clean:
-        return
-    if spec.model.has_linear_layers:
-        raise ConfigError(
-            f"objective.shared_clean: the linear-attention layers of {spec.model.family} run one noisy view per "
-            "row; set it to false or leave it unset"
-        )
-    if spec.topology.context.group_size > 1:
-        raise ConfigError(
-            "objective.shared_clean: topology.context splits the two-row layout [x_t ; x_0]; set it to false or "
-            "leave it unset"
-        )
+    if obj.name == "fast_dllm_v2" and obj.shared_clean and (reason := _needs_two_rows(spec)):
+        raise ConfigError(f"objective.shared_clean: {reason}; set it to false or leave it unset")
 
 
 def model_rows(spec: RunSpec, seq_len: int) -> int:

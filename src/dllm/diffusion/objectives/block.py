@@ -59,24 +59,28 @@ def two_halves(
     causal_context: bool = False,
 ):
     """Tokens [x_t ; x_0], positions 0..L-1 twice, the block-diffusion mask (documents apply to both).
+    `noisy_BL` may hold V noisy copies side by side ([B, V L]): the layout [x_t^1 ; ... ; x_t^V ; x_0].
     `noisy_only`: only x_t's outputs are read, so the model's last layer may skip x_0's queries.
     `causal_context`: x_0 attends token-causally (nemotron_diffusion) instead of block-causally."""
     B, L = clean_BL.shape
-    positions = torch.arange(L, device=clean_BL.device).repeat(2).expand(B, 2 * L)
-    outputs = L if noisy_only else None
+    views = noisy_BL.shape[1] // L
+    positions = torch.arange(L, device=clean_BL.device).repeat(views + 1).expand(B, (views + 1) * L)
+    outputs = views * L if noisy_only else None
     mask = AttentionMask("block_diffusion", block_size=block, doc_ids_BL=doc_BL, num_outputs=outputs,
-                         causal_context=causal_context)  # fmt: skip
+                         causal_context=causal_context, views=views)  # fmt: skip
     return torch.cat([noisy_BL, clean_BL], dim=1), positions, mask
 
 
-def shifted_rows(L: int, block: int, device: torch.device, view: int = 0, views: int = 1) -> torch.Tensor:
+def shifted_rows(L: int, block: int, device: torch.device, views: int = 1) -> torch.Tensor:
     """For each noisy position i, the hidden position (in 2L) that predicts token i: i-1 inside a
-    block, the clean L+i-1 at a block start; position 0 has no predictor (its weight is zeroed). In the
-    layout of `views` noisy copies ((views + 1) * L rows) the rows of copy `view`: v L + i - 1 inside a
-    block, the clean views * L + i - 1 at a block start; position 0 points at its copy's first row."""
-    i = torch.arange(L, device=device)
-    rows = torch.where(i % block == 0, views * L + i - 1, view * L + i - 1)
-    return torch.where(i == 0, torch.full_like(i, view * L), rows)
+    block, the clean L+i-1 at a block start; position 0 has no predictor (its weight is zeroed). With
+    `views` noisy copies ((views + 1) * L rows) the [views * L] rows of all copies: row r of copy r // L
+    is predicted by r - 1 inside a block and by the clean views * L + (r mod L) - 1 at a block start;
+    each copy's position 0 points at its own first row."""
+    r = torch.arange(views * L, device=device)
+    i = r % L
+    rows = torch.where(i % block == 0, views * L + i - 1, r - 1)
+    return torch.where(i == 0, r, rows)
 
 
 def block_times(batch: Batch, noise: NoiseKeys, num_blocks: int, lo: float, hi: float, antithetic: bool):
@@ -155,13 +159,11 @@ class FastDLLMv2Objective:
         mask_BL = torch.full_like(x0, self.ids.mask_id)
         views = [torch.where(m, mask_BL, x0) for m in (first, second)]
         if self.shared_clean:  # [x_t^1 ; x_t^2 ; x_0]: targets, weights and predicting rows per view
-            positions = torch.arange(L, device=x0.device).repeat(3).expand(B, 3 * L)
-            mask = AttentionMask("block_diffusion", block_size=cfg.block_size, doc_ids_BL=batch.doc_ids_BL, views=2)
+            tokens, positions, mask = two_halves(torch.cat(views, dim=1), x0, batch.doc_ids_BL, cfg.block_size)
             weights = torch.cat([first, second], dim=1).float()
             weights[:, [0, L]] = 0.0  # no hidden state predicts a view's first token
-            rows = torch.cat([shifted_rows(L, cfg.block_size, x0.device, v, views=2) for v in (0, 1)])
-            tokens = torch.cat([*views, x0], dim=1)
-            return ModelInputs(tokens, positions, mask, x0.repeat(1, 2), weights, loss_rows=rows.expand(B, 2 * L))
+            rows = shifted_rows(L, cfg.block_size, x0.device, views=2).expand(B, 2 * L)
+            return ModelInputs(tokens, positions, mask, x0.repeat(1, 2), weights, loss_rows=rows)
         doc = None if batch.doc_ids_BL is None else batch.doc_ids_BL.repeat(2, 1)
         tokens, positions, mask = two_halves(torch.cat(views), x0.repeat(2, 1), doc, cfg.block_size)
         weights = torch.cat([first, second]).float()
