@@ -9,7 +9,7 @@ import pytest
 import torch
 from bench.chunked_ce import make_inputs, step
 
-from dllm.models.chunked_ce import CHUNK_ELEMENTS, linear_cross_entropy, plain_cross_entropy
+from dllm.models.chunked_ce import CHUNK_ELEMENTS, Certainty, linear_cross_entropy, plain_cross_entropy
 from dllm.profiling import LiveTensorBytes
 
 N, E, V = 37, 16, 50
@@ -133,3 +133,87 @@ def test_peak_memory_far_below_plain():
     assert largest["chunked"] <= CHUNK_ELEMENTS  # and never anything bigger than a chunk here
     assert peaks["plain"] >= 2 * n * v * 4
     assert peaks["chunked"] * 10 < peaks["plain"], peaks
+
+
+def certain_inputs(dtype: torch.dtype, softcap: float | None = None):
+    """`inputs`, with the even rows' targets their argmax over the valid ids (rows the model gets right) and
+    the odd rows' their argmin, so that the certainty term has rows in it, some of them with weight 0."""
+    hidden_NE, weight_VE, bias_V, targets_N, weights_N = inputs(dtype)
+    with torch.no_grad():
+        logits_NV = hidden_NE @ weight_VE.T + bias_V
+        logits_NV = logits_NV if softcap is None else softcap * torch.tanh(logits_NV / softcap)
+        logits_NV[:, list(EXCLUDE)] = float("-inf")
+        argmin_N = logits_NV.masked_fill(logits_NV.isinf(), float("inf")).argmin(1)
+        targets_N = torch.where(torch.arange(N) % 2 == 0, logits_NV.argmax(1), argmin_N)
+    return hidden_NE, weight_VE, bias_V, targets_N, weights_N
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("chunk_size", [1, 7, 1000])
+@pytest.mark.parametrize("softcap", [None, 2.0])
+def test_certainty_forcing_matches_plain(dtype, tol, chunk_size, softcap):
+    """The chunked entropy term and its hand-written logits gradient equal autograd through the reference."""
+    args = certain_inputs(dtype, softcap)
+    certainty = Certainty(weight=0.7, temperature=0.5)
+    outs = {}
+    for name, fn in (("plain", plain_cross_entropy), ("chunked", linear_cross_entropy)):
+        hidden_NE, weight_VE, bias_V, targets_N, weights_N = args
+        total, ce_N, entropy_N, forced_N = fn(
+            hidden_NE, weight_VE, targets_N, weights_N, bias_V=bias_V, exclude_ids=EXCLUDE,
+            chunk_size=chunk_size, softcap=softcap, certainty=certainty,
+        )  # fmt: skip
+        grads = torch.autograd.grad(2.5 * total, [hidden_NE, weight_VE, bias_V, weights_N])
+        outs[name] = (total.detach(), ce_N, entropy_N, forced_N, *grads)
+    forced_N = outs["plain"][3]
+    # the rows in the term: the argmax rows with a positive weight (rows 0, 6, 12, ... have weight 0)
+    want_forced = (torch.arange(N) % 2 == 0) & (torch.arange(N) % 3 != 0)
+    assert torch.equal(forced_N, want_forced) and torch.equal(outs["chunked"][3], want_forced)
+    for a, b in zip(outs["chunked"], outs["plain"], strict=True):
+        torch.testing.assert_close(a, b, atol=tol, rtol=tol)
+
+
+def test_certainty_term_is_the_tempered_entropy_of_the_right_rows():
+    """The loss grows by weight x sum of H(softmax(logits / T)) over the valid ids of the forced rows."""
+    hidden_NE, weight_VE, bias_V, targets_N, weights_N = (t.detach() for t in certain_inputs(torch.float64))
+    base, _ = linear_cross_entropy(hidden_NE, weight_VE, targets_N, weights_N, bias_V=bias_V, exclude_ids=EXCLUDE)
+    total, _, entropy_N, forced_N = linear_cross_entropy(
+        hidden_NE, weight_VE, targets_N, weights_N, bias_V=bias_V, exclude_ids=EXCLUDE, chunk_size=4,
+        certainty=Certainty(weight=2.0, temperature=0.25),
+    )  # fmt: skip
+    keep = [v for v in range(V) if v not in EXCLUDE]
+    logits_NV = (hidden_NE @ weight_VE.T + bias_V)[:, keep]
+    want_H = torch.distributions.Categorical(logits=logits_NV / 0.25).entropy()
+    torch.testing.assert_close(entropy_N, want_H, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(total, base + 2.0 * want_H[forced_N].sum(), atol=1e-10, rtol=1e-10)
+    assert 0 < int(forced_N.sum()) < N
+
+
+def test_certainty_forcing_sharpens_the_right_rows_only():
+    """A few gradient steps on the certainty term alone lower the entropy of the rows it holds and leave the
+    others' predictions: it never pushes a wrong prediction towards certainty."""
+    hidden_NE, weight_VE, bias_V, targets_N, _ = (t.detach() for t in certain_inputs(torch.float64))
+    weights_N = torch.ones(N, dtype=torch.float64)
+    hidden_NE.requires_grad_()
+    certainty = Certainty(weight=1.0, temperature=0.5)
+    first = None
+    for _ in range(20):
+        _, _, entropy_N, forced_N = linear_cross_entropy(
+            hidden_NE, weight_VE, targets_N, 0.0 * weights_N, bias_V=bias_V, certainty=certainty
+        )
+        assert int(forced_N.sum()) == 0  # weight 0 everywhere: no row in the term
+        total, _, entropy_N, forced_N = linear_cross_entropy(
+            hidden_NE, weight_VE, targets_N, 1e-12 * weights_N, bias_V=bias_V, certainty=certainty
+        )
+        first = (entropy_N, forced_N) if first is None else first
+        (grad,) = torch.autograd.grad(total, [hidden_NE])
+        assert float(grad[~first[1]].abs().max()) < 1e-9  # the wrong rows get (next to) nothing
+        with torch.no_grad():
+            hidden_NE -= 0.5 * grad
+    assert bool((entropy_N[first[1]] < first[0][first[1]]).all())
+
+
+def test_certainty_forcing_refuses_bad_settings():
+    with pytest.raises(ValueError, match="temperature > 0"):
+        Certainty(weight=1.0, temperature=0.0)
+    with pytest.raises(ValueError, match="weight >= 0"):
+        Certainty(weight=-1.0)

@@ -970,6 +970,7 @@ LAYOUT_REFUSALS = {
     "linear-bidirectional": (1, ["model.family=qwen3_5"], "objective.name: mdlm attends bidirectionally"),
     "tp-ddp": (2, ["topology.tp_size=2", "topology.data_parallel=ddp"], "topology.data_parallel: ddp does not take"),
     "tp-plain-loss": (2, ["topology.tp_size=2", "training.chunked_loss=false"], "training.chunked_loss: tensor"),
+    "tp-certainty": (2, ["topology.tp_size=2", "objective.certainty.weight=1"], "objective.certainty: certainty"),
     "sp-without-tp": (2, ["topology.sequence_parallel=true"], "topology.sequence_parallel: needs tp_size > 1"),
     "sp-rows": (
         4,

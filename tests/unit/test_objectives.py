@@ -14,7 +14,7 @@ import torch
 from dllm.attention.masks import AttentionMask
 from dllm.config.loading import validate_config
 from dllm.config.model import ModelConfig
-from dllm.config.objectives import ARConfig, BD3LMConfig, FastDLLMv2Config, UniformConfig
+from dllm.config.objectives import ARConfig, BD3LMConfig, FastDLLMv2Config, MDLMConfig, UniformConfig
 from dllm.config.prepare import PrepareSpec
 from dllm.config.spec import RunSpec
 from dllm.data.loader import Batch
@@ -23,9 +23,11 @@ from dllm.diffusion.corruption import NoiseKeys
 from dllm.diffusion.objectives import BD3LMObjective, FastDLLMv2Objective, TokenIds, UniformObjective
 from dllm.diffusion.objectives.ar import ARObjective
 from dllm.diffusion.objectives.block import pad_blocks_with_eos, shifted_rows
+from dllm.diffusion.objectives.mdlm import MDLMObjective
 from dllm.errors import ConfigError
 from dllm.models import Transformer
 from dllm.models.output import SelfConditioned
+from dllm.training.metrics import read_metrics
 from dllm.training.preflight import resolve_run_spec
 from dllm.training.run import prepare_run_dir, train_from_run_dir
 
@@ -330,3 +332,67 @@ def test_ar_loss_is_next_token_cross_entropy_on_supervised_tokens():
     changed[:, -1] = (changed[:, -1] + 1) % (V - 3)
     other = model(changed, inp.positions_BL, inp.mask).hidden_BLE
     torch.testing.assert_close(other[:, :-1], out.hidden_BLE[:, :-1], atol=0, rtol=0)
+
+
+CERTAIN = {
+    "mdlm": (MDLMObjective, MDLMConfig, {}),
+    "bd3lm": (BD3LMObjective, BD3LMConfig, {"block_size": 4}),
+    "fast_dllm_v2": (FastDLLMv2Objective, FastDLLMv2Config, {"block_size": 4, "sub_block_size": 2}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CERTAIN))
+def test_certainty_forcing_adds_the_entropy_of_the_rows_predicted_right(name: str):
+    """objective.certainty: the loss is the plain objective's plus weight x the tempered entropy of the loss's
+    rows whose target is the model's argmax; the chunked head equals the plain one (loss and gradients)."""
+    cls, cfg_cls, fields = CERTAIN[name]
+    model = Transformer(ModelConfig(preset="tiny", vocab_size=V, num_layers=2))
+    model.init_weights(torch.Generator().manual_seed(0))
+    # rows of an alternating pair of ids, a few steps of the plain loss on them: the model gets some right
+    tokens = torch.tensor([5, 6]).repeat(3, 8)
+    batch = Batch(tokens, torch.rand(3, 16, generator=torch.Generator().manual_seed(1)) < 0.9, torch.arange(3))
+    plain_obj = cls(cfg_cls(**fields), IDS)
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for step in range(6):
+        inputs = plain_obj.prepare(batch, NoiseKeys(step, 3))
+        plain_obj.loss(model(inputs.tokens_BL, inputs.positions_BL, inputs.mask), inputs).loss_sum.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    results = {}
+    for variant, certainty, chunked in (("off", None, True), ("chunked", 0.8, True), ("plain", 0.8, False)):
+        section = None if certainty is None else {"weight": certainty, "temperature": 0.5}
+        obj = cls(cfg_cls(**fields, certainty=section), IDS, chunked_loss=chunked)
+        inputs = obj.prepare(batch, NoiseKeys(10, 3))
+        loss = obj.loss(model(inputs.tokens_BL, inputs.positions_BL, inputs.mask), inputs)
+        model.zero_grad()
+        loss.loss_sum.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        results[variant] = (loss.loss_sum.detach(), loss.metrics, grads)
+    (off, _, _), (on, metrics, grads), (plain, plain_metrics, plain_grads) = results.values()
+    assert 0 < int(metrics["num_certain"]) <= int(metrics["num_masked"])
+    torch.testing.assert_close(on, off + 0.8 * metrics["certain_entropy_sum"].to(on.dtype), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(on, plain, atol=1e-4, rtol=1e-5)
+    assert int(plain_metrics["num_certain"]) == int(metrics["num_certain"])
+    for n, g in grads.items():
+        torch.testing.assert_close(g, plain_grads[n], atol=1e-5, rtol=1e-4, msg=n)
+
+
+def test_certainty_forcing_trains_and_reports_its_rows(cyclic_data: Path):
+    """A run with objective.certainty logs the share of its masked rows predicted right and their entropy;
+    on a task it learns, more rows become right and the entropy of the right ones falls."""
+    values = {
+        "run": {"name": "certain"}, "model": {"preset": "tiny"}, "data": {"path": "p", "seq_len": 32},
+        "objective": {"name": "fast_dllm_v2", "block_size": 8, "sub_block_size": 4, "certainty": {"weight": 1.0}},
+        "training": {"steps": 60, "global_batch_size": 16, "micro_batch_size": 16},
+        "optimizer": {"lr": 3e-3}, "scheduler": {"warmup_steps": 5}, "checkpointing": {"save_final": False},
+        "logging": {"progress": "off", "tensorboard": "off"},
+    }  # fmt: skip
+    spec, _ = resolve_run_spec(validate_config(RunSpec, values, source="train.yaml", base_dir=cyclic_data))
+    run_dir = prepare_run_dir(spec)
+    losses = train_from_run_dir(run_dir)
+    records = [r for r in read_metrics(run_dir) if "certain_frac" in r]
+    assert len(losses) == 60 and [r["step"] for r in records] == [10, 20, 30, 40, 50, 60]  # logged every 10
+    early, late = records[:1], records[-2:]
+    mean = lambda rs, k: sum(r[k] for r in rs) / len(rs)  # noqa: E731
+    assert mean(late, "certain_frac") > mean(early, "certain_frac") + 0.3
+    assert mean(late, "certain_entropy") < mean(early, "certain_entropy")

@@ -11,6 +11,16 @@ from dllm.config.drafter import DrafterArchitecture
 from dllm.config.registries import SCHEDULES
 
 
+class CertaintyConfig(Section):
+    """Certainty forcing (dParallel, Chen et al. 2025): a loss term that sharpens the masked predictions the model
+    already gets right, so more of them pass a confidence threshold in one decoding step."""
+
+    weight: Float = Field(default=1.0, gt=0)
+    """Coefficient of the entropy term, summed over the right rows and normalised like the CE (per target)."""
+    temperature: Float = Field(default=0.5, gt=0)
+    """The entropy is that of softmax(logits / temperature) (dParallel: 0.5)."""
+
+
 class MDLMConfig(Section):
     """Masked diffusion (MDLM / LLaDA): t ~ U(eps, 1] per sequence, CE on masked tokens weighted by w(t)."""
 
@@ -24,6 +34,8 @@ class MDLMConfig(Section):
     """Stratify t over the global batch (t_i = frac(u + i/B)) to reduce loss variance."""
     normalize: Literal["token", "sequence"] = "token"
     """Loss normaliser: supervised tokens of the global batch, or each sequence by its own count (SFT)."""
+    certainty: CertaintyConfig | None = None
+    """Certainty forcing: add the entropy of the masked predictions the model already gets right (none: off)."""
 
     def decode_facts(self) -> dict[str, Any]:
         """How models trained with this objective decode (see config/profile.py)."""
@@ -49,6 +61,8 @@ class BD3LMConfig(Section):
     """Noise: the mask token, or uniformly random tokens (block-wise uniform-state diffusion)."""
     shift: bool = False
     """Predict token i from the hidden state at i-1 (AR-initialised models); a block start from the clean half."""
+    certainty: CertaintyConfig | None = None
+    """Certainty forcing: add the entropy of the masked predictions the model already gets right (none: off)."""
 
     @model_validator(mode="after")
     def _check_interval(self) -> BD3LMConfig:
@@ -77,6 +91,8 @@ class FastDLLMv2Config(Section):
     """Stratify the mask ratio over the global batch x blocks."""
     shared_clean: bool | None = None
     """Both views in one row [x_t^1 ; x_t^2 ; x_0] (3L rows, the loss of two 2L rows); None: where layers allow."""
+    certainty: CertaintyConfig | None = None
+    """Certainty forcing: add the entropy of the masked predictions the model already gets right (none: off)."""
 
     @model_validator(mode="after")
     def _check_sub_block(self) -> FastDLLMv2Config:

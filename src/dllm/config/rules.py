@@ -219,6 +219,8 @@ def check_tensor_parallel(spec: RunSpec) -> None:
         (model.edit_head, "model.edit_head: the Edit Flows head reads whole-vocabulary logits; set tp_size: 1"),
         (model.has_linear_layers, "model.attention_pattern: linear-attention layers are not tensor-parallel; "
          "set tp_size: 1"),
+        (getattr(spec.objective, "certainty", None) is not None, "objective.certainty: certainty forcing is not "
+         "vocabulary-parallel yet; set topology.tp_size: 1 or leave certainty out"),
     ]  # fmt: skip
     for refused, message in refusals:
         if refused:

@@ -45,6 +45,8 @@ class StepStats:
     times_s: dict[str, float]
     num_head_rows: int = 0
     """Hidden rows the loss sent through the LM head, all ranks (the head's share of the FLOPs)."""
+    certainty: dict[str, float] | None = None
+    """With certainty forcing: the share of the loss's rows predicted right and their mean tempered entropy."""
 
 
 @dataclass
@@ -108,7 +110,8 @@ class Trainer(TrainLoop[Step]):
         # global batch); scale = W / global_targets makes grad the gradient of that sum / global_targets
         # (W = dp without context parallelism; tensor-parallel ranks hold shards of one gradient)
         scale = self.dims.grad_ranks / global_targets
-        sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # loss, masked CE, masked count
+        # loss, masked CE, masked count, and certainty forcing's entropy sum and count of rows predicted right
+        sums = torch.zeros(5, dtype=torch.float64, device=self.device)
         aux_sum = 0.0
         lr = self.lr_schedule.apply(self.optimizer, self.step)
         for i, batch in enumerate(micro_batches):
@@ -133,6 +136,8 @@ class Trainer(TrainLoop[Step]):
             sums[0] += out.loss_sum.detach().double()
             sums[1] += out.metrics.get("masked_ce_sum", torch.zeros(())).double()
             sums[2] += out.metrics.get("num_masked", torch.zeros(())).double()
+            sums[3] += out.metrics.get("certain_entropy_sum", torch.zeros(())).double()
+            sums[4] += out.metrics.get("num_certain", torch.zeros(())).double()
         t0 = time.perf_counter()
         grad_norm = self.optimizer_step()
         times["optimizer"] = time.perf_counter() - t0
@@ -147,7 +152,11 @@ class Trainer(TrainLoop[Step]):
             num_targets=int(global_targets),
             times_s=times,
             num_head_rows=int(sums[2]),
-        )
+            certainty=None if getattr(self.objective, "certainty", None) is None else {
+                "certain_frac": round(float(sums[4] / sums[2].clamp_min(1)), 4),
+                "certain_entropy": round(float(sums[3] / sums[4].clamp_min(1)), 4),
+            },
+        )  # fmt: skip
 
     # -- the unit of the loop ---------------------------------------------------------------------
     def run_unit(self) -> Step:
@@ -176,6 +185,7 @@ class Trainer(TrainLoop[Step]):
             "masked_ce": stats.masked_ce,
             "grad_norm": stats.grad_norm,
             **({"aux_loss": stats.aux_loss} if stats.aux_loss else {}),
+            **(stats.certainty or {}),
             "lr": stats.lr,
             "num_targets": stats.num_targets,
             "epoch": round(self.loader.epoch, 4),

@@ -27,7 +27,7 @@ from dllm.config.registries import SCHEDULES
 from dllm.data.loader import Batch
 from dllm.diffusion.corruption import NoiseKeys, corrupt_tokens, uniform_token_ids
 from dllm.diffusion.objectives.base import LossOutput, ModelInputs, TokenIds
-from dllm.diffusion.objectives.mdlm import weighted_ce
+from dllm.diffusion.objectives.mdlm import certainty_of, weighted_ce
 from dllm.models.chunked_ce import linear_cross_entropy, plain_cross_entropy
 from dllm.models.output import ModelOutput
 
@@ -94,6 +94,7 @@ class BD3LMObjective:
         self.cfg, self.ids = cfg, ids
         self.schedule = SCHEDULES.resolve(cfg.schedule)()
         self.cross_entropy = linear_cross_entropy if chunked_loss else plain_cross_entropy
+        self.certainty = certainty_of(cfg)
 
     def normalizer(self, batch: Batch) -> int:
         sup = pad_blocks_with_eos(batch, self.cfg.block_size, self.ids).loss_mask_BL
@@ -124,7 +125,7 @@ class BD3LMObjective:
         return ModelInputs(tokens, positions, mask, x0, weights, loss_rows=rows)
 
     def loss(self, out: ModelOutput, inputs: ModelInputs) -> LossOutput:
-        return weighted_ce(out, inputs, self.cross_entropy, self.ids.mask_id)
+        return weighted_ce(out, inputs, self.cross_entropy, self.ids.mask_id, self.certainty)
 
 
 class FastDLLMv2Objective:
@@ -141,6 +142,7 @@ class FastDLLMv2Objective:
         assert not shift_logits, "config rules refuse model.shift_logits with this objective"
         self.cfg, self.ids, self.shared_clean = cfg, ids, shared_clean
         self.cross_entropy = linear_cross_entropy if chunked_loss else plain_cross_entropy
+        self.certainty = certainty_of(cfg)
 
     def normalizer(self, batch: Batch) -> int:
         # every supervised token is a target exactly once over the two views (bar position 0)
@@ -172,4 +174,4 @@ class FastDLLMv2Objective:
         return ModelInputs(tokens, positions, mask, x0.repeat(2, 1), weights, loss_rows=rows)
 
     def loss(self, out: ModelOutput, inputs: ModelInputs) -> LossOutput:
-        return weighted_ce(out, inputs, self.cross_entropy, self.ids.mask_id)
+        return weighted_ce(out, inputs, self.cross_entropy, self.ids.mask_id, self.certainty)

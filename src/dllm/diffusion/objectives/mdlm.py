@@ -17,7 +17,7 @@ from dllm.config.registries import SCHEDULES
 from dllm.data.loader import Batch
 from dllm.diffusion.corruption import NoiseKeys, mask_tokens
 from dllm.diffusion.objectives.base import LossOutput, ModelInputs, TokenIds
-from dllm.models.chunked_ce import linear_cross_entropy, plain_cross_entropy
+from dllm.models.chunked_ce import Certainty, linear_cross_entropy, plain_cross_entropy
 from dllm.models.output import ModelOutput
 
 
@@ -30,6 +30,7 @@ class MDLMObjective:
         self.schedule = SCHEDULES.resolve(cfg.schedule)()
         # the chunked LM head + CE never materialises [tokens x vocab] logits; the plain one is its reference
         self.cross_entropy = linear_cross_entropy if chunked_loss else plain_cross_entropy
+        self.certainty = certainty_of(cfg)
 
     def sample_time(self, batch: Batch, noise: NoiseKeys) -> torch.Tensor:
         u_B = noise.stratified_time(batch.sample_ids_B, "mdlm.t", self.cfg.antithetic)
@@ -59,12 +60,22 @@ class MDLMObjective:
         return ModelInputs(noised, positions, mask, tokens, weights, loss_rows=rows)
 
     def loss(self, out: ModelOutput, inputs: ModelInputs) -> LossOutput:
-        return weighted_ce(out, inputs, self.cross_entropy, self.mask_id)
+        return weighted_ce(out, inputs, self.cross_entropy, self.mask_id, self.certainty)
 
 
-def weighted_ce(out: ModelOutput, inputs: ModelInputs, cross_entropy, exclude_id: int) -> LossOutput:
+def certainty_of(cfg) -> Certainty | None:
+    """The certainty-forcing term of an objective section that has one (`certainty:`), or None."""
+    section = getattr(cfg, "certainty", None)
+    return None if section is None else Certainty(section.weight, section.temperature)
+
+
+def weighted_ce(
+    out: ModelOutput, inputs: ModelInputs, cross_entropy, exclude_id: int, certainty: Certainty | None = None
+) -> LossOutput:
     """sum(w * CE) over positions with a weight; the head runs on just those rows. Shared by every
-    objective: `inputs.loss_rows` says which hidden position predicts each target (shifted models)."""
+    objective: `inputs.loss_rows` says which hidden position predicts each target (shifted models).
+    `certainty`: plus the certainty-forcing entropy of the rows predicted right (models/chunked_ce.py); its
+    metrics are their count and the sum of their tempered entropies."""
     sel_BL = inputs.weights_BL > 0
     hidden_BLE = out.hidden_BLE
     if inputs.loss_rows is not None:
@@ -72,10 +83,15 @@ def weighted_ce(out: ModelOutput, inputs: ModelInputs, cross_entropy, exclude_id
     else:
         hidden_BLE = hidden_BLE[:, : sel_BL.shape[1]]
     features_NE, weight_VE, bias_V = out.head(hidden_BLE[sel_BL])
-    cap = {} if out.logit_softcap is None else {"softcap": out.logit_softcap}  # Gemma's soft-capped logits
-    loss_sum, ce_N = cross_entropy(
+    kw = {} if out.logit_softcap is None else {"softcap": out.logit_softcap}  # Gemma's soft-capped logits
+    if certainty is not None:
+        kw["certainty"] = certainty
+    loss_sum, ce_N, *forcing = cross_entropy(
         features_NE, weight_VE, inputs.targets_BL[sel_BL], inputs.weights_BL[sel_BL],
-        exclude_ids=(exclude_id,), bias_V=bias_V, **cap,
+        exclude_ids=(exclude_id,), bias_V=bias_V, **kw,
     )  # fmt: skip
     metrics = {"masked_ce_sum": ce_N.detach().sum(), "num_masked": sel_BL.sum()}
+    if forcing:
+        entropy_N, forced_N = forcing
+        metrics |= {"certain_entropy_sum": (entropy_N * forced_N).sum(), "num_certain": forced_N.sum()}
     return LossOutput(loss_sum=loss_sum, metrics=metrics)
