@@ -19,6 +19,11 @@ builds it once, in a cache outside the repository); each converted model is a ru
     wall time) and forwards per token (model forwards per answer token of a row: nfe x batch / tokens)
     of each run's fast setting against the AR original with its KV cache, at batch 1 and 8; after one
     warm-up call of each, rounds interleave the variants (A B C, B C A, ...), medians reported;
+(c) confidence, why a run takes the forwards it takes: on the --speed-prompts prompts at batch 1, its fast setting,
+    at every threshold step the top-token probability of the 1st, 2nd, 3rd and 4th undecided position of the
+    region (left to right; the 1st is predicted from a decided left neighbour, the 2nd from a masked one): the
+    share at >= 0.9, 0.7 and 0.5 and the median, so forwards per token against each threshold; for the AR
+    original the probability of each greedy token it chose (the ceiling of the 1st position);
 (l) likelihood on --likelihood-rows held-out responses: the AR original's greedy answers to held-out open
     prompts (the distribution the runs were distilled towards, on topics they never saw), prepared as
     the recipes prepare their data (chat turns, the answer supervised); the AR original's exact NLL per
@@ -29,13 +34,14 @@ Sampler settings of a run (all greedy): `quality`, one token per step with the l
 (bidirectional runs in blocks of 32 without a cache; block runs with their exact block cache), and `fast`,
 the threshold policy (0.9) with a cache (dual for bidirectional runs, block for block runs);
 --threshold-sweep adds the fast setting at other thresholds (`threshold_<t>`: the accuracy against
-forwards per answer trade-off), --settings keeps the named ones only. An accuracy row's `tokens_per_forward`
+forwards per answer trade-off), --settings keeps the named ones only (and the speed and confidence sections
+time its threshold settings instead of the fast one). An accuracy row's `tokens_per_forward`
 is run_task's count of canvas positions committed per forward, the EOS fill after an answer included (so
 not answer tokens: the AR original reports more than 1 there too).
 
     python bench/real_a2d.py --run mdlm=RUN_DIR --run fast_dllm_v2=RUN_DIR [--ar-model DIR] [--limit 1000]
         [--open-prompts 100] [--open-new 128] [--speed-prompts 8] [--rounds 3] [--likelihood-rows 200]
-        [--mc-samples 8] [--sections overlap,accuracy,agreement,speed,likelihood] [--allow-overlap]
+        [--mc-samples 8] [--sections overlap,accuracy,agreement,speed,confidence,likelihood] [--allow-overlap]
 """
 
 from __future__ import annotations
@@ -59,7 +65,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.real_mo
 from tests import real_model as rm  # noqa: E402
 
 TASKS = ("capitals", "arithmetic", "units", "reverse", "yesno")
-SECTIONS = ("overlap", "accuracy", "agreement", "speed", "likelihood")
+SECTIONS = ("overlap", "accuracy", "agreement", "speed", "confidence", "likelihood")
+CUTS = (0.9, 0.7, 0.5)
 _WORD = re.compile(r"\w+")
 
 
@@ -119,6 +126,17 @@ def overlap(runs: dict, tasks: list, open_prompts: list[str]) -> dict:
         found["items_checked"] = sum(len(t.examples) for t in tasks) + len(opens)
         out[name] = found
         progress(f"overlap {name}: {found}")
+    return out
+
+
+def timed_settings(runs: dict, keep: str | None) -> dict:
+    """The run settings the speed and confidence sections time: each run's fast one, or with --settings the
+    named threshold ones (keyed NAME, or NAME/SETTING for a setting other than fast)."""
+    out = {}
+    for name, (loaded, setts) in runs.items():
+        chosen = [s for s in setts if s in keep.split(",") and setts[s]["policy"] == "threshold"] if keep else []
+        for setting in chosen or ["fast"]:
+            out[name if setting == "fast" else f"{name}/{setting}"] = (loaded, setts[setting])
     return out
 
 
@@ -211,10 +229,10 @@ def agreement(ar_answers: list[str], runs: dict, prompts: list[str], num_new: in
 
 
 # -- (s) speed ----------------------------------------------------------------------------------------------
-def speed(ar, runs: dict, prompts: list[str], num_new: int, rounds: int, batches: list[int]) -> dict:
+def speed(ar, timed: dict, prompts: list[str], num_new: int, rounds: int, batches: list[int]) -> dict:
     from dllm.sampling.generate import generate
 
-    variants = {"ar": (ar, {"generation": "causal"})} | {n: (ld, st["fast"]) for n, (ld, st) in runs.items()}
+    variants = {"ar": (ar, {"generation": "causal"})} | timed
     out: dict = {"prompts": len(prompts), "new_tokens": num_new, "rounds": rounds}
     for batch in batches:
         ready = {}
@@ -248,9 +266,64 @@ def speed(ar, runs: dict, prompts: list[str], num_new: int, rounds: int, batches
             wall = statistics.median(walls[name])
             row[name] = {"tok_s": round(tokens / wall, 2), "forwards_per_token": round(nfe / max(tokens, 1), 3),
                          "answer_tokens": tokens}  # fmt: skip
-        for name in runs:
+        for name in timed:
             row[name]["speed_over_ar"] = round(row[name]["tok_s"] / row["ar"]["tok_s"], 3)
         out[f"batch_{batch}"] = row
+    return out
+
+
+# -- (c) confidence -----------------------------------------------------------------------------------------
+def shares(values: list[float]) -> dict:
+    """How many values, the share at or above each of CUTS, and the median."""
+    if not values:
+        return {"n": 0}
+    out: dict = {"n": len(values)}
+    out |= {f"p>={c:g}": round(sum(v >= c for v in values) / len(values), 3) for c in CUTS}
+    return out | {"median": round(statistics.median(values), 3)}
+
+
+class Recording:
+    """A canvas loop's policy that also keeps, at each step, the top probability of the region's first
+    undecided positions (batch 1), left to right."""
+
+    def __init__(self, policy, depth: int = 4) -> None:
+        self.policy, self.depth, self.steps = policy, depth, []
+
+    def __getattr__(self, name: str):
+        return getattr(self.policy, name)
+
+    def step(self, prop, state):
+        (undecided,) = state.eligible_BR[0].nonzero(as_tuple=True)
+        self.steps.append(prop.prob_BR[0, undecided[: self.depth]].tolist())
+        return self.policy.step(prop, state)
+
+
+def confidence(ar, timed: dict, prompts: list[str], num_new: int) -> dict:
+    from dllm.sampling.generate import Loop
+    from dllm.sampling.speculative import causal_generate
+
+    out: dict = {"prompts": len(prompts), "new_tokens": num_new}
+    s = setup(ar, {"generation": "causal"}, num_new)
+    chosen: list[float] = []
+    for p in prompts:
+        got = causal_generate(ar.model, [chat_encoder(ar)(p)], s.sampler, s.special, return_logits=True)
+        chosen += got.logits_BNV[0, : len(got.sequences[0])].float().softmax(-1).amax(-1).tolist()
+    out["ar"] = {"chosen_token": shares(chosen)}
+    for name, (loaded, fields) in timed.items():
+        s = setup(loaded, fields, num_new)
+        tokens = forwards = 0
+        recorded: list[list[float]] = []
+        for p in prompts:
+            loop = Loop(loaded.model, [chat_encoder(loaded)(p)], s.sampler, s.special, torch.Generator().manual_seed(0),
+                        None, None)  # fmt: skip
+            loop.policy = Recording(loop.policy)
+            res = loop.run()
+            tokens, forwards = tokens + len(res.sequences[0]), forwards + res.counters.nfe
+            recorded += loop.policy.steps
+        row = {"forwards_per_token": round(forwards / max(tokens, 1), 3), "steps": len(recorded)}
+        row |= {f"position_{k + 1}": shares([r[k] for r in recorded if len(r) > k]) for k in range(4)}
+        out[name] = row
+        progress(f"confidence {name}: {row}")
     return out
 
 
@@ -314,7 +387,11 @@ def main(argv: list[str] | None = None) -> dict:
         default=[],
         help="accuracy: the fast setting at these thresholds too (settings threshold_<t>)",
     )
-    parser.add_argument("--settings", help="accuracy: the settings to score, comma-separated (default: all)")
+    parser.add_argument(
+        "--settings",
+        help="the settings to score (accuracy) and time (speed, confidence: the "
+        "threshold ones), comma-separated (default: all; timed: fast)",
+    )
     parser.add_argument("--allow-overlap", action="store_true", help="go on when an item is in a run's training data")
     args = parser.parse_args(argv)
     from dllm.checkpoint.inference import load_for_inference
@@ -357,7 +434,11 @@ def main(argv: list[str] | None = None) -> dict:
             result["agreement"] = agreement(ar_answers[: len(prompts)], runs, prompts, args.open_new, args.batch_size)
         if "speed" in sections:
             prompts = open_prompts[: args.speed_prompts]
-            result["speed"] = speed(ar, runs, prompts, args.open_new, args.rounds, args.batches)
+            result["speed"] = speed(ar, timed_settings(runs, args.settings), prompts, args.open_new, args.rounds,
+                                    args.batches)  # fmt: skip
+        if "confidence" in sections:
+            prompts = open_prompts[: args.speed_prompts]
+            result["confidence"] = confidence(ar, timed_settings(runs, args.settings), prompts, args.open_new)
     if "likelihood" in sections:  # score_artifact runs its own no-grad forwards
         rows = args.likelihood_rows
         with torch.no_grad():

@@ -84,7 +84,7 @@ def test_the_bench_runs_every_section(runs, capsys):
 
     args = ["--model", "trunc", *[a for n, p in runs.items() for a in ("--run", f"{n}={p}")], "--tasks",
             "capitals,yesno", "--limit", "1", "--open-prompts", "2", "--open-new", "8", "--speed-prompts", "2",
-            "--rounds", "1", "--batches", "1", "2", "--likelihood-rows", "3", "--mc-samples", "2",
+            "--rounds", "1", "--batches", "2", "--likelihood-rows", "3", "--mc-samples", "2",
             "--threshold-sweep", "0.5", "--settings", "fast,threshold_0.5"]  # fmt: skip
     result = bench(args)
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == result
@@ -98,12 +98,49 @@ def test_the_bench_runs_every_section(runs, capsys):
             assert acc["capitals"]["tokens_per_forward"] > 0
         assert result["settings"][name]["threshold_0.5"]["threshold"] == 0.5
         assert 0 <= result["agreement"][name]["rouge_l"] <= 1 and 0 <= result["agreement"][name]["token_f1"] <= 1
-        for batch in ("batch_1", "batch_2"):
-            assert result["speed"][batch][name]["tok_s"] > 0 and result["speed"][batch][name]["forwards_per_token"] > 0
+        for timed in (name, f"{name}/threshold_0.5"):  # --settings: its threshold settings are timed
+            speed = result["speed"]["batch_2"][timed]
+            assert speed["tok_s"] > 0 and speed["forwards_per_token"] > 0 and speed["speed_over_ar"] > 0
+        conf = result["confidence"][name]
+        assert conf["forwards_per_token"] > 0 and conf["position_1"]["n"] == conf["steps"] > 0
+        assert all(0 <= conf["position_1"][f"p>={c}"] <= 1 for c in (0.9, 0.7, 0.5))
         lik = result["likelihood"][name]
         assert lik["rows"] == 3 and lik["mc_samples"] == 2 and lik["nelbo_per_token"] > 0
     assert result["likelihood"]["ar"]["exact"] and result["likelihood"]["ar"]["mc_samples"] == 1
-    assert result["speed"]["batch_1"]["ar"]["forwards_per_token"] == pytest.approx(1.0, abs=0.2)
+    chosen = result["confidence"]["ar"]["chosen_token"]  # greedy: the chosen token is the top one
+    assert chosen["n"] > 0 and 0 < chosen["median"] <= 1
+    assert result["speed"].keys() == {"prompts", "new_tokens", "rounds", "batch_2"}
+    assert result["speed"]["batch_2"]["ar"]["forwards_per_token"] >= 1.0  # a batch steps until its last row ends
+
+
+CERTAINTY_SETS = ["run.name=a2d-smollm2-certainty", "model.init_from=fdv2-export", "objective.certainty.weight=2",
+                  "training.seed=1", "scheduler.warmup_steps=1"]  # fmt: skip
+"""docs/real-a2d.md's continuation of the fast_dllm_v2 run with certainty forcing (its steps cut to 2 here)."""
+
+
+def test_the_fast_dllm_v2_run_continues_with_certainty_forcing(runs, monkeypatch):
+    """The documented second stage: export the fast_dllm_v2 run, train on from it with objective.certainty
+    (the recipe's own train.yaml and data, --set overrides); the run logs its certainty metrics and decodes."""
+    from bench.real_a2d import chat_encoder, settings, setup
+
+    from dllm.checkpoint.inference import load_for_inference
+    from dllm.sampling.generate import generate
+
+    folder = runs["fast_dllm_v2"].parent.parent
+    monkeypatch.chdir(folder)
+    assert main(["convert", "--run", str(runs["fast_dllm_v2"]), "--to-hf", "fdv2-export"]) == 0
+    sets = [*CERTAINTY_SETS, "training.steps=2", "training.global_batch_size=4", "training.micro_batch_size=4",
+            "checkpointing.every_steps=2", "logging.every_steps=1"]  # fmt: skip
+    assert main(["launch", "--config", "train.yaml", *[a for s in sets for a in ("--set", s)]]) == 0
+    run = folder / "runs" / "a2d-smollm2-certainty"
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in metrics if "loss" in m]
+    assert len(steps) == 2 and all(0 <= m["certain_frac"] <= 1 and m["certain_entropy"] >= 0 for m in steps)
+    loaded = load_for_inference(run=run)
+    assert loaded.spec.objective.certainty.weight == 2 and loaded.profile.attention == "block"
+    s = setup(loaded, settings(loaded.profile)["fast"], 32)
+    res = generate(loaded.model, [chat_encoder(loaded)(rm.instructions(1)[0])], s.sampler, s.special)
+    assert loaded.profile.mask_id not in res.canvas_BL[0, res.gen_start_B[0] :].tolist()
 
 
 def test_rouge_l_and_token_f1():
