@@ -1,5 +1,5 @@
 """Training through `dllm launch` with tensor parallelism: checkpoints reshard across topologies (DCP):
-DP4 -> DP2 x TP2 (sequence parallel) -> one process, each step's loss equal to the uninterrupted
+DP2 (FSDP) -> TP2 (sequence parallel) -> one process, each step's loss equal to the uninterrupted
 one-process run's and the tensor-parallel steps' gradient norms too; `dllm convert --to-hf` of the
 tensor-parallel segment's checkpoint writes the full weights (those of the one-process run, up to the
 summation order of four steps)."""
@@ -47,10 +47,11 @@ def test_tensor_parallel_training_and_resharded_resume(tp_yaml: Path):
     one = _launch(cwd, "one", 1)
     assert [r["step"] for r in one] == [1, 2, 3, 4, 5, 6]
 
-    # one run folder, three topologies: DP4 for steps 1-2, DP2 x TP2 (sequence parallel) for 3-4, one
-    # process for 5-6; every step's loss (and the tensor-parallel steps' gradient norms) as uninterrupted
-    first = _launch(cwd, "mix", 4, "--set", "training.steps=2")
-    second = _launch(cwd, "mix", 4, "--set", "training.steps=4", *TP2)
+    # one run folder, three topologies: DP2 (FSDP shards) for steps 1-2, TP2 (sequence parallel) for 3-4, one
+    # process for 5-6; every step's loss (and the tensor-parallel steps' gradient norms) as uninterrupted.
+    # (DP x TP on 4 processes is tests/distributed/test_tensor_parallel.py's; 2 processes keep this one short.)
+    first = _launch(cwd, "mix", 2, "--set", "training.steps=2")
+    second = _launch(cwd, "mix", 2, "--set", "training.steps=4", *TP2)
     third = _launch(cwd, "mix", 1)
     losses = {r["step"]: r["loss"] for r in [*first, *second, *third]}
     assert sorted(losses) == [1, 2, 3, 4, 5, 6]
@@ -58,7 +59,7 @@ def test_tensor_parallel_training_and_resharded_resume(tp_yaml: Path):
     tp_norms = [r["grad_norm"] for r in second if r["step"] in (3, 4)]  # metrics.jsonl holds the run's every segment
     assert tp_norms == pytest.approx([r["grad_norm"] for r in one[2:4]], rel=1e-4)
 
-    # `convert --to-hf` of the step-4 checkpoint the DP2 x TP2 segment wrote: full tensors, the one-process run's
+    # `convert --to-hf` of the step-4 checkpoint the TP2 segment wrote: full tensors, the one-process run's
     exported = {}
     for name in ("one", "mix"):
         ckpt = f"runs/{name}/checkpoints/step_00000004"
