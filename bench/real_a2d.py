@@ -432,13 +432,11 @@ def main(argv: list[str] | None = None) -> dict:
         if "agreement" in sections:
             prompts = open_prompts[: args.open_prompts]
             result["agreement"] = agreement(ar_answers[: len(prompts)], runs, prompts, args.open_new, args.batch_size)
+        timed, prompts = timed_settings(runs, args.settings), open_prompts[: args.speed_prompts]
         if "speed" in sections:
-            prompts = open_prompts[: args.speed_prompts]
-            result["speed"] = speed(ar, timed_settings(runs, args.settings), prompts, args.open_new, args.rounds,
-                                    args.batches)  # fmt: skip
+            result["speed"] = speed(ar, timed, prompts, args.open_new, args.rounds, args.batches)
         if "confidence" in sections:
-            prompts = open_prompts[: args.speed_prompts]
-            result["confidence"] = confidence(ar, timed_settings(runs, args.settings), prompts, args.open_new)
+            result["confidence"] = confidence(ar, timed, prompts, args.open_new)
     if "likelihood" in sections:  # score_artifact runs its own no-grad forwards
         rows = args.likelihood_rows
         with torch.no_grad():
