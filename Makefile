@@ -6,6 +6,8 @@ TORCH_SPEC ?= torch==2.13.0
 PIP_TORCH_ARGS ?=
 BIN := $(VENV)/bin
 DEMO_DIR ?= demo-run
+# test workers (pytest-xdist), whole files each: the tests pin one thread per process, so one per core
+TEST_WORKERS ?= 2
 
 .PHONY: venv real-model demo test test-fast lint format bench gpu-check clean
 
@@ -35,10 +37,10 @@ demo: venv
 	GLIBC_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=2147483647 $(BIN)/python -m dllm.demo --dir $(DEMO_DIR)
 
 test: venv
-	$(BIN)/python -m pytest -q --durations=25 tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25 tests
 
 test-fast: venv
-	$(BIN)/python -m pytest -q -m "not slow and not distributed" tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow and not distributed" tests
 
 lint: venv
 	$(BIN)/ruff check src tests bench
