@@ -288,3 +288,36 @@ def test_threshold_never_reached_overruns_one_token_per_step(tiny, G):
     # no probability reaches 1: each step commits only each row's most confident position
     assert res.counters.nfe == res.counters.steps == G
     assert res.counters.overrun_steps == G - nblocks
+
+
+@pytest.mark.parametrize("kind", ["canvas", "ragged"])
+def test_a_dropped_cache_frees_its_buffers_without_the_cycle_collector(tiny, kind):
+    """Each layer's buffers hold only a weak reference to their cache: a decoding call's cache (hundreds of MB
+    on a real model) is freed when its last user drops it, not at some later cyclic garbage collection (a
+    process decoding many calls in a row grew by GBs before)."""
+    import gc
+    import weakref
+
+    from dllm.sampling.cache import KVCache
+    from dllm.sampling.causal import Target
+    from dllm.sampling.results import Counters
+
+    gc.collect()
+    gc.disable()
+    try:
+        with torch.inference_mode():
+            if kind == "canvas":
+                cache = KVCache(8).at(0, 4)
+                tiny(torch.tensor([[1, 2, 3, 4]]), torch.arange(4)[None], cache=cache)
+                buffers = [weakref.ref(layer.k_BKTD) for layer in cache.layers.values()]
+            else:
+                cache = Target(tiny, 2, 8, Counters())
+                cache.forward(torch.tensor([[1, 2, 3], [4, 5, 6]]))
+                cache.commit(torch.tensor([3, 2]))
+                cache.forward(torch.tensor([[7], [8]]))  # rows at different lengths: the ragged write
+                buffers = [weakref.ref(layer.k_BKTD) for layer in cache.cache.layers.values()]
+        assert len(buffers) == tiny.cfg.num_layers and all(b() is not None for b in buffers)
+        del cache
+        assert all(b() is None for b in buffers)
+    finally:
+        gc.enable()

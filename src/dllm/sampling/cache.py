@@ -17,6 +17,7 @@ Shapes: B batch, K key/value heads, T canvas length, Q query rows, D head width.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,8 +64,8 @@ class KVCache:
     layers: dict[int, LayerKV] = field(default_factory=dict)
 
     def layer(self, i: int) -> LayerKV:
-        if i not in self.layers:
-            self.layers[i] = LayerKV(self)
+        if i not in self.layers:  # a weak back-reference: no cycle, so the buffers go with the cache's last user
+            self.layers[i] = LayerKV(weakref.proxy(self))
         return self.layers[i]
 
     def allocate(self, num_layers: int, shape_BKD: tuple[int, int, int], like: torch.Tensor) -> KVCache:

@@ -31,6 +31,7 @@ length, V vocabulary, F captured target features.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -114,8 +115,8 @@ class RaggedKVCache:
     layers: dict[int, RaggedLayerKV] = field(default_factory=dict)
 
     def layer(self, i: int) -> RaggedLayerKV:
-        if i not in self.layers:
-            self.layers[i] = RaggedLayerKV(self)
+        if i not in self.layers:  # a weak back-reference: no cycle, so the buffers go with the cache's last user
+            self.layers[i] = RaggedLayerKV(weakref.proxy(self))
         return self.layers[i]
 
     def _buffers(self) -> Iterator[tuple[RaggedLayerKV, str, torch.Tensor]]:
