@@ -329,21 +329,24 @@ def test_cli_errors_are_one_line(dllm, tmp_path: Path, capsys, args: list[str], 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", SMOKE)
 def test_smoke_recipe_trains_in_a_minute(name: str, tmp_path: Path):
-    """Copy, prepare and train with the recipe's own settings: the loss falls, in under 60 s on a CPU."""
+    """Copy, prepare and train with the recipe's own settings: the loss falls, in under 60 s of one CPU core.
+
+    Timed in this process's CPU time (the suite pins one thread per process): `make test` runs two workers
+    on the machine's cores, so the wall time here depends on what the other worker runs."""
     from dllm.training.run import prepare_run_dir, train_from_run_dir
 
     _start_model(name, tmp_path, train=True)  # not timed
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     spec = _copy_and_prepare(name, tmp_path / name)
     if name in TRAIN_STEPS_IN_TEST:
         training = spec.training.model_copy(update={"steps": TRAIN_STEPS_IN_TEST[name]})
         spec = spec.model_copy(update={"training": training})
     losses = train_from_run_dir(prepare_run_dir(spec))
-    elapsed_s = time.perf_counter() - t0
+    elapsed_s = time.process_time() - t0
     if spec.rl is not None:  # one loss per round, near 0 by construction (advantages have mean 0 per group)
         assert len(losses) == spec.training.steps // spec.rl.inner_updates and elapsed_s < 120
         return
     assert len(losses) == spec.training.steps
     first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
     assert last < 0.8 * first, f"{name}: loss {first:.3f} -> {last:.3f}"
-    assert elapsed_s < 60, f"{name} took {elapsed_s:.1f} s"
+    assert elapsed_s < 60, f"{name} took {elapsed_s:.1f} s of CPU time"
