@@ -24,6 +24,14 @@ builds it once, in a cache outside the repository); each converted model is a ru
     region (left to right; the 1st is predicted from a decided left neighbour, the 2nd from a masked one): the
     share at >= 0.9, 0.7 and 0.5 and the median, so forwards per token against each threshold; for the AR
     original the probability of each greedy token it chose (the ceiling of the 1st position);
+(k) ceiling, what threshold decoding could reach with a model that knows exactly what the AR original knows:
+    along the AR original's greedy answers to the --speed-prompts prompts, at each decided prefix, the top
+    probability of the marginal of the 2nd and 3rd undecided positions under the AR original's own next-token
+    distributions (sum over the --ceiling-top most likely 1st tokens, or pairs, of their probability x the
+    AR original's distribution after them; bounded in [counted, counted + the probability left out]), the
+    share of its argmax that is the AR original's greedy token, and the forwards per token of a decode that
+    commits the 2nd and 3rd positions wherever that bound passes each of 0.9, 0.7, 0.5 (a converted model
+    distilled on greedy answers may be surer than this; one that learned the AR original's distributions is not);
 (l) likelihood on --likelihood-rows held-out responses: the AR original's greedy answers to held-out open
     prompts (the distribution the runs were distilled towards, on topics they never saw), prepared as
     the recipes prepare their data (chat turns, the answer supervised); the AR original's exact NLL per
@@ -41,7 +49,8 @@ not answer tokens: the AR original reports more than 1 there too).
 
     python bench/real_a2d.py --run mdlm=RUN_DIR --run fast_dllm_v2=RUN_DIR [--ar-model DIR] [--limit 1000]
         [--open-prompts 100] [--open-new 128] [--speed-prompts 8] [--rounds 3] [--likelihood-rows 200]
-        [--mc-samples 8] [--sections overlap,accuracy,agreement,speed,confidence,likelihood] [--allow-overlap]
+        [--mc-samples 8] [--ceiling-top 16] [--allow-overlap]
+        [--sections overlap,accuracy,agreement,speed,confidence,ceiling,likelihood]
 """
 
 from __future__ import annotations
@@ -65,7 +74,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.real_mo
 from tests import real_model as rm  # noqa: E402
 
 TASKS = ("capitals", "arithmetic", "units", "reverse", "yesno")
-SECTIONS = ("overlap", "accuracy", "agreement", "speed", "confidence", "likelihood")
+SECTIONS = ("overlap", "accuracy", "agreement", "speed", "confidence", "ceiling", "likelihood")
 CUTS = (0.9, 0.7, 0.5)
 _WORD = re.compile(r"\w+")
 
@@ -327,6 +336,108 @@ def confidence(ar, timed: dict, prompts: list[str], num_new: int) -> dict:
     return out
 
 
+# -- (k) ceiling --------------------------------------------------------------------------------------------
+def after_paths(model, full, length: int, rows: list[tuple[int, list[int]]], chunk: int = 64):
+    """For each row (j, path) (paths of one length): P(. | sequence[:j] + path), the AR original's next-token
+    distribution after the first j tokens of the sequence `full` holds (its KV cache over `length` tokens) and
+    the path's tokens. Yields (rows, probs [n, V]) per chunk of rows: each row gets a copy of the cache, cut
+    at j (the causal mask of a row at length j sees only [0, j) and its own path)."""
+    from dllm.sampling.causal import Target
+    from dllm.sampling.results import Counters
+
+    for i in range(0, len(rows), chunk):
+        part = rows[i : i + chunk]
+        q = len(part[0][1])
+        target = Target(model, len(part), length + q, Counters())
+        target.cache.put(list(range(len(part))), full.cache, length, len(part))
+        target.length_B = torch.tensor([j for j, _ in part])
+        logits, _ = target.forward(torch.tensor([path for _, path in part]), torch.full((len(part), 1), q - 1))
+        yield part, logits[:, 0].float().softmax(-1)
+
+
+def lookahead(model, sequence: list[int], start: int, top: int, chunk: int = 64) -> list[dict]:
+    """Along a greedy answer (sequence[start:], after its prompt), at each decided prefix sequence[:j]: how
+    sure a model that knows exactly the AR original's next-token distributions could be of the 2nd and 3rd
+    undecided positions (j + 1, j + 2) without their left neighbours: the top probability of their marginal,
+    P(y | s) = sum over paths x of P(x | s) P(y | s, x), with the paths x the `top` most likely (for the 3rd,
+    the `top` most likely pairs among the `top` 1st tokens x their `top` 2nd ones). Per j: `lo` that top
+    probability over the paths counted, `hi` = lo + the probability of the paths left out (so the true top
+    probability lies in [lo, hi]), and `greedy` whether its argmax is the AR original's own next token there."""
+    from dllm.sampling.causal import Target
+    from dllm.sampling.results import Counters
+
+    n = len(sequence)
+    full = Target(model, 1, n + 2, Counters())
+    logits, _ = full.forward(torch.tensor([sequence]))
+    full.commit(torch.tensor([n]))
+    p1_LV = logits[0].float().softmax(-1)  # p1_LV[i] = P(. | sequence[: i + 1])
+    js = list(range(start, n - 1))  # the 2nd position (index j + 1) is an answer token
+    first = {j: p1_LV[j - 1].topk(top) for j in js}
+    marg2 = {j: torch.zeros_like(p1_LV[0]) for j in js}
+    pairs: dict[int, list[tuple[float, tuple[int, int]]]] = {j: [] for j in js}  # (P(x1, x2 | s), (x1, x2))
+    rows2 = [(j, [x]) for j in js for x in first[j].indices.tolist()]
+    for part, probs in after_paths(model, full, n, rows2, chunk):
+        for (j, (x,)), p in zip(part, probs, strict=True):
+            px = float(p1_LV[j - 1, x])
+            marg2[j] += px * p
+            best = p.topk(top)
+            pairs[j] += [(px * v, (x, y)) for v, y in zip(best.values.tolist(), best.indices.tolist(), strict=True)]
+    kept = {j: sorted(pairs[j], reverse=True)[:top] for j in js if j + 2 < n}  # the 3rd position is one too
+    marg3 = {j: torch.zeros_like(p1_LV[0]) for j in kept}
+    weight = {(j, path): w for j, paths in kept.items() for w, path in paths}
+    rows3 = [(j, list(path)) for j, paths in kept.items() for _, path in paths]
+    for part, probs in after_paths(model, full, n, rows3, chunk):
+        for (j, path), p in zip(part, probs, strict=True):
+            marg3[j] += weight[(j, tuple(path))] * p
+    out: list[dict] = []
+    for j in js:
+        top2 = float(marg2[j].max())
+        row = {"j": j, "lo2": top2, "hi2": top2 + 1 - float(first[j].values.sum()),
+               "greedy2": int(marg2[j].argmax()) == sequence[j + 1]}  # fmt: skip
+        if j in kept:
+            top3 = float(marg3[j].max())
+            row |= {"lo3": top3, "hi3": top3 + 1 - sum(w for w, _ in kept[j]),
+                    "greedy3": int(marg3[j].argmax()) == sequence[j + 2]}  # fmt: skip
+        out.append(row)
+    return out
+
+
+def ceiling(ar, prompts: list[str], num_new: int, top: int) -> dict:
+    """The 2nd and 3rd positions' confidence of a model that knows what the AR original knows (`lookahead`),
+    along the AR original's greedy answers; and the forwards per token of a threshold decode that commits the
+    2nd and 3rd positions (contiguously, after the 1st) wherever that confidence's upper bound passes."""
+    from dllm.sampling.speculative import causal_generate
+
+    s = setup(ar, {"generation": "causal"}, num_new)
+    answers: list[tuple[int, dict[int, dict]]] = []  # per prompt: its answer's length, its rows by j - start
+    for p in prompts:
+        ids = chat_encoder(ar)(p)
+        answer = causal_generate(ar.model, [ids], s.sampler, s.special).sequences[0]
+        rows = lookahead(ar.model, list(ids) + list(answer), len(ids), top) if len(answer) >= 2 else []
+        answers.append((len(answer), {r["j"] - len(ids): r for r in rows}))
+    steps = [r for _, rows in answers for r in rows.values()]
+    out: dict = {"prompts": len(prompts), "new_tokens": num_new, "top": top,
+                 "answer_tokens": sum(n for n, _ in answers)}  # fmt: skip
+    for k in (2, 3):
+        rows = [r for r in steps if f"lo{k}" in r]
+        greedy = sum(r[f"greedy{k}"] for r in rows) / max(len(rows), 1)
+        out[f"position_{k}"] = {"bound_lo": shares([r[f"lo{k}"] for r in rows]),
+                                "bound_hi": shares([min(r[f"hi{k}"], 1.0) for r in rows]),
+                                "argmax_is_greedy": round(greedy, 3)}  # fmt: skip
+    for cut in CUTS:
+        forwards = 0
+        for n, rows in answers:
+            i = 0
+            while i < n:  # one forward at answer index i commits the 1st position, then the 2nd and 3rd if sure
+                r, take = rows.get(i, {}), 1
+                if r.get("hi2", 0.0) >= cut:
+                    take = 3 if r.get("hi3", 0.0) >= cut else 2
+                forwards, i = forwards + 1, i + take
+        out[f"oracle_forwards_per_token_at_{cut:g}"] = round(forwards / max(out["answer_tokens"], 1), 3)
+    progress(f"ceiling: {out}")
+    return out
+
+
 # -- (l) likelihood -----------------------------------------------------------------------------------------
 def prepare_responses(ar, prompts: list[str], responses: list[str], folder: Path) -> Path:
     """The held-out exchanges as an artifact, prepared as the recipes prepare theirs (chat turns)."""
@@ -379,6 +490,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--likelihood-rows", type=int, default=200)
     parser.add_argument("--mc-samples", type=int, default=8)
+    parser.add_argument("--ceiling-top", type=int, default=16, help="ceiling: the 1st tokens (pairs) summed over")
     parser.add_argument("--sections", default=",".join(SECTIONS))
     parser.add_argument(
         "--threshold-sweep",
@@ -437,6 +549,8 @@ def main(argv: list[str] | None = None) -> dict:
             result["speed"] = speed(ar, timed, prompts, args.open_new, args.rounds, args.batches)
         if "confidence" in sections:
             result["confidence"] = confidence(ar, timed, prompts, args.open_new)
+        if "ceiling" in sections:
+            result["ceiling"] = ceiling(ar, prompts, args.open_new, args.ceiling_top)
     if "likelihood" in sections:  # score_artifact runs its own no-grad forwards
         rows = args.likelihood_rows
         with torch.no_grad():

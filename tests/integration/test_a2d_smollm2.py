@@ -111,6 +111,15 @@ def test_the_bench_runs_every_section(runs, capsys):
     assert chosen["n"] > 0 and 0 < chosen["median"] <= 1
     assert result["speed"].keys() == {"prompts", "new_tokens", "rounds", "batch_2"}
     assert result["speed"]["batch_2"]["ar"]["forwards_per_token"] >= 1.0  # a batch steps until its last row ends
+    ceil = result["ceiling"]
+    assert ceil["prompts"] == 2 and ceil["top"] == 16 and ceil["answer_tokens"] > 0
+    for k in (2, 3):
+        lo, hi = ceil[f"position_{k}"]["bound_lo"], ceil[f"position_{k}"]["bound_hi"]
+        assert lo["n"] == hi["n"] > 0 and lo["median"] <= hi["median"] <= 1
+        assert all(lo[f"p>={c}"] <= hi[f"p>={c}"] for c in (0.9, 0.7, 0.5))
+        assert 0 <= ceil[f"position_{k}"]["argmax_is_greedy"] <= 1
+    fpt = [ceil[f"oracle_forwards_per_token_at_{c}"] for c in (0.9, 0.7, 0.5)]
+    assert 1 / 3 <= fpt[2] <= fpt[1] <= fpt[0] <= 1  # at most 3 tokens a forward, more at a lower threshold
 
 
 CERTAINTY_SETS = ["run.name=a2d-smollm2-certainty", "model.init_from=fdv2-export", "objective.certainty.weight=2",
@@ -152,3 +161,60 @@ def test_rouge_l_and_token_f1():
     assert token_f1("b a", "a b") == 1.0  # ... not for the bag of words
     assert token_f1("a a b", "a c") == pytest.approx(2 * (1 / 3) * (1 / 2) / (1 / 3 + 1 / 2))
     assert rouge_l("", "") == 1.0 and token_f1("x", "") == 0.0
+
+
+def _next_plain(model, tokens: list[int]) -> torch.Tensor:
+    """P(. | tokens) from a forward of the whole sequence, no cache (sampling.causal.Recompute)."""
+    from dllm.sampling.causal import Recompute
+    from dllm.sampling.results import Counters
+
+    logits, _ = Recompute(model, 1, len(tokens) + 1, Counters()).forward(torch.tensor([tokens]))
+    return logits[0, -1].float().softmax(-1)
+
+
+def test_the_ceilings_marginals_equal_plain_forwards():
+    """bench/real_a2d.py's ceiling: the 2nd and 3rd positions' marginals under the AR original, computed on
+    copies of one cached forward cut at each prefix, equal sums of whole-sequence forwards without a cache;
+    the bounds hold the top probability of the whole marginal (all paths, not only the `top` counted)."""
+    from bench.real_a2d import after_paths, chat_encoder, lookahead
+
+    from dllm.checkpoint.inference import load_for_inference
+    from dllm.sampling.causal import Target
+    from dllm.sampling.results import Counters
+
+    ar = load_for_inference(model_dir=rm.converted("trunc"))
+    prompt = chat_encoder(ar)(rm.instructions(1)[0])
+    seq = prompt + [int(t) for t in torch.randint(0, 5000, (5,), generator=torch.Generator().manual_seed(0))]
+    start, top = len(prompt), 3
+    with torch.inference_mode():
+        full = Target(ar.model, 1, len(seq) + 2, Counters())
+        full.forward(torch.tensor([seq]))
+        full.commit(torch.tensor([len(seq)]))
+        rows = [(start + 1, [7]), (start + 3, [11]), (start, [5, 9])]  # ragged cuts, and a path of two
+        got = [p for part, probs in after_paths(ar.model, full, len(seq), rows[:2], chunk=1) for p in probs]
+        got += [p for _, probs in after_paths(ar.model, full, len(seq), rows[2:]) for p in probs]
+        for (j, path), p in zip(rows, got, strict=True):
+            torch.testing.assert_close(p, _next_plain(ar.model, seq[:j] + path), atol=1e-5, rtol=1e-4)
+        found = lookahead(ar.model, seq, start, top, chunk=4)
+        assert [r["j"] for r in found] == list(range(start, len(seq) - 1))
+        for r in found[:2]:
+            j = r["j"]
+            p1 = _next_plain(ar.model, seq[:j])
+            xs = p1.topk(top).indices.tolist()
+            after = {x: _next_plain(ar.model, seq[:j] + [x]) for x in xs}
+            marg2 = sum(p1[x] * after[x] for x in xs)
+            assert r["lo2"] == pytest.approx(float(marg2.max()), abs=1e-5)
+            assert r["hi2"] == pytest.approx(float(marg2.max()) + 1 - float(p1[xs].sum()), abs=1e-5)
+            assert r["greedy2"] == (int(marg2.argmax()) == seq[j + 1])
+            pairs = [(float(p1[x] * after[x][y]), (x, y)) for x in xs for y in after[x].topk(top).indices.tolist()]
+            pairs = sorted(pairs, reverse=True)[:top]
+            marg3 = sum(w * _next_plain(ar.model, seq[:j] + list(path)) for w, path in pairs)
+            assert r["lo3"] == pytest.approx(float(marg3.max()), abs=1e-5)
+            assert r["hi3"] == pytest.approx(float(marg3.max()) + 1 - sum(w for w, _ in pairs), abs=1e-5)
+        # the bounds hold more of the marginal than they count: summed over the 64 likeliest 1st tokens, its top
+        # probability is at least the 3 tokens' and at most their bound's
+        j = found[0]["j"]
+        p1 = _next_plain(ar.model, seq[:j])
+        xs = p1.topk(64).indices.tolist()
+        more = float(sum(p1[x] * _next_plain(ar.model, seq[:j] + [x]) for x in xs).max())
+        assert found[0]["lo2"] - 1e-5 <= more <= found[0]["hi2"] + 1e-5
