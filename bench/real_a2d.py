@@ -32,6 +32,8 @@ builds it once, in a cache outside the repository); each converted model is a ru
     share of its argmax that is the AR original's greedy token, and the forwards per token of a decode that
     commits the 2nd and 3rd positions wherever that bound passes each of 0.9, 0.7, 0.5 (a converted model
     distilled on greedy answers may be surer than this; one that learned the AR original's distributions is not);
+    and tau (tokens per target forward) of lossless speculative decoding with a parallel drafter (DFlash: every
+    draft from the context alone) that drafts the argmax of these marginals, 3 drafts a round;
 (l) likelihood on --likelihood-rows held-out responses: the AR original's greedy answers to held-out open
     prompts (the distribution the runs were distilled towards, on topics they never saw), prepared as
     the recipes prepare their data (chat turns, the answer supervised); the AR original's exact NLL per
@@ -434,6 +436,14 @@ def ceiling(ar, prompts: list[str], num_new: int, top: int) -> dict:
                     take = 3 if r.get("hi3", 0.0) >= cut else 2
                 forwards, i = forwards + 1, i + take
         out[f"oracle_forwards_per_token_at_{cut:g}"] = round(forwards / max(out["answer_tokens"], 1), 3)
+    rounds = 0
+    for n, rows in answers:  # speculative decoding with a parallel drafter (DFlash) that knows these marginals
+        i = 0
+        while i < n:  # its drafts: the argmax of the 1st (the greedy token), 2nd and 3rd positions' marginals
+            r = rows.get(i, {})
+            kept = 1 + bool(r.get("greedy2")) + bool(r.get("greedy2") and r.get("greedy3"))
+            rounds, i = rounds + 1, i + kept + 1  # the drafts kept, then the target's own token
+        out["parallel_drafter_tau_3_drafts"] = round(out["answer_tokens"] / max(rounds, 1), 3)
     progress(f"ceiling: {out}")
     return out
 

@@ -120,6 +120,7 @@ def test_the_bench_runs_every_section(runs, capsys):
         assert 0 <= ceil[f"position_{k}"]["argmax_is_greedy"] <= 1
     fpt = [ceil[f"oracle_forwards_per_token_at_{c}"] for c in (0.9, 0.7, 0.5)]
     assert 1 / 3 <= fpt[2] <= fpt[1] <= fpt[0] <= 1  # at most 3 tokens a forward, more at a lower threshold
+    assert 1 < ceil["parallel_drafter_tau_3_drafts"] <= 4  # its 1st draft is always kept, then the target's token
 
 
 CERTAINTY_SETS = ["run.name=a2d-smollm2-certainty", "model.init_from=fdv2-export", "objective.certainty.weight=2",
