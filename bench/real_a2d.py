@@ -406,8 +406,10 @@ def lookahead(model, sequence: list[int], start: int, top: int, chunk: int = 64)
 
 def ceiling(ar, prompts: list[str], num_new: int, top: int) -> dict:
     """The 2nd and 3rd positions' confidence of a model that knows what the AR original knows (`lookahead`),
-    along the AR original's greedy answers; and the forwards per token of a threshold decode that commits the
-    2nd and 3rd positions (contiguously, after the 1st) wherever that confidence's upper bound passes."""
+    along the AR original's greedy answers; the forwards per token of a threshold decode that commits the
+    2nd and 3rd positions (contiguously, after the 1st) wherever that confidence's upper bound passes; and the
+    tau of a parallel drafter whose 3 drafts a round are those marginals' argmax (kept while they are the
+    greedy tokens)."""
     from dllm.sampling.speculative import causal_generate
 
     s = setup(ar, {"generation": "causal"}, num_new)
@@ -443,7 +445,7 @@ def ceiling(ar, prompts: list[str], num_new: int, top: int) -> dict:
             r = rows.get(i, {})
             kept = 1 + bool(r.get("greedy2")) + bool(r.get("greedy2") and r.get("greedy3"))
             rounds, i = rounds + 1, i + kept + 1  # the drafts kept, then the target's own token
-        out["parallel_drafter_tau_3_drafts"] = round(out["answer_tokens"] / max(rounds, 1), 3)
+    out["parallel_drafter_tau_3_drafts"] = round(out["answer_tokens"] / max(rounds, 1), 3)
     progress(f"ceiling: {out}")
     return out
 
