@@ -309,16 +309,26 @@ class Recording:
         return self.policy.step(prop, state)
 
 
-def confidence(ar, timed: dict, prompts: list[str], num_new: int) -> dict:
-    from dllm.sampling.generate import Loop
+def ar_greedy(ar, prompts: list[str], num_new: int) -> list[tuple[list[int], list[int], torch.Tensor]]:
+    """The AR original's greedy answer to each prompt at batch 1 (KV cache): (prompt ids, answer ids, the
+    answer's logits [n, V]); the confidence and ceiling sections read the same answers."""
     from dllm.sampling.speculative import causal_generate
 
-    out: dict = {"prompts": len(prompts), "new_tokens": num_new}
-    s = setup(ar, {"generation": "causal"}, num_new)
-    chosen: list[float] = []
+    s, out = setup(ar, {"generation": "causal"}, num_new), []
     for p in prompts:
-        got = causal_generate(ar.model, [chat_encoder(ar)(p)], s.sampler, s.special, return_logits=True)
-        chosen += got.logits_BNV[0, : len(got.sequences[0])].float().softmax(-1).amax(-1).tolist()
+        ids = chat_encoder(ar)(p)
+        got = causal_generate(ar.model, [ids], s.sampler, s.special, return_logits=True)
+        answer = list(got.sequences[0])
+        out.append((list(ids), answer, got.logits_BNV[0, : len(answer)]))
+    return out
+
+
+def confidence(ar_answers: list, timed: dict, prompts: list[str], num_new: int) -> dict:
+    """`ar_answers`: `ar_greedy` of `prompts`."""
+    from dllm.sampling.generate import Loop
+
+    out: dict = {"prompts": len(prompts), "new_tokens": num_new}
+    chosen = [v for _, _, logits in ar_answers for v in logits.float().softmax(-1).amax(-1).tolist()]
     out["ar"] = {"chosen_token": shares(chosen)}
     for name, (loaded, fields) in timed.items():
         s = setup(loaded, fields, num_new)
@@ -404,48 +414,41 @@ def lookahead(model, sequence: list[int], start: int, top: int, chunk: int = 64)
     return out
 
 
-def ceiling(ar, prompts: list[str], num_new: int, top: int) -> dict:
+def ceiling(ar, ar_answers: list, num_new: int, top: int) -> dict:
     """The 2nd and 3rd positions' confidence of a model that knows what the AR original knows (`lookahead`),
-    along the AR original's greedy answers; the forwards per token of a threshold decode that commits the
-    2nd and 3rd positions (contiguously, after the 1st) wherever that confidence's upper bound passes; and the
-    tau of a parallel drafter whose 3 drafts a round are those marginals' argmax (kept while they are the
-    greedy tokens)."""
-    from dllm.sampling.speculative import causal_generate
-
-    s = setup(ar, {"generation": "causal"}, num_new)
+    along the AR original's greedy answers (`ar_greedy`); the forwards per token of a threshold decode that
+    commits the 2nd and 3rd positions (contiguously, after the 1st) wherever that confidence's upper bound
+    passes; and the tau of a parallel drafter whose 3 drafts a round are those marginals' argmax (kept while
+    they are the greedy tokens)."""
     answers: list[tuple[int, dict[int, dict]]] = []  # per prompt: its answer's length, its rows by j - start
-    for p in prompts:
-        ids = chat_encoder(ar)(p)
-        answer = causal_generate(ar.model, [ids], s.sampler, s.special).sequences[0]
-        rows = lookahead(ar.model, list(ids) + list(answer), len(ids), top) if len(answer) >= 2 else []
+    for ids, answer, _ in ar_answers:
+        rows = lookahead(ar.model, ids + answer, len(ids), top) if len(answer) >= 2 else []
         answers.append((len(answer), {r["j"] - len(ids): r for r in rows}))
     steps = [r for _, rows in answers for r in rows.values()]
-    out: dict = {"prompts": len(prompts), "new_tokens": num_new, "top": top,
-                 "answer_tokens": sum(n for n, _ in answers)}  # fmt: skip
-    for k in (2, 3):
-        rows = [r for r in steps if f"lo{k}" in r]
-        greedy = sum(r[f"greedy{k}"] for r in rows) / max(len(rows), 1)
-        out[f"position_{k}"] = {"bound_lo": shares([r[f"lo{k}"] for r in rows]),
-                                "bound_hi": shares([min(r[f"hi{k}"], 1.0) for r in rows]),
-                                "argmax_is_greedy": round(greedy, 3)}  # fmt: skip
-    for cut in CUTS:
-        forwards = 0
+    tokens = sum(n for n, _ in answers)
+    out: dict = {"prompts": len(ar_answers), "new_tokens": num_new, "top": top, "answer_tokens": tokens}
+
+    def forwards(advance) -> int:
+        """Forwards along every answer when the one at answer index i moves on by advance(its row) tokens."""
+        count = 0
         for n, rows in answers:
             i = 0
-            while i < n:  # one forward at answer index i commits the 1st position, then the 2nd and 3rd if sure
-                r, take = rows.get(i, {}), 1
-                if r.get("hi2", 0.0) >= cut:
-                    take = 3 if r.get("hi3", 0.0) >= cut else 2
-                forwards, i = forwards + 1, i + take
-        out[f"oracle_forwards_per_token_at_{cut:g}"] = round(forwards / max(out["answer_tokens"], 1), 3)
-    rounds = 0
-    for n, rows in answers:  # speculative decoding with a parallel drafter (DFlash) that knows these marginals
-        i = 0
-        while i < n:  # its drafts: the argmax of the 1st (the greedy token), 2nd and 3rd positions' marginals
-            r = rows.get(i, {})
-            kept = 1 + bool(r.get("greedy2")) + bool(r.get("greedy2") and r.get("greedy3"))
-            rounds, i = rounds + 1, i + kept + 1  # the drafts kept, then the target's own token
-    out["parallel_drafter_tau_3_drafts"] = round(out["answer_tokens"] / max(rounds, 1), 3)
+            while i < n:
+                count, i = count + 1, i + advance(rows.get(i, {}))
+        return count
+
+    for k in (2, 3):
+        have = [r for r in steps if f"lo{k}" in r]
+        greedy = sum(r[f"greedy{k}"] for r in have) / max(len(have), 1)
+        out[f"position_{k}"] = {"bound_lo": shares([r[f"lo{k}"] for r in have]),
+                                "bound_hi": shares([min(r[f"hi{k}"], 1.0) for r in have]),
+                                "argmax_is_greedy": round(greedy, 3)}  # fmt: skip
+    for cut in CUTS:  # the 1st position, then the 2nd and the 3rd while sure
+        sure = forwards(lambda r, c=cut: 1 + (r.get("hi2", 0.0) >= c) * (1 + (r.get("hi3", 0.0) >= c)))
+        out[f"oracle_forwards_per_token_at_{cut:g}"] = round(sure / max(tokens, 1), 3)
+    # the drafts kept (the 1st, the greedy token, always), then the target's own token
+    drafted = forwards(lambda r: 2 + bool(r.get("greedy2")) + bool(r.get("greedy2") and r.get("greedy3")))
+    out["parallel_drafter_tau_3_drafts"] = round(tokens / max(drafted, 1), 3)
     progress(f"ceiling: {out}")
     return out
 
@@ -559,10 +562,12 @@ def main(argv: list[str] | None = None) -> dict:
         timed, prompts = timed_settings(runs, args.settings), open_prompts[: args.speed_prompts]
         if "speed" in sections:
             result["speed"] = speed(ar, timed, prompts, args.open_new, args.rounds, args.batches)
+        if sections & {"confidence", "ceiling"}:
+            greedy = ar_greedy(ar, prompts, args.open_new)
         if "confidence" in sections:
-            result["confidence"] = confidence(ar, timed, prompts, args.open_new)
+            result["confidence"] = confidence(greedy, timed, prompts, args.open_new)
         if "ceiling" in sections:
-            result["ceiling"] = ceiling(ar, prompts, args.open_new, args.ceiling_top)
+            result["ceiling"] = ceiling(ar, greedy, args.open_new, args.ceiling_top)
     if "likelihood" in sections:  # score_artifact runs its own no-grad forwards
         rows = args.likelihood_rows
         with torch.no_grad():

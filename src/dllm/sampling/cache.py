@@ -29,6 +29,7 @@ class LayerKV:
     """One layer's buffers [B, K, T, D] (allocated on the first write)."""
 
     owner: KVCache
+    """The cache holding this layer, as a weak proxy: no reference cycle, so a dropped cache is freed at once."""
     k_BKTD: torch.Tensor | None = None
     v_BKTD: torch.Tensor | None = None
     recurrent: Any = None
@@ -64,7 +65,7 @@ class KVCache:
     layers: dict[int, LayerKV] = field(default_factory=dict)
 
     def layer(self, i: int) -> LayerKV:
-        if i not in self.layers:  # a weak back-reference: no cycle, so the buffers go with the cache's last user
+        if i not in self.layers:
             self.layers[i] = LayerKV(weakref.proxy(self))
         return self.layers[i]
 

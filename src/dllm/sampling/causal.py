@@ -58,6 +58,7 @@ class RaggedLayerKV:
     """One layer's key/value buffers [B, K, T, D] (allocated on the first write)."""
 
     owner: RaggedKVCache
+    """The cache holding this layer, as a weak proxy: no reference cycle, so a dropped cache is freed at once."""
     k_BKTD: torch.Tensor | None = None
     v_BKTD: torch.Tensor | None = None
     bases: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -115,7 +116,7 @@ class RaggedKVCache:
     layers: dict[int, RaggedLayerKV] = field(default_factory=dict)
 
     def layer(self, i: int) -> RaggedLayerKV:
-        if i not in self.layers:  # a weak back-reference: no cycle, so the buffers go with the cache's last user
+        if i not in self.layers:
             self.layers[i] = RaggedLayerKV(weakref.proxy(self))
         return self.layers[i]
 
