@@ -373,6 +373,55 @@ def test_a_drafter_run_trains_exports_and_checks_its_target(workdir: Path, capsy
         assert err.startswith("dllm: error: ") and err.count("\n") == 1 and message in err, err
 
 
+def test_init_from_target_starts_the_blocks_and_final_norm_from_copies_of_the_targets():
+    target = make_target()
+    drafter = make_drafter(target, num_layers=2)
+    drafter.init_from_target(target, (2, 0))
+    for block, i in ((drafter.layers[0], 2), (drafter.layers[1], 0)):
+        mine, theirs = block.state_dict(), target.layers[i].state_dict()
+        assert mine.keys() == theirs.keys()
+        for k, v in mine.items():
+            torch.testing.assert_close(v, theirs[k], atol=0, rtol=0)
+            assert v.data_ptr() != theirs[k].data_ptr()  # a copy: training the drafter leaves the target alone
+    torch.testing.assert_close(drafter.norm.weight, target.norm.weight, atol=0, rtol=0)
+    assert all(p.data_ptr() != q.data_ptr() for p in drafter.parameters() for q in target.parameters())
+    with pytest.raises(ValueError, match="one target block per drafter block"):
+        drafter.init_from_target(target, (0,))
+
+
+def test_init_from_target_is_checked_before_any_worker_starts():
+    from dllm.checkpoint.inference import drafter_config
+    from dllm.errors import ConfigError
+
+    with pytest.raises(ValueError, match="names 1 target blocks for 2 drafter blocks"):
+        DFlashDistillationConfig(target="t", target_layer_ids=[0], num_layers=2, init_from_target=[1])
+    with pytest.raises(ValueError, match="only architecture dllm's blocks"):
+        DFlashDistillationConfig(target="t", target_layer_ids=[0], architecture="dflash", init_from_target=[1])
+    obj = DFlashDistillationConfig(target="t", target_layer_ids=[0], num_layers=2, init_from_target=[2, 3])
+    with pytest.raises(ConfigError, match=r"objective.init_from_target: \[3\] are outside the target's 3 layers"):
+        drafter_config(obj, make_target().cfg, MASK)
+
+
+def test_a_drafter_run_starts_from_the_target_blocks_it_names(workdir: Path):
+    from dllm.training.build import build_trainer
+    from dllm.training.preflight import resolve_run_spec
+    from dllm.training.run import prepare_run_dir
+    from tests.helpers import load_spec, tiny_train_values, write_yaml
+
+    write_causal_target(workdir / "target")
+    objective = {"name": "dflash_distillation", "target": "target", "target_layer_ids": [0, 2], "block_size": 4,
+                 "num_anchors": 4, "num_layers": 2, "init_from_target": [1, 2]}  # fmt: skip
+    train_yaml = write_yaml(workdir / "train.yaml", tiny_train_values(objective=objective))
+    spec, _ = resolve_run_spec(load_spec(train_yaml))
+    trainer = build_trainer(spec, prepare_run_dir(spec))
+    target, drafter = trainer.objective.target, trainer.model
+    for block, i in zip(drafter.layers, (1, 2), strict=True):
+        for k, v in block.state_dict().items():
+            torch.testing.assert_close(v, target.layers[i].state_dict()[k], atol=0, rtol=0)
+    torch.testing.assert_close(drafter.norm.weight, target.norm.weight, atol=0, rtol=0)
+    trainer.metrics.close()
+
+
 def test_a_drafter_run_refuses_a_target_that_is_not_causal(workdir: Path, capsys: pytest.CaptureFixture[str]):
     from dllm.cli.main import main as dllm
     from dllm.config.data import TokenizerConfig

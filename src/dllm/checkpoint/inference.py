@@ -305,7 +305,7 @@ def drafter_config(obj, target_cfg: ModelConfig, mask_id: int):
     from dllm.config.drafter import DFlashConfig
 
     try:
-        return DFlashConfig(
+        cfg = DFlashConfig(
             num_layers=obj.num_layers, block_size=obj.block_size, target_layer_ids=tuple(obj.target_layer_ids),
             mask_id=mask_id, target=target_cfg, architecture=obj.architecture,
         )  # fmt: skip
@@ -313,3 +313,8 @@ def drafter_config(obj, target_cfg: ModelConfig, mask_id: int):
         msg = e.errors()[0]["msg"].removeprefix("Value error, ")
         fix = "" if msg.startswith(("architecture", "a target with")) else "; fix target_layer_ids"
         raise ConfigError(f"objective (dflash_distillation): {msg} (target {obj.target}){fix}") from None
+    outside = [i for i in obj.init_from_target or () if not 0 <= i < target_cfg.num_layers]
+    if outside:
+        raise ConfigError(f"objective.init_from_target: {outside} are outside the target's {target_cfg.num_layers} "
+                          f"layers (0-based) (target {obj.target})")  # fmt: skip
+    return cfg

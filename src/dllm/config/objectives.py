@@ -235,12 +235,21 @@ class DFlashDistillationConfig(Section):
     """gamma of the weight exp(-(k-1)/gamma) of the k-th proposal (early ones decide acceptance); null: all 1."""
     feature_cache: RelPath | None = None
     """Folder of the target's precomputed features (built by one pass when missing); null: run the target per step."""
+    init_from_target: list[Int] | None = None
+    """Target blocks (0-based, one per drafter block) copied into the drafter's, with the final norm; null: random."""
 
     @model_validator(mode="after")
     def _labels_of_ce(self) -> DFlashDistillationConfig:
         if self.labels == "data" and self.loss == "kl":
             raise ValueError("labels: data gives next tokens, not the target's distribution that loss kl needs; "
                              "use loss ce or labels target")  # fmt: skip
+        init = self.init_from_target
+        if init is not None and len(init) != self.num_layers:
+            raise ValueError(f"init_from_target names {len(init)} target blocks for {self.num_layers} drafter blocks "
+                             "(num_layers): name one per drafter block")  # fmt: skip
+        if init is not None and self.architecture != "dllm":
+            raise ValueError(f"init_from_target copies target blocks, which only architecture dllm's blocks (the "
+                             f"target's layout) can take, not {self.architecture}'s; leave it unset")  # fmt: skip
         return self
 
     def decode_facts(self) -> dict[str, Any]:

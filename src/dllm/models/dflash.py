@@ -257,6 +257,18 @@ class DFlashDrafter(nn.Module):
         Transformer.init_weights(self, generator)  # type: ignore[arg-type]
 
     @torch.no_grad()
+    def init_from_target(self, target: Transformer, layer_ids: list[int] | tuple[int, ...]) -> None:
+        """Start block i from a copy of the target's block layer_ids[i] and the final norm from the target's
+        (architecture dllm: the blocks have the target's layout), instead of a random initialisation."""
+        if len(layer_ids) != len(self.layers) or self.dcfg.architecture != "dllm":
+            raise ValueError(f"init_from_target: one target block per drafter block ({len(self.layers)}) of "
+                             f"architecture dllm, not {len(layer_ids)} for {self.dcfg.architecture}")  # fmt: skip
+        for block, i in zip(self.layers, layer_ids, strict=True):
+            block.load_state_dict(target.layers[i].state_dict())
+        if target.norm is not None:
+            self.norm.load_state_dict(target.norm.state_dict())
+
+    @torch.no_grad()
     def init_buffers(self) -> None:
         self.inv_freq.copy_(rope_inv_freq(self.cfg.dim_per_head, self.cfg.rope_theta).to(self.inv_freq.device))
 

@@ -130,6 +130,8 @@ def build_drafter(
     if env.is_main or not env.distributed:
         init = DFlashDrafter(cfg)
         init.init_weights(torch.Generator().manual_seed(spec.training.seed))
+        if spec.objective.init_from_target is not None:  # type: ignore[union-attr]
+            init.init_from_target(target.model, spec.objective.init_from_target)  # type: ignore[union-attr,arg-type]
         full = init.state_dict()
     materialize(model, full, device, env)
     target.model.to(device)
