@@ -400,6 +400,13 @@ def test_init_from_target_is_checked_before_any_worker_starts():
     obj = DFlashDistillationConfig(target="t", target_layer_ids=[0], num_layers=2, init_from_target=[2, 3])
     with pytest.raises(ConfigError, match=r"objective.init_from_target: \[3\] are outside the target's 3 layers"):
         drafter_config(obj, make_target().cfg, MASK)
+    # a target whose first block has no input norm: only that block fits a drafter's first block
+    bare_first = make_target(first_layer_attn_norm=False).cfg
+    obj = DFlashDistillationConfig(target="t", target_layer_ids=[0], num_layers=2, init_from_target=[2, 1])
+    with pytest.raises(ConfigError, match="target block 2 has other weights than drafter block 0"):
+        drafter_config(obj, bare_first, MASK)
+    obj = DFlashDistillationConfig(target="t", target_layer_ids=[0], num_layers=2, init_from_target=[0, 1])
+    assert drafter_config(obj, bare_first, MASK).num_layers == 2
 
 
 def test_a_drafter_run_starts_from_the_target_blocks_it_names(workdir: Path):

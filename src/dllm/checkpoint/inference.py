@@ -317,4 +317,11 @@ def drafter_config(obj, target_cfg: ModelConfig, mask_id: int):
     if outside:
         raise ConfigError(f"objective.init_from_target: {outside} are outside the target's {target_cfg.num_layers} "
                           f"layers (0-based) (target {obj.target})")  # fmt: skip
+    if obj.init_from_target is not None:
+        from dllm.models.dflash import DFlashDrafter
+
+        try:
+            DFlashDrafter.check_init_from_target(cfg, obj.init_from_target)
+        except ValueError as e:
+            raise ConfigError(f"objective.init_from_target: {e} (target {obj.target})") from None
     return cfg

@@ -256,13 +256,28 @@ class DFlashDrafter(nn.Module):
         """The native transformer's initialisation (normal(0, init_std), scaled residual outputs, norms 1)."""
         Transformer.init_weights(self, generator)  # type: ignore[arg-type]
 
+    @staticmethod
+    def check_init_from_target(cfg: DFlashConfig, layer_ids: list[int] | tuple[int, ...]) -> None:
+        """ValueError unless target block layer_ids[i] has drafter block i's weights (names and shapes): one
+        per block, architecture dllm (the target's layout), and no block of another kind (the target's first
+        block may lack an input norm, a mixture-of-experts or linear-attention block has other weights)."""
+        if len(layer_ids) != cfg.num_layers or cfg.architecture != "dllm":
+            raise ValueError(f"one target block per drafter block ({cfg.num_layers}) of architecture dllm, "
+                             f"not {len(layer_ids)} for {cfg.architecture}")  # fmt: skip
+        with torch.device("meta"):
+            for i, j in enumerate(layer_ids):
+                mine = {k: v.shape for k, v in Block(cfg.block_config, None, i).state_dict().items()}  # type: ignore[arg-type]
+                theirs = {k: v.shape for k, v in Block(cfg.target, None, j).state_dict().items()}  # type: ignore[arg-type]
+                differ = ", ".join(sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))[:3])
+                if differ:
+                    raise ValueError(f"target block {j} has other weights than drafter block {i} ({differ}); "
+                                     "name another")  # fmt: skip
+
     @torch.no_grad()
     def init_from_target(self, target: Transformer, layer_ids: list[int] | tuple[int, ...]) -> None:
         """Start block i from a copy of the target's block layer_ids[i] and the final norm from the target's
         (architecture dllm: the blocks have the target's layout), instead of a random initialisation."""
-        if len(layer_ids) != len(self.layers) or self.dcfg.architecture != "dllm":
-            raise ValueError(f"init_from_target: one target block per drafter block ({len(self.layers)}) of "
-                             f"architecture dllm, not {len(layer_ids)} for {self.dcfg.architecture}")  # fmt: skip
+        self.check_init_from_target(self.dcfg, layer_ids)
         for block, i in zip(self.layers, layer_ids, strict=True):
             block.load_state_dict(target.layers[i].state_dict())
         if target.norm is not None:
