@@ -34,11 +34,13 @@ VISION = dict(model_type="gemma4_vision", hidden_size=16, intermediate_size=16, 
               pooling_kernel_size=1)  # fmt: skip
 
 
-def _reference():
+def _reference(tied: bool = True):
+    """`tied=False`: an untied head, which unties the reference's encoder from its decoder too; the encoder is
+    then given the decoder's values (the native model runs one stack for both)."""
     from transformers.models.diffusion_gemma import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
 
     torch.manual_seed(0)
-    cfg = DiffusionGemmaConfig(text_config=TEXT, vision_config=VISION, canvas_length=C)
+    cfg = DiffusionGemmaConfig(text_config=TEXT, vision_config=VISION, canvas_length=C, tie_word_embeddings=tied)
     model = DiffusionGemmaForBlockDiffusion(cfg).eval()
     with torch.no_grad():  # norms start at 1 and router scales at 1: make every weight matter
         for p in model.parameters():
@@ -47,6 +49,11 @@ def _reference():
         for dec, enc in zip(decoder.layers, encoder.layers, strict=True):  # buffers, not tied: set both alike
             dec.layer_scalar.fill_(float(torch.rand(())) + 0.5)
             enc.layer_scalar.copy_(dec.layer_scalar)
+        if not tied:
+            enc_state = encoder.state_dict()
+            for k, v in decoder.state_dict().items():
+                if k in enc_state:
+                    enc_state[k].copy_(v)
     return model
 
 
@@ -132,6 +139,29 @@ def test_export_loads_back_in_transformers(pair, tmp_path: Path):
     with torch.no_grad():
         assert _max_diff(_theirs(back, x).logits, _theirs(hf, x).logits) <= 1e-5
     again = _import(tmp_path / "out")
+    for k, v in ours.state_dict().items():
+        assert torch.equal(again.state_dict()[k], v), k
+
+
+def test_untied_export_writes_every_weight(tmp_path: Path):
+    """An untied head unties the reference's encoder as well: the export writes the encoder's weights, so
+    transformers loads the folder with our logits (not a random encoder), and it imports back equal."""
+    from transformers.models.diffusion_gemma import DiffusionGemmaForBlockDiffusion
+
+    hf = _reference(tied=False)
+    hf.save_pretrained(tmp_path / "hf")
+    ours = _import(tmp_path / "hf")
+    assert not ours.cfg.tie_embeddings
+    x = _inputs(padded=True)
+    with torch.no_grad():
+        assert _max_diff(_ours(ours, x).logits()[:, P:], _theirs(hf, x).logits) <= 1e-4
+    export_hf(ours.state_dict(), ours.cfg, tmp_path / "out")
+    back = DiffusionGemmaForBlockDiffusion.from_pretrained(str(tmp_path / "out")).eval()
+    assert not back.config.tie_word_embeddings
+    with torch.no_grad():
+        assert _max_diff(_theirs(back, x).logits, _ours(ours, x).logits()[:, P:]) <= 1e-4
+    again = _import(tmp_path / "out")
+    assert again.cfg == ours.cfg
     for k, v in ours.state_dict().items():
         assert torch.equal(again.state_dict()[k], v), k
 

@@ -255,11 +255,13 @@ def _hf_name(name: str, cfg: ModelConfig) -> str:
 
 
 def _to_hf(sd: StateDict, cfg: ModelConfig) -> StateDict:
-    """DiffusionGemma's encoder layer scalars, buffers the reference does not tie, written as the decoder's
-    (Gemma 4's text model has no encoder)."""
+    """DiffusionGemma's encoder text weights written as copies of the decoder's (Gemma 4's text model has no
+    encoder): the layer scalars always (buffers the reference never ties), and every weight when the head is
+    untied, since `tie_word_embeddings: false` also unties the reference's encoder from its decoder."""
     if not cfg.canvas_conditioning:
         return sd
-    for k in [k for k in sd if k.endswith("layer_scalar")]:
+    shared = [k for k in sd if k.startswith("model.decoder.") and ".self_conditioning." not in k]
+    for k in shared if not cfg.tie_embeddings else [k for k in shared if k.endswith("layer_scalar")]:
         sd[k.replace("model.decoder.", "model.encoder.language_model.", 1)] = sd[k].clone()
     return sd
 
