@@ -34,13 +34,14 @@ VISION = dict(model_type="gemma4_vision", hidden_size=16, intermediate_size=16, 
               pooling_kernel_size=1)  # fmt: skip
 
 
-def _reference(tied: bool = True):
+def _reference(tied: bool = True, vocab_size: int = V):
     """`tied=False`: an untied head, which unties the reference's encoder from its decoder too; the encoder is
     then given the decoder's values (the native model runs one stack for both)."""
     from transformers.models.diffusion_gemma import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
 
     torch.manual_seed(0)
-    cfg = DiffusionGemmaConfig(text_config=TEXT, vision_config=VISION, canvas_length=C, tie_word_embeddings=tied)
+    text = {**TEXT, "vocab_size": vocab_size}
+    cfg = DiffusionGemmaConfig(text_config=text, vision_config=VISION, canvas_length=C, tie_word_embeddings=tied)
     model = DiffusionGemmaForBlockDiffusion(cfg).eval()
     with torch.no_grad():  # norms start at 1 and router scales at 1: make every weight matter
         for p in model.parameters():

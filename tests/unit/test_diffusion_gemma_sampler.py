@@ -21,13 +21,16 @@ PAD, EOS, MASK, SEED = 0, 27, V - 1, 11  # EOS: an id these canvases produce, so
 PROFILE = DecodeProfile(attention="prefix_canvas", block_size=C, corruption="uniform", mask_id=MASK, pad_id=PAD,
                         eos_id=EOS, num_tokens=V, max_length=64)  # fmt: skip
 SPECIAL = SpecialIds.of(PROFILE)
+WIDE_V = 384  # a model vocabulary larger than the byte tokenizer's 260 ids
 
 
 def _sampler(**values) -> SamplerConfig:
     return resolve_sampler(SamplerConfig(**values), PROFILE)
 
 
-def _reference_generate(hf, clean: torch.Tensor, valid: torch.Tensor, cfg: SamplerConfig) -> torch.Tensor:
+def _reference_generate(
+    hf, clean: torch.Tensor, valid: torch.Tensor, cfg: SamplerConfig, special: SpecialIds = SPECIAL
+) -> torch.Tensor:
     from transformers.models.diffusion_gemma.generation_diffusion_gemma import EntropyBoundSamplerConfig
 
     torch.manual_seed(SEED)
@@ -36,7 +39,7 @@ def _reference_generate(hf, clean: torch.Tensor, valid: torch.Tensor, cfg: Sampl
         max_denoising_steps=cfg.total_steps // cfg.num_blocks, t_min=cfg.denoise_t_min, t_max=cfg.denoise_t_max,
         sampler_config=EntropyBoundSamplerConfig(entropy_bound=cfg.denoise_entropy_bound),
         stability_threshold=cfg.denoise_stability_threshold, confidence_threshold=cfg.denoise_confidence_threshold,
-        pad_token_id=PAD, eos_token_id=EOS,
+        pad_token_id=special.pad_id, eos_token_id=special.eos_id,
     )  # fmt: skip
     return out.sequences
 
@@ -46,28 +49,70 @@ def _greedy_reference(monkeypatch) -> None:
     monkeypatch.setattr(torch, "multinomial", lambda probs, num_samples, **kw: probs.argmax(-1, keepdim=True))
 
 
-def _ours(model, prompts: list[list[int]], cfg: SamplerConfig, callback=None):
-    return generate(model, prompts, cfg, SPECIAL, generator=torch.Generator().manual_seed(SEED), callback=callback)
+def _ours(model, prompts: list[list[int]], cfg: SamplerConfig, callback=None, special: SpecialIds = SPECIAL):
+    return generate(model, prompts, cfg, special, generator=torch.Generator().manual_seed(SEED), callback=callback)
 
 
-@pytest.mark.parametrize("greedy", [True, False])
-@pytest.mark.parametrize("entropy_bound", [0.1, 10.0])  # one token a step (entropies ~4), or about three
-# never stopping early; or rows stopping at different steps (mean entropies fall below 4.05 at steps 4 and 5)
-@pytest.mark.parametrize("stability,confidence", [(1, 2.0), (0, 4.05)])
-@pytest.mark.parametrize("cache", [True, False])  # the clean rows' keys and values kept, or recomputed each step
-def test_sequences_match_the_generation_mixin(pair, monkeypatch, greedy, entropy_bound, stability, confidence, cache):  # noqa: F811
-    hf, ours, _ = pair
+SETTINGS = pytest.mark.parametrize(
+    "greedy,entropy_bound,stability,confidence,cache",
+    [  # entropy bound: one token a step (entropies ~4), or about three; stopping: never early, or rows
+        # stopping at different steps (mean entropies fall below 4.05 at steps 4 and 5); the cache: the clean
+        # rows' keys and values kept, or recomputed each step
+        (greedy, bound, stability, confidence, cache)
+        for greedy in (True, False) for bound in (0.1, 10.0) for stability, confidence in ((1, 2.0), (0, 4.05))
+        for cache in (True, False)
+    ],
+)  # fmt: skip
+
+
+def _check_sequences(hf, ours, special: SpecialIds, monkeypatch, greedy, entropy_bound, stability, confidence, cache):
+    """Two canvases after left-padded prompts: our sequences are the generation mixin's."""
     cfg = _sampler(gen_length=2 * C, steps=12, temperature=0 if greedy else 1, denoise_entropy_bound=entropy_bound,
                    denoise_stability_threshold=stability, denoise_confidence_threshold=confidence,
                    denoise_cache=cache)  # fmt: skip
     x = _inputs(padded=True)
     if greedy:
         _greedy_reference(monkeypatch)
-    want = _reference_generate(hf, x["clean"], x["valid"], cfg)
+    clean = x["clean"].masked_fill(~x["valid"], special.pad_id)  # left padding with the pad id, as ours
+    want = _reference_generate(hf, clean, x["valid"], cfg, special)
     prompts = [row[valid].tolist() for row, valid in zip(x["clean"], x["valid"], strict=True)]
-    got = _ours(ours, prompts, cfg)
+    got = _ours(ours, prompts, cfg, special=special)
     assert got.canvas_BL.shape == want.shape == (2, P + 2 * C)
     assert torch.equal(got.canvas_BL, want), (got.canvas_BL, want)
+
+
+@SETTINGS
+def test_sequences_match_the_generation_mixin(pair, monkeypatch, greedy, entropy_bound, stability, confidence, cache):  # noqa: F811
+    hf, ours, _ = pair
+    _check_sequences(hf, ours, SPECIAL, monkeypatch, greedy, entropy_bound, stability, confidence, cache)
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    """A reference whose vocabulary (384) is larger than the byte tokenizer's (260), imported, with the decode
+    profile dllm derives for it with that tokenizer (`dllm convert`, `dllm generate --model`)."""
+    from dllm.checkpoint.inference import derive_profile
+    from dllm.config.data import TokenizerConfig
+    from dllm.tokenization import build_tokenizer
+    from tests.unit.test_diffusion_gemma import _import, _reference
+
+    folder = tmp_path_factory.mktemp("dgemma_wide") / "hf"
+    hf = _reference(vocab_size=WIDE_V)
+    hf.save_pretrained(folder)
+    ours = _import(folder)
+    tok = build_tokenizer(TokenizerConfig())
+    assert tok.vocab_size < WIDE_V == ours.cfg.vocab_size
+    return hf, ours, derive_profile(None, ours.cfg, tok)
+
+
+@SETTINGS
+def test_canvases_draw_from_the_model_vocabulary(wide, monkeypatch, greedy, entropy_bound, stability, confidence,
+                                                 cache):  # fmt: skip
+    """A tokenizer smaller than the model's vocabulary: random canvases still draw from the whole vocabulary, as
+    the reference's (its config's vocab_size), so the sequences are the generation mixin's."""
+    hf, ours, profile = wide
+    assert profile.attention == "prefix_canvas" and profile.num_tokens == WIDE_V
+    _check_sequences(hf, ours, SpecialIds.of(profile), monkeypatch, greedy, entropy_bound, stability, confidence, cache)
 
 
 def test_generate_counts_and_shows_each_step(pair, monkeypatch):  # noqa: F811

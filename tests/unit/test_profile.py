@@ -55,6 +55,19 @@ def test_a_shifted_family_shifts_whatever_the_objective():
     assert _profile(MDLMConfig(), shift_logits=True).shift
 
 
+def test_canvas_models_draw_from_the_model_vocabulary():
+    """prefix_canvas decoding (a DiffusionGemma folder, or a run of its objective) draws random canvases from the
+    model's whole vocabulary, as transformers' DiffusionGemma; uniform noise elsewhere from the tokenizer's ids."""
+    from dllm.config.objectives import DiffusionGemmaSFTConfig
+
+    folder = build_profile(None, shift_logits=False, max_length=128, canvas_length=8, vocab_size=96, **IDS)
+    trained = build_profile(DiffusionGemmaSFTConfig(block_size=8), shift_logits=False, max_length=128,
+                            vocab_size=96, **IDS)  # fmt: skip
+    assert folder.num_tokens == trained.num_tokens == 96
+    uniform = build_profile(UniformConfig(), shift_logits=False, max_length=128, vocab_size=96, **IDS)
+    assert uniform.num_tokens == IDS["num_tokens"]
+
+
 def test_profile_rules_and_file_round_trip(tmp_path: Path):
     with pytest.raises(ValueError, match="attention block needs block_size"):
         DecodeProfile(attention="block", max_length=8, **IDS)

@@ -96,7 +96,7 @@ def derive_profile(objective: object | None, model_cfg: ModelConfig, tok: Tokeni
     return build_profile(
         objective, shift_logits=model_cfg.shift_logits, max_length=model_cfg.max_seq_len, mask_id=tok.mask_id,
         pad_id=tok.pad_id, eos_id=tok.eos_id, num_tokens=tok.vocab_size, canvas_length=model_cfg.canvas_length,
-        family_block=FAMILIES.resolve(model_cfg.family).block_size,
+        family_block=FAMILIES.resolve(model_cfg.family).block_size, vocab_size=model_cfg.vocab_size,
     )  # fmt: skip
 
 

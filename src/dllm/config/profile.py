@@ -62,7 +62,8 @@ class DecodeProfile(Section):
     eos_id: Int = Field(ge=0)
     """Id of the end-of-sequence token."""
     num_tokens: Int = Field(gt=0)
-    """Ids the tokenizer can produce (uniform noise draws from them; the embedding may have more rows)."""
+    """Ids decoding draws random tokens from: the tokenizer's (uniform noise; the embedding may have more rows),
+    or for prefix_canvas the model's whole vocabulary, which DiffusionGemma's random canvases are drawn from."""
     max_length: Int = Field(gt=0)
     """Longest sequence (prompt + generation) the model's positions cover."""
 
@@ -85,17 +86,22 @@ class DecodeProfile(Section):
 def build_profile(
     objective: object | None, *, shift_logits: bool, max_length: int, mask_id: int, pad_id: int, eos_id: int,
     num_tokens: int, canvas_length: int | None = None, family_block: int | None = None,
+    vocab_size: int | None = None,
 ) -> DecodeProfile:  # fmt: skip
     """The profile of a model trained with `objective` (an objective section, or None for a model
     folder that was not trained here: a bidirectional masked model; with `canvas_length` a DiffusionGemma
     one, which decodes canvases of that length; or a block-causal one in blocks of `family_block` when
     its family decodes so, LLaDA2). `shift_logits`: the model family predicts position i from i-1 by
-    itself (Dream)."""
+    itself (Dream). `num_tokens`: the tokenizer's ids; `vocab_size`: the model's, which prefix_canvas
+    decoding draws its random canvases from (transformers' DiffusionGemma draws from its config's
+    vocab_size, whatever the tokenizer's size)."""
     facts = objective.decode_facts() if objective is not None else {}  # type: ignore[attr-defined]
     if objective is None and canvas_length is not None:
         facts = {"attention": "prefix_canvas", "block_size": canvas_length, "corruption": "uniform"}
     elif objective is None and family_block is not None:
         facts = {"attention": "block", "block_size": family_block}
+    if facts.get("attention") == "prefix_canvas" and vocab_size is not None:
+        num_tokens = vocab_size
     shift = bool(facts.pop("shift", False)) or shift_logits
     name = getattr(objective, "name", None)
     return DecodeProfile(objective=name, shift=shift, max_length=max_length, mask_id=mask_id, pad_id=pad_id,
