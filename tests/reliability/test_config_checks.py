@@ -298,3 +298,22 @@ def test_no_number_field_of_any_section_takes_a_boolean():
                 raise AssertionError(f"{cls.__name__}.{name} accepts {value!r}")
             checked.append(f"{cls.__name__}.{name}")
     assert len(checked) > 90 and "TrainingConfig.steps" in checked and "OptimizerConfig.betas" in checked
+
+
+# -- YAML tags beyond the plain ones ---------------------------------------------------------------------------
+@pytest.mark.parametrize(("value", "tag"), [("!!binary aGVsbG8=", "!!binary"), ("2024-01-01", "!!timestamp"),
+                                            ("!!timestamp 2024-01-01", "!!timestamp"), ("!!set {a, b}", "!!set"),
+                                            ("!!omap [a: 1]", "!!omap"), ("!!pairs [a: 1]", "!!pairs")])  # fmt: skip
+def test_yaml_tags_other_than_plain_values_are_refused(train_yaml: Path, value: str, tag: str,
+                                                       capsys: pytest.CaptureFixture[str]):  # fmt: skip
+    """`name: !!binary aGVsbG8=` became bytes, which pydantic read as the run name "hello"."""
+    text = train_yaml.read_text()
+    assert "\n  name: t\n" in text
+    (train_yaml.parent / "b.yaml").write_text(text.replace("\n  name: t\n", f"\n  name: {value}\n"))
+    line = text.splitlines().index("  name: t") + 1
+    code, lines = _validate(train_yaml.parent / "b.yaml", capsys=capsys)
+    _one_error(code, lines, f"b.yaml:{line}:", tag, "not read in configs")
+    code, lines = _validate(train_yaml, f"run.name={value}", capsys=capsys)
+    _one_error(code, lines, "--set run.name:", tag)
+    (train_yaml.parent / "s.yaml").write_text(text.replace("\n  name: t\n", "\n  name: !!str t2\n"))
+    assert load_config(RunSpec, train_yaml.parent / "s.yaml").run.name == "t2"  # a core tag of a plain value

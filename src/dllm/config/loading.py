@@ -24,6 +24,11 @@ MAX_YAML_DEPTH = 64
 """Deepest nesting of mappings and lists a config may have."""
 MAX_INT_CHARS = 100
 """Longest integer literal read (Python refuses to convert more than 4300 digits, and no field needs 100)."""
+PLAIN_TAGS = frozenset(
+    f"tag:yaml.org,2002:{name}" for name in ("null", "bool", "int", "float", "str", "seq", "map", "merge")
+)
+"""The YAML tags a config is read with; any other (!!binary, !!timestamp, !!set, !!omap, ...) makes a value no field
+means (bytes, a date, a set), which pydantic might quietly turn into text."""
 
 
 class _Refused(yaml.constructor.ConstructorError):
@@ -46,7 +51,8 @@ _ConfigLoader.add_constructor("tag:yaml.org,2002:int", _ConfigLoader.construct_y
 
 
 def _check_tree(root: yaml.Node) -> None:
-    """Refuse duplicate keys, recursive aliases, deep nesting and alias expansion beyond MAX_YAML_VALUES.
+    """Refuse duplicate keys, recursive aliases, deep nesting, alias expansion beyond MAX_YAML_VALUES and tags
+    other than the plain ones (PLAIN_TAGS).
 
     Sizes are memoised per node, so a shared (aliased) node is walked once however often it is used."""
     sizes: dict[int, int] = {}
@@ -61,6 +67,7 @@ def _check_tree(root: yaml.Node) -> None:
         if depth > MAX_YAML_DEPTH:
             raise _Refused(None, None, f"nested deeper than {MAX_YAML_DEPTH} levels", node.start_mark)
         active.add(key)
+        _check_tag(node)
         if isinstance(node, yaml.MappingNode):
             _check_duplicate_keys(node)
             children = [child for pair in node.value for child in pair]
@@ -75,6 +82,16 @@ def _check_tree(root: yaml.Node) -> None:
         return total
 
     size(root, 0)
+
+
+def _check_tag(node: yaml.Node) -> None:
+    if node.tag in PLAIN_TAGS:
+        return
+    name = node.tag.replace("tag:yaml.org,2002:", "!!")
+    if isinstance(node, yaml.ScalarNode):
+        problem = f"a {name} value ({node.value[:40]!r}) is not read in configs; write plain text (quoted), a number, "
+        raise _Refused(None, None, problem + "true/false or null", node.start_mark)
+    raise _Refused(None, None, f"a {name} is not read in configs; write a plain list or mapping", node.start_mark)
 
 
 def _check_duplicate_keys(node: yaml.MappingNode) -> None:
