@@ -222,10 +222,12 @@ def _row_ce(model, hidden, selected_BL, targets_BL, mask_id: int | None, weights
         if mask_id is not None:
             logits[:, mask_id] = float("-inf")
         ce_N = torch.nn.functional.cross_entropy(logits, targets_BL[selected_BL], reduction="none")
-    else:
+    else:  # the fused head + CE (never the [N, V] logits) of the same soft-capped logits `model.logits` gives
         features, weight, bias = model.head(hidden[selected_BL])
         exclude = () if mask_id is None else (mask_id,)
-        _, ce_N = linear_cross_entropy(features, weight, targets_BL[selected_BL], exclude_ids=exclude, bias_V=bias)
+        cap = getattr(getattr(model, "cfg", None), "final_logit_softcap", None)
+        _, ce_N = linear_cross_entropy(features, weight, targets_BL[selected_BL], exclude_ids=exclude, bias_V=bias,
+                                       softcap=cap)  # fmt: skip
     ce_N = ce_N.double()
     if weights_BL is not None:
         ce_N = ce_N * weights_BL[selected_BL].double()

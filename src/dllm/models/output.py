@@ -36,10 +36,27 @@ class ModelOutput:
     """Gemma's final soft-capping: logits = cap * tanh(logits / cap); None: none."""
 
     def logits(self, rows: slice = slice(None)) -> torch.Tensor:
-        """Logits [B, rows, V] of the hidden rows `rows` only (the head is the largest matmul of a small model's
-        forward: a sampler that reads one block of a canvas runs it on that block's rows)."""
+        """Logits [B, rows, V] of the hidden rows `rows` only, in the model's dtype (training's self-conditioning
+        and argmax); decoding, scoring and serving read `token_logits`."""
         features, weight, bias = self.head(self.hidden_BLE[:, rows])
         return softcap(F.linear(features, weight, bias), self.logit_softcap)
+
+    def token_logits(self, hidden_XE: torch.Tensor, exclude_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """`token_logits` of hidden states of this output (any rows of `hidden_BLE`, e.g. one block's)."""
+        return token_logits(self.head, hidden_XE, self.logit_softcap, exclude_ids)
+
+
+def token_logits(
+    head: HeadFn, hidden_XE: torch.Tensor, cap: float | None, exclude_ids: torch.Tensor | None = None
+) -> torch.Tensor:
+    """THE logits every decoding loop, the server and evaluation read: hidden states [..., E] -> the head
+    -> soft-cap (Gemma's final one) -> float32 at least (float64 stays) -> the ids in `exclude_ids` (e.g.
+    the mask token, never a prediction) at -inf. The head runs on the rows given only (it is the largest
+    matmul of a small model's forward: a sampler that reads one block of a canvas passes that block's rows)."""
+    features, weight, bias = head(hidden_XE)
+    logits = softcap(F.linear(features, weight, bias), cap)
+    logits = logits if logits.dtype == torch.float64 else logits.float()
+    return logits if exclude_ids is None else logits.index_fill(-1, exclude_ids, float("-inf"))
 
 
 def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:

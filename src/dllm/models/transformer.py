@@ -19,7 +19,6 @@ import math
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dllm.attention.backends import AttentionFn, make_attention
@@ -31,7 +30,7 @@ from dllm.models.gemma import BesideDenseExperts, CanvasConditioning, rms_normal
 from dllm.models.layers import RMSNorm
 from dllm.models.linear_attention import GatedDeltaNet
 from dllm.models.moe import Experts, MoE
-from dllm.models.output import CanvasConditioned, ModelOutput, SelfConditioned, softcap
+from dllm.models.output import CanvasConditioned, ModelOutput, SelfConditioned, token_logits
 
 
 def make_norm(cfg: ModelConfig, dim: int | None = None) -> nn.Module:
@@ -401,9 +400,9 @@ class Transformer(nn.Module):
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return hidden_BLE, weight, self.head_bias
 
-    def logits(self, hidden_BLE: torch.Tensor) -> torch.Tensor:
-        features, weight, bias = self.head(hidden_BLE)
-        return softcap(F.linear(features, weight, bias), self.cfg.final_logit_softcap)
+    def logits(self, hidden_BLE: torch.Tensor, exclude_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """`models.output.token_logits` of final hidden states (float32 at least, soft-capped, `exclude_ids` -inf)."""
+        return token_logits(self.head, hidden_BLE, self.cfg.final_logit_softcap, exclude_ids)
 
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator) -> None:

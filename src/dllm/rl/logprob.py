@@ -18,7 +18,6 @@ Shapes: B batch, P prompt length, C completion length, L = P + C, E hidden, V vo
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from dllm.attention.masks import AttentionMask
 
@@ -51,7 +50,7 @@ def completion_logprobs(
     prompt_valid_BP: torch.Tensor | None = None,
     shift: bool = False,
 ) -> torch.Tensor:
-    """log p(completion_j | noisy prompt, all completion positions masked) [B, C], float32, differentiable.
+    """log p(completion_j | noisy prompt, all completion positions masked) [B, C], float32 at least, differentiable.
 
     One bidirectional forward over [noisy prompt ; C mask tokens]. `shift` (the decode profile's): row
     i-1 of the output predicts token i (Dream, Fast-dLLM v2), so completion token j is read from the row
@@ -71,9 +70,7 @@ def completion_logprobs(
     out = model(tokens_BL, positions_BL, mask)
     first = P - 1 if shift else P
     hidden_BCE = out.hidden_BLE[:, first : first + C]
-    features, weight, bias = out.head(hidden_BCE)
-    logits_BCV = F.linear(features.float(), weight.float(), None if bias is None else bias.float())
-    logits_BCV[..., mask_id] = float("-inf")
+    logits_BCV = out.token_logits(hidden_BCE, torch.tensor([mask_id], device=device))  # decoding's logits
     logp_BCV = logits_BCV.log_softmax(-1)
     return logp_BCV.gather(-1, completion_BC[..., None]).squeeze(-1)
 

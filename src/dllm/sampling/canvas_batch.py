@@ -39,6 +39,7 @@ from torch import nn
 
 from dllm.attention.masks import AttentionMask
 from dllm.config.sampler import SamplerConfig
+from dllm.models.output import ModelOutput
 from dllm.sampling.canvas import SpecialIds
 from dllm.sampling.canvas_kv import CachedRows
 from dllm.sampling.causal import keeps_recurrent_state
@@ -254,14 +255,8 @@ class CanvasBatch:
             s = g.loop.runner.shift
             hidden.append(out.hidden_BLE[r : r + g.rows, lo - s : hi - s])
             r += g.rows
-        return self._logits(out.head, hidden)
+        return self._logits(out, hidden)
 
-    def _logits(self, head, hidden: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The head run on each request's rows only; float32 at least, the mask token never a prediction."""
-        logits = []
-        for h in hidden:
-            features, weight, bias = head(h)
-            z = torch.nn.functional.linear(features, weight, bias)
-            z = z if z.dtype == torch.float64 else z.float()
-            logits.append(z.index_fill(-1, self.mask_col, float("-inf")))
-        return logits
+    def _logits(self, out: ModelOutput, hidden: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each request's logits (`ModelOutput.token_logits` on its rows only; the mask token never a prediction)."""
+        return [out.token_logits(h, self.mask_col) for h in hidden]

@@ -87,7 +87,7 @@ def canvas_logits(
     counters.nfe += 1
     counters.query_tokens += tokens.numel()
     counters.cached_tokens += B * start
-    return out.logits(slice(P - start, None)).float()  # the head on the canvas rows only
+    return out.token_logits(out.hidden_BLE[:, P - start :])  # the head on the canvas rows only
 
 
 def denoise_step(

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from dllm.attention.masks import AttentionMask
-from dllm.models.output import HeadFn
+from dllm.models.output import ModelOutput
 from dllm.sampling.causal import RaggedKVCache
 
 CanvasGroup = Any  # canvas_batch.CanvasGroup (which imports this module)
@@ -87,8 +87,8 @@ class CachedRows:
         for g, rows in self.rows.items():
             self.rows[g] = [moved.get(r, r) for r in rows]
 
-    def forward(self) -> tuple[HeadFn, list[torch.Tensor]]:
-        """One forward of every group's next window: the model's head, and each group's final hidden states
+    def forward(self) -> tuple[ModelOutput, list[torch.Tensor]]:
+        """One forward of every group's next window: its output, and each group's final hidden states
         that predict its active block [n, hi - lo, E]; its counters counted."""
         windows = []
         for g in self.groups:
@@ -121,4 +121,4 @@ class CachedRows:
             lo, hi, _ = g.need  # type: ignore[misc]
             s = g.loop.runner.shift
             hidden.append(out.hidden_BLE[self.rows[g], lo - s - qs : hi - s - qs])
-        return out.head, hidden
+        return out, hidden

@@ -37,7 +37,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dllm.attention.masks import AttentionMask
@@ -46,7 +45,6 @@ from dllm.config.profile import DecodeProfile
 from dllm.config.registries import FAMILIES
 from dllm.models.capture import CapturedLayers, capture_layers
 from dllm.models.linear_state import RowStates
-from dllm.models.output import softcap
 from dllm.sampling.results import Counters
 
 # ---------------------------------------------------------------------------------------------------
@@ -215,6 +213,7 @@ class Target:
                  layer_ids: Sequence[int] = (), mask_id: int | None = None) -> None:  # fmt: skip
         self.model, self.layer_ids, self.mask_id = model, tuple(layer_ids), mask_id
         self.device = next(model.parameters()).device
+        self.exclude = None if mask_id is None else torch.tensor([mask_id], device=self.device)
         self.length_B = torch.zeros(batch, dtype=torch.long, device=self.device)
         self.capacity, self.counters = capacity, counters
         self.cache = RaggedKVCache(capacity, self.length_B, windowed=has_sliding_window(model))
@@ -264,12 +263,8 @@ class Target:
             features = _rows(features, rows_BQ)
         if logit_rows_BR is not None:  # the head only where logits are read (a prefill needs one row)
             hidden = _rows(hidden, logit_rows_BR)
-        head, weight, bias = out.head(hidden)
-        logits = softcap(F.linear(head, weight, bias), out.logit_softcap)  # Gemma's: what `.logits()` gives
-        logits = logits if logits.dtype == torch.float64 else logits.float()
-        if self.mask_id is not None:  # never a prediction (the objectives exclude it from the softmax too)
-            logits[..., self.mask_id] = float("-inf")
-        return logits, features
+        # the mask token is never a prediction (the objectives exclude it from the softmax too)
+        return out.token_logits(hidden, self.exclude), features
 
 
 class Recompute(Target):
@@ -336,16 +331,15 @@ def score_tokens(model: nn.Module, rows: Sequence[Sequence[int]], top: int = 0, 
     decoding. Rows of a forward are right-padded; padding comes after every real token, so a causal
     forward never reads it."""
     device = next(model.parameters()).device
-    out: list[TokenScores] = []
+    exclude = None if mask_id is None else torch.tensor([mask_id], device=device)
+    scores: list[TokenScores] = []
     with torch.inference_mode():
         for i in range(0, len(rows), max_rows_per_forward):
             chunk = rows[i : i + max_rows_per_forward]
             tokens_BL, len_B = right_pad(chunk, device)
             B, L = tokens_BL.shape
-            logits_BLV = model(tokens_BL, torch.arange(L, device=device).expand(B, L), AttentionMask("causal")).logits()
-            logits_BLV = logits_BLV[:, :-1].float()
-            if mask_id is not None:
-                logits_BLV[..., mask_id] = float("-inf")
+            out = model(tokens_BL, torch.arange(L, device=device).expand(B, L), AttentionMask("causal"))
+            logits_BLV = out.token_logits(out.hidden_BLE[:, :-1], exclude)
             logp_BLV = logits_BLV.log_softmax(-1)
             chosen_BL = logp_BLV.gather(-1, tokens_BL[:, 1:, None])[..., 0]
             if top:
@@ -358,8 +352,8 @@ def score_tokens(model: nn.Module, rows: Sequence[Sequence[int]], top: int = 0, 
                     tops += [list(zip(i_, l_, strict=True)) for i_, l_ in zip(ids, lps, strict=True)]
                 else:
                     tops += [[] for _ in range(n - 1)]
-                out.append(TokenScores(logprobs, tops))
-    return out
+                scores.append(TokenScores(logprobs, tops))
+    return scores
 
 
 # ---------------------------------------------------------------------------------------------------

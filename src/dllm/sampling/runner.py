@@ -92,13 +92,13 @@ class Runner:
         if w > 0:
             uncond = torch.where(self.canvas.prompt_BT[:, qs:qe], self.special.mask_id, tokens)
             tokens, positions, mask = torch.cat([tokens, uncond]), positions.repeat(2, 1), _twice(mask)
-        logits = _at_least_float32(self.model(tokens, positions, mask, **kwargs).logits(rows))
-        if w > 0:
-            cond, unc = logits.chunk(2)
-            logits = unc + (1 + w) * (cond - unc)
+        out = self.model(tokens, positions, mask, **kwargs)
         self.counters.nfe += 1
         self.counters.query_tokens += tokens.numel()
-        return logits.index_fill(-1, self.mask_col, float("-inf"))  # the mask token is never a prediction
+        if w <= 0:  # the mask token is never a prediction
+            return out.token_logits(out.hidden_BLE[:, rows], self.mask_col)
+        cond, unc = out.token_logits(out.hidden_BLE[:, rows]).chunk(2)
+        return (unc + (1 + w) * (cond - unc)).index_fill(-1, self.mask_col, float("-inf"))
 
     def predict(self, x_BT: torch.Tensor, lo: int, hi: int, refresh: bool) -> torch.Tensor:
         """Logits [B, hi - lo, V] predicting canvas positions [lo, hi) (the active block).
@@ -107,11 +107,6 @@ class Runner:
         T, s = x_BT.shape[1], self.shift
         qs, qe, ke = self.mode.window(lo, hi, T, s, refresh, self.canvas.block_attention)
         return self.forward(x_BT, qs, qe, ke, slice(lo - s - qs, hi - s - qs))
-
-
-def _at_least_float32(logits: torch.Tensor) -> torch.Tensor:
-    """bf16 / fp16 logits upcast for the proposal; float64 (a float64 model) kept as it is."""
-    return logits if logits.dtype == torch.float64 else logits.float()
 
 
 def _twice(mask: AttentionMask) -> AttentionMask:
