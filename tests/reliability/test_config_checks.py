@@ -317,3 +317,25 @@ def test_yaml_tags_other_than_plain_values_are_refused(train_yaml: Path, value: 
     _one_error(code, lines, "--set run.name:", tag)
     (train_yaml.parent / "s.yaml").write_text(text.replace("\n  name: t\n", "\n  name: !!str t2\n"))
     assert load_config(RunSpec, train_yaml.parent / "s.yaml").run.name == "t2"  # a core tag of a plain value
+
+
+# -- run.output_dir: never the filesystem root or the kernel's folders, and writable before any worker -------
+@pytest.mark.parametrize("output_dir", ["/", "/proc/x", "/sys/runs", "/dev/runs", "/proc/../"])
+def test_a_system_folder_is_no_output_dir(train_yaml: Path, output_dir: str, capsys: pytest.CaptureFixture[str]):
+    """output_dir / trained into /t and /latest (as root); /proc/x validated and failed only once training wrote."""
+    code, lines = _validate(train_yaml, f"run.output_dir={output_dir}", capsys=capsys)
+    _one_error(code, lines, "--set run.output_dir:", "filesystem root" if output_dir.endswith("/") else "kernel")
+    text = train_yaml.read_text().replace("\n  name: t\n", f"\n  name: t\n  output_dir: {output_dir}\n")
+    (train_yaml.parent / "o.yaml").write_text(text)
+    code, lines = _validate(train_yaml.parent / "o.yaml", capsys=capsys)
+    _one_error(code, lines, "o.yaml:", "run.output_dir:")
+    assert load_config(RunSpec, train_yaml, ["run.output_dir=/dev/shm/runs"])  # a RAM disk holds files
+
+
+def test_an_output_dir_that_cannot_be_written_is_refused_before_launch(train_yaml: Path,
+                                                                       capsys: pytest.CaptureFixture[str]):  # fmt: skip
+    (train_yaml.parent / "a_file").write_text("x")
+    code, lines = _validate(train_yaml, f"run.output_dir={train_yaml.parent / 'a_file' / 'runs'}", capsys=capsys)
+    _one_error(code, lines, "run.output_dir:", "a_file is a file, not a folder")
+    code = dllm(["launch", "--config", str(train_yaml), "--dry-run", "--set", "run.output_dir=a_file/runs"])
+    _one_error(code, capsys.readouterr().err.strip().splitlines(), "run.output_dir:", "is a file")

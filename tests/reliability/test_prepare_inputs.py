@@ -323,3 +323,15 @@ def test_a_damaged_save_to_disk_folder_is_one_line(saved_datasets: Path, tmp_pat
         prepare(_spec(tmp_path, {"kind": "hf_dataset", "path": str(folder)}), tmp_path)
     _one_line(info, f"{folder}: a damaged save_to_disk folder")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("output", ["/", "/proc/out", "/sys/out", "/dev/out"])
+def test_a_system_folder_is_no_output(tmp_path: Path, output: str, capsys: pytest.CaptureFixture[str]):
+    """The filesystem root (root could write its artifact files there) and the kernel's folders are refused
+    in the config and on the command line, before anything is read or written."""
+    line = _cli_error(tmp_path, output, capsys)
+    assert "output" in line and ("filesystem root" in line if output == "/" else output[:4] in line), line
+    assert main(["data", "prepare", "--config", str(tmp_path / "prepare.yaml"), "--output", output, "-q"]) == 2
+    line = capsys.readouterr().err.strip()
+    assert line.count("\n") == 0 and ("choose another folder" in line or "give a folder" in line), line
+    assert not (tmp_path / "out").exists()

@@ -51,17 +51,13 @@ def check_output_file(output: Path | None, flag: str = "--output") -> None:
 
 
 def check_output_folder(folder: Path, flag: str) -> None:
-    """A folder that is or can be created here, checked before any work: a folder made (and removed) in its nearest
-    existing parent proves it (a file in the way or /proc would fail only after the work)."""
-    if folder.exists() and not folder.is_dir():
-        raise ConfigError(f"{flag}: {folder} is a file; give a folder")
-    parent = next(p for p in (folder, *folder.absolute().parents) if p.exists())
-    if not parent.is_dir():
-        raise ConfigError(f"{flag}: {parent} is a file, not a folder; choose another output folder")
-    try:
-        Path(tempfile.mkdtemp(dir=parent, prefix=".dllm-probe-")).rmdir()
-    except OSError as e:
-        raise ConfigError(f"{flag}: cannot write in {parent} ({_reason(e)}); choose another output folder") from None
+    """A folder that is or can be created here, checked before any work (`dllm.staging`'s rules: not the
+    filesystem root nor under /proc, /sys, /dev; a folder made and removed in its nearest existing parent)."""
+    from dllm.staging import output_folder_problem, unwritable_problem
+
+    problem = output_folder_problem(folder) or unwritable_problem(folder)
+    if problem is not None:
+        raise ConfigError(f"{flag}: {problem}")
 
 
 def write_lines(output: Path, lines: list[str], flag: str = "--output") -> None:

@@ -8,6 +8,8 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo
 
+from dllm.staging import output_folder_problem
+
 
 class Section(BaseModel):
     """Base of every config section: unknown keys are rejected and values cannot change.
@@ -44,6 +46,17 @@ def _resolve_relative(value: Path, info: ValidationInfo) -> Path:
 
 RelPath = Annotated[Path, AfterValidator(_resolve_relative)]
 """A path that, in a file, is relative to the file's folder (made absolute when loaded)."""
+
+
+def _output_folder(value: Path) -> Path:
+    problem = output_folder_problem(value)
+    if problem is not None:
+        raise ValueError(problem)
+    return value
+
+
+OutputFolder = Annotated[Path, AfterValidator(_resolve_relative), AfterValidator(_output_folder)]
+"""A folder a command writes (a RelPath): never the filesystem root nor under /proc, /sys or /dev."""
 
 PathPattern = Annotated[str, AfterValidator(_no_env_vars)]
 """A file or glob as written in a config (resolved later by its reader); environment variables are refused."""

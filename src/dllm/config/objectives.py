@@ -6,7 +6,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
-from dllm.config.base import Float, Int, RelPath, Section
+from dllm.config.base import Float, Int, OutputFolder, RelPath, Section
 from dllm.config.drafter import DrafterArchitecture
 from dllm.config.registries import SCHEDULES
 
@@ -233,7 +233,7 @@ class DFlashDistillationConfig(Section):
     """ce's next tokens: target (its argmax: a head pass per step) or data (the same on its own greedy answers)."""
     decay: Float | None = Field(default=7.0, gt=0)
     """gamma of the weight exp(-(k-1)/gamma) of the k-th proposal (early ones decide acceptance); null: all 1."""
-    feature_cache: RelPath | None = None
+    feature_cache: OutputFolder | None = None
     """Folder of the target's precomputed features (built by one pass when missing); null: run the target per step."""
     init_from_target: list[Int] | None = None
     """Target blocks (0-based, one per drafter block) copied into the drafter's, with the final norm; null: random."""

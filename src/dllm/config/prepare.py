@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
-from dllm.config.base import Int, PathPattern, RelPath, Section
+from dllm.config.base import Int, OutputFolder, PathPattern, Section
 from dllm.config.data import TokenizerConfig
 from dllm.config.registries import LAYOUTS, RECORD_FORMATS
 
@@ -154,7 +154,7 @@ class PrepareSpec(Section):
     """Tokenizer (training must use the same one)."""
     sources: list[SourceConfig] = Field(min_length=1)
     """Where the records come from, read in the order listed."""
-    output: RelPath
+    output: OutputFolder
     """Artifact folder to write (staged in a temporary folder, then renamed into place)."""
     seq_len: Int = Field(gt=1, le=MAX_ROW_TOKENS)
     """Tokens per training row (the training data.seq_len); the longest sample in layout indexed."""

@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import Field, field_validator, model_validator
 
-from dllm.config.base import RelPath, Section
+from dllm.config.base import OutputFolder, Section
 from dllm.config.data import DataConfig, TokenizerConfig
 from dllm.config.model import LoraConfig, ModelConfig
 from dllm.config.objectives import MDLMConfig, ObjectiveConfig
@@ -36,7 +36,7 @@ class RunConfig(Section):
 
     name: str = Field(default="run", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     """Run name: the run folder is output_dir/name."""
-    output_dir: RelPath = Field(default=Path("runs"), validate_default=True)
+    output_dir: OutputFolder = Field(default=Path("runs"), validate_default=True)
     """Folder that holds run folders and the `latest` link."""
 
     @field_validator("name")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from pathlib import Path
 
 import torch
 
@@ -26,6 +27,7 @@ from dllm.models import sizing
 from dllm.models.factory import build_model
 from dllm.models.pretrained import merge_pretrained, pretrained_tokenizer
 from dllm.models.sizing import TRAIN_BYTES_PER_PARAM, count_params, format_bytes
+from dllm.staging import unwritable_problem
 from dllm.tokenization import build_tokenizer
 from dllm.training.build import context_plan
 from dllm.training.needs import resolve_compile
@@ -37,6 +39,9 @@ def resolve_run_spec(
 ) -> tuple[RunSpec, list[str]]:
     """Resolve derived fields and check every cross-field rule; returns (spec, warnings)."""
     warnings: list[str] = []
+    problem = unwritable_problem(Path(spec.run.output_dir))  # its place was checked when the config was read
+    if problem is not None:
+        raise ConfigError(f"run.output_dir: {problem}")
     tok = build_tokenizer(spec.tokenizer)
     if spec.objective.name == "dflash_distillation":
         spec, note = _target_as_model(spec)
