@@ -37,23 +37,6 @@ class OutputKind:
     """Names a staging folder of this kind may hold, for removing those of killed processes; empty: never."""
 
 
-SYSTEM_FOLDERS = ("/proc", "/sys", "/dev")
-"""Folders of the kernel's own files: nothing a command writes belongs there (most refuse new files only mid-run).
-/dev/shm, a RAM disk that holds files, is not one of them."""
-
-
-def output_folder_problem(folder: Path) -> str | None:
-    """Why `folder` can never hold an output folder, from its place alone (its links resolved): the filesystem
-    root (a run there writes /NAME and /latest), or a folder in SYSTEM_FOLDERS. None when neither."""
-    for path in {Path(os.path.abspath(folder)), Path(os.path.realpath(folder))}:
-        if path == path.parent:
-            return f"{folder} is the filesystem root; give a folder of its own, e.g. {path / 'runs'}"
-        system = next((s for s in map(Path, SYSTEM_FOLDERS) if path == s or s in path.parents), None)
-        if system is not None and not (path == Path("/dev/shm") or Path("/dev/shm") in path.parents):
-            return f"{folder} is in {system}, which holds the kernel's files, not outputs; choose another folder"
-    return None
-
-
 def unwritable_problem(folder: Path) -> str | None:
     """Why `folder` cannot be made or written here, None when it can: a folder made (and removed) in its nearest
     existing parent proves it (a file in the way, or a read-only place, would otherwise fail after the work)."""
@@ -76,9 +59,6 @@ def staged_folder(output: Path, kind: OutputKind, overwrite: bool, keep: Iterabl
     output of `kind` (`check_replaceable`). On failure it is removed with the parent folders created here,
     and a full disk is one line. Staging folders of killed runs are cleaned up."""
     output = Path(os.path.abspath(output))
-    problem = output_folder_problem(output)
-    if problem is not None:
-        raise kind.error(problem)
     check_replaceable(output, kind, overwrite, keep)
     created = _make_parents(output.parent, kind.error)
     stage = output.parent / f".{output.name}.tmp-{os.getpid()}"

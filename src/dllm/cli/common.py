@@ -53,7 +53,8 @@ def check_output_file(output: Path | None, flag: str = "--output") -> None:
 def check_output_folder(folder: Path, flag: str) -> None:
     """A folder that is or can be created here, checked before any work (`dllm.staging`'s rules: not the
     filesystem root nor under /proc, /sys, /dev; a folder made and removed in its nearest existing parent)."""
-    from dllm.staging import output_folder_problem, unwritable_problem
+    from dllm.config.base import output_folder_problem
+    from dllm.staging import unwritable_problem
 
     problem = output_folder_problem(folder) or unwritable_problem(folder)
     if problem is not None:

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo
-
-from dllm.staging import output_folder_problem
 
 
 class Section(BaseModel):
@@ -46,6 +45,24 @@ def _resolve_relative(value: Path, info: ValidationInfo) -> Path:
 
 RelPath = Annotated[Path, AfterValidator(_resolve_relative)]
 """A path that, in a file, is relative to the file's folder (made absolute when loaded)."""
+
+
+SYSTEM_FOLDERS = ("/proc", "/sys", "/dev")
+"""Folders of the kernel's own files: nothing a command writes belongs there (most refuse new files only mid-run).
+/dev/shm, a RAM disk that holds files, is not one of them."""
+
+
+def output_folder_problem(folder: Path) -> str | None:
+    """Why `folder` can never hold an output folder, from its place alone: the filesystem root (a run there writes
+    /NAME and /latest), or a folder in SYSTEM_FOLDERS. None when neither. (Whether it can be written is found by
+    trying: dllm.staging.unwritable_problem.)"""
+    path = Path(os.path.abspath(folder))
+    if path == path.parent:
+        return f"{folder} is the filesystem root; give a folder of its own, e.g. {path / 'runs'}"
+    system = next((s for s in map(Path, SYSTEM_FOLDERS) if path == s or s in path.parents), None)
+    if system is not None and not (path == Path("/dev/shm") or Path("/dev/shm") in path.parents):
+        return f"{folder} is in {system}, which holds the kernel's files, not outputs; choose another folder"
+    return None
 
 
 def _output_folder(value: Path) -> Path:

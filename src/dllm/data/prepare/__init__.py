@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from dllm import __version__
+from dllm.config.base import output_folder_problem
 from dllm.config.prepare import PrepareSpec
 from dllm.config.registries import LAYOUTS, SOURCES
 from dllm.data.artifact import (
@@ -248,8 +249,11 @@ def prepare(
     progress: ProgressFn | None = None,
 ) -> dict[str, Any]:
     """Build the artifact described by `spec`; returns its manifest."""
-    tok = build_tokenizer(spec.tokenizer)
     out = Path(output) if output is not None else spec.output
+    problem = output_folder_problem(out)  # the config's output was checked when read, --output is checked here
+    if problem is not None:
+        raise DataError(f"--output: {problem}")
+    tok = build_tokenizer(spec.tokenizer)
     stats = PrepareStats()
     with (
         staged_folder(out, ARTIFACT, overwrite, keep=_inputs(spec, base_dir)) as stage,
