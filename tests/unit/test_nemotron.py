@@ -211,6 +211,54 @@ def test_export_writes_the_public_layout_back(folder: Path, tmp_path: Path):
     assert model_config_from_hf(out) == model_config_from_hf(folder)
 
 
+@pytest.mark.parametrize("objective", ["nemotron_diffusion", "ar"])
+def test_export_records_how_the_model_decodes(folder: Path, tmp_path: Path, objective: str):
+    """config.json carries the published decode and loss keys of the run (mask_token_id, block_size, dlm_paradigm,
+    the loss weights), and a folder without a decode profile decodes by them: the run's profile and config."""
+    from dllm.checkpoint.inference import derive_profile
+    from dllm.config.objectives import ARConfig, NemotronDiffusionConfig
+    from dllm.tokenization import ByteTokenizer
+
+    model, tok = load(folder), ByteTokenizer()
+    section = NemotronDiffusionConfig(block_size=8, diffusion_weight=0.25) if objective != "ar" else ARConfig()
+    profile = derive_profile(section, model.cfg, tok).model_copy(update={"mask_id": 7})
+    out = export_hf(model.state_dict(), model.cfg, tmp_path / "out", profile=profile, objective=section)
+    config = json.loads((out / "config.json").read_text())
+    written = {k: config.get(k) for k in ("mask_token_id", "block_size", "dlm_paradigm", "dlm_loss_weight",
+                                          "ar_loss_weight")}  # fmt: skip
+    if objective == "ar":
+        assert written == {"mask_token_id": 7, "block_size": None, "dlm_paradigm": "autoregressive",
+                           "dlm_loss_weight": None, "ar_loss_weight": None}  # fmt: skip
+    else:
+        assert written == {"mask_token_id": 7, "block_size": 8, "dlm_paradigm": "bidirectional",
+                           "dlm_loss_weight": 0.25, "ar_loss_weight": 1.0}  # fmt: skip
+    assert model_config_from_hf(out) == model_config_from_hf(folder)
+    back = derive_profile(None, model_config_from_hf(out), tok, out)
+    assert back.model_dump(exclude={"objective"}) == profile.model_dump(exclude={"objective"})
+
+
+def test_public_config_decodes_in_its_blocks(folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    """`dllm convert` of the public layout decodes as its config.json says (blocks of block_size with a causal
+    context, mask_token_id); exported back, the keys are the same and a second import has the same profile."""
+    from dllm.cli.main import main as dllm
+    from dllm.config.profile import read_profile
+
+    assert dllm(["convert", "--from-hf", str(folder), "--to", str(tmp_path / "a")]) == 0, capsys.readouterr().err
+    first = read_profile(tmp_path / "a")
+    assert first is not None
+    assert (first.attention, first.block_size, first.causal_context, first.shift, first.mask_id) == (
+        "block", CONFIG["block_size"], True, False, CONFIG["mask_token_id"])  # fmt: skip
+    assert dllm(["convert", "--to-hf", str(tmp_path / "b"), "--model", str(tmp_path / "a")]) == 0
+    config = json.loads((tmp_path / "b" / "config.json").read_text())
+    assert {k: config[k] for k in ("mask_token_id", "block_size", "dlm_paradigm")} == {
+        k: CONFIG[k] for k in ("mask_token_id", "block_size", "dlm_paradigm")}  # fmt: skip
+    (tmp_path / "b" / "decode_profile.json").unlink()  # as another tool writes the folder: config.json alone
+    assert dllm(["convert", "--from-hf", str(tmp_path / "b"), "--to", str(tmp_path / "c")]) == 0
+    assert read_profile(tmp_path / "c") == first
+    a, c = ((tmp_path / x / "model.yaml").read_text() for x in "ac")
+    assert a == c
+
+
 def test_unsupported_layouts_are_one_line_errors(folder: Path, tmp_path: Path):
     from dllm.errors import ConfigError
 
@@ -220,6 +268,15 @@ def test_unsupported_layouts_are_one_line_errors(folder: Path, tmp_path: Path):
         (bad / "config.json").write_text(json.dumps({**CONFIG, **change}))
         with pytest.raises(ConfigError):
             model_config_from_hf(bad)
+    from dllm.models.hf_io import decode_facts_from_hf
+
+    for key, value in (("block_size", 0), ("mask_token_id", "100"), ("dlm_paradigm", 3)):
+        bad = tmp_path / key
+        bad.mkdir()
+        (bad / "config.json").write_text(json.dumps({**CONFIG, key: value}))
+        with pytest.raises(ConfigError, match=f"config.json: {key}: expected") as e:
+            decode_facts_from_hf(bad)
+        assert "\n" not in str(e.value)
 
 
 # -- training: the [x_t ; x_0] forward and the joint loss --------------------------------------------------

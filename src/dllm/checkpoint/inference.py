@@ -27,6 +27,7 @@ from dllm.config.spec import RunSpec
 from dllm.errors import CheckpointError, ConfigError
 from dllm.models import factory
 from dllm.models.gemma import freeze_routers
+from dllm.models.hf_io import decode_facts_from_hf, is_hf_folder
 from dllm.models.lora import merge_lora
 from dllm.models.transformer import Transformer
 from dllm.sampling.canvas import SpecialIds
@@ -90,13 +91,17 @@ def setup_sampling(
                          drafter)  # fmt: skip
 
 
-def derive_profile(objective: object | None, model_cfg: ModelConfig, tok: Tokenizer) -> DecodeProfile:
+def derive_profile(
+    objective: object | None, model_cfg: ModelConfig, tok: Tokenizer, folder: Path | None = None
+) -> DecodeProfile:
     """The decode profile of a model trained with `objective` (None: a model folder not trained here, which
-    decodes as its family does)."""
+    decodes as its family does, by what the Hugging Face `folder`'s config.json records of it)."""
+    facts = decode_facts_from_hf(folder) if objective is None and folder is not None and is_hf_folder(folder) else None
     return build_profile(
         objective, shift_logits=model_cfg.shift_logits, max_length=model_cfg.max_seq_len, mask_id=tok.mask_id,
         pad_id=tok.pad_id, eos_id=tok.eos_id, num_tokens=tok.vocab_size, canvas_length=model_cfg.canvas_length,
         family_block=FAMILIES.resolve(model_cfg.family).block_size, vocab_size=model_cfg.vocab_size,
+        folder_facts=facts,
     )  # fmt: skip
 
 
@@ -219,7 +224,7 @@ def _load_pretrained(folder: Path, device: torch.device | None) -> LoadedModel:
     cfg = cfg.model_copy(update={"vocab_size": vocab, "init_from": folder})
     model = Transformer(cfg)
     model.load_state_dict(pretrained_state(cfg), strict=True)
-    profile = read_profile(folder, vocab) or derive_profile(None, cfg, tok)  # a folder from elsewhere: a masked model
+    profile = read_profile(folder, vocab) or derive_profile(None, cfg, tok, folder)  # a folder from elsewhere
     return LoadedModel(_ready(model, device), tok, cfg, folder, profile)
 
 

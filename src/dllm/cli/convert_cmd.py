@@ -151,7 +151,7 @@ def _import(src: Path, stage: Path, out: Path) -> list[str]:
     tok = build_tokenizer(tok_cfg)
     cfg = cfg.model_copy(update={"vocab_size": max(cfg.vocab_size or 0, tok.vocab_size)})
     state = import_hf(src, cfg)  # every check (config, headers, shapes, memory) before the first write
-    profile = derive_profile(None, cfg, tok)  # a masked model until trained otherwise
+    profile = derive_profile(None, cfg, tok, src)  # as config.json says it decodes, else a masked model
     save_model_folder(stage, state, cfg, tok_cfg)
     write_profile(profile, stage)
     return [
@@ -207,7 +207,8 @@ def _export(stage: Path, out: Path, run: Path | None, checkpoint: Path | None, m
     if model is not None and _drafter_format(model) is not None:
         return _export_drafter_folder(stage, out, model)
     loaded = load_for_inference(run, checkpoint, model_dir=model)
-    export_hf(loaded.model.state_dict(), loaded.model_cfg, stage)
+    objective = loaded.spec.objective if loaded.spec is not None else None
+    export_hf(loaded.model.state_dict(), loaded.model_cfg, stage, profile=loaded.profile, objective=objective)
     write_profile(loaded.profile, stage)  # sampling the exported folder decodes as the run did
     return [*_save_tokenizer(loaded.tokenizer, stage, out),
             f"wrote {out} ({loaded.model_cfg.family}) from {loaded.source}"]  # fmt: skip

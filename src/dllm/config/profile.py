@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, ValidationError, model_validator
 
@@ -86,7 +86,7 @@ class DecodeProfile(Section):
 def build_profile(
     objective: object | None, *, shift_logits: bool, max_length: int, mask_id: int, pad_id: int, eos_id: int,
     num_tokens: int, canvas_length: int | None = None, family_block: int | None = None,
-    vocab_size: int | None = None,
+    vocab_size: int | None = None, folder_facts: dict[str, Any] | None = None,
 ) -> DecodeProfile:  # fmt: skip
     """The profile of a model trained with `objective` (an objective section, or None for a model
     folder that was not trained here: a bidirectional masked model; with `canvas_length` a DiffusionGemma
@@ -94,8 +94,12 @@ def build_profile(
     its family decodes so, LLaDA2). `shift_logits`: the model family predicts position i from i-1 by
     itself (Dream). `num_tokens`: the tokenizer's ids; `vocab_size`: the model's, which prefix_canvas
     decoding draws its random canvases from (transformers' DiffusionGemma draws from its config's
-    vocab_size, whatever the tokenizer's size)."""
+    vocab_size, whatever the tokenizer's size). `folder_facts`: what a folder not trained here records of how it
+    decodes in its config.json (its family reads them: Nemotron-Labs-Diffusion's block size, paradigm, mask id)."""
     facts = objective.decode_facts() if objective is not None else {}  # type: ignore[attr-defined]
+    if objective is None and folder_facts:
+        facts = dict(folder_facts)
+        mask_id = facts.pop("mask_id", mask_id)
     if objective is None and canvas_length is not None:
         facts = {"attention": "prefix_canvas", "block_size": canvas_length, "corruption": "uniform"}
     elif objective is None and family_block is not None:

@@ -22,6 +22,7 @@ from pydantic import ValidationError
 
 from dllm import __version__
 from dllm.config.model import ModelConfig
+from dllm.config.profile import DecodeProfile
 from dllm.config.registries import FAMILIES
 from dllm.errors import ConfigError
 from dllm.models import sizing
@@ -68,6 +69,20 @@ def family_of(hf_config: dict[str, Any], where: str = "model.init_from") -> Fami
             return family
     known = ", ".join(t for family in families for t in family.model_types)
     raise ConfigError(f"{where}: model_type {model_type!r} is not supported; supported: {known}")
+
+
+def decode_facts_from_hf(folder: Path) -> dict[str, Any]:
+    """The decode facts (DecodeProfile fields) a Hugging Face folder's config.json records for its family; {} for
+    a family whose folders record none."""
+    hf = read_hf_config(folder)
+    family = family_of(hf)
+    if family.decode_from_hf is None:
+        return {}
+    try:
+        return family.decode_from_hf(hf)
+    except ValueError as e:  # pydantic's ValidationError among them
+        msg = e.errors(include_url=False)[0]["msg"] if isinstance(e, ValidationError) else str(e)
+        raise ConfigError(f"{Path(folder) / 'config.json'}: {msg}") from None
 
 
 def model_config_from_hf(folder: Path) -> ModelConfig:
@@ -333,8 +348,12 @@ def resize_vocab(native: StateDict, vocab_size: int) -> StateDict:
     return native
 
 
-def export_hf(state: StateDict, cfg: ModelConfig, folder: Path, tokenizer_dir: Path | None = None) -> Path:
-    """Write a Hugging Face folder (config.json, model.safetensors, tokenizer files)."""
+def export_hf(
+    state: StateDict, cfg: ModelConfig, folder: Path, tokenizer_dir: Path | None = None,
+    profile: DecodeProfile | None = None, objective: object | None = None,
+) -> Path:  # fmt: skip
+    """Write a Hugging Face folder (config.json, model.safetensors, tokenizer files). With the model's decode
+    `profile` (and its run's `objective` section), config.json also records them as the family's folders do."""
     from safetensors.torch import save_file
 
     family: Family = FAMILIES.resolve(cfg.family)
@@ -349,6 +368,7 @@ def export_hf(state: StateDict, cfg: ModelConfig, folder: Path, tokenizer_dir: P
         "torch_dtype": "float32",
         "dllm_version": __version__,
         **family.config_to_hf(cfg),
+        **(family.decode_to_hf(profile, objective) if family.decode_to_hf and profile is not None else {}),
     }
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     if tokenizer_dir is not None:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from dllm.config.model import ModelConfig
+from dllm.config.profile import DecodeProfile
 from dllm.errors import ConfigError
 
 StateDict = dict[str, torch.Tensor]
@@ -50,6 +51,12 @@ class Family:
     """config.json `architectures` entries that pick this family before `model_type` is looked at."""
     block_size: int | None = None
     """A folder of this family without a decode profile decodes block-causally in blocks of this size (LLaDA2)."""
+    decode_from_hf: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    """The decode facts (DecodeProfile fields) a folder of this family records in its config.json, by which a folder
+    without a decode profile decodes (Nemotron-Labs-Diffusion: block_size, dlm_paradigm, mask_token_id)."""
+    decode_to_hf: Callable[[DecodeProfile, Any], dict[str, Any]] | None = None
+    """The config.json keys that record a model's decode profile and its run's objective section (None: a model not
+    trained here), as this family's folders carry them; `decode_from_hf` reads them back."""
 
     def exported_architecture(self, cfg: ModelConfig) -> str:
         """The `architectures` entry of the folder a model of `cfg` exports to (ConfigError when it has none)."""

@@ -5,7 +5,9 @@ Llama 4's attention temperature on the queries, and an untied output head. The c
 upstream, `model_type` nemotron_labs_diffusion) keeps the stack under `encoder.` and the head as
 `diffusion_head.weight`, which serves both the diffusion and the next-token predictions (the weight
 map of NVIDIA's Megatron-Bridge conversion, nemotron_labs_diffusion_bridge.py). The training recipe
-is the `nemotron_diffusion` objective (diffusion/objectives/nemotron.py).
+is the `nemotron_diffusion` objective (diffusion/objectives/nemotron.py). config.json also says how the
+model decodes and trained (mask_token_id, block_size, dlm_paradigm, the loss weights): a folder without a
+decode profile decodes by them, and an export writes them from the decode profile and the run's objective.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from __future__ import annotations
 from typing import Any
 
 from dllm.config.model import ModelConfig
+from dllm.config.objectives import ARConfig, NemotronDiffusionConfig
+from dllm.config.profile import DecodeProfile
 from dllm.errors import ConfigError
 from dllm.models.families.base import Family, StateDict
 
@@ -86,6 +90,43 @@ def _config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def _count(hf: dict[str, Any], key: str, least: int) -> int:
+    value = hf[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"{key}: expected an integer of at least {least}, not {value!r}")
+    return value
+
+
+def _decode_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
+    """config.json's decode keys as decode facts: mask_token_id is the mask id; dlm_paradigm autoregressive (the
+    reference's plain causal attention) a causal model; any other paradigm with a block_size block decoding in
+    blocks of that size with a token-causal context, as the nemotron_diffusion objective trains (the published
+    config: bidirectional, block_size 32, mask_token_id 100)."""
+    facts: dict[str, Any] = {} if hf.get("mask_token_id") is None else {"mask_id": _count(hf, "mask_token_id", 0)}
+    paradigm = hf.get("dlm_paradigm")
+    if paradigm is not None and not isinstance(paradigm, str):
+        raise ValueError(f"dlm_paradigm: expected a string, not {paradigm!r}")
+    if paradigm == "autoregressive":
+        return {**facts, **ARConfig().decode_facts()}
+    if hf.get("block_size") is not None:
+        facts.update(NemotronDiffusionConfig(block_size=_count(hf, "block_size", 1)).decode_facts())
+    return facts
+
+
+def _decode_to_hf(profile: DecodeProfile, objective: Any) -> dict[str, Any]:
+    """The published config's decode and loss keys: the mask id; a causal model's paradigm, autoregressive; a
+    block model with a token-causal context (nemotron_diffusion's) the published checkpoint's, bidirectional, and
+    its block size; a nemotron_diffusion run's loss weights (dlm_loss_weight: the diffusion term's)."""
+    out: dict[str, Any] = {"mask_token_id": profile.mask_id}
+    if profile.attention == "causal":
+        out["dlm_paradigm"] = "autoregressive"
+    elif profile.attention == "block" and profile.causal_context:
+        out.update(dlm_paradigm="bidirectional", block_size=profile.block_size)
+    if isinstance(objective, NemotronDiffusionConfig):
+        out.update(dlm_loss_weight=objective.diffusion_weight, ar_loss_weight=objective.ar_weight)
+    return out
+
+
 def _drop_tied_head(sd: StateDict, cfg: ModelConfig) -> StateDict:
     if cfg.tie_embeddings:
         sd.pop("diffusion_head.weight", None)
@@ -95,5 +136,6 @@ def _drop_tied_head(sd: StateDict, cfg: ModelConfig) -> StateDict:
 NEMOTRON_LABS_DIFFUSION = Family(
     "nemotron_labs_diffusion", ("nemotron_labs_diffusion",), "NemotronLabsDiffusionModel", False,
     _config_from_hf, _config_to_hf, _RENAMES, from_hf_extra=_drop_tied_head,
-    ignore_hf=(r"encoder\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",),
+    ignore_hf=(r"encoder\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",), decode_from_hf=_decode_from_hf,
+    decode_to_hf=_decode_to_hf,
 )  # fmt: skip
