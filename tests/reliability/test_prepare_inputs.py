@@ -335,3 +335,45 @@ def test_a_system_folder_is_no_output(tmp_path: Path, output: str, capsys: pytes
     line = capsys.readouterr().err.strip()
     assert line.count("\n") == 0 and ("choose another folder" in line or "give a folder" in line), line
     assert not (tmp_path / "out").exists()
+
+
+# -- empty records -------------------------------------------------------------------------------------------
+EMPTY_INPUTS = {
+    "jsonl-text": ("e.jsonl", {"path": "e.jsonl"}, lambda p: p.write_text('{"text": ""}\n{"text": ""}\n')),
+    "jsonl-ids": ("e.jsonl", {"path": "e.jsonl", "format": "tokens"},
+                  lambda p: p.write_text('{"input_ids": []}\n{"input_ids": []}\n')),
+    "npy": ("e.npy", {"path": "e.npy"}, lambda p: np.save(p, np.zeros(0, dtype=np.int32))),
+    "npy-rows": ("e.npy", {"path": "e.npy"}, lambda p: np.save(p, np.full((2, 3), -1, dtype=np.int32))),
+    "text-file": ("e.txt", {"path": "e.txt"}, lambda p: p.write_text("")),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(EMPTY_INPUTS))
+def test_only_empty_records_are_refused_and_nothing_is_written(tmp_path: Path, case: str,
+                                                               capsys: pytest.CaptureFixture[str]):  # fmt: skip
+    """Empty records became an artifact of EOS tokens without a word."""
+    name, source, write = EMPTY_INPUTS[case]
+    write(tmp_path / name)
+    with pytest.raises(DataError) as info:
+        prepare(_spec(tmp_path, source), tmp_path)
+    _one_line(info, name, "are empty", "nothing written")
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
+    (tmp_path / "prepare.yaml").write_text(f"sources: [{json.dumps(source)}]\noutput: out\nseq_len: 16\n")
+    assert main(["data", "prepare", "--config", str(tmp_path / "prepare.yaml"), "-q"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("dllm: error: ") and "are empty" in lines[0], lines
+    assert not (tmp_path / "out").exists()
+
+
+def test_some_empty_records_are_kept_with_a_warning(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    (tmp_path / "a.jsonl").write_text('{"text": "hi"}\n{"text": ""}\n{"text": "yo"}\n{"text": ""}\n')
+    (tmp_path / "prepare.yaml").write_text("sources: [{path: a.jsonl}]\noutput: out\nseq_len: 16\n")
+    assert main(["data", "prepare", "--config", str(tmp_path / "prepare.yaml"), "-q"]) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert len(warnings) == 1 and "a.jsonl:2" in warnings[0] and "2 of 4 records are empty" in warnings[0], warnings
+    stats = json.loads((tmp_path / "out" / "manifest.json").read_text())["stats"]
+    assert stats["records_empty"] == 2 and stats["empty_examples"] == [f"{tmp_path / 'a.jsonl'}:2",
+                                                                       f"{tmp_path / 'a.jsonl'}:4"]  # fmt: skip
+    (tmp_path / "a.jsonl").write_text('{"text": "hi"}\n')
+    assert main(["data", "prepare", "--config", str(tmp_path / "prepare.yaml"), "-q", "--output", str(tmp_path / "o2")]) == 0
+    assert "warning" not in capsys.readouterr().err

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import typer
 
-from dllm.cli.common import info, out
+from dllm.cli.common import info, out, warn
 from dllm.config.loading import load_config
 from dllm.config.prepare import PrepareSpec
 from dllm.config.spec import RunSpec
@@ -75,6 +75,7 @@ def prepare(
         manifest = run_prepare(spec, config.parent, output=output, overwrite=overwrite, workers=workers, progress=rate)
     finally:
         rate.close()
+    _warn_empty(manifest["stats"])
     if as_json:
         out(json.dumps(manifest, indent=2, sort_keys=True))
         return
@@ -91,6 +92,14 @@ def prepare(
         f"{st['padding_tokens']:,} padding = {100 * st['padding_tokens'] / max(slots, 1):.1f}% of rows; "
         f"{_split_note(st)}) in {time.perf_counter() - t0:.1f}s; fingerprint {manifest['fingerprint'][:16]}"
     )
+
+
+def _warn_empty(stats: dict) -> None:
+    """Empty records became EOS-only documents (when every record was, prepare refused): where, and how many."""
+    empty = stats.get("records_empty", 0)
+    if empty:
+        warn(f"{stats['empty_examples'][0]}: {empty:,} of {stats['records_read']:,} records are empty (no text or "
+             "token ids) and became EOS-only documents; drop them or check the sources' fields")  # fmt: skip
 
 
 def _layout(manifest: dict) -> str:

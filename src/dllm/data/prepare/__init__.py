@@ -53,6 +53,7 @@ class Outcome:
     length: int = 0
     error: str = ""
     whole: bool = False  # each piece is kept in one row (PrepareSpec.keeps_whole)
+    empty_at: str = ""  # where the record was, when it held no token of its own (its document: BOS/EOS only)
 
 
 def process_record(record: Record, src: Any, spec: PrepareSpec, tok: Tokenizer, max_chars: int | None) -> Outcome:
@@ -67,6 +68,8 @@ def process_record(record: Record, src: Any, spec: PrepareSpec, tok: Tokenizer, 
         if spec.on_bad_record == "fail":
             raise
         return Outcome([], "skipped", error=str(e), whole=whole)
+    specials = {tok.bos_id, tok.eos_id}
+    empty_at = record.where if all(t in specials for t in doc.ids) else ""  # no text, no ids: BOS/EOS only
     pieces = fit_length(doc, spec.length_limit_of(src), spec.overflow)
     if not pieces:
         status = "rejected"
@@ -75,7 +78,7 @@ def process_record(record: Record, src: Any, spec: PrepareSpec, tok: Tokenizer, 
     else:
         status = "ok" if len(pieces[0]) == len(doc) else "truncated"
     pieces = [pad_to_multiple(p, spec.pad_to_multiple, tok.eos_id) for p in pieces]
-    return Outcome(pieces, status, len(doc), whole=whole)
+    return Outcome(pieces, status, len(doc), whole=whole, empty_at=empty_at)
 
 
 # -- worker processes: each builds its tokenizer once ------------------------------------------------
@@ -170,6 +173,7 @@ class PrepareStats:
     lengths: LengthStats = field(default_factory=LengthStats)
     supervised: int = 0
     skip_examples: list[str] = field(default_factory=list)
+    empty_examples: list[str] = field(default_factory=list)
 
     def add(self, out: Outcome, cut: bool) -> None:
         """One record's outcome; `cut`: a row boundary fell inside one of its pieces."""
@@ -178,6 +182,10 @@ class PrepareStats:
         self.counts["split_across_rows"] += cut
         if out.error and len(self.skip_examples) < 5:
             self.skip_examples.append(out.error)
+        self.counts["empty"] += bool(out.empty_at)
+        self.counts["documents_with_tokens"] += 0 if out.empty_at else len(out.pieces)
+        if out.empty_at and len(self.empty_examples) < 5:
+            self.empty_examples.append(out.empty_at)
         for piece in out.pieces:
             self.lengths.add(len(piece))
             self.supervised += sum(piece.loss_mask)
@@ -193,6 +201,8 @@ class PrepareStats:
             "split_across_rows": self.counts["split_across_rows"],
             "split_supervised_tokens": layout.num_split_supervised,
             "skip_examples": self.skip_examples,
+            "records_empty": self.counts["empty"],
+            "empty_examples": self.empty_examples,
             "documents": L.count,
             "tokens": L.total,
             "supervised_tokens": self.supervised,
@@ -204,6 +214,15 @@ class PrepareStats:
 
 
 # -- the artifact ------------------------------------------------------------------------------------
+def _check_not_all_empty(stats: PrepareStats, out: Path) -> None:
+    """Empty records (no text, `input_ids: []`, an empty file) become EOS-only documents, which `dllm data prepare`
+    warns of; an artifact of nothing else would train a model to write EOS and nothing: refused, nothing written."""
+    empty = stats.counts["empty"]
+    if empty and not stats.counts["documents_with_tokens"]:
+        raise DataError(f"{stats.empty_examples[0]}: all {empty:,} records kept are empty (no text or token ids), so "
+                        f"{out} would hold only EOS; nothing written: check the sources and their fields")  # fmt: skip
+
+
 def _portable_config(spec: PrepareSpec) -> dict[str, Any]:
     """The preparation config without machine-specific paths (part of the fingerprint)."""
     cfg = spec.model_dump(mode="json")
@@ -273,6 +292,7 @@ def prepare(
             stats.add(outcome, any(cuts))
             if progress is not None:
                 progress(stats.counts["records_read"], sum(len(p) for p in outcome.pieces))
+        _check_not_all_empty(stats, out)
         layout.finish()
         if layout.num_sequences == 0:
             raise DataError(f"{out}: no document survived preparation; check the sources, max_length and overflow")
