@@ -253,3 +253,48 @@ def test_a_count_beyond_reason_is_one_line(models: dict[str, Path], case: str, n
     args, expected = HUGE_COUNTS[case]
     args = [str(models["data"]) if a == "DATA" else a for a in args]
     _one_error([*args, "--model", str(models["mdlm"])], capsys, expected, "less than or equal")
+
+
+# -- text that is not UTF-8 -------------------------------------------------------------------------------------
+def _stdin_bytes(data: bytes, errors: str) -> io.TextIOWrapper:
+    """stdin as Python opens it: UTF-8 and strict (UTF-8 locale) or surrogateescape (C locale)."""
+    return io.TextIOWrapper(io.BytesIO(data), encoding="utf-8", errors=errors)
+
+
+@pytest.mark.parametrize("source", ["argument", "prompts-file"])
+def test_a_prompt_that_is_not_utf8_decodes_as_replacement_characters(
+    models: dict[str, Path], source: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+):  # fmt: skip
+    """An argument's undecodable bytes reach Python as lone surrogates, as does a JSON escape "\\udcff"."""
+    prompts = ["-p", "caf\udcff"]
+    if source == "prompts-file":
+        (tmp_path / "p.jsonl").write_text('{"prompt": "caf\\udcff"}\n')
+        prompts = ["--prompts-file", str(tmp_path / "p.jsonl")]
+    capsys.readouterr()
+    code = dllm(["generate", "--model", str(models["ar"]), *prompts, "--gen-length", "4", "--stop", "\udcff", "--json"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err[-2000:]
+    assert json.loads(captured.out)["prompt"] == "caf\ufffd"
+
+
+@pytest.mark.parametrize("errors", ["strict", "surrogateescape"])
+def test_chat_reads_stdin_that_is_not_utf8(models: dict[str, Path], errors: str, capsys: pytest.CaptureFixture[str],
+                                           monkeypatch: pytest.MonkeyPatch):  # fmt: skip
+    monkeypatch.setattr(sys, "stdin", _stdin_bytes(b"caf\xff\xfe\r\n/exit\n", errors))
+    capsys.readouterr()
+    code = dllm(["chat", "--model", str(models["ar"]), "--gen-length", "4", "--system", "be \udcffbrief"])
+    err = capsys.readouterr().err
+    assert code == 0 and "Traceback" not in err and "[NFE " in err, err[-2000:]
+
+
+def test_argv_bytes_that_are_not_utf8_print_as_replacement_characters(models: dict[str, Path]):
+    """The real process: argv bytes decoded by Python, the prompt printed back on a UTF-8 stdout."""
+    import os
+    import subprocess
+
+    args = [sys.executable, "-m", "dllm.cli.main", "generate", "--model", str(models["ar"]), "-p", b"caf\xff",
+            "--gen-length", "2"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONIOENCODING": "utf-8"}
+    done = subprocess.run(args, capture_output=True, env=env, timeout=300)
+    assert done.returncode == 0 and b"Traceback" not in done.stderr, done.stderr[-2000:]
+    assert done.stdout.startswith("caf\ufffd".encode())

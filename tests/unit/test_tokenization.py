@@ -351,3 +351,59 @@ def test_hf_template_without_markers_gives_no_spans(hf_dirs: dict[str, Path], tm
     spec = load_config(PrepareSpec, write_yaml(tmp_path / "prepare.yaml", cfg))
     with pytest.raises(DataError, match=r"chat\.jsonl:1: the tokenizer's chat template marks no assistant spans"):
         prepare(spec, tmp_path)
+
+
+# -- untrusted text: what UTF-8 cannot encode ---------------------------------------------------------------
+UNDECODABLE_TEXTS = {"argv byte": "caf\udcff!", "json escape": "x\ud800y", "valid": "caf\u00e9 \U0001f600"}
+
+
+@pytest.mark.parametrize("name", list(UNDECODABLE_TEXTS))
+def test_valid_text_never_raises_and_keeps_what_is_utf8(name: str):
+    from dllm.text import valid_text
+
+    text = valid_text(UNDECODABLE_TEXTS[name])
+    assert text.encode("utf-8").decode("utf-8") == text  # always encodes
+    expected = {"argv byte": "caf\ufffd!", "json escape": "x\ufffdy"}.get(name, UNDECODABLE_TEXTS[name])
+    assert text == expected
+    assert valid_text(b"caf\xc3\xa9 \xff") == "caf\u00e9 \ufffd"  # bytes: UTF-8, else U+FFFD
+    assert valid_text("caf\udcc3\udca9") == "caf\u00e9"  # surrogateescape'd UTF-8 bytes decode again
+
+
+@pytest.mark.parametrize("kind", ["byte", "hf"])
+def test_encode_takes_any_str(kind: str, hf_dirs: dict[str, Path]):
+    """Lone surrogates (an argument's undecodable bytes, a JSON escape) encode as U+FFFD, never raise."""
+    tok = ByteTokenizer() if kind == "byte" else _hf(hf_dirs["chat"])
+    assert tok.encode("a\udcffb") == tok.encode("a\ufffdb") == tok.encode("a\ud800b")
+    turn = [{"role": "user", "content": "a\udcffb"}]
+    assert tok.apply_chat_template(turn).ids == tok.apply_chat_template([{"role": "user", "content": "a\ufffdb"}]).ids
+
+
+SANDBOX_ESCAPE = "{{ ''.__class__.__mro__[1].__subclasses__() }}"
+
+
+def test_a_chat_template_the_sandbox_refuses_is_one_line(tmp_path: Path):
+    """A template reaching for Python internals is stopped by transformers' Jinja sandbox (nothing of it runs):
+    a ConfigError naming the file it came from, on use and on the check an import makes."""
+    folder = _save_bpe(tmp_path / "evil", chat_template=SANDBOX_ESCAPE)
+    tok = _hf(folder)
+    source = str(folder / "chat_template.jinja") if (folder / "chat_template.jinja").is_file() else "tokenizer_config"
+    with pytest.raises(ConfigError, match="the chat template is refused by the sandbox") as info:
+        tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
+    assert source in str(info.value) and "\n" not in str(info.value)
+    with pytest.raises(ConfigError, match=r"^x\.gguf: the chat template is refused by the sandbox"):
+        tok.check_chat_template("x.gguf")
+    _hf(_save_bpe(tmp_path / "strict", chat_template="{{ raise_exception('no') }}")).check_chat_template()  # its own
+
+
+def test_a_config_field_of_the_wrong_type_is_one_line(hf_dirs: dict[str, Path], tmp_path: Path):
+    """transformers checks config.json's field types while it loads a tokenizer (huggingface_hub's strict
+    dataclasses): a string where an integer belongs names the file and the field."""
+    import shutil
+
+    folder = shutil.copytree(hf_dirs["chat"], tmp_path / "model")
+    config = {"model_type": "llama", "hidden_size": "64", "num_attention_heads": 4, "vocab_size": 400}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError) as info:
+        _hf(folder)
+    line = str(info.value)
+    assert line.startswith(f"{folder / 'config.json'}: ") and "hidden_size" in line and "\n" not in line, line

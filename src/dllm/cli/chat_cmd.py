@@ -19,6 +19,7 @@ from dllm.cli.sampling_common import (
     setup_sampling,
 )
 from dllm.sampling.stops import cut_at_stop, stop_function
+from dllm.text import valid_text
 
 if TYPE_CHECKING:
     from dllm.checkpoint.inference import SamplingSetup
@@ -71,7 +72,7 @@ def chat(
                        causal_option="--draft" if draft is not None else "--ar")  # fmt: skip
     cfg = s.sampler
     gen = torch.Generator(device=s.device).manual_seed(cfg.seed)
-    history: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
+    history: list[dict[str, str]] = [{"role": "system", "content": valid_text(system)}] if system else []
     interactive = sys.stdin.isatty()
     how = {"edit_flow": "edit_flow, tau_leaping", "causal": "causal" + (", speculative" if s.drafter else ""),
            "canvas_denoise": denoise_summary(cfg)}  # fmt: skip
@@ -88,12 +89,12 @@ def chat(
 
 
 def _read_turn(interactive: bool) -> str | None:
-    """The user's next line (None at EOF)."""
+    """The user's next line (None at EOF), as bytes where stdin has them: what is not UTF-8 becomes U+FFFD."""
     if interactive:
         sys.stderr.write("you> ")
         sys.stderr.flush()
-    line = sys.stdin.readline()
-    return line.rstrip("\n") if line else None
+    line = getattr(sys.stdin, "buffer", sys.stdin).readline()
+    return valid_text(line).removesuffix("\n").removesuffix("\r") if line else None
 
 
 def _reply(s: SamplingSetup, history: list[dict[str, str]], gen, live: bool) -> str:

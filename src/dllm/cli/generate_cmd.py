@@ -18,6 +18,7 @@ from dllm.cli.sampling_common import (
     setup_sampling,
 )
 from dllm.errors import ConfigError, DataError
+from dllm.text import valid_text
 
 
 def _read_prompts(prompt: list[str] | None, prompts_file: Path | None) -> list[str]:
@@ -33,7 +34,7 @@ def _read_prompts(prompt: list[str] | None, prompts_file: Path | None) -> list[s
             prompts.append(rec.data["prompt"])
     if not prompts:
         raise ConfigError("give at least one --prompt TEXT or --prompts-file FILE.jsonl")
-    return prompts
+    return [valid_text(p) for p in prompts]  # bytes an argument held that are not UTF-8: U+FFFD
 
 
 def generate(
@@ -74,7 +75,8 @@ def generate(
     if batch_size < 1:
         raise ConfigError("--batch-size must be >= 1")
     flags = {"gen_length": gen_length, "block_length": block_length, "steps": steps, "policy": policy,
-             "cache": cache, "temperature": temperature, "seed": seed, "stop_strings": stop or None,
+             "cache": cache, "temperature": temperature, "seed": seed,
+             "stop_strings": [valid_text(s) for s in stop] if stop else None,
              "compile": compile_model or None}  # fmt: skip
     causal = ar or draft is not None
     if causal:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from dllm.text import valid_text
 from dllm.tokenization.base import ChatEncoding, sha256_json
 
 if TYPE_CHECKING:
@@ -38,7 +39,7 @@ class ByteTokenizer:
         }
 
     def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
+        return list(valid_text(text).encode("utf-8"))
 
     def decode(self, ids: list[int], skip_special: bool = True) -> str:
         out: list[str] = []

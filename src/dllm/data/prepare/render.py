@@ -64,8 +64,14 @@ def text_chars(record: Record, f: RecordFields) -> int:
 
 
 def _encode(tok: Tokenizer, text: str, where: str) -> list[int]:
+    _check_encodable(text, where)
+    return tok.encode(text)
+
+
+def _check_encodable(text: str, where: str) -> None:
+    """Training text is taken as it is or refused: a tokenizer would turn lone surrogates into U+FFFD."""
     try:
-        return tok.encode(text)
+        text.encode("utf-8")
     except UnicodeEncodeError:
         raise DataError(f"{where}: text holds characters that cannot be encoded (lone surrogates)") from None
 
@@ -87,6 +93,8 @@ def _turns(value: Any, where: str, dotted: str) -> list[dict[str, str]]:
 
 
 def _chat(tok: Tokenizer, turns: list[dict[str, str]], where: str, generation_prompt: bool = False):
+    for turn in turns:
+        _check_encodable(turn["content"], where)
     try:
         return tok.apply_chat_template(turns, add_generation_prompt=generation_prompt)
     except ValueError as e:  # an unknown role, a template that rejects the conversation
