@@ -406,12 +406,25 @@ def test_apply_overrides_parses_yaml_values_and_creates_sections():
         ],
     )
     assert out["training"] == {"steps": 50, "grad_clip": None, "seed": None}
-    assert out["logging"] == {"progress": False}
+    assert out["logging"] == {"progress": "off"}
     assert out["optimizer"] == {"betas": [0.8, 0.9]}
     assert out["run"] == {"name": "abc"}
     assert out["checkpointing"] == {"every_steps": 3}
     assert out["model"] == {"preset": "tiny"}
     assert data == {"training": {"steps": 4}, "checkpointing": None}  # the input is not modified
+
+
+def test_yes_no_on_off_stay_words_where_a_field_takes_words(tmp_path: Path):
+    """Only true and false are booleans (YAML 1.2): a field of words takes on/off/yes/no as written, in a file
+    and through --set; a boolean field still reads them (and true/false) as booleans."""
+    for word in ("on", "off"):
+        assert _load_text(tmp_path, f"causal_context: {word}\n", SamplerConfig).causal_context == word
+        assert _load_text(tmp_path, "", SamplerConfig, [f"causal_context={word}"]).causal_context == word
+    assert apply_overrides({}, ["run.name=no", "a.b=[yes, On, TRUE]"]) == {"run": {"name": "no"},
+                                                                           "a": {"b": ["yes", "On", True]}}  # fmt: skip
+    for raw, want in (("true", True), ("yes", True), ("on", True), ("False", False), ("no", False), ("off", False)):
+        assert _load_text(tmp_path, TRAIN_TEXT, overrides=[f"training.compile={raw}"]).training.compile is want
+    assert _load_text(tmp_path, TRAIN_TEXT + "  tensorboard: on\n").logging.tensorboard == "on"
 
 
 def test_apply_overrides_keeps_unparseable_yaml_as_text():

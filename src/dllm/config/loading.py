@@ -6,6 +6,7 @@ the YAML node is known), the dotted field path and what is wrong.
 
 from __future__ import annotations
 
+import re
 import typing
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -48,6 +49,15 @@ class _ConfigLoader(yaml.SafeLoader):
 
 
 _ConfigLoader.add_constructor("tag:yaml.org,2002:int", _ConfigLoader.construct_yaml_int)
+# Booleans are true and false only, as in YAML 1.2's core schema. YAML 1.1 also reads yes/no/on/off as booleans,
+# which turned a field of words (`causal_context: on`) into true; a boolean field still takes those words as
+# text, since pydantic reads yes/no/on/off as booleans.
+_ConfigLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_ConfigLoader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                                    list("tTfF"))  # fmt: skip
 
 
 def _check_tree(root: yaml.Node) -> None:

@@ -96,7 +96,9 @@ class LoggingConfig(Section):
     @field_validator("tensorboard", "progress", mode="before")
     @classmethod
     def _yaml_booleans(cls, v: Any, info: ValidationInfo) -> Any:
-        # YAML 1.1 reads a bare on/off/yes/no as a boolean
+        # a boolean, or a word YAML 1.1 read as one (the loader keeps yes/no/on/off as text): off, or on
+        words = {"yes": True, "on": True, "no": False, "off": False}
+        v = words.get(v.lower(), v) if isinstance(v, str) else v
         if not isinstance(v, bool):
             return v
         if not v:
