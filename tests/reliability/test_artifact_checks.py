@@ -166,3 +166,33 @@ def test_a_fresh_artifact_records_its_maxima_and_launches(train_yaml: Path):
 def test_an_unreadable_manifest_is_one_line(train_yaml: Path, text: str, capsys: pytest.CaptureFixture[str]):
     (train_yaml.parent / "data" / "prepared" / MANIFEST).write_bytes(text.encode("utf-8", "surrogateescape"))
     assert MANIFEST in _one_line_error(["launch", "--config", str(train_yaml)], capsys)
+
+
+# -- dllm data inspect --tokenizer ---------------------------------------------------------------------------
+def _prepared(root: Path, tokenizer: dict[str, Any] | None = None) -> Path:
+    (root / "a.jsonl").write_text('{"text": "the cat sees a map"}\n')
+    extra = f"tokenizer: {json.dumps(tokenizer)}\n" if tokenizer else ""
+    (root / "prepare.yaml").write_text(f"{extra}sources: [{{path: a.jsonl}}]\noutput: out\nseq_len: 16\n")
+    assert main(["data", "prepare", "--config", str(root / "prepare.yaml"), "-q"]) == 0
+    return root / "out"
+
+
+def test_inspect_warns_that_a_tokenizer_has_no_effect_on_bytes(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    """`--tokenizer /etc` was ignored without a word on an artifact of the byte tokenizer."""
+    art = _prepared(tmp_path)
+    capsys.readouterr()
+    assert main(["data", "inspect", str(art), "--tokenizer", "/etc"]) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("dllm: warning:")]
+    assert len(warnings) == 1 and "--tokenizer /etc: no effect" in warnings[0] and "byte" in warnings[0], warnings
+
+
+def test_inspect_refuses_a_tokenizer_flag_that_is_no_tokenizer(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    from tests.helpers import save_bpe
+
+    art = _prepared(tmp_path, {"kind": "hf", "path": str(save_bpe(tmp_path / "bpe"))})
+    capsys.readouterr()
+    for bad in ("/etc", "/etc/hostname", str(tmp_path / "missing")):
+        assert main(["data", "inspect", str(art), "--tokenizer", bad]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("dllm: error: --tokenizer: ") and bad in lines[0], lines
+    assert main(["data", "inspect", str(art), "--tokenizer", str(tmp_path / "bpe")]) == 0

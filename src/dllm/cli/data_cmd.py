@@ -13,7 +13,7 @@ from dllm.cli.common import info, out, warn
 from dllm.config.loading import load_config
 from dllm.config.prepare import PrepareSpec
 from dllm.config.spec import RunSpec
-from dllm.errors import DataError
+from dllm.errors import ConfigError, DataError
 
 app = typer.Typer(help="Prepare, validate and look at training data.", no_args_is_help=True)
 
@@ -151,11 +151,17 @@ def _artifact_tokenizer(art, tokenizer: Path | None):
 
     kind = art.tokenizer["kind"]
     if kind == "byte":
+        if tokenizer is not None:
+            warn(f"--tokenizer {tokenizer}: no effect; {art.path} was made with the byte tokenizer, which has no files")
         return build_tokenizer(TokenizerConfig())
     path = tokenizer or (art.path / art.manifest["tokenizer_path"] if "tokenizer_path" in art.manifest else None)
     if path is None:
         raise DataError(f"{art.path}: the artifact records no tokenizer folder; pass --tokenizer DIR")
-    tok = build_tokenizer(TokenizerConfig(kind="hf", path=Path(path).resolve()))
+    try:
+        tok = build_tokenizer(TokenizerConfig(kind="hf", path=Path(path).resolve()))
+    except ConfigError as e:  # named by its config field; here the folder came from the flag or the manifest
+        flag = "--tokenizer" if tokenizer is not None else f"{art.path}: manifest tokenizer_path"
+        raise DataError(f"{flag}: {str(e).removeprefix('tokenizer.path: ')}") from None
     if tok.identity()["vocab_hash"] != art.tokenizer["vocab_hash"]:
         raise DataError(f"--tokenizer: {path} is not the tokenizer that prepared {art.path}")
     return tok
