@@ -9,6 +9,7 @@ that holds one of the command's inputs is never replaced.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import glob
 import os
@@ -34,7 +35,8 @@ class OutputKind:
     """The names of the files a previous output in that folder wrote (its marker included); None: not one."""
     error: type[UserError]
     stage_files: frozenset[str] = frozenset()
-    """Names a staging folder of this kind may hold, for removing those of killed processes; empty: never."""
+    """Names a staging folder of this kind may hold, for removing those of killed processes (an empty one is
+    removed whatever this says); empty: only empty ones."""
 
 
 def unwritable_problem(folder: Path) -> str | None:
@@ -132,7 +134,8 @@ _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 def remove_stale_stages(output: Path, stage_files: frozenset[str]) -> list[Path]:
     """Remove the staging folders `.NAME.tmp-PID` of `output` left by killed processes.
 
-    Only folders of exactly that name whose process is gone and which hold nothing but `stage_files`;
+    Only folders of exactly that name whose process is gone and which hold nothing, or nothing but
+    `stage_files` (a process killed before it wrote a file leaves an empty one, whatever its kind);
     anything else (a live run, a user's file, another name) is left alone."""
     prefix = f".{output.name}.tmp-"
     removed = []
@@ -140,7 +143,12 @@ def remove_stale_stages(output: Path, stage_files: frozenset[str]) -> list[Path]
         pid = folder.name[len(prefix) :]
         if not (pid.isascii() and pid.isdigit()) or folder.is_symlink() or not folder.is_dir() or _alive(int(pid)):
             continue
-        if stage_files and set(os.listdir(folder)) <= stage_files:
+        held = set(os.listdir(folder))
+        if not held:
+            with contextlib.suppress(OSError):  # rmdir: only while it is still empty
+                folder.rmdir()
+                removed.append(folder)
+        elif stage_files and held <= stage_files:
             shutil.rmtree(folder, ignore_errors=True)
             removed.append(folder)
     return removed

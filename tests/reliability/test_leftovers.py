@@ -58,6 +58,29 @@ def test_stale_staging_folders_of_dead_processes_are_removed(tmp_path: Path):
     assert alive.exists() and foreign.exists() and other_name.exists() and other_output.exists()
 
 
+def test_an_empty_staging_folder_of_a_killed_convert_is_removed(tmp_path: Path):
+    """A convert killed while it reads the weights leaves its staging folder empty: the rerun removes it (an
+    empty folder of a dead process, whatever kind of output), and leaves one that holds files it cannot vouch for."""
+    import torch
+
+    from dllm.config.model import ModelConfig
+    from dllm.models.hf_io import export_hf
+    from dllm.models.transformer import Transformer
+
+    cfg = ModelConfig(family="llama", preset="tiny", vocab_size=320)
+    model = Transformer(cfg)
+    model.init_weights(torch.Generator().manual_seed(0))
+    src = export_hf(model.state_dict(), cfg, tmp_path / "hf")
+    empty = tmp_path / f".out.tmp-{_dead_pid()}"
+    empty.mkdir()
+    held = _stage(tmp_path, f"tmp-{_dead_pid()}", files=("model.safetensors",))  # `.prepared.tmp-PID`: another output
+    kept = tmp_path / f".out.tmp-{_dead_pid()}"
+    kept.mkdir()
+    (kept / "my-notes.txt").write_text("mine")
+    assert main(["convert", "--from-hf", str(src), "--to", str(tmp_path / "out")]) == 0
+    assert not empty.exists() and held.exists() and (kept / "my-notes.txt").exists()
+
+
 def test_stale_staging_is_cleaned_even_when_prepare_then_fails(tmp_path: Path):
     spec = _spec(tmp_path)
     dead = _stage(tmp_path / "data", f"tmp-{_dead_pid()}")
