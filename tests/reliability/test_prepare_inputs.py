@@ -160,6 +160,29 @@ def test_an_unwritable_output_folder_is_one_line(
     assert list(locked.iterdir()) == []
 
 
+# -- counts from flags -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("workers", ["10000", str(2**63)])
+def test_more_workers_than_cores_are_refused_before_anything_starts(
+    tmp_path: Path, workers: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+):  # fmt: skip
+    """--workers 10000 started a pool of 10000 processes (and left its staging folder when the machine gave out)."""
+    from dllm.parallel.threads import usable_cores
+
+    def no_pool(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("a worker pool was started")
+
+    monkeypatch.setattr("multiprocessing.context.BaseContext.Pool", no_pool)
+    (tmp_path / "a.jsonl").write_text(json.dumps({"text": "hi"}) + "\n")
+    (tmp_path / "prepare.yaml").write_text("sources: [{path: a.jsonl}]\noutput: out\nseq_len: 16\n")
+    capsys.readouterr()
+    assert main(["data", "prepare", "--config", str(tmp_path / "prepare.yaml"), "-q", "--workers", workers]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "--workers" in lines[0] and f"give at most {usable_cores()}" in lines[0], lines
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.jsonl", "prepare.yaml"]
+
+
 # -- an over-long record ---------------------------------------------------------------------------
 
 

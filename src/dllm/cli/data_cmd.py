@@ -55,12 +55,30 @@ class _Rate:
             self._live = None
 
 
+def _at_most_cores(workers: int) -> int:
+    """--workers, checked before a process starts or a folder is made: more tokenizer processes than the cores
+    this process may run on only wait for each other (and thousands would exhaust the machine)."""
+    from dllm.parallel.threads import usable_cores
+
+    cores = usable_cores()
+    if workers > cores:
+        raise typer.BadParameter(f"{workers} tokenizer processes, more than the {cores} CPU core(s) here; "
+                                 f"give at most {cores}")  # fmt: skip
+    return workers
+
+
 @app.command()
 def prepare(
     config: Path = typer.Option(..., "--config", "-c", help="prepare.yaml"),
     output: Path = typer.Option(None, "--output", help="Artifact folder (default: `output` in the config)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing artifact."),
-    workers: int = typer.Option(1, "--workers", min=1, help="Tokenizer processes (same bytes for any number)."),
+    workers: int = typer.Option(
+        1,
+        "--workers",
+        min=1,
+        callback=_at_most_cores,
+        help="Tokenizer processes, at most the CPU cores here (same bytes for any number).",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the manifest as JSON."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress display."),
 ) -> None:
