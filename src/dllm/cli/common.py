@@ -7,11 +7,13 @@ import math
 import os
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import typer
 
+from dllm.cli.outputs import Reads, check_output_place
 from dllm.config.base import MAX_SEED
 from dllm.errors import ConfigError
 
@@ -31,14 +33,18 @@ def finite(value: float | None) -> float | None:
     return value
 
 
-def check_output_file(output: Path | None, flag: str = "--output") -> None:
+def check_output_file(output: Path | None, flag: str = "--output", reads: Reads = (), parents: bool = False) -> None:
     """A file that can be written, checked before a model is loaded or a token sampled: a file is
-    created next to it and removed (a folder may look writable and still refuse files, as /proc does)."""
+    created next to it and removed (a folder may look writable and still refuse files, as /proc does);
+    with `parents`, in the nearest existing folder above it (the command creates the others). It must not
+    overwrite what the command reads (`reads`) nor lie in a folder dllm reads back (outputs.py)."""
     if output is None:
         return
     if output.is_dir():
         raise ConfigError(f"{flag}: {output} is a folder; give a file, e.g. {output / 'samples.jsonl'}")
     parent = output.absolute().parent
+    if parents:
+        parent = next(p for p in (parent, *parent.parents) if p.exists())
     if not parent.exists():
         raise ConfigError(f"{flag}: the folder {parent} does not exist; create it first")
     if not parent.is_dir():
@@ -48,31 +54,47 @@ def check_output_file(output: Path | None, flag: str = "--output") -> None:
             pass
     except OSError as e:
         raise ConfigError(f"{flag}: cannot write in {parent} ({_reason(e)}); choose another output file") from None
+    check_output_place(output, flag, reads)
 
 
-def check_output_folder(folder: Path, flag: str) -> None:
+def check_output_folder(folder: Path, flag: str, reads: Reads = (), own: str | None = None) -> None:
     """A folder that is or can be created here, checked before any work (`dllm.staging`'s rules: not the
-    filesystem root nor under /proc, /sys, /dev; a folder made and removed in its nearest existing parent)."""
+    filesystem root nor under /proc, /sys, /dev; a folder made and removed in its nearest existing parent).
+    It must not overlap what the command reads, nor be or lie in a folder dllm reads back unless of the kind
+    `own` the command writes (outputs.py)."""
     from dllm.config.base import output_folder_problem
     from dllm.staging import unwritable_problem
 
     problem = output_folder_problem(folder) or unwritable_problem(folder)
     if problem is not None:
         raise ConfigError(f"{flag}: {problem}")
+    check_output_place(folder, flag, reads, folder=True, own=own)
 
 
 def write_lines(output: Path, lines: list[str], flag: str = "--output") -> None:
-    """Write `lines` to `output` through a temp file renamed into place: never a half-written file,
-    and a failed write (a full disk) is one line that leaves any old `output` as it was."""
-    tmp = output.with_name(output.name + ".tmp")
-    try:
+    """Write `lines` to `output` (`write_file`)."""
+
+    def write(tmp: Path) -> None:
         with tmp.open("w", encoding="utf-8") as fh:
             fh.writelines(line + "\n" for line in lines)
+
+    write_file(output, write, flag)
+
+
+def write_file(output: Path, write: Callable[[Path], None], flag: str = "--output") -> None:
+    """`write(tmp)` a temp file next to `output`, renamed into place: never a half-written file nor a write
+    through another name of the file (a hard link), and a failed write (a full disk) is one line that leaves
+    any old `output` as it was."""
+    tmp = output.with_name(output.name + ".tmp")
+    try:
+        write(tmp)
         os.replace(tmp, output)
-    except OSError as e:
+    except BaseException as e:
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
-        raise ConfigError(f"{flag}: cannot write {output} ({_reason(e)}); choose another output file") from None
+        if isinstance(e, OSError):
+            raise ConfigError(f"{flag}: cannot write {output} ({_reason(e)}); choose another output file") from None
+        raise
 
 
 def _reason(e: OSError) -> str:

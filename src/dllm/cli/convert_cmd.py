@@ -15,6 +15,7 @@ from pathlib import Path
 import typer
 
 from dllm.cli.common import check_output_folder, info, model_folder
+from dllm.cli.outputs import MODEL, check_output_place
 from dllm.errors import ConfigError
 from dllm.staging import OutputKind, staged_folder
 
@@ -68,12 +69,13 @@ def convert(
     out = to if from_hf is not None else to_hf
     if out is None:
         raise ConfigError("--from-hf needs --to OUT (the dllm model folder to write)")
-    if from_hf is not None:
-        check_output_folder(out, "--to")
+    flag = "--to" if from_hf is not None else "--to-hf"
+    check_output_folder(out, flag, [("--from-hf", from_hf), ("--run", run), ("--checkpoint", checkpoint),
+                                    ("--model", model)], own=MODEL)  # fmt: skip
     src = _hf_source(from_hf) if from_hf is not None else None
     target_dir = _drafter_import_target(src, target, from_hf)
     reads = [src, *([target_dir] if target_dir else [])] if src is not None else _export_sources(run, checkpoint, model)
-    _check_apart(out, reads)  # type: ignore[arg-type]
+    _check_apart(out, flag, reads)  # type: ignore[arg-type]
     with staged_folder(out, CONVERT, overwrite) as stage:
         if target_dir is not None:
             said = _import_drafter(src, target_dir, stage, out)  # type: ignore[arg-type]
@@ -121,13 +123,10 @@ def _export_sources(run: Path | None, checkpoint: Path | None, model: Path | Non
     return [run_dir, ckpt, *([target] if target is not None else [])]
 
 
-def _check_apart(out: Path, sources: list[Path]) -> None:
-    """The output must not be, hold, or lie inside a folder the command reads (links resolved)."""
-    real = Path(out).resolve()
-    for src in sources:
-        read = Path(src).resolve()
-        if real == read or read in real.parents or real in read.parents:
-            raise ConfigError(f"{out} overlaps {src}, which this convert reads; choose an output outside it")
+def _check_apart(out: Path, flag: str, sources: list[Path]) -> None:
+    """The output must not be, hold, or lie inside a folder the command reads (links resolved), once those
+    named only through a run, a hub id or a drafter's target are known."""
+    check_output_place(out, flag, [("the folder", src) for src in sources], folder=True, own=MODEL)
 
 
 def _hf_source(text: str) -> Path:
@@ -177,9 +176,8 @@ def _import_gguf(src: Path, out: Path | None, overwrite: bool, conflicting: list
         raise ConfigError(f"--from-gguf FILE --to OUT imports a GGUF file; drop {', '.join(conflicting)}")
     if out is None:
         raise ConfigError("--from-gguf needs --to OUT (the dllm model folder to write)")
-    check_output_folder(out, "--to")
+    check_output_folder(out, "--to", [("--from-gguf", src)], own=MODEL)
     imported = import_gguf(src)  # every check of the file and its weights before the first write
-    _check_apart(out, [src])
     with staged_folder(out, CONVERT, overwrite) as stage:
         save_gguf_tokenizer(src, stage)
         tok_cfg = TokenizerConfig(kind="hf", path=stage)

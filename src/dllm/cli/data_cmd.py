@@ -9,7 +9,8 @@ from pathlib import Path
 
 import typer
 
-from dllm.cli.common import info, out, warn
+from dllm.cli.common import check_output_file, info, out, warn, write_file
+from dllm.cli.outputs import ARTIFACT, check_output_place
 from dllm.config.loading import load_config
 from dllm.config.prepare import PrepareSpec
 from dllm.config.spec import RunSpec
@@ -87,6 +88,7 @@ def prepare(
 
     spec = load_config(PrepareSpec, config)
     target = output if output is not None else spec.output
+    check_output_place(target, "--output" if output is not None else f"{config}: output", folder=True, own=ARTIFACT)
     t0 = time.perf_counter()
     rate = _Rate(not quiet and not as_json)
     try:
@@ -220,11 +222,12 @@ def stats(
     from dllm.data.artifact import read_manifest
     from dllm.data.report import plot_lengths, stats_table
 
+    check_output_file(plot, "--plot", reads=[("the artifact", artifact)], parents=True)
     manifest = read_manifest(artifact)
     if as_json:
         out(json.dumps(manifest["stats"], indent=2, sort_keys=True))
     else:
         Console().print(stats_table(manifest))
     if plot is not None:
-        plot_lengths(manifest, plot)
+        write_file(plot, lambda tmp: plot_lengths(manifest, tmp), "--plot")
         info(f"wrote {plot}")

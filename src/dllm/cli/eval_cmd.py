@@ -136,7 +136,8 @@ def tasks(
     names = [n.strip() for n in task_names.split(",") if n.strip()]
     if not names:
         raise ConfigError("--tasks: give at least one task name or JSONL file")
-    check_output_file(output)
+    reads = [("--sampler-config", sampler_config), ("--run", run), ("--checkpoint", checkpoint), ("--model", model)]
+    check_output_file(output, reads=[*reads, *(("--tasks", n) for n in names)])
     loaded_tasks = [load_task(n, limit, seed) for n in names]
     flags = {"policy": policy, "cache": cache, "gen_length": gen_length}
     if ar:

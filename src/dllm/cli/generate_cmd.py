@@ -86,7 +86,9 @@ def generate(
             warn(f"{', '.join(ignored)}: no effect on causal decoding (--ar / --draft)")
         flags["generation"] = "causal"
     texts = _read_prompts(prompt, prompts_file)
-    check_output_file(output)
+    reads = [("--prompts-file", prompts_file), ("--sampler-config", sampler_config), ("--run", run),
+             ("--checkpoint", checkpoint), ("--model", model), ("--draft", draft)]  # fmt: skip
+    check_output_file(output, reads=reads)
     option = "--draft" if draft is not None else "--ar"
     s = setup_sampling(run, checkpoint, model, device, sampler_config, overrides, flags, draft=draft,
                        draft_block_size=draft_block_size, causal_option=option)  # fmt: skip

@@ -10,6 +10,7 @@ from typing import Any
 import typer
 
 from dllm.cli.common import info
+from dllm.cli.outputs import check_output_place
 from dllm.config.prepare import PrepareSpec
 from dllm.config.spec import RunSpec
 from dllm.config.templates import commented_yaml
@@ -89,6 +90,7 @@ def init(
     directory = Path(directory)
     if directory.exists() and not directory.is_dir():
         raise UserError(f"{directory} exists and is not a folder")
+    check_output_place(directory, "DIRECTORY", folder=True)
     if directory.exists() and any(directory.iterdir()) and not force:
         raise UserError(f"{directory} is not empty; choose a new folder or pass --force")
     texts, sums = demo_records(num_records, seed=0)

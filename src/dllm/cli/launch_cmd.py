@@ -8,6 +8,7 @@ from pathlib import Path
 import typer
 
 from dllm.cli.common import SetOption, info, out, warn
+from dllm.cli.outputs import RUN, check_output_place
 from dllm.config.loading import load_config
 from dllm.config.spec import RunSpec
 from dllm.training.host_memory import memory_retained
@@ -47,6 +48,7 @@ def launch(
         warn(w)
     topo = spec.topology
     node_rank = node_rank if node_rank is not None and topo.nnodes > 1 else 0
+    check_output_place(run_dir_of(spec), f"{config}: run.output_dir", folder=True, own=RUN)
     spec_path = run_dir_of(spec) / CONFIG_NAME
     in_process = topo.world_size == 1
     worker_env, num_threads = _worker_env(spec)

@@ -7,7 +7,7 @@ from typing import Any
 
 import typer
 
-from dllm.cli.common import info
+from dllm.cli.common import check_output_file, info, write_file
 from dllm.errors import CheckpointError, UserError
 from dllm.training.metrics import read_metrics
 
@@ -22,6 +22,7 @@ def plot(
     names = [m.strip() for m in metric.split(",") if m.strip()]
     if not names:
         raise UserError("--metric: name at least one metric, e.g. --metric loss,lr")
+    check_output_file(output, reads=[("the run", run) for run in runs], parents=True)
     series = {_label(run, runs): read_metrics(_run_folder(run)) for run in runs}
     available = sorted({k for recs in series.values() for r in recs for k, v in r.items() if _is_number(v)} - {"step"})
     unknown = [m for m in names if m not in available]
@@ -85,9 +86,9 @@ def render(series: dict[str, list[dict[str, Any]]], metrics: list[str], smooth: 
     axes[-1, 0].set_xlabel("step")
     fig.tight_layout()
     output.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        fig.savefig(output, dpi=110)
-    except (OSError, ValueError) as e:
+    try:  # the format from the name, not from the temp file's
+        write_file(output, lambda tmp: fig.savefig(tmp, dpi=110, format=output.suffix[1:] or "png"))
+    except ValueError as e:
         raise UserError(f"{output}: cannot write the plot ({e})") from None
     finally:
         plt.close(fig)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from dllm.cli.common import info, out
+from dllm.cli.common import check_output_folder, info, out
 from dllm.recipes import copy_recipe, get_recipe, list_recipes, recipe_files
 
 app = typer.Typer(help="Ready-made configs: smoke tests that run on a CPU and GPU templates.", no_args_is_help=True)
@@ -40,6 +40,7 @@ def copy(
 ) -> None:
     """Copy a recipe's configs into DEST, with its generated data (smoke recipes), and print the next steps."""
     recipe = get_recipe(name)
+    check_output_folder(dest, "DEST")
     written = copy_recipe(name, dest, force=force)
     info(f"wrote {', '.join(str(p) for p in written)}")
     if recipe.kind == "template":
