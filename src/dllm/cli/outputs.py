@@ -78,7 +78,7 @@ def check_output_place(
     real = Path(os.path.realpath(output))
     for label, path in _local(reads):
         _check_apart(output, real, flag, label, path, folder)
-    parent = Path(os.path.realpath(Path(output).absolute().parent))  # where a link itself is replaced
+    parent = Path(os.path.realpath(os.path.dirname(os.path.abspath(output))))  # where a link itself is replaced
     for above in dict.fromkeys([*real.parents, parent, *parent.parents]):
         kind = folder_kind(above)
         if kind is not None:
