@@ -3,6 +3,15 @@
 Noise is keyed by (seed, purpose, sample id) rather than drawn from one stateful generator: a sample
 gets the same noise whatever the number of ranks, the micro-batch split or a resume in between, so
 a 2-process run reproduces the 1-process loss and a resumed run reproduces the uninterrupted one.
+
+A sample's row is `torch.rand(shape)` from a CPU generator seeded with its key (torch's MT19937
+keeps the key's low 32 bits). The keys of a batch are mixed in one vectorised call; the rows are
+then drawn one by one by torch's own generator into one tensor. Drawing them batched as well
+(torch's MT19937 over [B, 624] states in NumPy) is bit-identical but slower: its seeding alone is
+623 dependent steps of four vector ops, more than torch's C++ takes to seed and draw a whole batch
+(bench/noise_keys.py measures the three ways).
+
+Shapes: B samples, L positions, K blocks, X the `shape` asked of `uniform` per sample.
 """
 
 from __future__ import annotations
@@ -11,7 +20,7 @@ import zlib
 
 import torch
 
-from dllm.seeding import mix_key
+from dllm.seeding import mix_keys
 
 
 class NoiseKeys:
@@ -21,17 +30,19 @@ class NoiseKeys:
         self.seed = seed
         self.group_size = group_size  # samples that share one stratification (the global batch)
 
-    def _key(self, purpose: str, sample_id: int) -> int:
-        return mix_key(self.seed, zlib.crc32(purpose.encode()), sample_id)
+    def keys(self, sample_ids_B: torch.Tensor, purpose: str) -> list[int]:
+        """The generator seed of each sample for `purpose`: mix_key(seed, crc32(purpose), sample id)."""
+        ids_B = sample_ids_B.detach().cpu().numpy()
+        return mix_keys(self.seed, zlib.crc32(purpose.encode()), ids=ids_B).tolist()
 
     def uniform(self, sample_ids_B: torch.Tensor, shape: tuple[int, ...], purpose: str) -> torch.Tensor:
         """U[0, 1) of shape [B, *shape], float32, on the device of `sample_ids_B`."""
+        u_BX = torch.empty((len(sample_ids_B), *shape))
         g = torch.Generator(device="cpu")
-        rows = []
-        for sid in sample_ids_B.tolist():
-            g.manual_seed(self._key(purpose, sid))
-            rows.append(torch.rand(shape, generator=g))
-        return torch.stack(rows).to(sample_ids_B.device)
+        for key, row_X in zip(self.keys(sample_ids_B, purpose), u_BX.unbind(0), strict=True):
+            g.manual_seed(key)
+            row_X.uniform_(generator=g)  # the draws of torch.rand(shape, generator=g), in place
+        return u_BX.to(sample_ids_B.device)
 
     def stratified_time(self, sample_ids_B: torch.Tensor, purpose: str, antithetic: bool) -> torch.Tensor:
         """U[0, 1) per sample; with `antithetic`, the samples of one group are evenly spaced
