@@ -17,12 +17,16 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from dllm.config.training import MAX_STEPS
+from dllm.config.untrusted import count, open_regular, read_json, regular_size
 from dllm.errors import CheckpointError
 from dllm.staging import disk_full
 
 MANIFEST = "manifest.json"
 _FORMAT = "dllm.checkpoint"
 _CHUNK = 1 << 20
+MAX_FILE_BYTES = 1 << 50
+"""The largest size a manifest may record for one file (a petabyte: no checkpoint's shard)."""
 
 
 def fsync_dir(folder: Path) -> None:
@@ -50,9 +54,20 @@ def write_text_durably(path: Path, text: str) -> None:
     fsync_dir(path.parent)
 
 
+def set_aside(path: Path) -> Path:
+    """Rename `path` to the first free `NAME.replaced-N` beside it and return that: what a run must not
+    delete nor resume from stays on disk, under a name nothing reads."""
+    n = 1
+    while os.path.lexists(path.with_name(f"{path.name}.replaced-{n}")):
+        n += 1
+    target = path.with_name(f"{path.name}.replaced-{n}")
+    os.replace(path, target)
+    return target
+
+
 def _digest(path: Path, sync: bool = False) -> str:
     h = hashlib.sha256()
-    with path.open("rb") as fh:
+    with open_regular(path) as fh:
         while chunk := fh.read(_CHUNK):
             h.update(chunk)
         if sync:  # the pages DCP or we wrote are on disk before the folder is published
@@ -115,37 +130,36 @@ def _check_listing(folder: Path, listed: dict[str, dict[str, Any]] | None, opt_o
 
 def _read_manifest(folder: Path) -> dict[str, dict[str, Any]] | None:
     path = folder / MANIFEST
-    if not path.is_file():
+    if not os.path.lexists(path):
         return None
-    try:
-        body = json.loads(path.read_text(encoding="utf-8"))
-        files = body["files"] if body.get("format") == _FORMAT else None
+    advice = "use another checkpoint"
+    body = read_json(path, "a dllm checkpoint manifest", advice)
+    files = body.get("files") if isinstance(body, dict) and body.get("format") == _FORMAT else None
+    try:  # `files` is only found in an object: `body` is one then
         ok = isinstance(files, dict) and all(_valid_entry(k, v) for k, v in files.items())
-    except (ValueError, TypeError, KeyError, AttributeError):
+        ok = ok and count(body["step"], "step", MAX_STEPS) >= 0
+    except (ValueError, KeyError):
         ok = False
     if not ok:
-        raise CheckpointError(f"{path}: damaged or not a dllm checkpoint manifest; use another checkpoint")
+        raise CheckpointError(f"{path}: damaged or not a dllm checkpoint manifest; {advice}")
     return files
 
 
 def _valid_entry(name: Any, entry: Any) -> bool:
-    """A plain file name of this folder (nothing that reaches outside it) with a size and a digest."""
+    """A plain file name of this folder (nothing that reaches outside it) with a size (a ValueError when it is
+    not a count) and a digest."""
     plain = isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
-    return (
-        plain
-        and isinstance(entry, dict)
-        and isinstance(entry.get("bytes"), int)
-        and isinstance(entry.get("sha256"), str)
-    )
+    ok = plain and isinstance(entry, dict) and isinstance(entry.get("sha256"), str)
+    return ok and count(entry.get("bytes"), "bytes", MAX_FILE_BYTES) >= 0
 
 
 def _check_file(path: Path, entry: dict[str, Any], hashes: bool) -> None:
     advice = "restore it from a copy, or use an older checkpoint (resume: name it in checkpoints/latest)"
-    if not path.is_file():
+    size = regular_size(path)
+    if size is None:
         if not path.parent.is_dir():
             raise vanished(path.parent)
         raise CheckpointError(f"{path}: missing (listed in {MANIFEST}); the checkpoint is incomplete: {advice}")
-    size = path.stat().st_size
     if size != entry["bytes"]:
         raise CheckpointError(f"{path}: {size} bytes where {MANIFEST} records {entry['bytes']} (truncated?): {advice}")
     if hashes and _digest(path) != entry["sha256"]:

@@ -4,22 +4,26 @@ Layout of a run folder:
   checkpoints/step_00000100/   DCP shards (tensors only) + .metadata + trainer_state.json (every
                                non-tensor state, the optimizer's hyper-parameters included) +
                                decode_profile.json + manifest.json (size and SHA-256 of each file)
-  checkpoints/latest           text file naming the newest complete checkpoint
+  checkpoints/latest           text file naming the newest complete checkpoint (when it is missing, the
+                               newest published step_N folder is the run's checkpoint: nothing starts over)
 
 Publishing is atomic and durable: every rank writes into `step_X.tmp`; the main rank writes the JSON
 files and the manifest, fsyncs every file and the folder, renames it to `step_X`, fsyncs the parent
 and only then rewrites `latest` (a temp file fsynced + os.replace). A failed save (a full disk
 included) removes its `.tmp` folder; a crash mid-save leaves one that nothing reads and the next
 save removes. Loading unpickles nothing but DCP metadata, and that through a restricted unpickler
-(safe_read.py); the manifest is checked first.
+(safe_read.py); the manifest is checked first, and every count a checkpoint records is bounded before use.
+Pruning (keep_last_n) only removes checkpoints of this run's history: those it wrote, and those at or
+before the step it resumed from once it published a newer one; a folder it would overwrite and did not
+write is set aside (`step_N.replaced-K`), never deleted.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
+import sys
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -44,9 +48,21 @@ from dllm.checkpoint.files import (
     check_free_space,
     disk_full_error,
     fsync_dir,
+    set_aside,
     verify_checkpoint,
     write_manifest,
     write_text_durably,
+)
+from dllm.checkpoint.layout import (
+    LATEST,
+    START_OVER,
+    TRAINER_STATE,
+    latest_checkpoint,
+    pointer_target,
+    published_checkpoints,
+    read_trainer_state,
+    step_name,
+    step_of,
 )
 from dllm.checkpoint.safe_read import SafeLoadPlanner, SafeReader, check_tensors, read_metadata_file
 from dllm.config.profile import DecodeProfile, write_profile
@@ -54,23 +70,10 @@ from dllm.config.training import CheckpointingConfig
 from dllm.errors import CheckpointError, UserError
 from dllm.parallel.dims import DistEnv, all_reduce_sum, barrier
 
-TRAINER_STATE = "trainer_state.json"
-LATEST = "latest"
 METADATA = ".metadata"  # DCP's index of the shards (a pickle: read by safe_read only)
 PARAM_GROUPS = "optim_param_groups"
 """Key of trainer_state.json holding the optimizer's param_groups (kept out of DCP: no pickle)."""
-_STEP_DIR = re.compile(r"step_(\d+)")
 _RESUME_UNCHECKED = f"{VERIFY_OFF} (in the config, or launch with --set checkpointing.verify=false)"
-
-
-def _step_name(step: int) -> str:
-    return f"step_{step:08d}"
-
-
-def _step_of(name: str) -> int | None:
-    """The step of a published checkpoint folder name (None for `.tmp` folders and anything else)."""
-    m = _STEP_DIR.fullmatch(name)
-    return int(m.group(1)) if m else None
 
 
 def _options(model: nn.Module) -> StateDictOptions:
@@ -100,17 +103,28 @@ class CheckpointManager:
         self.cfg = cfg
         self.env = env
         self.profile = profile  # written into every checkpoint: how its model decodes
+        self.start_step = 0  # the step this run went on from (`load`): checkpoints up to it are its history
+        self._written: set[str] = set()  # folders this run published: pruning may remove them
 
     def latest(self) -> Path | None:
-        return latest_checkpoint(self.folder)
+        """The checkpoint to resume from (`latest_checkpoint`); when `latest` is missing and a published
+        folder is found instead, the main rank says so."""
+        path = latest_checkpoint(self.folder)
+        if path is not None and self.env.is_main and not os.path.lexists(self.folder / LATEST):
+            print(
+                f"dllm: {self.folder / LATEST} is missing: resuming from {path.name}, the newest complete "
+                f"checkpoint; {START_OVER}, or choose another run.name",
+                file=sys.stderr,
+            )
+        return path
 
     def should_save(self, step: int, total_steps: int) -> bool:
         every = self.cfg.every_steps
         return (every is not None and step % every == 0) or (step == total_steps and self.cfg.save_final)
 
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> Path:
-        final = self.folder / _step_name(step)
-        tmp = self.folder / f"{_step_name(step)}.tmp"
+        final = self.folder / step_name(step)
+        tmp = self.folder / f"{step_name(step)}.tmp"
         model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(model))
         tensors = {"model": model_sd, "optim": {"state": optim_sd["state"]}}
         trainer_state = {"step": step, **state, PARAM_GROUPS: optim_sd["param_groups"]}
@@ -136,9 +150,13 @@ class CheckpointManager:
         if self.profile is not None:
             write_profile(self.profile, tmp)
         write_manifest(tmp, trainer_state["step"])
-        if final.exists():
+        if final.exists() and final.name in self._written:
             shutil.rmtree(final)
+        elif final.exists():  # of another timeline (latest was pointed back past it): kept, not overwritten
+            kept = set_aside(final)
+            print(f"dllm: {final} was not written by this run: moved it to {kept.name}", file=sys.stderr)
         os.replace(tmp, final)
+        self._written.add(final.name)
         fsync_dir(self.folder)
         write_text_durably(self.folder / LATEST, final.name + "\n")
         self._prune(final)
@@ -178,12 +196,15 @@ class CheckpointManager:
         groups = state.pop(PARAM_GROUPS, None)  # None: written before they moved out of DCP
         options = _options(model)
         model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+        if groups is not None:
+            check_param_groups(groups, optim_sd["param_groups"], path / TRAINER_STATE)
         optim = optim_sd if groups is None else {"state": optim_sd["state"]}
         sd = {"model": model_sd, "optim": optim}
         _read(path, sd, "the model being resumed", self.env)
         if groups is not None:
             optim = {**sd["optim"], "param_groups": groups}
         set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=optim, options=options)
+        self.start_step = state["step"]
         return state
 
     def _verify(self, path: Path, device: torch.device) -> None:
@@ -198,19 +219,18 @@ class CheckpointManager:
             raise err or CheckpointError(f"{path}: the main rank found a damaged file (see its error)")
 
     def _prune(self, published: Path) -> None:
-        """Keep the newest `keep_last_n` checkpoints up to the one just published. Folders of later
-        steps (left by an interrupted timeline) are not this run's history and are left alone, and
-        the target of `latest` is never removed."""
-        newest = _step_of(published.name)
+        """Keep the newest `keep_last_n` checkpoints up to the one just published, removing only this run's
+        history: folders it wrote, and those at or before the step it resumed from (the one just published is
+        newer). Folders of later steps (left by an interrupted timeline), of steps after the start that this
+        run did not write (a start over whose old checkpoints were not moved aside), and the target of
+        `latest` are left alone."""
+        newest = step_of(published.name)
         assert newest is not None
-        pointed = _pointer_target(self.folder)
-        done = sorted(
-            (step, p)
-            for p in self.folder.iterdir()
-            if (step := _step_of(p.name)) is not None and step <= newest and p.is_dir()
-        )
-        for _, old in done[: -self.cfg.keep_last_n]:
-            if old.name not in (pointed, published.name):
+        pointed = pointer_target(self.folder)
+        done = sorted((step, p) for step, p in published_checkpoints(self.folder) if step <= newest)
+        for step, old in done[: -self.cfg.keep_last_n]:
+            mine = old.name in self._written or step <= self.start_step
+            if mine and old.name not in (pointed, published.name):
                 shutil.rmtree(old, ignore_errors=True)
 
 
@@ -253,41 +273,35 @@ def _one_line(e: CheckpointException, path: Path) -> UserError:
     return CheckpointError(f"{path}: could not be read ({type(first).__name__}: {lines[0]}); use another checkpoint")
 
 
-def _pointer_target(folder: Path) -> str | None:
-    pointer = folder / LATEST
-    if not pointer.is_file():
-        return None
-    try:
-        return pointer.read_text(encoding="utf-8").strip()
-    except UnicodeDecodeError:
-        raise CheckpointError(f"{pointer}: not text naming a step_N folder; delete {pointer} to start over") from None
+_HYPER = ("lr", "betas", "eps", "weight_decay")
+"""The hyper-parameters AdamW needs in every group (torch fills in its newer flags itself)."""
 
 
-def latest_checkpoint(folder: Path) -> Path | None:
-    """The newest published checkpoint of a checkpoints folder, or None."""
-    pointer = Path(folder) / LATEST
-    name = _pointer_target(Path(folder))
-    if name is None:
-        return None
-    if _step_of(name) is None:  # only a folder of this one: nothing elsewhere on disk
-        raise CheckpointError(f"{pointer}: names {name[:80]!r}, not a step_N folder; delete {pointer} to start over")
-    path = Path(folder) / name
-    if not (path / TRAINER_STATE).is_file():
-        raise CheckpointError(f"{pointer} names {path.name}, which is incomplete; delete {pointer} to start over")
-    return path
-
-
-def read_trainer_state(path: Path) -> dict[str, Any]:
-    f = Path(path) / TRAINER_STATE
-    if not f.is_file():
-        raise CheckpointError(f"{path}: not a dllm checkpoint (no {TRAINER_STATE})")
-    try:
-        state = json.loads(f.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError):
-        state = None
-    if not isinstance(state, dict) or not isinstance(state.get("step"), int):
-        raise CheckpointError(f"{f}: damaged (not the JSON trainer state dllm writes); use another checkpoint")
-    return state
+def check_param_groups(saved: Any, current: list[dict[str, Any]], where: Path) -> None:
+    """The optimizer's saved parameter groups are the model's: as many, each naming the same parameters and
+    holding the hyper-parameters (torch would otherwise resume with a group missing them, a KeyError at the
+    first step, or silently leave a parameter's moments behind)."""
+    fix = "resume with the model section it was trained with, or start a new run (another run.name)"
+    if not isinstance(saved, list) or len(saved) != len(current):
+        n = len(saved) if isinstance(saved, list) else type(saved).__name__
+        raise CheckpointError(f"{where}: the optimizer state has {n} parameter groups where the model's optimizer "
+                              f"has {len(current)}: it does not match the model; {fix}")  # fmt: skip
+    for i, (old, new) in enumerate(zip(saved, current, strict=True)):
+        names = old.get("params") if isinstance(old, dict) else None
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise CheckpointError(f"{where}: optimizer parameter group {i} is damaged; {fix}")
+        extra, lacking = sorted(set(names) - set(new["params"])), sorted(set(new["params"]) - set(names))
+        missing = [k for k in _HYPER if k in new and k not in old]
+        if extra:
+            what = f"names {extra[0][:120]!r}, which the model does not have"
+        elif lacking:
+            what = f"lacks the model's {lacking[0]!r}"
+        elif missing:
+            what = f"lacks the hyper-parameter {missing[0]!r}"
+        else:
+            continue
+        raise CheckpointError(f"{where}: the optimizer state does not match the model (its parameter group {i} "
+                              f"{what}); {fix}")  # fmt: skip
 
 
 def load_model_weights(path: Path, model: nn.Module, verify: bool = True, opt_out: str = VERIFY_OFF) -> None:

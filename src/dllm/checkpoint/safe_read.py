@@ -12,8 +12,11 @@ restricted `weights_only` unpickler. Anything else is one line naming the file.
 from __future__ import annotations
 
 import io
+import os
 import pathlib
 import pickle
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +26,10 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint import metadata as md
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.filesystem import FileSystem, _StorageInfo
 from torch.distributed.checkpoint.planner import ReadItem
 
+from dllm.config.untrusted import open_regular
 from dllm.errors import CheckpointError
 from dllm.models.hf_io import load_plain
 
@@ -68,8 +72,10 @@ class _MetadataUnpickler(pickle.Unpickler):
 def read_metadata_file(path: Path) -> md.Metadata:
     """Unpickle a `.metadata` file with the restricted unpickler and check what it describes."""
     try:
-        with path.open("rb") as fh:
+        with open_regular(path) as fh:
             meta = _MetadataUnpickler(fh).load()
+    except CheckpointError:
+        raise
     except _Refused as e:
         raise CheckpointError(f"{path}: refused to load it: {e}; only use checkpoints you trust") from None
     except FileNotFoundError:
@@ -93,8 +99,26 @@ def _plain_name(name: Any) -> bool:
     return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
 
 
+class _RegularFiles(FileSystem):
+    """DCP's local file system, reading regular files only (a shard linked to a FIFO would block the load)."""
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
+        if mode != "rb":
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with open_regular(Path(path)) as stream:
+            yield stream  # type: ignore[misc]
+
+
 class SafeReader(FileSystemReader):
-    """A FileSystemReader whose `.metadata` is read by the restricted unpickler."""
+    """A FileSystemReader whose `.metadata` is read by the restricted unpickler, and which opens shards only
+    when they are regular files."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        super().__init__(path)
+        self.fs = _RegularFiles()
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> md.Metadata:
         meta = read_metadata_file(Path(self._get_metadata_path(kwargs.get("rank"))))

@@ -19,10 +19,14 @@ from pydantic import Field, ValidationError, model_validator
 
 from dllm.config.base import Float, Int, Section
 from dllm.config.registries import SCHEDULES
+from dllm.config.untrusted import read_json
 from dllm.errors import CheckpointError
 
 PROFILE_FILE = "decode_profile.json"
 PROFILE_VERSION = 1
+MAX_LENGTH = 2**24
+"""The longest sequence a decode profile may record (16M positions, past any model's): a bound on what is
+read from a folder a user was handed."""
 
 
 class DecodeProfile(Section):
@@ -36,9 +40,9 @@ class DecodeProfile(Section):
     """bidirectional (MDLM, LLaDA, Dream), block-causal with the training block size (BD3LM, Fast-dLLM v2),
     causal: an autoregressive model (objective ar), decoded one token per forward or speculatively (`--ar`), or
     prefix_canvas: canvases of block_size decoded after a causally encoded prefix (DiffusionGemma)."""
-    block_size: Int | None = Field(default=None, gt=0)
+    block_size: Int | None = Field(default=None, gt=0, le=MAX_LENGTH)
     """Tokens per block of a block model (its sampler must use the same); null for bidirectional models."""
-    sub_block_size: Int | None = Field(default=None, gt=0)
+    sub_block_size: Int | None = Field(default=None, gt=0, le=MAX_LENGTH)
     """Sub-block decoded in parallel inside a block (Fast-dLLM v2); null: whole blocks."""
     causal_context: bool = False
     """Block models whose clean context was trained token-causally (Nemotron-Labs-Diffusion): the prompt and
@@ -64,7 +68,7 @@ class DecodeProfile(Section):
     num_tokens: Int = Field(gt=0)
     """Ids decoding draws random tokens from: the tokenizer's (uniform noise; the embedding may have more rows),
     or for prefix_canvas the model's whole vocabulary, which DiffusionGemma's random canvases are drawn from."""
-    max_length: Int = Field(gt=0)
+    max_length: Int = Field(gt=0, le=MAX_LENGTH)
     """Longest sequence (prompt + generation) the model's positions cover."""
 
     @model_validator(mode="after")
@@ -125,14 +129,13 @@ def read_profile(folder: Path, vocab_size: int | None = None) -> DecodeProfile |
     """The profile saved in `folder`, or None when it has none (written before profiles existed). With
     `vocab_size` (the model's embedding rows), its token ids must fit the model."""
     path = Path(folder) / PROFILE_FILE
-    if not path.is_file():
+    if not os.path.lexists(path):
         return None
+    data = read_json(path, "a decode profile", "re-export the model")  # bounded, a regular file only
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
         profile = DecodeProfile.model_validate(data)
-    except (ValueError, ValidationError) as e:
-        msg = _first_error(e) if isinstance(e, ValidationError) else str(e)
-        raise CheckpointError(f"{path}: not a valid decode profile ({msg}); re-export the model") from None
+    except ValidationError as e:
+        raise CheckpointError(f"{path}: not a valid decode profile ({_first_error(e)}); re-export the model") from None
     if vocab_size is not None:
         _check_ids(profile, vocab_size, path)
     return profile

@@ -10,11 +10,14 @@ from dllm.config.base import Float, Int, Section, Seed
 from dllm.config.observability import WandbConfig
 from dllm.config.registries import LR_SCHEDULES
 
+MAX_STEPS = 10**12
+"""The most optimizer steps a run may have (a bound for the counts a checkpoint records, not a limit any run meets)."""
+
 
 class TrainingConfig(Section):
     """The training loop."""
 
-    steps: Int = Field(gt=0)
+    steps: Int = Field(gt=0, le=MAX_STEPS)
     """Optimizer steps to run in total (a resumed run continues up to this step)."""
     global_batch_size: Int = Field(gt=0)
     """Sequences per optimizer step, summed over data-parallel ranks and accumulation micro-steps."""

@@ -17,8 +17,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from dllm.config.base import MAX_SEED
+from dllm.config.untrusted import count
 from dllm.data.artifact import Artifact
 from dllm.errors import CheckpointError, DataError
+
+MAX_EPOCHS = 2**32
+"""The most passes over an artifact a loader position may stand for (a bound on a checkpoint's record)."""
 
 
 @dataclass(frozen=True)
@@ -173,6 +178,7 @@ class StepLoader:
                 f"is not the one this checkpoint trained on ({str(state.get('fingerprint'))[:12]}); "
                 "point data.path at the original artifact or start a new run"
             )
-        self.position = int(state["position"])
-        self.seed = int(state["seed"])
+        # a ValueError (the trainer reports the checkpoint damaged) for a count no run of this artifact reaches
+        self.position = count(state["position"], "loader.position", max(self.num_rows, 1) * MAX_EPOCHS)
+        self.seed = count(state["seed"], "loader.seed", MAX_SEED)
         self._perm_epoch = -1  # the cached permutation may belong to another seed

@@ -36,6 +36,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from dllm.config.rl import RLConfig
 from dllm.config.sampler import SamplerConfig
+from dllm.config.untrusted import count
 from dllm.errors import CheckpointError
 from dllm.evaluation.tasks import Task
 from dllm.models.lora import adapters_disabled
@@ -49,6 +50,9 @@ from dllm.sampling.canvas import SpecialIds
 from dllm.seeding import mix_key
 from dllm.tokenization import Tokenizer
 from dllm.training.loop import TrainLoop, TrainParts, Unit
+
+MAX_WORLD_SIZE = 2**20
+"""The most processes an rl checkpoint may record (a bound on what is read back, not on runs)."""
 
 
 @dataclass(frozen=True)
@@ -106,15 +110,20 @@ class GRPOTrainer(TrainLoop[Round]):
 
     def check_checkpoint(self, path: Path, state: dict[str, Any]) -> None:
         super().check_checkpoint(path, state)
-        if state.get("world_size") != self.env.world_size:
+        world_size = count(state.get("world_size"), "world_size", MAX_WORLD_SIZE, lower=1)
+        if world_size != self.env.world_size:
             raise CheckpointError(
-                f"{path}: an rl checkpoint of {state.get('world_size')} processes (one generation RNG each); "
-                f"resume it with --nproc-per-node {state.get('world_size')}, not {self.env.world_size}"
+                f"{path}: an rl checkpoint of {world_size} processes (one generation RNG each); "
+                f"resume it with --nproc-per-node {world_size}, not {self.env.world_size}"
             )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
-        self.generator.set_state(torch.tensor(state["generators"][self.env.rank], dtype=torch.uint8))
+        row = state["generators"][self.env.rank]
+        if not isinstance(row, list):
+            raise TypeError(f"generators[{self.env.rank}] is not a list of bytes")
+        state_bytes = [count(b, f"generators[{self.env.rank}] byte", 255) for b in row]
+        self.generator.set_state(torch.tensor(state_bytes, dtype=torch.uint8))
 
     # -- one round --------------------------------------------------------------------------------
     def num_prompts(self) -> int:

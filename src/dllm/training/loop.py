@@ -22,7 +22,8 @@ import torch
 from torch import nn
 
 from dllm.checkpoint.manager import TRAINER_STATE, CheckpointManager
-from dllm.config.training import LoggingConfig, TrainingConfig
+from dllm.config.training import MAX_STEPS, LoggingConfig, TrainingConfig
+from dllm.config.untrusted import count
 from dllm.errors import CheckpointError, TrainingError
 from dllm.parallel.dims import DistEnv, ParallelDims
 from dllm.parallel.grad_norm import clip_grad_norm
@@ -113,7 +114,7 @@ class TrainLoop(Generic[U]):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.lr_schedule.load_state_dict(state["lr_schedule"])
-        self.step = int(state["step"])
+        self.step = count(state["step"], "step", MAX_STEPS)
 
     def check_checkpoint(self, path: Path, state: dict[str, Any]) -> None:
         """A CheckpointError when the checkpoint cannot go on as this run (another tokenizer)."""

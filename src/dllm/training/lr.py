@@ -9,7 +9,8 @@ from typing import Any
 import torch
 
 from dllm.config.registries import LR_SCHEDULES
-from dllm.config.training import SchedulerConfig
+from dllm.config.training import MAX_STEPS, SchedulerConfig
+from dllm.config.untrusted import count
 
 Decay = Callable[[float, float], float]
 """(progress after warmup in [0, 1], floor = min_lr_ratio) -> the fraction of the peak learning rate."""
@@ -54,4 +55,4 @@ class LRSchedule:
         return {"step": self.step}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.step = int(state["step"])
+        self.step = count(state["step"], "lr_schedule.step", MAX_STEPS)

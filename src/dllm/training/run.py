@@ -24,7 +24,8 @@ import yaml
 from pydantic import BaseModel
 from pydantic_core import to_jsonable_python
 
-from dllm.checkpoint.files import disk_full_error, write_text_durably
+from dllm.checkpoint.files import disk_full_error, set_aside, write_text_durably
+from dllm.checkpoint.layout import has_checkpoints
 from dllm.config.loading import dump_config, load_config
 from dllm.config.spec import LATEST_RUN_LINK, RunSpec
 from dllm.errors import CheckpointError, ConfigError
@@ -42,7 +43,7 @@ def run_dir_of(spec: RunSpec) -> Path:
 def prepare_run_dir(spec: RunSpec) -> Path:
     run_dir = run_dir_of(spec)
     cfg_path = run_dir / CONFIG_NAME
-    has_ckpt = (run_dir / "checkpoints" / "latest").is_file()
+    has_ckpt = has_checkpoints(run_dir / "checkpoints")  # `latest`, or published folders without it
     if has_ckpt and spec.checkpointing.resume == "auto" and cfg_path.is_file():
         _check_same_model(spec, cfg_path)
     if has_ckpt and spec.checkpointing.resume == "never":
@@ -145,11 +146,7 @@ def _check_same_model(spec: RunSpec, cfg_path: Path) -> None:
 def _set_aside(folder: Path) -> None:
     """Starting over in a folder with checkpoints: keep the old ones, renamed, so that nothing
     resumes from them by accident and nothing is deleted."""
-    n = 1
-    while folder.with_name(f"{folder.name}.replaced-{n}").exists():
-        n += 1
-    target = folder.with_name(f"{folder.name}.replaced-{n}")
-    os.replace(folder, target)
+    target = set_aside(folder)
     print(f"dllm: checkpointing.resume is never: moved the old checkpoints to {target}", file=sys.stderr)
 
 

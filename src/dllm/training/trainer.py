@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from dllm.config.base import MAX_SEED
+from dllm.config.untrusted import count
 from dllm.data.loader import Batch, StepLoader
 from dllm.diffusion.corruption import NoiseKeys
 from dllm.diffusion.objectives.base import ModelInputs, Objective
@@ -31,6 +33,8 @@ from dllm.parallel.dims import all_reduce_sum
 from dllm.training.loop import TrainLoop, TrainParts, Unit
 from dllm.training.mfu import FlopsMeter
 
+MAX_GROUP_SIZE = 2**31
+"""The largest noise group (the global batch size) a checkpoint may record."""
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -88,7 +92,9 @@ class Trainer(TrainLoop[Step]):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.loader.load_state_dict(state["loader"])
         super().load_state_dict(state)
-        self.noise = NoiseKeys(int(state["noise"]["seed"]), int(state["noise"]["group_size"]))
+        noise = state["noise"]
+        seed, group_size = count(noise["seed"], "noise.seed", MAX_SEED), noise["group_size"]
+        self.noise = NoiseKeys(seed, count(group_size, "noise.group_size", MAX_GROUP_SIZE, lower=1))
 
     # -- one step ---------------------------------------------------------------------------------
     def _autocast(self) -> contextlib.AbstractContextManager:
