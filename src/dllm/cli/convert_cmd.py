@@ -176,7 +176,8 @@ def _import_gguf(src: Path, out: Path | None, overwrite: bool, conflicting: list
         raise ConfigError(f"--from-gguf FILE --to OUT imports a GGUF file; drop {', '.join(conflicting)}")
     if out is None:
         raise ConfigError("--from-gguf needs --to OUT (the dllm model folder to write)")
-    check_output_folder(out, "--to", [("--from-gguf", src)], own=MODEL)
+    reads = [("--from-gguf", src)] if src.is_file() else []  # anything else is refused as no GGUF file below
+    check_output_folder(out, "--to", reads, own=MODEL)
     imported = import_gguf(src)  # every check of the file and its weights before the first write
     with staged_folder(out, CONVERT, overwrite) as stage:
         save_gguf_tokenizer(src, stage)
