@@ -17,7 +17,7 @@ from pathlib import Path
 
 from dllm.errors import ConfigError
 
-Reads = Iterable[tuple[str, "Path | str | None"]]
+Reads = Iterable[tuple[str, Path | str | None]]
 """What a command reads, as (the flag that names it, its path); a hub id or None is skipped."""
 
 RUN = "a run folder"
