@@ -254,3 +254,51 @@ def test_a_full_disk_while_importing_is_one_line_and_leaves_no_folder(good: Path
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("dllm: error:")]
     assert len(lines) == 1 and f"{tmp_path / 'out'}: no space left on the disk" in lines[0], lines
     assert not (tmp_path / "out").exists()
+
+
+# -- folders with a tokenizer: what transformers checks as it loads it ----------------------------------------------
+SANDBOX_ESCAPE = "{{ ''.__class__.__mro__[1].__subclasses__() }}"
+
+
+@pytest.fixture(scope="module")
+def with_tokenizer(good: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama folder with a byte-level BPE tokenizer and a plain chat template."""
+    from tests.helpers import save_bpe
+
+    folder = shutil.copytree(good, tmp_path_factory.mktemp("hf_tok") / "llama")
+    return save_bpe(folder, chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}")
+
+
+TOKENIZER_CASES = [
+    ("string number", _config(lambda c: c.update(hidden_size="64")),
+     "config.json: Field 'hidden_size' expected int, got str (value: '64')"),
+    ("sandbox escape", _write("chat_template.jinja", SANDBOX_ESCAPE.encode()),
+     "chat_template.jinja: the chat template is refused by the sandbox (access to attribute '__class__'"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("mutate", "expected"), [c[1:] for c in TOKENIZER_CASES], ids=[c[0] for c in TOKENIZER_CASES])
+def test_a_tokenizer_transformers_refuses_is_one_line(with_tokenizer: Path, tmp_path: Path, mutate, expected: str,
+                                                      capsys: pytest.CaptureFixture[str]):  # fmt: skip
+    src = shutil.copytree(with_tokenizer, tmp_path / "src")
+    mutate(src)
+    capsys.readouterr()
+    assert dllm(["convert", "--from-hf", str(src), "--to", str(tmp_path / "out")]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("dllm: error: ") and expected in lines[0], lines
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+    assert dllm(["generate", "--model", str(src), "--chat", "-p", "x", "--gen-length", "4"]) == 2  # sampled as it is
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and expected in lines[0], lines
+
+
+def test_a_model_folder_whose_template_the_sandbox_refuses_is_one_line(
+    with_tokenizer: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+):  # fmt: skip
+    """A `dllm convert` folder whose chat template was replaced after the import, then chatted with."""
+    assert dllm(["convert", "--from-hf", str(with_tokenizer), "--to", str(tmp_path / "m")]) == 0
+    (tmp_path / "m" / "chat_template.jinja").write_text(SANDBOX_ESCAPE)
+    capsys.readouterr()
+    assert dllm(["generate", "--model", str(tmp_path / "m"), "--chat", "-p", "x", "--gen-length", "4"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and f"{tmp_path / 'm' / 'chat_template.jinja'}: the chat template is refused" in lines[0]

@@ -148,6 +148,7 @@ def _import(src: Path, stage: Path, out: Path) -> list[str]:
     cfg = model_config_from_hf(src)
     tok_cfg = pretrained_tokenizer(src) or TokenizerConfig()
     tok = build_tokenizer(tok_cfg)
+    _check_chat_template(tok, None)
     cfg = cfg.model_copy(update={"vocab_size": max(cfg.vocab_size or 0, tok.vocab_size)})
     state = import_hf(src, cfg)  # every check (config, headers, shapes, memory) before the first write
     profile = derive_profile(None, cfg, tok, src)  # as config.json says it decodes, else a masked model
@@ -183,6 +184,7 @@ def _import_gguf(src: Path, out: Path | None, overwrite: bool, conflicting: list
         save_gguf_tokenizer(src, stage)
         tok_cfg = TokenizerConfig(kind="hf", path=stage)
         tok = build_tokenizer(tok_cfg)  # adds a mask token when the vocabulary has none
+        _check_chat_template(tok, f"--from-gguf: {src} (tokenizer.chat_template)")
         cfg = imported.cfg.model_copy(update={"vocab_size": max(imported.cfg.vocab_size or 0, tok.vocab_size)})
         assert cfg.vocab_size is not None
         save_model_folder(stage, resize_vocab(imported.state, cfg.vocab_size), cfg, tok_cfg)
@@ -299,6 +301,14 @@ def _export_adapter(stage: Path, out: Path, run: Path | None, checkpoint: Path |
     save_adapter(loaded.model, stage, loaded.spec.lora, base_model_name_or_path=base,
                  rename_module=lambda path: module_path_to_hf(family, path, cfg))  # fmt: skip
     return [f"wrote {out}: a LoRA adapter for a {architecture} (peft.PeftModel.from_pretrained)"]
+
+
+def _check_chat_template(tok, source: str | None) -> None:
+    """A chat template the Jinja sandbox refuses is refused at import, not at the model's first chat; `source`
+    names where it came from (default: the tokenizer folder's file)."""
+    check = getattr(tok, "check_chat_template", None)  # the byte tokenizer's template is dllm's own
+    if check is not None:
+        check(source)
 
 
 def _save_tokenizer(tok, stage: Path, out: Path) -> list[str]:
