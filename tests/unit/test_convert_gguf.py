@@ -57,7 +57,9 @@ def hf_llama(tie: bool = False):
     return model
 
 
-def write_gguf(path: Path, model=None, *, arch: str = "llama", tokenizer: bool = True) -> Path:
+def write_gguf(
+    path: Path, model=None, *, arch: str = "llama", tokenizer: bool = True, template: str = TEMPLATE
+) -> Path:
     """A llama-architecture GGUF of `model` (a transformers llama) as llama.cpp writes one."""
     model = model if model is not None else hf_llama()
     c = model.config
@@ -82,7 +84,7 @@ def write_gguf(path: Path, model=None, *, arch: str = "llama", tokenizer: bool =
         w.add_token_merges(merges)
         w.add_bos_token_id(3)
         w.add_eos_token_id(0)
-        w.add_chat_template(TEMPLATE)
+        w.add_chat_template(template)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, c.num_hidden_layers)
     for key, t in model.state_dict().items():
         if c.tie_word_embeddings and key == "lm_head.weight":
@@ -227,8 +229,84 @@ def test_without_gguf_the_line_says_what_to_install(tiny_gguf: Path, tmp_path: P
     assert "needs the gguf package: pip install 'dllm[real]' (or: pip install gguf)" in err
 
 
+def test_a_chat_template_the_sandbox_refuses_is_refused_at_import(tmp_path: Path, capsys):
+    """A template reaching for Python internals (stopped by transformers' Jinja sandbox, nothing of it runs) is
+    refused when the file is imported, naming the file, not at the model's first chat; nothing is written."""
+    src = write_gguf(tmp_path / "evil.gguf", template="{{ ''.__class__.__mro__[1].__subclasses__() }}")
+    code, out, err = run(["convert", "--from-gguf", str(src), "--to", str(tmp_path / "out")], capsys)
+    assert code == 2 and err.count("\n") == 1 and out == "", err
+    assert f"--from-gguf: {src} (tokenizer.chat_template): the chat template is refused by the sandbox" in err
+    assert [p.name for p in tmp_path.iterdir()] == ["evil.gguf"]
+
+
 def test_flags_that_do_not_go_with_from_gguf(tiny_gguf: Path, tmp_path: Path, capsys):
     code, _, err = run(["convert", "--from-gguf", str(tiny_gguf)], capsys)
     assert code == 2 and "--from-gguf needs --to OUT" in err
     code, _, err = run(["convert", "--from-gguf", str(tiny_gguf), "--to", str(tmp_path / "o"), "--to-hf", "x"], capsys)
     assert code == 2 and "drop --to-hf" in err
+
+
+# -- the fuzz of GGUF headers ---------------------------------------------------------------------------------------
+# Every count, length and type a header holds, set to what no file can hold: huge lengths and counts (2**64 - 1 is
+# -1 read as unsigned), value and tensor types GGUF does not define, model sizes of the wrong type or beyond
+# reason, special token ids past the vocabulary. gguf's reader trusted them: a block count of 10**9 built a model of
+# that many blocks, and a count past the end of the file could loop for ever.
+HUGE = [2**64 - 1, 2**40]
+MODEL_COUNTS = ["llama.context_length", "llama.embedding_length", "llama.block_count", "llama.feed_forward_length",
+                "llama.attention.head_count", "llama.attention.head_count_kv", "llama.rope.dimension_count",
+                "llama.vocab_size"]  # fmt: skip
+UINT32, FLOAT32, UNDEFINED_TYPE = 4, 6, 13
+
+
+def header_mutations(path: Path) -> dict[str, tuple[int, int, int]]:
+    """case name -> (byte offset, size, new value) for the tiny GGUF at `path`, located with gguf's reader."""
+    reader = gguf.GGUFReader(path)
+    cases = {f"{name} {v}": (at, 8, v) for name, at in (("tensor count", 8), ("metadata count", 16)) for v in HUGE}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        type_at = field.offset + 8 + len(key.encode())
+        cases[f"{key}: key length"] = (field.offset, 8, HUGE[0])
+        cases[f"{key}: undefined type"] = (type_at, 4, UNDEFINED_TYPE)
+        kind = field.types[0]
+        if kind in (gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING):
+            length_at = type_at + 4 + (4 if kind == gguf.GGUFValueType.ARRAY else 0)
+            cases.update({f"{key}: length {v}": (length_at, 8, v) for v in HUGE})
+        if key in MODEL_COUNTS:
+            cases.update({f"{key} = {v}": (type_at + 4, 4, v) for v in (0, 10**9, 2**32 - 1)})
+            cases[f"{key}: float32"] = (type_at, 4, FLOAT32)
+        if key.endswith("_token_id"):  # one past the vocabulary: transformers indexed its tokens with it
+            cases.update({f"{key} = {v}": (type_at + 4, 4, v) for v in (V, 2**32 - 1)})
+    for tensor in (reader.tensors[0], reader.tensors[-1]):
+        at, n = tensor.field.offset, len(tensor.shape)
+        dims_at = at + 8 + len(tensor.name.encode()) + 4
+        cases[f"tensor {tensor.name}: name length"] = (at, 8, HUGE[0])
+        cases.update({f"tensor {tensor.name}: {v} dimensions": (dims_at - 4, 4, v) for v in (0, 5, 2**32 - 1)})
+        cases[f"tensor {tensor.name}: dimension 2**40"] = (dims_at, 8, 2**40)
+        cases[f"tensor {tensor.name}: type 1000"] = (dims_at + 8 * n, 4, 1000)
+        cases[f"tensor {tensor.name}: offset 2**40"] = (dims_at + 8 * n + 4, 8, 2**40)
+    return cases
+
+
+@pytest.fixture(scope="module")
+def mutations(tiny_gguf: Path) -> dict[str, tuple[int, int, int]]:
+    return header_mutations(tiny_gguf)
+
+
+@pytest.mark.timeout(300)
+def test_every_count_of_a_gguf_header_beyond_the_file_is_one_line(tiny_gguf: Path, mutations, tmp_path: Path, capsys):
+    """Each mutation ends as exit code 2, one line, in seconds, with nothing written next to the file."""
+    import time
+
+    assert len(mutations) > 100
+    pristine = tiny_gguf.read_bytes()
+    src, out = tmp_path / "m.gguf", tmp_path / "out"
+    for name, (at, size, value) in mutations.items():
+        data = bytearray(pristine)
+        data[at : at + size] = value.to_bytes(size, "little")
+        src.write_bytes(bytes(data))
+        t0 = time.perf_counter()
+        code, stdout, err = run(["convert", "--from-gguf", str(src), "--to", str(out)], capsys)
+        assert time.perf_counter() - t0 < 20, name
+        assert code == 2 and err.startswith("dllm: error: ") and err.count("\n") == 1, (name, err[-3000:])
+        assert stdout == "" and "Traceback" not in err and [p.name for p in tmp_path.iterdir()] == ["m.gguf"], name

@@ -16,6 +16,7 @@ here) slowest first.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,12 +28,17 @@ from dllm.config.model import ModelConfig
 from dllm.config.registries import FAMILIES
 from dllm.errors import ConfigError
 from dllm.models.families.base import Family, native_to_hf_name
+from dllm.models.gguf_header import check_header
 from dllm.models.hf_io import check_weight_shapes
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_ARCHITECTURES = {"llama": "llama"}
 """GGUF `general.architecture` -> the dllm family its weights are read as."""
 INSTALL_HINT = "pip install 'dllm[real]' (or: pip install gguf)"
+MAX_WIDTH = 1 << 20
+"""The largest width, head count or head size a GGUF's metadata may give (the largest models are ~2**15 wide)."""
+MAX_VOCAB = MAX_POSITIONS = 1 << 24
+"""The largest vocabulary and context length it may give (vocabularies hold ~2**18 tokens)."""
 
 
 @dataclass
@@ -61,6 +67,7 @@ def import_gguf(path: Path) -> GGUFModel:
     family: Family = FAMILIES.resolve(SUPPORTED_ARCHITECTURES[arch])
     tensors = {t.name: t for t in reader.tensors}
     hf = hf_config(reader, path, arch, tensors)
+    check_token_ids(reader, path)
     try:
         fields = {k: v for k, v in family.config_from_hf(hf).items() if v is not None}
         cfg = ModelConfig(family=family.name, **fields)
@@ -94,6 +101,7 @@ def open_gguf(path: Path) -> Any:
         magic = f.read(4)
     if magic != GGUF_MAGIC:
         raise ConfigError(f"--from-gguf: {path} is not a GGUF file (it does not start with the GGUF magic bytes)")
+    check_header(path)  # every count in bounds before gguf's reader loops over it
     try:
         return gguf.GGUFReader(path)
     except (ValueError, IndexError, KeyError, OverflowError, UnicodeDecodeError) as e:
@@ -138,6 +146,42 @@ def hf_config(reader: Any, path: Path, arch: str, tensors: dict[str, Any]) -> di
             raise ConfigError(f"--from-gguf: {path}: no {arch}.{key} in its metadata; not a complete model file")
         return default if value is None else value
 
+    def count(key: str, default: int | None = None, upper: int = MAX_WIDTH, why: str = "") -> int:
+        return _count(get(key, default), f"{arch}.{key}", upper, path, why)
+
+    def number(key: str, default: float) -> float:
+        return _positive_number(get(key, default), f"{arch}.{key}", path)
+
+    _refuse_unsupported(get, path, arch, tensors)
+    heads, hidden = count("attention.head_count"), count("embedding_length")
+    head_dim = count("attention.key_length", max(hidden // heads, 1))
+    rotary = count("rope.dimension_count", head_dim)
+    if rotary != head_dim:
+        raise ConfigError(f"--from-gguf: {path}: RoPE over {rotary} of {head_dim} head features is not supported yet")
+    vocab = field_value(reader, f"{arch}.vocab_size")
+    if vocab is None:  # older files: the vocabulary's length
+        vocab = len(field_value(reader, "tokenizer.ggml.tokens") or []) or get("vocab_size")
+    return {
+        "model_type": arch,
+        "vocab_size": _count(vocab, f"{arch}.vocab_size", MAX_VOCAB, path),
+        "hidden_size": hidden,
+        "num_hidden_layers": count("block_count", upper=len(tensors), why=f" (the file holds {len(tensors)} tensors)"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": count("attention.head_count_kv", heads, upper=heads),
+        "head_dim": head_dim,
+        "intermediate_size": count("feed_forward_length"),
+        "max_position_embeddings": count("context_length", 2048, upper=MAX_POSITIONS),
+        "rope_theta": number("rope.freq_base", 10000.0),
+        "rms_norm_eps": number("attention.layer_norm_rms_epsilon", 1e-5),
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "attention_bias": "blk.0.attn_q.bias" in tensors,
+        "mlp_bias": "blk.0.ffn_up.bias" in tensors,
+        "hidden_act": "silu",
+    }
+
+
+def _refuse_unsupported(get: Any, path: Path, arch: str, tensors: dict[str, Any]) -> None:
+    """Settings the native model does not compute: scaled RoPE, experts."""
     for key, bad in (("rope.scaling.type", lambda v: v not in (None, "none")),
                      ("expert_count", lambda v: v not in (None, 0))):  # fmt: skip
         value = get(key, required=False)
@@ -146,32 +190,37 @@ def hf_config(reader: Any, path: Path, arch: str, tensors: dict[str, Any]) -> di
                               "with default RoPE only)")  # fmt: skip
     if "rope_freqs.weight" in tensors:
         raise ConfigError(f"--from-gguf: {path}: rope_freqs.weight (scaled RoPE frequencies) is not supported yet")
-    heads = int(get("attention.head_count"))
-    hidden = int(get("embedding_length"))
-    head_dim = int(get("attention.key_length", hidden // heads))
-    rotary = int(get("rope.dimension_count", head_dim))
-    if rotary != head_dim:
-        raise ConfigError(f"--from-gguf: {path}: RoPE over {rotary} of {head_dim} head features is not supported yet")
-    vocab = field_value(reader, f"{arch}.vocab_size")
-    if vocab is None:  # older files: the vocabulary's length
-        vocab = len(field_value(reader, "tokenizer.ggml.tokens") or []) or get("vocab_size")
-    return {
-        "model_type": arch,
-        "vocab_size": int(vocab),
-        "hidden_size": hidden,
-        "num_hidden_layers": int(get("block_count")),
-        "num_attention_heads": heads,
-        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
-        "head_dim": head_dim,
-        "intermediate_size": int(get("feed_forward_length")),
-        "max_position_embeddings": int(get("context_length", 2048)),
-        "rope_theta": float(get("rope.freq_base", 10000.0)),
-        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-5)),
-        "tie_word_embeddings": "output.weight" not in tensors,
-        "attention_bias": "blk.0.attn_q.bias" in tensors,
-        "mlp_bias": "blk.0.ffn_up.bias" in tensors,
-        "hidden_act": "silu",
-    }
+
+
+def check_token_ids(reader: Any, path: Path) -> None:
+    """The special token ids of `tokenizer.ggml.*` name tokens of its vocabulary (transformers indexes its list
+    of tokens with them when it rebuilds the tokenizer)."""
+    num_tokens = len(field_value(reader, "tokenizer.ggml.tokens") or [])
+    for key in reader.fields:
+        if key.startswith("tokenizer.ggml.") and key.endswith("_token_id"):
+            _count(field_value(reader, key), key, num_tokens - 1, path, f" (its {num_tokens} tokens)", lower=0)
+
+
+def _count(value: Any, key: str, upper: int, path: Path, why: str = "", lower: int = 1) -> int:
+    """A count from the metadata: an integer (not a bool) from `lower` to `upper`, checked before anything is sized
+    or indexed by it."""
+    if isinstance(value, bool) or not isinstance(value, int) or not lower <= value <= upper:
+        raise ConfigError(f"--from-gguf: {path}: {key} is {_shown(value)}, not a whole number from {lower} to "
+                          f"{upper:,}{why}; the file is damaged")  # fmt: skip
+    return value
+
+
+def _positive_number(value: Any, key: str, path: Path) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+        raise ConfigError(f"--from-gguf: {path}: {key} is {_shown(value)}, not a positive number; the file is damaged")
+    return float(value)
+
+
+def _shown(value: Any) -> str:
+    """A metadata value in a message: short values as they are, else their type and size."""
+    if isinstance(value, list | str) and len(value) > 8:
+        return f"a {type(value).__name__} of {len(value):,} items"
+    return repr(value)
 
 
 def gguf_names(family: Family, cfg: ModelConfig, arch: str, path: Path) -> dict[str, str]:

@@ -19,7 +19,7 @@ def save_gguf_tokenizer(gguf_file: Path, folder: Path) -> None:
     gguf_file = Path(gguf_file)
     try:
         tok = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name, local_files_only=True)
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as e:  # IndexError: a token id past its vocabulary
         reason = " ".join(str(e).split())[:200] or type(e).__name__
         raise ConfigError(f"--from-gguf: {gguf_file}: cannot read its tokenizer ({reason})") from None
     if tok.eos_token_id is None:
