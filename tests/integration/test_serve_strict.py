@@ -5,6 +5,7 @@ event loop. Every refusal is an OpenAI error object naming the field, never a 50
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 
@@ -98,11 +99,25 @@ def test_types_and_ranges_are_strict(http, body, param):
         ({"max_completion_tokens": 4, "max_tokens": 8}, "max_tokens"),
         ({"max_completion_tokens": "4"}, "max_completion_tokens"),
         ({"prompt": "x"}, "prompt"),  # a completion field is unknown to chat
+        ({"messages": [{"role": "user", "content": None}]}, "messages.0.content"),
+        ({"messages": [{"role": "user"}]}, "messages.0.content"),
+        ({"messages": [{"role": "system", "content": None}, {"role": "user", "content": "x"}]}, "messages.0.content"),
+        ({"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": None}]}, "messages.1.content"),
     ],
 )
 def test_chat_fields_are_strict(http, body, param):
     err = _error(http.post("/v1/chat/completions", json={**CHAT, **body}))
     assert err["param"] == param, err
+    if param.endswith("content") and body["messages"][int(param.split(".")[1])].get("content") is None:
+        assert "needs its content" in err["message"] and err["code"] == "invalid_value", err
+
+
+def test_an_assistant_message_may_have_null_content(http):
+    """As OpenAI's API: content is optional in an assistant message (an answer that was a tool call has none)."""
+    turns = [{"role": "user", "content": "x"}, {"role": "assistant", "content": None}, {"role": "user", "content": "y"}]
+    assert http.post("/v1/chat/completions", json={**CHAT, "messages": turns}).status_code == 200
+    err = _error(http.post("/tokenize", json={"messages": [{"role": "user", "content": None}]}))
+    assert err["param"] == "messages.0.content"
 
 
 def test_null_means_the_default_and_text_parts_are_read(http):
@@ -120,10 +135,24 @@ def test_content_type_must_be_json(http):
     for ctype in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"):
         err = _error(http.post("/v1/completions", content=raw, headers={"Content-Type": ctype}), 415)
         assert "application/json" in err["message"] and err["code"] == "unsupported_media_type"
-    assert http.post(
-        "/v1/completions", content=raw, headers={"Content-Type": "application/json; charset=utf-8"}
-    ).is_success
-    assert http.post("/v1/completions", content=raw).status_code == 200  # no type named: read as JSON
+    for ctype in ("application/json; charset=utf-8", "application/json;charset=UTF-8", "application/vnd.x+json"):
+        assert http.post("/v1/completions", content=raw, headers={"Content-Type": ctype}).is_success, ctype
+
+
+def test_a_body_names_its_type_and_is_utf8(http):
+    """A body with no Content-Type and a UTF-16 one were read as JSON (json.loads guesses UTF-16 and -32)."""
+    raw = json.dumps({"prompt": "x", "max_tokens": 4})
+    err = _error(http.post("/v1/completions", content=raw), 415)  # httpx sends content= without a type
+    assert "no Content-Type" in err["message"] and err["code"] == "unsupported_media_type"
+    for path in ("/v1/chat/completions", "/tokenize"):
+        assert _error(http.post(path, content=raw), 415)["code"] == "unsupported_media_type"
+    for encoding in ("utf-16", "utf-16-le", "utf-32"):
+        err = _error(http.post("/v1/completions", content=raw.encode(encoding), headers=JSON))
+        assert "not UTF-8" in err["message"] and err["code"] == "invalid_json", err
+    err = _error(http.post("/v1/completions", content=raw.encode("utf-16"),
+                           headers={"Content-Type": "application/json; charset=utf-16"}), 415)  # fmt: skip
+    assert "UTF-8" in err["message"] and err["param"] is None
+    assert http.post("/v1/completions", content=b"\xef\xbb\xbf" + raw.encode(), headers=JSON).is_success  # a BOM
 
 
 @pytest.mark.parametrize(
@@ -244,7 +273,8 @@ def test_body_size_prompt_and_step_limits():
     with TestClient(build_app(srv.state)) as http:
         big = json.dumps({"prompt": "x" * 2000}).encode()
         err = _error(http.post("/v1/completions", content=big, headers=JSON), 413)  # by its Content-Length
-        assert "1000 bytes" in err["message"] and "--max-body-bytes" in err["message"]
+        assert f"body is {len(big)} bytes, more than the server's limit of 1000 bytes" in err["message"], err
+        assert "--max-body-bytes" in err["message"] and err["code"] == "request_too_large"
 
         def chunks():  # no Content-Length: refused while it is read
             yield b'{"prompt": "'
@@ -252,7 +282,7 @@ def test_body_size_prompt_and_step_limits():
             yield b'"}'
 
         err = _error(http.post("/v1/completions", content=chunks(), headers=JSON), 413)
-        assert "--max-body-bytes" in err["message"]
+        assert "body is more than the server's limit of 1000 bytes" in err["message"], err
         err = _error(http.post("/v1/completions", json={"prompt": "y" * 11}))
         assert err["param"] == "prompt" and "11 tokens" in err["message"] and "limit of 10" in err["message"]
         assert http.post("/v1/completions", json={"prompt": "y" * 10, "max_tokens": 4}).status_code == 200
@@ -261,6 +291,20 @@ def test_body_size_prompt_and_step_limits():
         err = _error(http.post("/v1/completions", json={"prompt": "x", "max_tokens": 64}))  # 64 steps by default
         assert err["param"] == "max_tokens" and "limit of 32" in err["message"]
         assert http.post("/v1/completions", json={"prompt": "x", "max_tokens": 64, "steps": 32}).status_code == 200
+
+
+def test_prompt_token_ids_are_the_tokenizers_but_the_mask(http):
+    """An id past the vocabulary was a 400 with code null whose range included the mask id; the mask id itself
+    (the sampler's placeholder of a position still to decide) was taken as a prompt token."""
+    tok = tiny_loaded().tokenizer  # bytes 0..255, pad, bos, eos, then the mask: 259 of 260 ids
+    assert tok.mask_id == tok.vocab_size - 1 == 259
+    for prompt, bad in (([104, 105, 260], "token 2 is 260"), ([104, tok.mask_id], "token 1 is 259"),
+                        ([[104], [105, -1]], "prompt 1: token 1 is -1")):  # fmt: skip
+        err = _error(http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 4}))
+        assert err["param"] == "prompt" and err["code"] == "invalid_value", err
+        assert bad in err["message"] and "[0, 259)" in err["message"] and "mask" in err["message"], err
+    ok = [104, 105, tok.pad_id, tok.bos_id, tok.eos_id]
+    assert http.post("/v1/completions", json={"prompt": ok, "max_tokens": 4}).status_code == 200
 
 
 def test_limits_are_checked_when_the_server_is_made():
@@ -280,15 +324,19 @@ def test_limits_are_checked_when_the_server_is_made():
 
 def test_health_answers_while_a_long_prompt_is_tokenized():
     """Tokenizing runs in a worker thread: with a tokenizer that takes 3 s over a long prompt, /health
-    answers at once meanwhile, and the prompt is then refused for its length."""
+    answers at once meanwhile, and the prompt is then refused for its length. (Text that cannot fit is
+    refused before it is tokenized: 2,000 bytes may still be 127 tokens of some tokenizer, 200,000 not.)"""
     loaded = tiny_loaded()
-    slow = SlowTokenizer(loaded.tokenizer, delay_s=3.0)
+    slow = SlowTokenizer(loaded.tokenizer, delay_s=3.0, long_chars=1000)
     loaded.tokenizer = slow
     with make_server(loaded) as srv:
         result = {}
+        err = _error(httpx.post(srv.url + "/v1/completions", json={"prompt": "y" * 200_000}, timeout=60))
+        assert err["code"] == "context_length_exceeded" and "200000 characters" in err["message"], err
+        assert not slow.started.is_set()  # never tokenized
 
         def send() -> None:
-            result["r"] = httpx.post(srv.url + "/v1/completions", json={"prompt": "y" * 200_000}, timeout=60)
+            result["r"] = httpx.post(srv.url + "/v1/completions", json={"prompt": "y" * 2000}, timeout=60)
 
         post = threading.Thread(target=send)
         post.start()
@@ -300,4 +348,53 @@ def test_health_answers_while_a_long_prompt_is_tokenized():
         assert post.is_alive()  # still tokenizing
         post.join()
         err = _error(result["r"])
-        assert err["param"] == "prompt" and "200000 tokens" in err["message"]
+        assert err["param"] == "prompt" and "2000 tokens" in err["message"]
+
+
+def test_the_mask_id_inside_the_vocabulary_is_named():
+    from dllm.serving.prompts import prompt_ids
+
+    profile = tiny_loaded().profile.model_copy(update={"mask_id": 100})
+    assert prompt_ids(profile) == "ids lie in [0, 260) except 100, the mask token, which only the sampler writes"
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as fh:
+        return next(int(line.split()[1]) / 1024 for line in fh if line.startswith("VmRSS:"))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads VmRSS from /proc")
+def test_refusing_huge_prompts_keeps_memory_flat(tmp_path):
+    """Fifteen refused 3 MB prompts grew a server's RSS from 1.4 to 2.9 GB, never returned: each was tokenized
+    whole (seconds, and ~30 MB the tokenizer kept) to be refused for its token count. Text that cannot fit
+    the prompt limit is now refused before it is tokenized: 50 of them, completions and chats, cost the
+    server (in this process) at most 200 MB and a fraction of a second each."""
+    import torch
+
+    from dllm.checkpoint.inference import LoadedModel, derive_profile
+    from dllm.config.data import TokenizerConfig
+    from dllm.config.model import ModelConfig
+    from dllm.models.transformer import Transformer
+    from dllm.tokenization import build_tokenizer
+    from tests.helpers import save_bpe
+
+    tok = build_tokenizer(TokenizerConfig(kind="hf", path=save_bpe(tmp_path / "bpe")))  # a real BPE, as served
+    cfg = ModelConfig(preset="tiny", vocab_size=tok.vocab_size, max_seq_len=MAX_LEN)
+    model = Transformer(cfg)
+    model.init_weights(torch.Generator().manual_seed(0))
+    loaded = LoadedModel(model.eval(), tok, cfg, tmp_path, derive_profile(None, cfg, tok))
+    text = "the cat sees a map by the sea. " * 100_000  # 3.1 MB, under the 4 MiB body limit
+    chat = {"messages": [{"role": "user", "content": text}]}
+    bodies = [("/v1/completions", json.dumps({"prompt": text}).encode()),
+              ("/v1/chat/completions", json.dumps(chat).encode())]  # fmt: skip
+    with make_server(loaded) as srv, httpx.Client(base_url=srv.url, timeout=120) as client:
+        for path, body in bodies:  # the server's first requests allocate what every request reuses
+            client.post(path, content=body, headers=JSON)
+        before, t0 = _rss_mb(), time.monotonic()
+        for i in range(50):
+            path, body = bodies[i % 2]
+            err = _error(client.post(path, content=body, headers=JSON))
+            assert err["code"] == "context_length_exceeded" and "characters" in err["message"], err
+        grown, took_s = _rss_mb() - before, time.monotonic() - t0
+    assert grown <= 200, f"RSS grew {grown:.0f} MB over 50 refused prompts"
+    assert took_s < 60, took_s

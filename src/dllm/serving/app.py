@@ -37,7 +37,7 @@ from dllm.serving.engine import Engine
 from dllm.serving.errors import ApiError
 from dllm.serving.jobs import Job, RowResult
 from dllm.serving.limits import Limits
-from dllm.serving.prompts import chat_ids, check_prompts, completion_prompts
+from dllm.serving.prompts import chat_ids, check_prompts, request_prompts
 from dllm.serving.protocol import (
     ChatRequest,
     CompletionRequest,
@@ -207,10 +207,7 @@ class Api:
         self.check_model(req.model)
         s = self.state
         settings = sampler_settings(req, s.base, s.profile, s.limits.max_steps)
-        if isinstance(req, ChatRequest):  # one conversation: n <= MAX_N rows
-            prompts = [chat_ids(s.engine.tokenizer, req.messages)]
-        else:
-            prompts = completion_prompts(s.engine.tokenizer, req)
+        prompts = request_prompts(s.engine.tokenizer, req, s.limits)
         check_prompts(prompts, req, settings, s.profile, s.limits)
         return req, prompts, settings
 

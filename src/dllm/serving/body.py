@@ -1,6 +1,6 @@
-"""A request body before it is a request: its content type, its size (from Content-Length, then while it
-is read, before any parsing) and strict JSON (no NaN or Infinity, no repeated key, a bounded depth, text
-that is valid Unicode). Every refusal is an `ApiError` (415, 413 or 400), never a 500."""
+"""A request body before it is a request: its content type (JSON, in UTF-8), its size (from Content-Length,
+then while it is read, before any parsing) and strict JSON (UTF-8 bytes, no NaN or Infinity, no repeated key, a
+bounded depth, text that is valid Unicode). Every refusal is an `ApiError` (415, 413 or 400), never a 500."""
 
 from __future__ import annotations
 
@@ -15,17 +15,24 @@ MAX_DEPTH = 32
 """The deepest nesting of a body (the body itself is level 1; a chat text part sits at level 5)."""
 
 
+HOW_TO_SEND = "(curl: --json, or -H 'Content-Type: application/json')"
+
+
 def check_content_type(request: Request) -> None:
-    """JSON only: a body sent as a form or plain text (curl -d without a header) is refused up front,
-    not misread. A request that names no type is read as JSON."""
+    """JSON in UTF-8 only: a body sent as a form or plain text (curl -d without a header), one that names no
+    type, or JSON in another charset is refused up front, not misread."""
     ctype = request.headers.get("content-type")
     if ctype is None:
-        return
-    media = ctype.split(";")[0].strip().lower()
+        raise ApiError(415, f"no Content-Type: send the body as JSON, Content-Type: application/json {HOW_TO_SEND}",
+                       code="unsupported_media_type")  # fmt: skip
+    media, *params = (part.strip().lower() for part in ctype.split(";"))
     if media != "application/json" and not media.endswith("+json"):
         raise ApiError(415, f"Content-Type {media or ctype!r}: the body must be JSON sent as application/json "
-                       "(curl: --json, or -H 'Content-Type: application/json')",
-                       code="unsupported_media_type")  # fmt: skip
+                       f"{HOW_TO_SEND}", code="unsupported_media_type")  # fmt: skip
+    charset = next((p.partition("=")[2].strip("\"' ") for p in params if p.startswith("charset=")), "utf-8")
+    if charset not in ("utf-8", "utf8"):
+        raise ApiError(415, f"Content-Type charset {charset!r}: JSON is read as UTF-8 only; send UTF-8 and name "
+                       "charset=utf-8 or none", code="unsupported_media_type")  # fmt: skip
 
 
 async def read_body(request: Request, max_bytes: int) -> bytes:
@@ -36,7 +43,7 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
         if not (declared.isascii() and declared.isdigit()):
             raise ApiError(400, f"Content-Length {declared!r}: not a number of bytes", code="invalid_request")
         if int(declared) > max_bytes:
-            raise _too_large(f"{int(declared)} bytes", max_bytes)
+            raise _too_large(f"{int(declared)} bytes, more", max_bytes)
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
@@ -47,17 +54,27 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
 
 
 def _too_large(size: str, max_bytes: int) -> ApiError:
-    return ApiError(413, f"the request body has {size} than the server's limit of {max_bytes} bytes "
+    """413: `size` is 'N bytes, more' (from Content-Length) or 'more' (counted while it streamed in)."""
+    return ApiError(413, f"the request body is {size} than the server's limit of {max_bytes} bytes "
                     "(dllm serve --max-body-bytes); send a shorter prompt", code="request_too_large")  # fmt: skip
 
 
 def load_json(raw: bytes) -> dict[str, Any]:
-    """The body as a JSON object; anything else is a 400 that says what is wrong and where."""
+    """The body as a JSON object in UTF-8 (a byte-order mark is dropped); anything else is a 400 that says what
+    is wrong and where. (json.loads would read UTF-16 and UTF-32 bytes too: RFC 8259 allows only UTF-8.)"""
     try:
-        data = json.loads(raw or b"null", parse_constant=_no_constant, object_pairs_hook=_unique_keys)
+        text = raw.decode("utf-8").removeprefix("\ufeff")
+    except UnicodeDecodeError as e:
+        raise ApiError(400, f"the request body is not UTF-8 (byte {e.start} is 0x{raw[e.start]:02x}); send JSON "
+                       "encoded as UTF-8", code="invalid_json") from None  # fmt: skip
+    if "\0" in text:  # never in JSON (escaped as \u0000 in a string): UTF-16 or UTF-32 of ASCII text
+        raise ApiError(400, f"the request body is not UTF-8 (byte {raw.index(0)} is 0x00, as in UTF-16 or UTF-32); "
+                       "send JSON encoded as UTF-8", code="invalid_json")  # fmt: skip
+    try:
+        data = json.loads(text or "null", parse_constant=_no_constant, object_pairs_hook=_unique_keys)
     except RecursionError:
         raise ApiError(400, f"the request body nests deeper than {MAX_DEPTH} levels", code="invalid_json") from None
-    except (ValueError, UnicodeDecodeError) as e:  # json's errors are ValueErrors
+    except ValueError as e:  # json's errors are ValueErrors
         raise ApiError(400, f"the request body is not valid JSON ({e})", code="invalid_json") from None
     if not isinstance(data, dict):
         raise ApiError(400, "the request body must be a JSON object", code="invalid_json")

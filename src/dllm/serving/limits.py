@@ -21,3 +21,7 @@ class Limits:
     """The longest prompt in tokens (--max-prompt-tokens; at most the model's positions less one)."""
     max_steps: int
     """The largest step budget of one request (--max-steps): every step is a forward of the model."""
+    max_prompt_chars: int
+    """The longest prompt text in characters: max_prompt_tokens x the most characters a token of the model's
+    tokenizer stands for (tokenization.max_chars_per_token). Longer text cannot fit and is refused before it is
+    tokenized (tokenizing megabytes to refuse them cost seconds and memory that never came back)."""

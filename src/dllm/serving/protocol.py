@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, ValidationInfo, field_validator
 
 from dllm.config.base import MAX_SEED
 from dllm.config.profile import DecodeProfile
@@ -95,12 +95,18 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[dict[str, Any]] | None = Field(default=None, validate_default=True)
+    """A string or a list of text parts; null (or left out) only in an assistant turn, as OpenAI allows (its
+    answer to a tool call has none), and read as no text."""
 
     @field_validator("content", mode="before")
     @classmethod
-    def _text_parts(cls, content: Any) -> Any:
+    def _text_parts(cls, content: Any, info: ValidationInfo) -> Any:
         """Text parts only: an image or audio part would be dropped from the prompt without a word."""
+        role = info.data.get("role")
+        if content is None and role is not None and role != "assistant":
+            raise ValueError(f"a {role} message needs its content: a string or a list of text parts (null only in "
+                             "an assistant message)")  # fmt: skip
         if content is None or isinstance(content, str):
             return content
         if not isinstance(content, list):

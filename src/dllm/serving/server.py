@@ -15,6 +15,7 @@ from dllm.sampling.speculative import Drafter
 from dllm.serving.app import ServeState, build_app
 from dllm.serving.engine import Engine
 from dllm.serving.limits import DEFAULT_MAX_BODY_BYTES, Limits
+from dllm.tokenization import max_chars_per_token
 
 # Models the server does not decode on their own: a drafter (it proposes beside its target), edit flows.
 NOT_SERVED_YET = {
@@ -43,7 +44,8 @@ def make_state(loaded: LoadedModel, cfg: SamplerConfig, *, model_id: str | None 
         check_api_key(api_key)
     positions = loaded.profile.max_length
     prompt_cap = positions - 1 if max_prompt_tokens is None else max_prompt_tokens
-    limits = Limits(max_body_bytes, prompt_cap, default_max_steps(cfg, positions) if max_steps is None else max_steps)
+    steps_cap = default_max_steps(cfg, positions) if max_steps is None else max_steps
+    limits = Limits(max_body_bytes, prompt_cap, steps_cap, prompt_cap * max_chars_per_token(loaded.tokenizer))
     for name, value, low, high, why in (
         ("--max-batch", max_batch, 1, None, ""),
         ("--max-calls", max_calls, 1, None, ""),

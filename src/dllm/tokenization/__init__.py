@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dllm.config.data import TokenizerConfig
 from dllm.config.registries import TOKENIZERS
-from dllm.tokenization.base import ChatEncoding, Tokenizer
+from dllm.tokenization.base import ChatEncoding, Tokenizer, max_chars_per_token
 from dllm.tokenization.byte import ByteTokenizer
 
-__all__ = ["ByteTokenizer", "ChatEncoding", "Tokenizer", "build_tokenizer"]
+__all__ = ["ByteTokenizer", "ChatEncoding", "Tokenizer", "build_tokenizer", "max_chars_per_token"]
 
 
 def build_tokenizer(cfg: TokenizerConfig) -> Tokenizer:

@@ -41,3 +41,13 @@ class Tokenizer(Protocol):
 def sha256_json(obj: Any) -> str:
     """Stable hash of a JSON-serialisable object (sorted keys, no whitespace)."""
     return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def max_chars_per_token(tok: Tokenizer) -> int:
+    """An upper bound on the characters of text one token stands for: twice its longest decoded form in bytes
+    (a character is at least a byte; the factor 2 leaves room for decoders that drop a byte, a leading space,
+    and normalizers that merge characters). Text of more than n times this many characters needs more than n
+    tokens, which a caller may know without tokenizing it (only a normalizer that deletes most of a text breaks
+    this). Decodes every id once."""
+    longest = max(len(tok.decode([i], skip_special=False).encode("utf-8", "replace")) for i in range(tok.vocab_size))
+    return 2 * max(longest, 1)

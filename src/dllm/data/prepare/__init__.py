@@ -38,7 +38,7 @@ from dllm.data.prepare.render import Document, fit_length, pad_to_multiple, rend
 from dllm.data.prepare.sources import Record, SourceReader, source_files
 from dllm.errors import DataError
 from dllm.staging import staged_folder
-from dllm.tokenization import Tokenizer, build_tokenizer
+from dllm.tokenization import Tokenizer, build_tokenizer, max_chars_per_token
 
 ProgressFn = Callable[[int, int], None]
 CHUNK = 256  # records per task sent to a worker
@@ -98,17 +98,12 @@ def _process_chunk(chunk: list[tuple[int, Record]]) -> list[Outcome]:
 
 def max_text_chars(spec: PrepareSpec, tok: Tokenizer) -> list[int | None]:
     """Per source, the most characters a record may hold and still fit its length limit, when overflow
-    is reject (None: no limit).
-
-    A token stands for at most `M` bytes of text (M: its longest decoded form), and a character is
-    at least a byte, so text of more than limit * M characters needs more than `limit` tokens. The
-    factor 2 leaves room for decoders that drop a byte (a leading space) and normalizers that merge
-    characters; only a normalizer that deletes most of a text would make this reject a record that fits."""
+    is reject (None: no limit): tokenization.max_chars_per_token per token of the limit."""
     limits = [spec.length_limit_of(src) if spec.overflow == "reject" else None for src in spec.sources]
     if all(limit is None for limit in limits):
         return limits
-    longest = max(len(tok.decode([i], skip_special=False).encode("utf-8", "replace")) for i in range(tok.vocab_size))
-    return [None if limit is None else 2 * limit * max(longest, 1) for limit in limits]
+    per_token = max_chars_per_token(tok)
+    return [None if limit is None else limit * per_token for limit in limits]
 
 
 def _chunks(spec: PrepareSpec, base_dir: Path) -> Iterator[list[tuple[int, Record]]]:
