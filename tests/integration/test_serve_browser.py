@@ -48,6 +48,7 @@ def test_page_shows_masks_turning_into_tokens():
         try:
             browser.get(srv.url + "/")
             WebDriverWait(browser, 10).until(lambda b: b.find_element(By.ID, "model").text == "tiny")
+            assert browser.find_element(By.ID, "policy").is_displayed()  # a diffusion model's server reads it
             browser.find_element(By.ID, "prompt").send_keys("12 + 7 =")
             box = browser.find_element(By.ID, "max_tokens")
             box.clear()
@@ -118,6 +119,45 @@ def _an_error_clears_the_old_output(browser) -> None:
     assert "step 0" in browser.find_element(By.ID, "stats").text
     sent = browser.execute_script("return document.getElementById('sent').textContent")
     assert sent == " too long "
+
+
+def test_page_sends_only_what_a_causal_server_reads():
+    """On a causal model's server (`dllm serve --ar`) Generate failed every time: the page always sent a
+    policy, which that server refuses. The model card lists what the server reads; the page hides the
+    policy and steps controls and sends neither, and shows the model's answer."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from dllm.serving.server import BackgroundServer, make_state
+    from tests.distributed.harness import free_port
+    from tests.integration.serve_support import tiny_loaded
+    from tests.integration.test_serve_causal import causal_base
+
+    loaded = tiny_loaded()
+    state = make_state(loaded, causal_base(loaded), model_id="tiny-ar")
+    with BackgroundServer(state, port=free_port()) as srv:
+        card = httpx.get(srv.url + "/v1/models").json()["data"][0]["dllm"]
+        assert card["generation"] == "causal" and "policy" not in card["fields"] and "steps" not in card["fields"]
+        browser = _driver()
+        try:
+            browser.get(srv.url + "/")
+            WebDriverWait(browser, 10).until(lambda b: b.find_element(By.ID, "model").text == "tiny-ar")
+            assert not browser.find_element(By.ID, "policy").is_displayed()
+            assert not browser.find_element(By.ID, "steps").is_displayed()
+            browser.find_element(By.ID, "prompt").send_keys("12 + 7 =")
+            box = browser.find_element(By.ID, "max_tokens")
+            box.clear()
+            box.send_keys("8")
+            browser.find_element(By.ID, "go").click()
+            final = browser.find_element(By.ID, "final")
+            WebDriverWait(browser, 15).until(lambda b: final.get_attribute("data-done") == "1" or
+                                             b.find_element(By.ID, "error").text)  # fmt: skip
+            assert browser.find_element(By.ID, "error").text == ""
+            text = final.text
+        finally:
+            browser.quit()
+        api = httpx.post(srv.url + "/v1/completions", json={"prompt": "12 + 7 =", "max_tokens": 8}).json()
+        assert text == api["choices"][0]["text"].strip()
 
 
 def test_page_icon_and_assets_are_served():

@@ -45,6 +45,7 @@ from dllm.serving.protocol import (
     parse_detokenize,
     parse_request,
     parse_tokenize,
+    request_fields,
     sampler_settings,
 )
 from dllm.serving.replies import Reply, from_json
@@ -159,7 +160,11 @@ class Api:
                            kind="authentication_error")  # fmt: skip
 
     def model_card(self) -> dict[str, Any]:
-        return {"id": self.state.model_id, "object": "model", "created": self.state.created, "owned_by": "dllm"}
+        """OpenAI's model object, and under `dllm` how the server decodes it: its generation (canvas, causal,
+        canvas_denoise) and the extra request fields that apply (the page sends only those)."""
+        generation = self.state.base.generation
+        return {"id": self.state.model_id, "object": "model", "created": self.state.created, "owned_by": "dllm",
+                "dllm": {"generation": generation, "fields": list(request_fields(generation))}}  # fmt: skip
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.state.model_id:

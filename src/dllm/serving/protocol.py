@@ -38,6 +38,23 @@ no steps, no canvas policy); the others are a 400 there."""
 CANVAS_DENOISE_FIELDS = ("steps", "block_length", "stop_at_eos", *DENOISE_FIELDS)
 """The extra fields that apply to a DiffusionGemma model (generation canvas_denoise: random canvases, no mask
 policy, no cache kinds, no guidance); the others are a 400 there (DENOISE_FIELDS are a 400 everywhere else)."""
+_NOT_READ = {
+    "causal": "a diffusion setting; this server decodes a causal model one token per position",
+    "canvas_denoise": "no effect on this server's DiffusionGemma model, which denoises random canvases with no mask "
+    "policy",
+}
+
+
+def request_fields(generation: str) -> tuple[str, ...]:
+    """The extra (non-OpenAI) fields a server whose sampler's generation is `generation` reads; the model card of
+    GET /v1/models lists them, so that a client (the page) sends only those."""
+    if generation == "causal":
+        return CAUSAL_FIELDS
+    if generation == "canvas_denoise":
+        return CANVAS_DENOISE_FIELDS
+    return tuple(name for name in DIFFUSION_FIELDS if name not in DENOISE_FIELDS)
+
+
 MAX_N = 16
 """Choices per prompt (OpenAI documents none): n in [1, 16]."""
 MAX_ROWS = 256
@@ -287,14 +304,10 @@ def sampler_settings(req: _Request, base: SamplerConfig, profile: DecodeProfile,
     values = base.model_dump()
     extra = {k: _field_value(k, v) for k, v in (req.model_extra or {}).items() if k in DIFFUSION_FIELDS}
     causal = base.generation == "causal"
-    for name in extra:
-        if causal and name not in CAUSAL_FIELDS:
-            raise ApiError(400, f"{name}: a diffusion setting; this server decodes a causal model one token per "
-                           f"position (fields that apply: {', '.join(CAUSAL_FIELDS)})", param=name,
-                           code="unsupported_field")  # fmt: skip
-        if base.generation == "canvas_denoise" and name not in CANVAS_DENOISE_FIELDS:
-            raise ApiError(400, f"{name}: no effect on this server's DiffusionGemma model (canvas_denoise: random "
-                           f"canvases, no mask policy; fields that apply: {', '.join(CANVAS_DENOISE_FIELDS)})",
+    fields = request_fields(base.generation)
+    for name in extra:  # (a canvas model's SamplerConfig refuses DiffusionGemma's own fields itself)
+        if name not in fields and base.generation in _NOT_READ:
+            raise ApiError(400, f"{name}: {_NOT_READ[base.generation]} (fields that apply: {', '.join(fields)})",
                            param=name, code="unsupported_field")  # fmt: skip
     values.update(extra)
     length_field = req.max_tokens_field() or "max_tokens"

@@ -1,11 +1,15 @@
 // The live denoising view: POST /v1/denoise, read its server-sent events, and show the prompt sent, each
 // frame of the canvas (masks as grey boxes, tokens committed at this step in green, spaces as middle dots),
 // then the final text (exact, its leading and trailing spaces marked). An error clears the old output.
-// Frames are replayed at most one per FRAME_MS so that a fast model still shows its steps.
+// Frames are replayed at most one per FRAME_MS so that a fast model still shows its steps. The request sends
+// only the fields the server reads: the model card of GET /v1/models lists them (a causal model's server
+// refuses a policy or steps), and the controls of the others are hidden.
 "use strict";
 const FRAME_MS = 60;
 const $ = (id) => document.getElementById(id);
 window.dllmFrames = []; // what the page showed: {step, masked} per frame (read by the browser test)
+let served = null; // the model card's `dllm`: {generation, fields}, once /v1/models answered
+const reads = (field) => served !== null && served.fields.includes(field);
 
 function headers() {
   const h = { "Content-Type": "application/json" };
@@ -93,8 +97,10 @@ async function run(ev) {
   $("error").textContent = "";
   $("go").disabled = true;
   window.dllmFrames = [];
-  const body = { max_tokens: Number($("max_tokens").value) || 32, policy: $("policy").value };
-  if ($("steps").value) body.steps = Number($("steps").value);
+  if (served === null) await loadModel(); // the key may have been typed since the page loaded
+  const body = { max_tokens: Number($("max_tokens").value) || 32 };
+  if (reads("policy")) body.policy = $("policy").value;
+  if (reads("steps") && $("steps").value) body.steps = Number($("steps").value);
   const text = $("prompt").value;
   if ($("chat").checked) body.messages = [{ role: "user", content: text }];
   else body.prompt = text;
@@ -141,15 +147,22 @@ async function run(ev) {
   }
 }
 
-async function init() {
-  $("form").addEventListener("submit", run);
-  $("api_key").value = localStorage.getItem("dllm_api_key") || "";
+// The served model's name and what its server reads; the controls of fields it does not read are hidden.
+async function loadModel() {
   try {
     const r = await fetch("/v1/models", { headers: headers() });
     const m = await r.json();
     $("model").textContent = m.data ? m.data[0].id : "(give the API key)";
+    if (m.data) served = m.data[0].dllm || { generation: "canvas", fields: ["policy", "steps"] };
   } catch (err) {
     $("model").textContent = "";
   }
+  for (const field of ["policy", "steps"]) $(field).closest("label").hidden = served !== null && !reads(field);
+}
+
+async function init() {
+  $("form").addEventListener("submit", run);
+  $("api_key").value = localStorage.getItem("dllm_api_key") || "";
+  await loadModel();
 }
 init();
