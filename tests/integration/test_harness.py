@@ -299,18 +299,18 @@ def test_bad_model_args_are_one_line_errors(run_dir: Path):
 
 
 def test_main_turns_user_errors_into_one_line(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture):
-    import lm_eval.__main__
+    from lm_eval._cli import HarnessCLI
 
     seen = []
 
-    def fake_cli() -> None:
+    def fake_execute(self, args) -> None:
         seen.append(list(sys.argv))
         raise ConfigError("model_args: unknown argument 'x'")
 
-    monkeypatch.setattr(lm_eval.__main__, "cli_evaluate", fake_cli)
+    monkeypatch.setattr(HarnessCLI, "execute", fake_execute)
     argv = list(sys.argv)
     assert main(["--model", "dllm", "--tasks", "t"]) == 2
-    assert seen == [["lm-eval", "--model", "dllm", "--tasks", "t"]] and sys.argv == argv
+    assert seen == [["lm-eval", "run", "--model", "dllm", "--tasks", "t"]] and sys.argv == argv  # lm_eval adds run
     assert capsys.readouterr().err == "dllm: error: model_args: unknown argument 'x'\n"
 
 

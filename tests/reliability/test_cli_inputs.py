@@ -298,3 +298,24 @@ def test_argv_bytes_that_are_not_utf8_print_as_replacement_characters(models: di
     done = subprocess.run(args, capture_output=True, env=env, timeout=300)
     assert done.returncode == 0 and b"Traceback" not in done.stderr, done.stderr[-2000:]
     assert done.stdout.startswith("caf\ufffd".encode())
+
+
+# -- eval harness: lm_eval's arguments ---------------------------------------------------------------------------
+HARNESS_ARGS = {
+    "empty names": (["--model_args", "garbage=,,="], "model_args: a value without a name"),
+    "unknown arg": (["--model_args", "bogus=1"], "model_args: unknown argument 'bogus'"),
+    "bad json": (["--model_args", "{bad"], "lm_eval refuses its arguments: Invalid JSON"),
+    "usage": (["--model_args", "model=M", "--bogus", "1"], "lm_eval refuses its arguments: lm-eval: error: unrec"),
+    "unknown task": (["--model_args", "model=M"], "lm_eval refuses its arguments: Tasks not found: nope"),
+}
+
+
+@pytest.mark.parametrize("case", list(HARNESS_ARGS))
+def test_harness_arguments_lm_eval_refuses_are_one_line(models: dict[str, Path], case: str,
+                                                         capsys: pytest.CaptureFixture[str]):  # fmt: skip
+    """Bad --model_args are refused before lm_eval loads its tasks; lm_eval's own refusals (usage, JSON, an
+    unknown task) were tracebacks or usage screens."""
+    pytest.importorskip("lm_eval")
+    args, expected = HARNESS_ARGS[case]
+    args = [f"model={models['mdlm']}" if a == "model=M" else a for a in args]
+    _one_error(["eval", "harness", "--model", "dllm", *args, "--tasks", "nope"], capsys, expected)

@@ -30,11 +30,13 @@ Shapes: B batch, L sequence, K samples, N selected positions.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 import sys
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -117,6 +119,8 @@ def parse_arg_string(arg_string: str | None) -> dict[str, Any]:
 
 def parse_model_args(values: dict[str, Any]) -> tuple[HarnessArgs, SamplerConfig, bool]:
     """(harness args, SamplerConfig before resolution, whether gen_length was set) from model_args."""
+    if any(not str(k).strip() for k in values):
+        raise ConfigError("model_args: a value without a name ('=' alone); give KEY=VALUE pairs, e.g. run=RUN_DIR")
     mine = set(HarnessArgs.model_fields)
     sampler_fields = set(SamplerConfig.model_fields)
     unknown = sorted(set(values) - mine - sampler_fields)
@@ -410,21 +414,63 @@ class DllmLM(LM):
 
 def main(argv: list[str] | None = None) -> int:
     """lm_eval's own CLI with `--model dllm` registered: `python -m dllm.evaluation.harness --model dllm ...`.
-    A dllm user error ends in one line `dllm: error: ...` and exit code 2."""
-    from lm_eval.__main__ import cli_evaluate
+    A dllm user error, and lm_eval's refusal of its arguments (usage, --model_args, an unknown task), end in
+    one line `dllm: error: ...` and exit code 2; --model_args of dllm are checked before lm_eval loads tasks."""
+    from lm_eval._cli import HarnessCLI
+    from lm_eval.utils import setup_logging
 
     if "dllm" not in model_registry:
         register_model("dllm")(DllmLM)
     saved = sys.argv
     sys.argv = ["lm-eval", *(sys.argv[1:] if argv is None else argv)]  # lm_eval's parser reads sys.argv
     try:
-        cli_evaluate()
+        setup_logging()
+        cli = HarnessCLI()
+        args = _lm_eval_refusals(lambda: _parse_quietly(cli))
+        if getattr(args, "model", None) == "dllm":
+            values = dict(getattr(args, "model_args", None) or {})
+            values.pop("max_batch_size", None)  # as DllmLM takes them
+            parse_model_args(values)
+        _lm_eval_refusals(lambda: cli.execute(args))
     except UserError as e:
         print(f"dllm: error: {' '.join(str(e).split())}", file=sys.stderr)
         return e.exit_code
     finally:
         sys.argv = saved
     return 0
+
+
+_ARGUMENT_MODULES = ("lm_eval._cli", "lm_eval.config")
+"""lm_eval's modules that read its command line and check it (EvaluatorConfig, the task lookup)."""
+
+
+def _lm_eval_refusals(step: Callable[[], Any]) -> Any:
+    """Run `step`; an error that lm_eval raises while it reads and checks its arguments (in _ARGUMENT_MODULES: a
+    bad --model_args, an unknown task) is the user's, one ConfigError. Errors of the evaluation stay errors."""
+    try:
+        return step()
+    except (ValueError, TypeError, KeyError, OSError) as e:
+        tb = e.__traceback__
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        if tb is None or not str(tb.tb_frame.f_globals.get("__name__", "")).startswith(_ARGUMENT_MODULES):
+            raise
+        raise ConfigError(f"lm_eval refuses its arguments: {' '.join(str(e).split())[:300]}") from None
+
+
+def _parse_quietly(cli: Any) -> Any:
+    """lm_eval's parse of sys.argv; a usage error (argparse prints the usage, then its error, and exits 2)
+    becomes one ConfigError with argparse's last line. --help still prints and exits."""
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(printed):
+            return cli.parse_args()
+    except SystemExit as e:
+        if e.code in (0, None):
+            sys.stderr.write(printed.getvalue())
+            raise
+        last = (printed.getvalue().strip().splitlines() or ["invalid arguments"])[-1]
+        raise ConfigError(f"lm_eval refuses its arguments: {last}") from None
 
 
 if __name__ == "__main__":
