@@ -31,10 +31,10 @@ import torch
 
 from dllm.config.model import ModelConfig
 from dllm.config.sampler import SamplerConfig
+from dllm.inference.engine import generate
 from dllm.models import Transformer
 from dllm.sampling.canvas import SpecialIds
 from dllm.sampling.results import GenerationResult
-from dllm.sampling.speculative import causal_generate
 
 Variant = Callable[[torch.nn.Module, list[list[int]], argparse.Namespace], GenerationResult]
 SPECIAL = SpecialIds(mask_id=319, pad_id=0, eos_id=0)  # no EOS (stop_at_eos off): every row runs --gen tokens
@@ -45,11 +45,11 @@ def greedy(args: argparse.Namespace) -> SamplerConfig:
 
 
 def ar_cache(target: torch.nn.Module, prompts: list[list[int]], args: argparse.Namespace) -> GenerationResult:
-    return causal_generate(target, prompts, greedy(args), SPECIAL)
+    return generate(target, prompts, greedy(args), SPECIAL)
 
 
 def ar_recompute(target: torch.nn.Module, prompts: list[list[int]], args: argparse.Namespace) -> GenerationResult:
-    return causal_generate(target, prompts, greedy(args), SPECIAL, use_cache=False)
+    return generate(target, prompts, greedy(args), SPECIAL, recompute=True)
 
 
 VARIANTS: dict[str, Variant] = {"ar_cache": ar_cache, "ar_recompute": ar_recompute}

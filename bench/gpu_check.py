@@ -85,12 +85,12 @@ from dllm.config.training import OptimizerConfig, TopologyConfig
 from dllm.data.loader import Batch
 from dllm.diffusion.corruption import NoiseKeys
 from dllm.diffusion.objectives import BD3LMObjective, MDLMObjective, TokenIds
+from dllm.inference.engine import generate
 from dllm.models.transformer import Transformer
 from dllm.parallel.apply import apply_parallelism
 from dllm.parallel.dims import ParallelDims
 from dllm.parallel.grad_norm import clip_grad_norm
 from dllm.sampling.canvas import SpecialIds
-from dllm.sampling.generate import generate
 from dllm.training.mfu import FlopsMeter, peak_of
 from dllm.training.optim import build_optimizer
 from dllm.training.trainer import run_model

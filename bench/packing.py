@@ -39,7 +39,7 @@ from dllm.data.artifact import open_artifact
 from dllm.data.prepare import prepare
 from dllm.evaluation.overlap import found_in_artifact
 from dllm.evaluation.tasks import Example
-from dllm.sampling.generate import generate
+from dllm.inference.engine import generate
 from dllm.tokenization import ByteTokenizer
 from dllm.training.build import build_trainer
 from dllm.training.preflight import resolve_run_spec

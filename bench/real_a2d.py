@@ -241,7 +241,7 @@ def agreement(ar_answers: list[str], runs: dict, prompts: list[str], num_new: in
 
 # -- (s) speed ----------------------------------------------------------------------------------------------
 def speed(ar, timed: dict, prompts: list[str], num_new: int, rounds: int, batches: list[int]) -> dict:
-    from dllm.sampling.generate import generate
+    from dllm.inference.engine import generate
 
     variants = {"ar": (ar, {"generation": "causal"})} | timed
     out: dict = {"prompts": len(prompts), "new_tokens": num_new, "rounds": rounds}
@@ -312,12 +312,12 @@ class Recording:
 def ar_greedy(ar, prompts: list[str], num_new: int) -> list[tuple[list[int], list[int], torch.Tensor]]:
     """The AR original's greedy answer to each prompt at batch 1 (KV cache): (prompt ids, answer ids, the
     answer's logits [n, V]); the confidence and ceiling sections read the same answers."""
-    from dllm.sampling.speculative import causal_generate
+    from dllm.inference.engine import generate
 
     s, out = setup(ar, {"generation": "causal"}, num_new), []
     for p in prompts:
         ids = chat_encoder(ar)(p)
-        got = causal_generate(ar.model, [ids], s.sampler, s.special, return_logits=True)
+        got = generate(ar.model, [ids], s.sampler, s.special, return_logits=True)
         answer = list(got.sequences[0])
         out.append((list(ids), answer, got.logits_BNV[0, : len(answer)]))
     return out
@@ -325,7 +325,8 @@ def ar_greedy(ar, prompts: list[str], num_new: int) -> list[tuple[list[int], lis
 
 def confidence(ar_answers: list, timed: dict, prompts: list[str], num_new: int) -> dict:
     """`ar_answers`: `ar_greedy` of `prompts`."""
-    from dllm.sampling.generate import Loop
+    from dllm.inference.engine import decode_alone
+    from dllm.sampling.canvas_loop import Loop
 
     out: dict = {"prompts": len(prompts), "new_tokens": num_new}
     chosen = [v for _, _, logits in ar_answers for v in logits.float().softmax(-1).amax(-1).tolist()]
@@ -338,7 +339,7 @@ def confidence(ar_answers: list, timed: dict, prompts: list[str], num_new: int) 
             loop = Loop(loaded.model, [chat_encoder(loaded)(p)], s.sampler, s.special, torch.Generator().manual_seed(0),
                         None, None)  # fmt: skip
             loop.policy = Recording(loop.policy)
-            res = loop.run()
+            res = decode_alone(loaded.model, s.special, loop)
             tokens, forwards = tokens + len(res.sequences[0]), forwards + res.counters.nfe
             recorded += loop.policy.steps
         row = {"forwards_per_token": round(forwards / max(tokens, 1), 3), "steps": len(recorded)}

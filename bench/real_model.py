@@ -84,13 +84,13 @@ def decoding_logit_diff(loaded, hf, tok, prompts: list[list[int]], num_new: int)
     its KV cache) and those of transformers' `generate`, one prompt at a time, over the
     steps where both chose the same tokens so far."""
     from dllm.config.sampler import SamplerConfig
+    from dllm.inference.engine import generate
     from dllm.sampling.canvas import SpecialIds
-    from dllm.sampling.speculative import causal_generate
 
     cfg = SamplerConfig(generation="causal", gen_length=num_new, stop_at_eos=False)
     worst = 0.0
     for ids in prompts:
-        ours = causal_generate(loaded.model, [ids], cfg, SpecialIds.of(loaded.profile), return_logits=True)
+        ours = generate(loaded.model, [ids], cfg, SpecialIds.of(loaded.profile), return_logits=True)
         greedy = {"max_new_tokens": num_new, "do_sample": False, "eos_token_id": None, "pad_token_id": tok.pad_token_id}
         x = torch.tensor([ids])  # the mask says every token is real: pad_token_id is <|im_end|>, in every chat prompt
         theirs = hf.generate(x, attention_mask=torch.ones_like(x), **greedy, output_logits=True,

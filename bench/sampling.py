@@ -40,8 +40,8 @@ from dllm.config.prepare import PrepareSpec
 from dllm.config.sampler import SamplerConfig, resolve_sampler
 from dllm.config.spec import RunSpec
 from dllm.data.prepare import prepare
+from dllm.inference.engine import generate
 from dllm.sampling.canvas import SpecialIds
-from dllm.sampling.generate import generate
 from dllm.training.preflight import resolve_run_spec
 from dllm.training.run import prepare_run_dir, train_from_run_dir
 

@@ -306,18 +306,18 @@ def mixed(args: argparse.Namespace) -> int:
 
 
 def running_batch_ceiling(model_dir: Path, plan: list[int], args: argparse.Namespace, causal: bool) -> float:
-    """The same mixed load without a server: every request in one running batch (sampling/continuous.py
-    for AR, sampling/canvas_batch.py for diffusion) vs one `generate` call per length (what the one-call
+    """The same mixed load without a server: every request in the inference engine's running batch (shared
+    forwards: inference/causal_rows.py for AR, inference/canvas_rows.py for diffusion) vs one `generate` call
+    per length (what the one-call
     engine batches), median ratio of interleaved rounds (3 AR, 1 diffusion). On a CPU a forward's cost grows
     with its rows (and a canvas's with its padded length), so sharing forwards saves only their fixed part."""
     import torch
 
     from dllm.checkpoint.inference import load_for_inference
     from dllm.config.sampler import SamplerConfig, resolve_sampler
+    from dllm.inference.engine import Engine, generate, make_loop
+    from dllm.inference.scheduler import Limits
     from dllm.sampling.canvas import SpecialIds
-    from dllm.sampling.canvas_batch import CanvasBatch
-    from dllm.sampling.continuous import RunningBatch
-    from dllm.sampling.generate import generate
 
     torch.set_num_threads(args.threads)
     loaded = load_for_inference(model_dir=model_dir)
@@ -329,12 +329,11 @@ def running_batch_ceiling(model_dir: Path, plan: list[int], args: argparse.Names
         return resolve_sampler(base, loaded.profile)
 
     def running() -> None:
-        batch = (RunningBatch if causal else CanvasBatch)(loaded.model, special, len(plan))
-        batch.reserve(len(plan), max(len(p) for p in prompts) + max(plan))
+        engine = Engine(loaded.model, special, Limits(max_rows=len(plan)))
         for p, n in zip(prompts, plan, strict=True):
-            batch.join([p], cfg(n))
-        while batch.groups:
-            batch.step()
+            engine.add(make_loop(loaded.model, [p], cfg(n), special))
+        while engine.busy:
+            engine.step()
 
     def calls() -> None:
         for n in sorted(set(plan)):
@@ -395,8 +394,8 @@ def sampler_ceiling(model_dir: Path, args: argparse.Namespace) -> float:
 
     from dllm.checkpoint.inference import load_for_inference
     from dllm.config.sampler import SamplerConfig, resolve_sampler
+    from dllm.inference.engine import generate
     from dllm.sampling.canvas import SpecialIds
-    from dllm.sampling.generate import generate
 
     torch.set_num_threads(args.threads)
     loaded = load_for_inference(model_dir=model_dir)

@@ -55,12 +55,12 @@ from dllm.config.prepare import PrepareSpec
 from dllm.config.sampler import SamplerConfig
 from dllm.config.spec import RunSpec
 from dllm.data.prepare import prepare
+from dllm.inference.engine import generate
 from dllm.models.capture import capture_layers
 from dllm.models.dflash import DFlashDrafter
 from dllm.recipes import demo_text, write_jsonl
 from dllm.sampling.canvas import SpecialIds
 from dllm.sampling.causal import Target
-from dllm.sampling.generate import generate
 from dllm.sampling.results import Counters, GenerationResult
 from dllm.training.preflight import resolve_run_spec
 from dllm.training.run import prepare_run_dir, train_from_run_dir

@@ -24,9 +24,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dllm.config.sampler import SamplerConfig, resolve_sampler  # noqa: E402
+from dllm.inference.engine import generate  # noqa: E402
 from dllm.parallel.threads import resolve_threads, usable_cores  # noqa: E402
 from dllm.sampling.canvas import SpecialIds  # noqa: E402
-from dllm.sampling.generate import generate  # noqa: E402
 from objectives import artifact, trainer  # noqa: E402  (the objectives bench's artifact and trainer)
 
 

@@ -306,8 +306,8 @@ def ours_greedy(loaded, prompts: list[list[int]], num_new: int, stop_at_eos: boo
 def ours_decode(loaded, prompts: list[list[int]], num_new: int, drafter=None, stop_at_eos: bool = True):
     """Greedy causal decoding (AR, or speculative with `drafter`): the GenerationResult, counters included."""
     from dllm.config.sampler import SamplerConfig
+    from dllm.inference.engine import generate
     from dllm.sampling.canvas import SpecialIds
-    from dllm.sampling.generate import generate
 
     cfg = SamplerConfig(generation="causal", gen_length=num_new, temperature=0.0, stop_at_eos=stop_at_eos)
     return generate(loaded.model, prompts, cfg, SpecialIds.of(loaded.profile), drafter=drafter)

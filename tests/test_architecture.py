@@ -244,6 +244,24 @@ def test_no_source_file_is_too_long():
     assert not long, f"files over {MAX_LINES} lines (split each by meaning):\n" + "\n".join(long)
 
 
+MAX_FUNCTION_LINES = 60
+SHORT_FUNCTION_PARTS = ("sampling", "inference", "serving")
+
+
+def test_no_function_of_the_decoding_parts_is_too_long():
+    """The decoding loops, the engine and the server keep their control flow readable: no function over
+    MAX_FUNCTION_LINES lines (docstring included)."""
+    long = []
+    for part in SHORT_FUNCTION_PARTS:
+        for file in sorted((SRC / part).rglob("*.py")):
+            for node in ast.walk(ast.parse(file.read_text(encoding="utf-8"))):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    n = node.end_lineno - node.lineno + 1  # type: ignore[operator]
+                    if n > MAX_FUNCTION_LINES:
+                        long.append(f"{file.relative_to(REPO)}:{node.lineno} {node.name}: {n} lines")
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(long)
+
+
 DESIGN_DOC = REPO / "docs" / "design.md"
 
 
@@ -269,6 +287,24 @@ def test_the_design_doc_names_only_what_exists():
     allowed, _ = load_rules()
     unnamed = [part for part in allowed if part != ROOT and f"`{part}/`" not in text and f"`{part}.py`" not in text]
     assert not unnamed, f"docs/design.md's layering leaves out parts: {unnamed}"
+
+
+def test_no_registry_declares_a_name_twice():
+    """A registry is declared as a dict literal, where a second entry of a name would silently replace the first:
+    each name is declared once."""
+    tree = ast.parse((SRC / "config" / "registries.py").read_text(encoding="utf-8"))
+    twice = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Dict):
+            names = [k.value for k in node.keys if isinstance(k, ast.Constant) and isinstance(k.value, str)]
+            twice += sorted({n for n in names if names.count(n) > 1})
+    assert not twice, f"config/registries.py declares these names twice: {twice}"
+
+
+def test_the_checker_finds_a_name_declared_twice():
+    twice = ast.parse('R = Registry("k", "p", {"a": "m:A", "b": "m:B", "a": "m:C"})')
+    names = [k.value for node in ast.walk(twice) if isinstance(node, ast.Dict) for k in node.keys]
+    assert names.count("a") == 2  # what the walk above counts
 
 
 def test_the_serving_state_and_the_sampling_setup_are_typed():

@@ -17,11 +17,10 @@ from dllm.attention.masks import AttentionMask
 from dllm.config.drafter import DFlashConfig
 from dllm.config.model import ModelConfig
 from dllm.config.sampler import SamplerConfig
+from dllm.inference.engine import generate
 from dllm.models.dflash import DFlashDrafter, DraftTokens
 from dllm.models.transformer import Transformer
 from dllm.sampling.canvas import SpecialIds
-from dllm.sampling.generate import generate
-from dllm.sampling.speculative import causal_generate
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 CUDA = torch.device("cuda")
@@ -127,7 +126,7 @@ def test_cached_ar_decoding_on_cuda_equals_recomputation():
     cfg, special = causal_sampler(16)
     cached = generate(target, prompts, cfg, special)
     with torch.inference_mode():
-        plain = causal_generate(target, prompts, cfg, special, use_cache=False)
+        plain = generate(target, prompts, cfg, special, recompute=True)
     assert cached.sequences == plain.sequences
 
 

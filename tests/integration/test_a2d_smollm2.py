@@ -66,7 +66,7 @@ def test_the_converted_model_decodes_held_out_prompts_with_no_mask_left(runs, na
     from bench.real_a2d import chat_encoder, settings, setup
 
     from dllm.checkpoint.inference import load_for_inference
-    from dllm.sampling.generate import generate
+    from dllm.inference.engine import generate
 
     loaded = load_for_inference(run=runs[name])
     assert loaded.profile.attention == ("block" if name == "fast_dllm_v2" else "bidirectional")
@@ -134,7 +134,7 @@ def test_the_fast_dllm_v2_run_continues_with_certainty_forcing(runs, monkeypatch
     from bench.real_a2d import chat_encoder, settings, setup
 
     from dllm.checkpoint.inference import load_for_inference
-    from dllm.sampling.generate import generate
+    from dllm.inference.engine import generate
 
     folder = runs["fast_dllm_v2"].parent.parent
     monkeypatch.chdir(folder)

@@ -48,7 +48,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[float]
 
 def _chat(args: list[str], lines: str, monkeypatch: pytest.MonkeyPatch, capsys) -> tuple[list[str], list]:
     """`dllm chat ARGS` fed `lines` on stdin; (replies printed, (prompt ids, result) of every sampler call)."""
-    import dllm.sampling.generate as generate_module
+    import dllm.inference.engine as generate_module
 
     calls, real = [], generate_module.generate
 

@@ -320,8 +320,8 @@ def test_openai_client_raises_the_matching_errors(client):
 
 
 def test_queue_full_is_429_and_disconnect_cancels():
-    # a model that takes 10 ms a forward: a request of 120 steps takes 1.2 s or more on any machine; one call at
-    # a time (max_calls 1), so that a second request waits in the queue
+    # a model that takes 10 ms a forward: a request of 120 steps takes 1.2 s or more on any machine; one request
+    # at a time (max_calls 1), so that a second request waits in the queue
     with make_server(slow_loaded(0.01), max_batch=1, max_wait_ms=0, max_queue=1, max_calls=1) as srv:
         long = {"prompt": "long", "max_tokens": 120, "steps": 120}
         hold = threading.Thread(target=httpx.post, args=(srv.url + "/v1/completions",),
@@ -356,11 +356,11 @@ def test_queue_full_is_429_and_disconnect_cancels():
 
 @pytest.mark.parametrize("mode", ["one call", "turns", "running batch"])
 def test_a_short_request_behind_a_long_one(mode):
-    """One call at a time, a short request waits for the long one to end. A cached request (prefix cache: a call
-    of its own) starts at once with calls taking turns step by step, and ends after about twice its own steps; an
-    uncached one joins the running canvas batch at its next step (in a forward of its own: its canvas is under
-    half the long one's). Either way it ends while the long one still runs."""
-    max_calls, max_batch = (1, 1) if mode == "one call" else (4, 1 if mode == "turns" else 8)
+    """One request at a time, a short request waits for the long one to end. A cached request (prefix cache: a
+    forward of its own) starts at once, each step of the engine running a forward of each, and ends after about
+    twice its own steps; an uncached one joins the running canvas batch at its next step (in a forward of its
+    own: its canvas is under half the long one's). Either way it ends while the long one still runs."""
+    max_calls, max_batch = (1, 1) if mode == "one call" else (None, 8)
     extra = {"cache": "prefix"} if mode == "turns" else {}
     with make_server(slow_loaded(0.01), max_batch=max_batch, max_wait_ms=0, max_calls=max_calls) as srv:
         ends: dict[str, float] = {}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 import time
 
+import httpx
 import pytest
 import torch
 
@@ -19,9 +20,9 @@ pytest.importorskip("uvicorn")
 from dllm.config.drafter import DFlashConfig  # noqa: E402
 from dllm.config.sampler import SamplerConfig, resolve_sampler  # noqa: E402
 from dllm.errors import ConfigError  # noqa: E402
+from dllm.inference.engine import generate  # noqa: E402
 from dllm.models.dflash import DFlashDrafter  # noqa: E402
 from dllm.sampling.canvas import SpecialIds  # noqa: E402
-from dllm.sampling.generate import generate  # noqa: E402
 from tests.integration.serve_support import slow_loaded, tiny_loaded, wait_until  # noqa: E402
 
 PROMPTS = ["hello", "a longer prompt than the first", "x"]
@@ -194,3 +195,39 @@ def test_a_client_that_goes_away_frees_its_rows():
             next(lines)  # the stream is open
             wait_until(lambda: _health(srv.url)["running_rows"] == 2)  # its two rows run
         wait_until(lambda: _health(srv.url)["running_rows"] == 0, timeout=10)  # long before its 96 forwards of 20 ms
+
+
+def test_speculative_and_ar_requests_share_the_running_batch():
+    """A server with a drafter: requests that send `speculative: false` decode without it (AR), the others with it,
+    all in one running batch (their forwards shared), each equal to `generate` of it alone, greedy token for
+    token and sampled from its seed; `speculative` is refused where there is no drafter."""
+    loaded = tiny_loaded()
+    tok, special = loaded.tokenizer, SpecialIds.of(loaded.profile)
+    drafter = random_drafter(loaded)
+    bodies = [{"prompt": f"request {i} " * (1 + i % 3), "max_tokens": 8 + 4 * (i % 3), "speculative": i % 2 == 0,
+               **({"temperature": 1.0, "seed": 50 + i} if i % 4 == 1 else {})} for i in range(8)]  # fmt: skip
+    got: dict[int, dict] = {}
+    with serve(loaded, drafter) as srv:
+
+        def post(i: int) -> None:
+            got[i] = httpx.post(srv.url + "/v1/completions", json=bodies[i], timeout=60).json()
+
+        threads = [threading.Thread(target=post, args=(i,)) for i in range(len(bodies))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    for i, body in enumerate(bodies):
+        cfg = causal_base(loaded, body["max_tokens"]).model_copy(update={"temperature": body.get("temperature", 0.0)})
+        gen = torch.Generator().manual_seed(body["seed"]) if "seed" in body else None
+        alone = generate(loaded.model, [tok.encode(body["prompt"])], cfg, special, generator=gen,
+                         drafter=drafter if body["speculative"] else None)  # fmt: skip
+        assert got[i]["choices"][0]["text"] == tok.decode(alone.sequences[0]), i
+        stats = got[i]["dllm"]
+        assert (stats["drafted"] > 0) == body["speculative"], i
+    assert max(got[i]["dllm"]["batch_rows"] for i in got) > 1  # forwards were shared
+    with serve(loaded) as srv:
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 4, "speculative": True})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "speculative"
+        ok = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 4, "speculative": False})
+        assert ok.status_code == 200

@@ -19,9 +19,8 @@ pytest.importorskip("transformers.models.diffusion_gemma")
 
 from dllm.checkpoint.inference import load_for_inference  # noqa: E402
 from dllm.config.sampler import SamplerConfig, resolve_sampler  # noqa: E402
+from dllm.inference.engine import generate, shares_forwards  # noqa: E402
 from dllm.sampling.canvas import SpecialIds  # noqa: E402
-from dllm.sampling.canvas_batch import CanvasBatch  # noqa: E402
-from dllm.sampling.generate import generate  # noqa: E402
 from tests.integration.test_diffusion_gemma_cli import CANVAS, save_printable_model  # noqa: E402
 
 
@@ -55,9 +54,9 @@ def _expected(loaded, prompt: str, seed: int, max_tokens: int, **fields) -> str:
     return tok.decode(out.sequences[0][:max_tokens])
 
 
-def test_requests_run_as_calls_and_equal_generate(loaded, server, client):
+def test_requests_run_their_own_forwards_and_equal_generate(loaded, server, client):
     base = server.state.base
-    assert base.generation == "canvas_denoise" and not CanvasBatch.takes(base, loaded.model)
+    assert base.generation == "canvas_denoise" and not shares_forwards(base, loaded.model)
     r = client.completions.create(model="dgemma", prompt="hello", max_tokens=12, seed=7)
     c = r.choices[0]
     assert c.text == _expected(loaded, "hello", 7, 12) and len(c.text) == 12 and c.finish_reason == "length"
@@ -69,7 +68,8 @@ def test_requests_run_as_calls_and_equal_generate(loaded, server, client):
     assert tuned.choices[0].text == _expected(loaded, "hello", 7, 12, temperature=1, **knobs)
     chat = client.chat.completions.create(model="dgemma", messages=[{"role": "user", "content": "hi"}], max_tokens=8)
     assert len(chat.choices[0].message.content) == 8
-    assert server.state.engine.batch_thread is None  # no running batch was started: every request was a call
+    executor = server.state.engine.inner.executor  # no rows were shared: every request ran its own forwards
+    assert executor.causal.target is None and executor.cached == {}
 
 
 def test_streams_and_denoising_frames(loaded, server, client):

@@ -76,7 +76,7 @@ def no_decoding(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("decoding started")
 
-    monkeypatch.setattr("dllm.sampling.generate.generate", refuse)
+    monkeypatch.setattr("dllm.inference.engine.generate", refuse)
 
 
 # -- eval likelihood --kind ar -----------------------------------------------------------------------------

@@ -398,5 +398,6 @@ def test_some_empty_records_are_kept_with_a_warning(tmp_path: Path, capsys: pyte
     assert stats["records_empty"] == 2 and stats["empty_examples"] == [f"{tmp_path / 'a.jsonl'}:2",
                                                                        f"{tmp_path / 'a.jsonl'}:4"]  # fmt: skip
     (tmp_path / "a.jsonl").write_text('{"text": "hi"}\n')
-    assert main(["data", "prepare", "--config", str(tmp_path / "prepare.yaml"), "-q", "--output", str(tmp_path / "o2")]) == 0
+    out = str(tmp_path / "o2")
+    assert main(["data", "prepare", "--config", str(tmp_path / "prepare.yaml"), "-q", "--output", out]) == 0
     assert "warning" not in capsys.readouterr().err

@@ -549,8 +549,8 @@ def test_a_dflash_drafter_decodes_ragged_rows_as_each_row_alone():
     path over one shared buffer): lossless against AR, and every row's proposals, round by round, equal
     the ones it gets decoded alone (propose's unmasked batch-1 path)."""
     from dllm.config.sampler import SamplerConfig
+    from dllm.inference.engine import generate
     from dllm.sampling.canvas import SpecialIds
-    from dllm.sampling.generate import generate
 
     target = make_target()
     drafter = make_drafter(target, block=4, num_layers=2).eval()

@@ -456,8 +456,8 @@ def test_the_dflash_packages_own_loop_decodes_with_our_drafter_as_ours_does(tmp_
 
     dflash = dflash_package()
     from dllm.config.sampler import SamplerConfig
+    from dllm.inference.engine import generate
     from dllm.sampling.canvas import SpecialIds
-    from dllm.sampling.generate import generate
     from dllm.sampling.results import StepEvent
     from tests.unit.test_sampling_ar import MASK_ID, causal_model, decode, random_prompts
 

@@ -12,9 +12,9 @@ import torch
 from dllm.config.profile import DecodeProfile
 from dllm.config.sampler import SamplerConfig, resolve_sampler
 from dllm.errors import ConfigError
+from dllm.inference.engine import generate
 from dllm.sampling.canvas import SpecialIds
 from dllm.sampling.canvas_denoiser import StableAndConfident, entropy_bound_accept
-from dllm.sampling.generate import generate
 from tests.unit.test_diffusion_gemma import C, P, V, _inputs, pair  # noqa: F401 (the pair fixture)
 
 PAD, EOS, MASK, SEED = 0, 27, V - 1, 11  # EOS: an id these canvases produce, so rows end (and are padded) mid-way

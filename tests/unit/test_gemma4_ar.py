@@ -23,11 +23,10 @@ import torch
 from dllm.config.model import ModelConfig
 from dllm.config.profile import DecodeProfile
 from dllm.config.sampler import SamplerConfig
+from dllm.inference.engine import Engine, generate
+from dllm.inference.scheduler import Limits
 from dllm.sampling.canvas import SpecialIds
 from dllm.sampling.causal import is_causal_model
-from dllm.sampling.continuous import RunningBatch
-from dllm.sampling.generate import generate
-from dllm.sampling.speculative import causal_generate
 from tests.unit.test_continuous import _run, _same
 from tests.unit.test_diffusion_gemma_gemma4 import V, W, _gemma4, _import
 from tests.unit.test_sampling_speculative import ReplayDrafter, full_sequences
@@ -76,8 +75,8 @@ def test_greedy_ar_equals_transformers_and_recompute(pair, lengths):
     assert min(lengths) > W  # the window cuts every prompt's first keys
     want, want_logits = _theirs(hf, prompts)
     with torch.inference_mode():
-        got = causal_generate(ours, prompts, _cfg(), SPECIAL, return_logits=True)
-        plain = causal_generate(ours, prompts, _cfg(), SPECIAL, use_cache=False, return_logits=True)
+        got = generate(ours, prompts, _cfg(), SPECIAL, return_logits=True)
+        plain = generate(ours, prompts, _cfg(), SPECIAL, recompute=True, return_logits=True)
     assert plain.sequences == want, (plain.sequences, want)
     assert got.sequences == want
     keep = torch.arange(V) != MASK  # -inf in ours
@@ -118,9 +117,9 @@ def test_the_running_batch_decodes_requests_as_alone(f64):
     """Two requests (one of two rows) join the server's running AR batch at different steps: each decodes
     what a `generate` call of it alone decodes."""
     arrivals = [(0, _prompts([9, 5], seed=11), _cfg(12), None), (3, _prompts([11], seed=12), _cfg(8), None)]
-    groups = _run(RunningBatch(f64, SPECIAL, max_rows=8), arrivals)
-    for group, (_, prompts, cfg, _) in zip(groups, arrivals, strict=True):
-        _same(group, generate(f64, prompts, cfg, SPECIAL))
+    reqs = _run(Engine(f64, SPECIAL, Limits(max_rows=8)), arrivals)
+    for req, (_, prompts, cfg, _) in zip(reqs, arrivals, strict=True):
+        _same(req, generate(f64, prompts, cfg, SPECIAL))
 
 
 def test_which_diffusion_gemma_models_decode_causally():

@@ -20,9 +20,10 @@ import torch
 
 from dllm.attention.masks import AttentionMask
 from dllm.config.model import ModelConfig
+from dllm.inference.engine import Engine
+from dllm.inference.scheduler import Limits
 from dllm.models import Transformer
 from dllm.sampling.causal import Target
-from dllm.sampling.continuous import RunningBatch
 from dllm.sampling.results import Counters
 from tests.unit.test_continuous import SPECIAL, _alone, _cfg, _run, _same
 from tests.unit.test_sampling_ar import MASK_ID, V, causal_model, decode, random_prompts
@@ -171,13 +172,14 @@ def test_the_running_batch_decodes_hybrid_requests_as_alone(target):
         (4, random_prompts(2, seed=4), _cfg(15, temperature=1.2, eos=False), 13),
         (9, random_prompts(2, seed=6), _cfg(7), None),
     ]
-    batch = RunningBatch(target, SPECIAL, max_rows=16)
-    groups = _run(batch, arrivals)
-    for group, (_, prompts, cfg, seed) in zip(groups, arrivals, strict=True):
-        _same(group, _alone(target, prompts, cfg, seed))
-    assert batch.owner == [] and all(
+    engine = Engine(target, SPECIAL, Limits(max_rows=16))
+    reqs = _run(engine, arrivals)
+    for req, (_, prompts, cfg, seed) in zip(reqs, arrivals, strict=True):
+        _same(req, _alone(target, prompts, cfg, seed))
+    rows = engine.executor.causal
+    assert rows.owner == [] and all(
         layer.recurrent.state is None or layer.recurrent.state.S_BHKV.shape[0] == 0
-        for layer in batch.target.cache.layers.values()
+        for layer in rows.target.cache.layers.values()
     )
 
 
@@ -195,9 +197,8 @@ def test_greedy_decoding_equals_transformers_in_a_ragged_batch():
     lengths in one batch gives transformers' greedy `generate` of each prompt alone (its own recurrent cache),
     and our recomputation the same."""
     from dllm.config.sampler import SamplerConfig
+    from dllm.inference.engine import generate
     from dllm.sampling.canvas import SpecialIds
-    from dllm.sampling.generate import generate
-    from dllm.sampling.speculative import causal_generate
     from tests.unit.test_qwen3_5 import V as HF_V
     from tests.unit.test_qwen3_5 import _hf_model, _import
 
@@ -220,5 +221,5 @@ def test_greedy_decoding_equals_transformers_in_a_ragged_batch():
                             suppress_tokens=[HF_V - 1])[0, len(p) :] for p in prompts]  # fmt: skip
     assert got.sequences == [w.tolist() for w in want]
     with torch.inference_mode():
-        plain = causal_generate(ours, prompts, cfg, special, use_cache=False)
+        plain = generate(ours, prompts, cfg, special, recompute=True)
     assert plain.sequences == got.sequences

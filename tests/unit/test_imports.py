@@ -8,7 +8,7 @@ import sys
 import pytest
 
 
-@pytest.mark.parametrize("module", ["dllm", "dllm.cli.main", "dllm.training.build", "dllm.sampling.generate"])
+@pytest.mark.parametrize("module", ["dllm", "dllm.cli.main", "dllm.training.build", "dllm.inference.engine"])
 def test_import_does_not_load_transformers(module: str):
     code = (
         f"import sys, {module}\n"

@@ -19,8 +19,8 @@ from pydantic import ValidationError
 from dllm.config.profile import DecodeProfile
 from dllm.config.sampler import SamplerConfig, resolve_sampler
 from dllm.errors import ConfigError
+from dllm.inference.engine import generate
 from dllm.sampling.canvas import SpecialIds
-from dllm.sampling.generate import generate
 from tests.unit.test_llada2 import V, hf_config, load, reference_logits, write_folder
 
 MASK, PAD, EOS = V - 1, V - 2, V - 3
@@ -189,24 +189,25 @@ def test_editing_requests_in_a_running_canvas_batch_decode_as_alone(weights, cac
     steps decode as they do alone, with the loop's counters equal."""
     import copy
 
-    from dllm.sampling.canvas_batch import CanvasBatch
+    from dllm.inference.engine import Engine, make_loop
+    from dllm.inference.scheduler import Limits
 
     model = copy.deepcopy(weights[2]).double()  # batched and lone forwards then agree to the last bit
     arrivals = [(at, [p], i) for i, (at, p) in enumerate(zip([0, 1, 3], PROMPTS, strict=True))]
     cfgs = [SamplerConfig(gen_length=GEN, block_length=BLOCK, attention="block", shift="off", stop_at_eos=False,
                           policy="llada2_edit", threshold=0.08, edit_threshold=e, max_post_steps=m, cache=cache)
             for e, m in ((0.05, 16), (0.05, 2), (0.5, 1))]  # fmt: skip
-    batch = CanvasBatch(model, SPECIAL, max_rows=8)
-    groups: dict[int, object] = {}
+    engine = Engine(model, SPECIAL, Limits(max_rows=8))
+    reqs: dict[int, object] = {}
     step = 0
-    while step == 0 or batch.groups or len(groups) < len(arrivals):
+    while step == 0 or engine.busy or len(reqs) < len(arrivals):
         for at, prompts, i in arrivals:
             if at == step:
-                groups[i] = batch.join(prompts, cfgs[i], None)
-        batch.step()
+                reqs[i] = engine.add(make_loop(model, prompts, cfgs[i], SPECIAL))
+        engine.step()
         step += 1
         assert step < 500
     for _, prompts, i in arrivals:
-        got, alone = groups[i].result(), generate(model, prompts, cfgs[i], SPECIAL)  # type: ignore[attr-defined]
+        got, alone = reqs[i].result, generate(model, prompts, cfgs[i], SPECIAL)  # type: ignore[attr-defined]
         assert got.sequences == alone.sequences
         assert got.counters.as_dict()["steps"] == alone.counters.as_dict()["steps"]

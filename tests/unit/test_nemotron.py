@@ -495,8 +495,8 @@ def test_the_run_decodes_with_its_blocks_and_causal_context():
 
 def test_cached_block_decoding_equals_uncached():
     from dllm.config.sampler import SamplerConfig
+    from dllm.inference.engine import generate
     from dllm.sampling.canvas import SpecialIds
-    from dllm.sampling.generate import generate
 
     model = _tiny_model()
     special = SpecialIds(mask_id=3, pad_id=1, eos_id=2, num_tokens=V)
@@ -510,12 +510,12 @@ def test_cached_block_decoding_equals_uncached():
     plain, cached = run("none", prompts), run("block", prompts)
     assert cached.sequences == plain.sequences
     assert cached.counters.cached_tokens > 0
-    from dllm.sampling.canvas_batch import CanvasBatch
+    from dllm.inference.engine import shares_forwards
 
     # the server's running canvas batch builds its own block-causal masks: these requests run as calls
     on = SamplerConfig(gen_length=12, block_length=4, attention="block", causal_context="on", shift="off")
     off = on.model_copy(update={"causal_context": "off"})
-    assert not CanvasBatch.takes(on, model) and CanvasBatch.takes(off, model)
+    assert not shares_forwards(on, model) and shares_forwards(off, model)
     for i, prompt in enumerate(prompts):  # a padded row decodes as the prompt alone
         assert run("block", [prompt]).sequences[0] == plain.sequences[i], i
 

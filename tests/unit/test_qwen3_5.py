@@ -204,8 +204,8 @@ def test_noisy_block_in_training_reads_what_decoding_reads():
 @pytest.mark.parametrize("shift,sub_block", [("off", None), ("on", None), ("on", 2)])
 def test_cached_block_decoding_equals_uncached(shift: str, sub_block: int | None):
     from dllm.config.sampler import SamplerConfig
+    from dllm.inference.engine import generate
     from dllm.sampling.canvas import SpecialIds
-    from dllm.sampling.generate import generate
 
     model = _native()
     special = SpecialIds(mask_id=V - 1, pad_id=V - 2, eos_id=V - 3, num_tokens=V - 3)
@@ -262,8 +262,8 @@ def test_greedy_decoding_equals_transformers(pair):
     """The causal loop on the imported model (its ragged cache keeps the linear layers' states per row; more in
     tests/unit/test_hybrid_decoding.py) gives transformers' greedy continuation, which runs its own cache."""
     from dllm.config.sampler import SamplerConfig
+    from dllm.inference.engine import generate
     from dllm.sampling.canvas import SpecialIds
-    from dllm.sampling.generate import generate
 
     hf, ours, _ = pair
     prompts = [[5, 17, 33, 2, 60, 41], [7, 8, 9, 10, 11, 12]]
@@ -280,23 +280,23 @@ def test_greedy_decoding_equals_transformers(pair):
 def test_a_bidirectional_canvas_is_refused():
     from dllm.config.sampler import SamplerConfig
     from dllm.errors import ConfigError
+    from dllm.inference.engine import generate
     from dllm.sampling.canvas import SpecialIds
-    from dllm.sampling.generate import generate
 
     cfg = SamplerConfig(gen_length=4, block_length=4, steps=4, attention="bidirectional", shift="off")
     with pytest.raises(ConfigError, match="sampler.attention: a model with linear-attention layers"):
         generate(_native(), [[1, 2]], cfg, SpecialIds(mask_id=V - 1, pad_id=V - 2, eos_id=V - 3, num_tokens=V))
 
 
-def test_the_hybrid_does_not_join_a_running_canvas_batch():
+def test_the_hybrid_does_not_share_canvas_forwards():
     """The linear layers read a forward's last block as the noisy one, so a canvas right-padded to a longer
     one's length would decode its padding as the noisy block; and the batch's ragged cache keeps per-row states
     for causal decoding only. So the hybrid's requests run as calls of their own (the server takes turns between
     them)."""
     from dllm.config.sampler import SamplerConfig
-    from dllm.sampling.canvas_batch import CanvasBatch
+    from dllm.inference.engine import shares_forwards
 
     model = _native()
     for cache in ("none", "block"):
         cfg = SamplerConfig(gen_length=8, block_length=4, shift="on", attention="block", cache=cache)
-        assert not CanvasBatch.takes(cfg, model)  # a model without linear layers: tests/unit/test_canvas_batch.py
+        assert not shares_forwards(cfg, model)  # a model without linear layers: tests/unit/test_canvas_batch.py

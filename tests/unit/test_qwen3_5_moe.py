@@ -146,8 +146,8 @@ def test_multimodal_layout_imports_its_text_model(pair, tmp_path: Path):
 
 def test_greedy_decoding_with_the_cache_equals_transformers(pair):
     from dllm.config.sampler import SamplerConfig
+    from dllm.inference.engine import generate
     from dllm.sampling.canvas import SpecialIds
-    from dllm.sampling.generate import generate
 
     hf, ours, _ = pair
     prompts = [[5, 17, 33, 2, 60, 41], [7, 8, 9], [11]]

@@ -14,9 +14,9 @@ from torch import nn
 from dllm.config.model import ModelConfig
 from dllm.config.registries import POLICIES
 from dllm.config.sampler import SamplerConfig
+from dllm.inference.engine import generate
 from dllm.models.transformer import Transformer
 from dllm.sampling.canvas import SpecialIds, left_pad
-from dllm.sampling.generate import generate
 from dllm.sampling.policies import LowConfidence, Proposal, RandomOrder, select_topk
 from dllm.sampling.proposals import commit_schedule, propose
 from tests.helpers import output_of_logits

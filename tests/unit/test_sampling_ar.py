@@ -14,13 +14,13 @@ from dllm.attention.masks import AttentionMask
 from dllm.config.model import ModelConfig
 from dllm.config.profile import DecodeProfile
 from dllm.config.sampler import SamplerConfig
+from dllm.inference.engine import generate
 from dllm.models import Transformer
 from dllm.sampling.canvas import SpecialIds
 from dllm.sampling.causal import RaggedKVCache, is_causal_model
-from dllm.sampling.generate import generate
 from dllm.sampling.proposals import draw
 from dllm.sampling.results import GenerationResult
-from dllm.sampling.speculative import Drafter, causal_generate
+from dllm.sampling.speculative import Drafter
 
 V = 48
 MASK_ID = V - 1
@@ -44,11 +44,8 @@ def decode(
     cfg = SamplerConfig(generation="causal", gen_length=n, temperature=temperature, top_k=top_k,
                         stop_at_eos=eos_id is not None)  # fmt: skip
     special = SpecialIds(MASK_ID, 0, eos_id if eos_id is not None else 0, V)
-    if use_cache and not return_logits:
-        return generate(model, prompts, cfg, special, drafter=drafter, generator=generator, stop=stop)
-    with torch.inference_mode():
-        return causal_generate(model, prompts, cfg, special, drafter=drafter, generator=generator, stop=stop,
-                               use_cache=use_cache, return_logits=return_logits)  # fmt: skip
+    return generate(model, prompts, cfg, special, drafter=drafter, generator=generator, stop=stop,
+                    recompute=not use_cache, return_logits=return_logits)  # fmt: skip
 
 
 def new_tokens(result: GenerationResult, n: int) -> torch.Tensor:

@@ -17,9 +17,9 @@ from pydantic import ValidationError
 
 from dllm.config.model import ModelConfig
 from dllm.config.sampler import SamplerConfig
+from dllm.inference.engine import generate
 from dllm.models.transformer import Transformer
 from dllm.sampling.canvas import SpecialIds
-from dllm.sampling.generate import generate
 from dllm.sampling.results import GenerationResult
 from tests.unit.test_sampling import FakeModel
 

@@ -110,8 +110,8 @@ def test_generate_runs_edit_flows_in_its_loop_with_the_step_callback():
     """generate() on an edit-flow sampler: one event per step, its edits add up to the counters, the last
     canvas is the result's, and committed marks only generated positions."""
     from dllm.config.sampler import SamplerConfig
+    from dllm.inference.engine import generate
     from dllm.sampling.canvas import SpecialIds
-    from dllm.sampling.generate import generate
 
     model = _model(2)
     cfg = SamplerConfig(generation="edit_flow", steps=5, gen_length=8, shift="off", attention="bidirectional",

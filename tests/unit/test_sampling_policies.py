@@ -13,9 +13,9 @@ import torch
 
 from dllm.config.model import ModelConfig
 from dllm.config.sampler import SamplerConfig
+from dllm.inference.engine import generate
 from dllm.models.transformer import Transformer
 from dllm.sampling.canvas import SpecialIds
-from dllm.sampling.generate import generate
 from dllm.sampling.policies import Entropy, Factor, Margin, Proposal, Threshold, make_policy
 from dllm.sampling.proposals import filter_logits, full_proposal
 from dllm.sampling.results import StepEvent

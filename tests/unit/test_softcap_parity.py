@@ -1,6 +1,7 @@
 """One logits function (models/output.py: `token_logits`): a model with Gemma's final logit soft-capping decodes
-the same tokens through `generate` and through every batched path of the server (the running canvas batch,
-uncached and block-cached; the running AR batch), sampled at temperature 1 from the same seed.
+the same tokens through `generate` and through every shared forward of the engine (canvases uncached and
+block-cached, causal rows), sampled at temperature 1 from the same seed (the served paths:
+tests/integration/test_serve.py).
 
 A cap of 0.5 squeezes every logit into (-0.5, 0.5), so at temperature 1 the distribution with the cap is
 near uniform and the one without it is not: a path that skips the cap draws other tokens (as the running
@@ -14,11 +15,10 @@ import torch
 
 from dllm.config.model import ModelConfig
 from dllm.config.sampler import SamplerConfig
+from dllm.inference.engine import Engine, generate, make_loop
+from dllm.inference.scheduler import Limits
 from dllm.models.transformer import Transformer
 from dllm.sampling.canvas import SpecialIds
-from dllm.sampling.canvas_batch import CanvasBatch
-from dllm.sampling.continuous import RunningBatch
-from dllm.sampling.generate import generate
 
 V = 32
 SPECIAL = SpecialIds(mask_id=31, pad_id=30, eos_id=8, num_tokens=29)
@@ -38,14 +38,15 @@ def _alone(model, cfg: SamplerConfig):
     return generate(model, PROMPTS, cfg, SPECIAL, generator=torch.Generator().manual_seed(SEED))
 
 
-def _batched(batch, cfg: SamplerConfig):
-    group = batch.join(PROMPTS, cfg, torch.Generator().manual_seed(SEED))
-    for _ in range(200):
-        if group.done:
-            break
-        batch.step()
-    assert group.done and group.error is None
-    return group.result()
+def _batched(model, cfg: SamplerConfig):
+    """The request beside another (another prompt, greedy) in the engine's shared forwards, as the server runs it."""
+    engine = Engine(model, SPECIAL, Limits(max_rows=8))
+    other = engine.add(make_loop(model, [[12, 13]], cfg.model_copy(update={"temperature": 0.0}), SPECIAL))
+    req = engine.add(make_loop(model, PROMPTS, cfg, SPECIAL, generator=torch.Generator().manual_seed(SEED)))
+    while engine.busy:
+        engine.step()
+    assert req.error is None and other.error is None and req.batch_rows > req.rows * req.counters.nfe // 2
+    return req.result
 
 
 CANVAS = {
@@ -62,7 +63,7 @@ def test_a_soft_capped_canvas_draws_the_same_tokens_batched_as_alone(case: str):
     cfg = SamplerConfig(gen_length=8, block_length=4, steps=8, stop_at_eos=False, shift="off", temperature=1.0,
                         policy="random", **kw)  # fmt: skip
     alone = _alone(model, cfg)
-    assert _batched(CanvasBatch(model, SPECIAL, 8), cfg).sequences == alone.sequences
+    assert _batched(model, cfg).sequences == alone.sequences
     # the cap matters here: without it the same seed draws other tokens
     assert _alone(_model(None), cfg).sequences != alone.sequences
 
@@ -71,7 +72,7 @@ def test_a_soft_capped_causal_model_draws_the_same_tokens_in_the_running_batch_a
     model = _model()
     cfg = SamplerConfig(generation="causal", gen_length=8, temperature=1.0, stop_at_eos=False)
     alone = _alone(model, cfg)
-    assert _batched(RunningBatch(model, SPECIAL, 8), cfg).sequences == alone.sequences
+    assert _batched(model, cfg).sequences == alone.sequences
     assert _alone(_model(None), cfg).sequences != alone.sequences
 
 

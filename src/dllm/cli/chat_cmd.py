@@ -99,7 +99,7 @@ def _read_turn(interactive: bool) -> str | None:
 
 def _reply(s: SamplingSetup, history: list[dict[str, str]], gen, live: bool) -> str:
     """Decode the assistant's reply to `history`, print it (and, `live`, the canvas after every step)."""
-    from dllm.sampling.generate import generate as sample
+    from dllm.inference.engine import generate as sample
 
     tok, cfg = s.loaded.tokenizer, s.sampler
     ids = tok.apply_chat_template(history, add_generation_prompt=True).ids

@@ -191,7 +191,7 @@ def task_sampler(s, task, task_length: bool, gen):
     """prompts -> (answers, counters) for one task: its own generation length (whole blocks) unless
     the user set one, its stop strings unless the sampler has some."""
     from dllm.config.sampler import resolve_sampler
-    from dllm.sampling.generate import generate as sample
+    from dllm.inference.engine import generate as sample
 
     cfg, tok = s.sampler, s.loaded.tokenizer
     if task_length:

@@ -115,7 +115,7 @@ def decode_batches(s: SamplingSetup, prompts: list[str], encode: Callable[[str],
     """Decode `prompts` `batch_size` at a time with the setup's sampler (and drafter): per prompt a record
     {prompt, completion (cut at the stop strings), batch_wall_s, the batch's counters}. `progress` gets a
     line after each batch (prompts done, tokens, elapsed time)."""
-    from dllm.sampling.generate import generate
+    from dllm.inference.engine import generate
     from dllm.sampling.results import Counters
     from dllm.sampling.stops import cut_at_stop, stop_function
 

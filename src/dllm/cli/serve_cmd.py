@@ -28,10 +28,13 @@ def serve(
     max_batch: int = typer.Option(
         8,
         "--max-batch",
-        help="Most rows (choices) decoded together: in one sampler call, or in a causal model's running batch.",
+        help="Most rows (choices) decoding at once, in the running batch (a larger request still runs, alone).",
     ),
     max_calls: int = typer.Option(
-        4, "--max-calls", help="Sampler calls in flight at once, taking turns step by step (1: one call at a time)."
+        None,
+        "--max-calls",
+        help="Requests decoding at once (1: one at a time, each to its end; default: as many "
+        "as --max-batch rows hold).",
     ),
     max_wait_ms: float = typer.Option(
         10.0, "--max-wait-ms", callback=finite, help="How long a request waits for peers to batch with."
@@ -94,7 +97,8 @@ def serve(
     mode = "" if not causal else "; ar (KV cache)" if s.drafter is None else "; speculative"
     mode += f" (block {s.drafter.block_size})" if s.drafter is not None else ""
     info(f"{s.loaded.source}: serving {state.model_id!r}{mode} on http://{host}:{port} (page at /, API at /v1; "
-         f"{num_threads} CPU thread(s), max batch {max_batch}, {max_calls} calls in flight, "
+         f"{num_threads} CPU thread(s), max batch {max_batch}, "
+         f"{'requests up to the batch' if max_calls is None else f'{max_calls} request(s)'} at once, "
          f"{'API key required' if key else 'no API key'}; "
          f"limits: body {lim.max_body_bytes} "
          f"bytes, prompt {lim.max_prompt_tokens} tokens, {lim.max_steps} steps, queue {max_queue})")  # fmt: skip

@@ -58,9 +58,9 @@ from dllm.config.loading import format_validation_error, read_yaml, validate_con
 from dllm.config.sampler import SamplerConfig, resolve_sampler
 from dllm.errors import ConfigError, UserError
 from dllm.evaluation.likelihood import ScoringModel, guided_hidden, nelbo_samples, predictor_hidden, scoring_for
+from dllm.inference.engine import generate
 from dllm.sampling.canvas import SpecialIds
 from dllm.sampling.causal import is_causal_model
-from dllm.sampling.generate import generate
 from dllm.sampling.stops import cut_at_stop, stop_function
 
 DEFAULT_MAX_GEN_TOKS = 64

@@ -111,7 +111,7 @@ class RowStates:
         if self.pending is not None:
             self.state, self.pending = self.pending.advance(n_B), None
 
-    # -- rows joining and leaving a running batch (sampling/continuous.py), as the K/V buffers' rows do
+    # -- rows joining and leaving a running batch (inference/causal_rows.py), as the K/V buffers' rows do
 
     def rebuild(self, rows: Sequence[int]) -> None:
         """Rows `rows` of these states, in that order (-1: a new row, zeros)."""

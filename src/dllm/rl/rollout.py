@@ -15,10 +15,10 @@ import torch
 
 from dllm.config.sampler import SamplerConfig
 from dllm.evaluation.tasks import Example, Task, extract_answer
+from dllm.inference.engine import generate
 from dllm.rl.grpo import completion_mask
 from dllm.rl.rewards import Rewards, Sample
 from dllm.sampling.canvas import SpecialIds, left_pad
-from dllm.sampling.generate import generate
 from dllm.sampling.results import Counters
 from dllm.tokenization import Tokenizer
 

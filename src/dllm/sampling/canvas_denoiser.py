@@ -1,5 +1,5 @@
 """DiffusionGemma's canvas decoding (generation canvas_denoise): the loop of transformers'
-DiffusionGemmaGenerationMixin on the native model, run by `sampling.generate` (`canvas_denoise_generate`).
+DiffusionGemmaGenerationMixin on the native model (`Denoiser`, a request the inference engine steps).
 
 Canvases of `block_length` tokens (the model's canvas length, from its decode profile) are decoded one
 after another after the prompt, gen_length / block_length of them. A canvas starts as uniformly random
@@ -25,7 +25,7 @@ Shapes: B batch, P clean length, C canvas, V vocabulary, T prompt and every canv
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Generator
 from dataclasses import dataclass
 
 import torch
@@ -37,7 +37,7 @@ from dllm.models.output import CanvasConditioned
 from dllm.sampling.cache import KVCache
 from dllm.sampling.canvas import SpecialIds, left_pad
 from dllm.sampling.compiled import compile_blocks
-from dllm.sampling.results import Counters, GenerationResult, StepEvent
+from dllm.sampling.results import OWN_STEP, Counters, GenerationResult, OwnStep, StepEvent
 
 
 @dataclass(frozen=True)
@@ -127,20 +127,13 @@ class StableAndConfident:
         return stable & (entropies(logits_BCV).mean(-1) < self.confidence)
 
 
-def canvas_denoise_generate(
-    model: torch.nn.Module, prompts: list[list[int]], cfg: SamplerConfig, special: SpecialIds,
-    generator: torch.Generator | None = None, callback: Callable[[StepEvent], None] | None = None,
-    stop: Callable[[list[int]], bool] | None = None,
-) -> GenerationResult:  # fmt: skip
-    """Decode gen_length / block_length canvases after the left-padded prompts (`cfg` resolved: generation
-    canvas_denoise). The result's canvas is [B, P + k * C] (k canvases, fewer when every row ended early),
-    as the reference's sequences; each sequence is a row's tokens after its prompt, cut at its first EOS
-    with stop_at_eos. Random canvases draw from `special.num_tokens` ids (the reference: the vocabulary)."""
-    return Denoiser(model, prompts, cfg, special, generator, callback, stop).run()
-
-
 class Denoiser:
-    """One generate call: the clean stream (prompts and decoded canvases), the cache, the counters, the loop."""
+    """One request: the clean stream (prompts and decoded canvases), the cache, the counters, and the loop
+    (`decode`: its steps, each running its own forward). It decodes gen_length / block_length canvases after
+    the left-padded prompts (`cfg` resolved: generation canvas_denoise). The result's canvas is [B, P + k * C]
+    (k canvases, fewer when every row ended early), as the reference's sequences; each sequence is a row's
+    tokens after its prompt, cut at its first EOS with stop_at_eos. Random canvases draw from the model's
+    vocabulary (`special.num_tokens`: the decode profile's, which is the model's)."""
 
     def __init__(self, model: torch.nn.Module, prompts: list[list[int]], cfg: SamplerConfig, special: SpecialIds,
                  generator, callback, stop) -> None:  # fmt: skip
@@ -159,18 +152,23 @@ class Denoiser:
         total = self.prompt_len + cfg.gen_length
         self.cache = KVCache(total) if cfg.denoise_cache else None
 
-    def run(self) -> GenerationResult:
+    @property
+    def rows(self) -> int:
+        return self.clean_BP.shape[0]
+
+    def decode(self) -> Generator[OwnStep, None, GenerationResult]:
         ended_B = torch.zeros(self.clean_BP.shape[0], dtype=torch.bool, device=self.clean_BP.device)
         for k in range(self.cfg.num_blocks):
-            new_BC, ended_B = end_rows(self.decode_canvas(k), ended_B, self.eos_id, self.special.pad_id)
+            argmax_BC = yield from self.decode_canvas(k)
+            new_BC, ended_B = end_rows(argmax_BC, ended_B, self.eos_id, self.special.pad_id)
             self.clean_BP = torch.cat([self.clean_BP, new_BC], dim=1)
             self.valid_BP = F.pad(self.valid_BP, (0, new_BC.shape[1]), value=True)
             if self.all_rows_ended(ended_B):
                 break
         return self.result()
 
-    def decode_canvas(self, k: int) -> torch.Tensor:
-        """The argmax canvas [B, C] of canvas k's denoising loop after the clean stream."""
+    def decode_canvas(self, k: int) -> Generator[OwnStep, None, torch.Tensor]:
+        """The argmax canvas [B, C] of canvas k's denoising loop after the clean stream (OWN_STEP before a step)."""
         cfg, clean, valid = self.cfg, self.clean_BP, self.valid_BP
         shape = (clean.shape[0], cfg.block)
         canvas = torch.randint(0, self.num_tokens, shape, generator=self.generator, device=clean.device)
@@ -178,6 +176,7 @@ class Denoiser:
         done = torch.zeros(shape[0], dtype=torch.bool, device=clean.device)
         stop = StableAndConfident(cfg.denoise_stability_threshold, cfg.denoise_confidence_threshold)
         for n in range(self.num_steps, 0, -1):
+            yield OWN_STEP
             step = denoise_step(self.model, clean, valid, canvas, previous, n, self.num_steps, cfg, self.num_tokens,
                                 self.generator, self.cache, self.counters)  # fmt: skip
             keep = done[:, None]  # rows already done keep their canvas, argmax and logits

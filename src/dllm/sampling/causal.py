@@ -128,7 +128,7 @@ class RaggedKVCache:
 
     def rebuild(self, rows: Sequence[int], capacity: int) -> None:
         """Buffers of rows `rows` of these (in that order; -1: a new, empty row) and `capacity` positions:
-        rows join and leave a running batch between forwards (sampling/continuous.py). Rows that join
+        rows join and leave a running batch between forwards (inference/causal_rows.py). Rows that join
         after the kept ones, at the same capacity, take the next rows of the buffers' memory when it has
         them (no copy: a server's buffers reach their working size and stay there); otherwise one copy
         into new memory of at least half as many rows more."""
@@ -236,7 +236,8 @@ class Target:
     def forward(
         self, tokens_BQ: torch.Tensor, logit_rows_BR: torch.Tensor | None = None, keep_B: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits [B, R, V] at query rows `logit_rows_BR` (indices into Q; None: all Q) and features [B, Q, F].
+        """Logits [B, R, V] at query rows `logit_rows_BR` (indices into Q; None: all Q; a bool [B, Q] mask: the
+        logits [M, V] of its M true rows, row-major) and features [B, Q, F].
         `keep_B`: what the next `commit` keeps, when known now (linear layers then keep their states at once)."""
         self.cache.length_B, self.cache.keep_B = self.length_B, keep_B
         positions_BQ, mask = self.cache.at(tokens_BQ.shape[1])
@@ -261,7 +262,9 @@ class Target:
         hidden = out.hidden_BLE if rows_BQ is None else _rows(out.hidden_BLE, rows_BQ)
         if features is not None and rows_BQ is not None:
             features = _rows(features, rows_BQ)
-        if logit_rows_BR is not None:  # the head only where logits are read (a prefill needs one row)
+        if logit_rows_BR is not None and logit_rows_BR.dtype == torch.bool:  # rows of a running batch's requests
+            hidden = hidden[logit_rows_BR]
+        elif logit_rows_BR is not None:  # the head only where logits are read (a prefill needs one row)
             hidden = _rows(hidden, logit_rows_BR)
         # the mask token is never a prediction (the objectives exclude it from the softmax too)
         return out.token_logits(hidden, self.exclude), features

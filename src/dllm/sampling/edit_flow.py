@@ -29,9 +29,9 @@ missing token, i.e. overlong answers). The per-step fire probability is 1 - exp(
 on either grid.
 
 `TauLeaping.step` is the policy and `tau_leaping_step` applies it to a batch (neither calls the
-model); `edit_flow_loop` owns the model call, the counters and the step callback, with the same
-counters, result and step events as the other loops (results.py). `sampling.generate` runs it through
-`edit_flow_generate` (generation edit_flow); `sample_edit_flow` calls it with explicit generators.
+model); `edit_flow_steps` owns the model call, the counters and the step callback, with the same
+counters, result and step events as the other loops (results.py). The inference engine steps it as a
+request (`EditFlowLoop`, generation edit_flow); `sample_edit_flow` runs it alone with explicit generators.
 Randomness is one generator per row, so a row's result does not depend on its batch mates.
 
 Shapes: B batch, L padded row length, V vocabulary, E hidden.
@@ -39,7 +39,7 @@ Shapes: B batch, L padded row length, V vocabulary, E hidden.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 
 import torch
@@ -50,7 +50,7 @@ from dllm.diffusion.edit_schedule import cumulative_weight, time_of_weight
 from dllm.models.edit_flow import DELETE, INSERT, SUBSTITUTE, edit_token_log_probs
 from dllm.sampling.canvas import SpecialIds
 from dllm.sampling.compiled import compile_blocks
-from dllm.sampling.results import Counters, GenerationResult, StepEvent
+from dllm.sampling.results import OWN_STEP, Counters, GenerationResult, OwnStep, StepEvent, run_alone
 
 KEEP = -1
 """Event kind of a position that is left as it is."""
@@ -166,44 +166,54 @@ def tau_leaping_step(
     return new, edits
 
 
-def edit_flow_generate(
-    model: torch.nn.Module, prompts: list[list[int]], cfg: SamplerConfig, special: SpecialIds,
-    generator: torch.Generator | None, callback: Callable[[StepEvent], None] | None,
-) -> GenerationResult:  # fmt: skip
-    """An Edit Flows run: `steps` tau-leaping steps, up to gen_length new tokens; one generator per
-    row, seeded from `generator`, so a row's output does not depend on its batch mates. `stop` does
-    not end it early: until the last step any row can still change."""
-    seeds = torch.randint(0, 2**62, (len(prompts),), generator=generator).tolist()
-    gens = [torch.Generator(device="cpu").manual_seed(s) for s in seeds]
-    if cfg.compile:
-        compile_blocks(model)
-    policy = TauLeaping(cfg.total_steps, cfg.edit_kappa if cfg.edit_kappa != "auto" else "cubic",
-                        cfg.edit_end_time or 1.0 - 1e-3, cfg.temperature)  # fmt: skip
-    counters = Counters(loop="edit_flow")
-    completions = edit_flow_loop(model, prompts, policy, gens, anchor_id=special.mask_id, pad_id=special.pad_id,
-                                 num_tokens=special.num_tokens or model.cfg.vocab_size, max_new_tokens=cfg.gen_length,
-                                 counters=counters, callback=callback)  # fmt: skip
-    sequences = [c[: c.index(special.eos_id)] if cfg.stop_at_eos and special.eos_id in c else c for c in completions]
-    device = next(model.parameters()).device
-    canvas, _ = pad_rows([[special.mask_id, *p, *c] for p, c in zip(prompts, completions, strict=True)],
-                         special.pad_id, device)  # fmt: skip
-    counters.tokens_committed = sum(map(len, sequences))
-    return GenerationResult(sequences, canvas, counters, [1 + len(p) for p in prompts])
+class EditFlowLoop:
+    """One Edit Flows request (`decode`: its steps, each running its own forward): `steps` tau-leaping steps,
+    up to gen_length new tokens; one generator per row, seeded from `generator`, so a row's output does not
+    depend on its batch mates. `stop` does not end it early: until the last step any row can still change."""
+
+    def __init__(self, model: torch.nn.Module, prompts: list[list[int]], cfg: SamplerConfig, special: SpecialIds,
+                 generator: torch.Generator | None, callback: Callable[[StepEvent], None] | None) -> None:  # fmt: skip
+        seeds = torch.randint(0, 2**62, (len(prompts),), generator=generator).tolist()
+        self.generators = [torch.Generator(device="cpu").manual_seed(s) for s in seeds]
+        if cfg.compile:
+            compile_blocks(model)
+        self.policy = TauLeaping(cfg.total_steps, cfg.edit_kappa if cfg.edit_kappa != "auto" else "cubic",
+                                 cfg.edit_end_time or 1.0 - 1e-3, cfg.temperature)  # fmt: skip
+        self.model, self.prompts, self.cfg, self.special, self.callback = model, prompts, cfg, special, callback
+        self.counters = Counters(loop="edit_flow")
+        self.rows = len(prompts)
+
+    def decode(self) -> Generator[OwnStep, None, GenerationResult]:
+        special, cfg, model = self.special, self.cfg, self.model
+        completions = yield from edit_flow_steps(
+            model, self.prompts, self.policy, self.generators, anchor_id=special.mask_id, pad_id=special.pad_id,
+            num_tokens=special.num_tokens or model.cfg.vocab_size, max_new_tokens=cfg.gen_length,
+            counters=self.counters, callback=self.callback,
+        )  # fmt: skip
+        sequences = [
+            c[: c.index(special.eos_id)] if cfg.stop_at_eos and special.eos_id in c else c for c in completions
+        ]
+        device = next(model.parameters()).device
+        canvas, _ = pad_rows([[special.mask_id, *p, *c] for p, c in zip(self.prompts, completions, strict=True)],
+                             special.pad_id, device)  # fmt: skip
+        self.counters.tokens_committed = sum(map(len, sequences))
+        return GenerationResult(sequences, canvas, self.counters, [1 + len(p) for p in self.prompts])
 
 
-def edit_flow_loop(
+def edit_flow_steps(
     model: torch.nn.Module, prompts: list[list[int]], policy: TauLeaping, generators: list[torch.Generator], *,
     anchor_id: int, pad_id: int, num_tokens: int, max_new_tokens: int, counters: Counters,
     callback: Callable[[StepEvent], None] | None = None,
-) -> list[list[int]]:  # fmt: skip
-    """The loop of an Edit Flows run: per step one batched forward of the rows `[anchor] + prompt +
-    completion` (padded, padding masked out of attention), the policy's events (sampling/edit_flow.py),
-    the counters and the step callback (the new rows as the canvas, the inserted or substituted
-    positions as committed). Returns each row's completion."""
+) -> Generator[OwnStep, None, list[list[int]]]:  # fmt: skip
+    """The loop of an Edit Flows run, one step at a time (it yields `OWN_STEP` before each): per step one
+    batched forward of the rows `[anchor] + prompt + completion` (padded, padding masked out of attention),
+    the policy's events (sampling/edit_flow.py), the counters and the step callback (the new rows as the
+    canvas, the inserted or substituted positions as committed). Returns each row's completion."""
     device = next(model.parameters()).device
     completions: list[list[int]] = [[] for _ in prompts]
     gen_start = [1 + len(p) for p in prompts]
     for step in range(policy.num_steps):
+        yield OWN_STEP
         tokens_BL, valid_BL = pad_rows([[anchor_id, *p, *c] for p, c in zip(prompts, completions, strict=True)],
                                        pad_id, device)  # fmt: skip
         positions = torch.arange(tokens_BL.shape[1], device=device).expand_as(tokens_BL)
@@ -255,15 +265,15 @@ def sample_edit_flow(
     """Tau-leaping from an empty completion after each prompt, from t = 0 to `end_time` under the
     training's `kappa` schedule; `generators`: one per row. `temperature` applies to the inserted and
     substituted tokens (0: the most probable one); when and where edits happen is always drawn.
-    The loop is `edit_flow_loop`; this is its entry point with explicit generators."""
+    The loop is `edit_flow_steps`; this is its entry point with explicit generators."""
     assert len(generators) == len(prompts) and num_steps > 0
     policy = TauLeaping(num_steps, kappa, end_time, temperature, grid)
     counters, per_step = Counters(loop="edit_flow"), []
     with torch.no_grad():
-        completions = edit_flow_loop(
+        completions = run_alone(edit_flow_steps(
             model, prompts, policy, generators, anchor_id=anchor_id, pad_id=pad_id, num_tokens=num_tokens,
             max_new_tokens=max_new_tokens, counters=counters, callback=lambda event: per_step.append(event.edits),
-        )  # fmt: skip
+        ))  # fmt: skip
     return EditFlowOutput(completions, counters.nfe, per_step)
 
 

@@ -7,12 +7,14 @@ Shapes: B batch, L canvas, N new tokens, V vocabulary.
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from dataclasses import dataclass, field, fields
-from typing import Literal
+from typing import Literal, TypeVar
 
 import torch
 
 Loop = Literal["canvas", "edit_flow", "causal", "canvas_denoise"]
+T = TypeVar("T")
 
 
 @dataclass
@@ -87,6 +89,26 @@ class GenerationResult:
     @property
     def tokens_per_forward(self) -> float:
         return self.counters.tokens_committed / max(self.counters.nfe, 1)
+
+
+class OwnStep:
+    """The call of a loop that runs its own forward inside its step (Edit Flows, DiffusionGemma's canvases): the
+    engine answers it with None when the scheduler gives the loop its step."""
+
+    def __repr__(self) -> str:
+        return "OWN_STEP"
+
+
+OWN_STEP = OwnStep()
+
+
+def run_alone(steps: Generator[OwnStep, None, T]) -> T:
+    """Drive a loop that runs its own forwards (it yields only `OWN_STEP`) to its end, with nothing beside it."""
+    try:
+        while True:
+            next(steps)
+    except StopIteration as end:
+        return end.value
 
 
 @dataclass(frozen=True)

@@ -134,7 +134,7 @@ class Api:
 
     async def health(self) -> dict[str, Any]:
         engine = self.state.engine
-        return {"status": "ok", "model": self.state.model_id, "queue_length": len(engine.queue),
+        return {"status": "ok", "model": self.state.model_id, "queue_length": engine.queued,
                 "running_rows": engine.running}  # fmt: skip
 
     async def prometheus(self, request: Request) -> PlainTextResponse:
@@ -208,7 +208,8 @@ class Api:
 
     def prepare(self, raw: bytes, kind: str) -> tuple[CompletionRequest | ChatRequest, list[list[int]], Settings]:
         """The request, its prompts as token ids and its sampler (in a worker thread: this tokenizes)."""
-        req = parse_request(load_json(raw), kind, causal=self.state.base.generation == "causal")
+        req = parse_request(load_json(raw), kind, causal=self.state.base.generation == "causal",
+                            drafting=self.state.engine.drafter is not None)  # fmt: skip
         self.check_model(req.model)
         s = self.state
         settings = sampler_settings(req, s.base, s.profile, s.limits.max_steps)

@@ -1,22 +1,19 @@
-"""The engine: a worker thread that drains a bounded queue of requests into batched sampler calls, up to
-`max_calls` of them in flight at once, each in its own thread, taking turns step by step (`Turns`): a
-long call no longer holds the model until it ends, and a short request queued behind it starts at once
-(when fewer than `max_calls` run) and finishes after its own steps times the calls in flight. `max_calls`
-1 is the one-call-at-a-time engine (each call to its end), kept for comparison (bench/serve_load.py).
+"""The server's engine: one thread that steps the inference engine (inference/engine.py) over the jobs the
+event loop queues here, and sends each job's events back.
 
-Requests waiting together (up to `max_batch` rows, within `max_wait_ms` of the oldest) whose sampler
-settings are compatible (the same resolved SamplerConfig and stop strings; max_tokens may differ, as
-rows are cut from a canvas of the same length) are decoded in one `sampling.generate` call. The
-loop decodes each row from its own prompt only (padding is masked out; tests/unit/test_sampling.py
-checks that batched greedy rows equal each prompt alone), so a deterministic request's text does not
-depend on its batch. Seeds: one generator serves a whole call, so a stochastic request that names a
-seed runs in a batch of its own with a generator seeded by it (reproducible); one without a seed
-shares a batch and a freshly seeded generator with its compatible peers.
+Jobs (HTTP requests) wait in a bounded queue (a 429 past `max_queue`). The thread hands them to the
+inference engine as requests: jobs of equal sampler settings that wait together become one request (one
+decoding loop over all their rows, up to `max_batch` rows), so a stochastic job that names a seed runs in a
+request of its own with a generator seeded by it (reproducible), and one without a seed shares a request and
+a freshly seeded generator with its compatible peers. A job whose decoding shares forwards anyway (causal
+decoding, unguided uncached or block-cached canvases) is handed over at once; one that runs a forward of
+its own waits up to `max_wait_ms` for peers to batch with. From then on the inference engine's scheduler
+decides, each step, who runs and which rows share which forward: the server has no scheduling of its own.
 
-The step callback of the loop feeds the streams: text as the decided prefix of a row grows (positions
-commit in any order; text is sent once everything before it is decided), and whole-canvas frames for
-the denoising view. A request whose client went away is dropped from the queue, and a running call
-whose requests have all gone is aborted from the callback.
+A request's step callback feeds its jobs' streams (serving/jobs.py): text as the decided prefix of a row
+grows, and whole-canvas frames for the denoising view. A job whose client went away leaves the queue; a
+request whose jobs have all gone is cancelled and dropped at the next step. Nothing a request does stops
+the server: a decoding that raises fails its own jobs (a 500), a failed forward fails the jobs it ran.
 """
 
 from __future__ import annotations
@@ -27,330 +24,225 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 
 from dllm.config.sampler import SamplerConfig
+from dllm.inference.engine import Engine as InferenceEngine
+from dllm.inference.engine import make_loop, shares_forwards
+from dllm.inference.request import Request
+from dllm.inference.scheduler import Limits
 from dllm.sampling.canvas import SpecialIds
-from dllm.sampling.canvas_batch import CanvasBatch, CanvasGroup
 from dllm.sampling.causal import score_tokens
-from dllm.sampling.continuous import Group, RunningBatch
-from dllm.sampling.generate import generate
 from dllm.sampling.results import GenerationResult, StepEvent
 from dllm.sampling.speculative import Drafter
 from dllm.sampling.stops import stop_function
 from dllm.serving.errors import ApiError
 from dllm.serving.jobs import Job, Streams
 from dllm.serving.metrics import Metrics
-from dllm.serving.protocol import Settings
-from dllm.serving.turns import Turns
 from dllm.tokenization import Tokenizer
 
 
-class Cancelled(Exception):
-    """Every request of a running call has gone: the call stops at its next step."""
-
-
 def sampler_failed(e: Exception) -> ApiError:
-    """The 500 of a sampler call that raised (nothing a request does may stop the server)."""
+    """The 500 of a decoding that raised (nothing a request does may stop the server)."""
     return ApiError(500, f"the sampler failed: {type(e).__name__}: {e}", kind="server_error")
 
 
-def batch_key(settings: Settings) -> str:
-    """Requests with equal keys decode in one call."""
+def batch_key(job: Job) -> str:
+    """Jobs with equal keys decode as one request."""
+    settings = job.settings
     if settings.stochastic and settings.seed is not None:
-        return f"seeded:{secrets.token_hex(8)}"  # its own batch, its own generator
+        return f"seeded:{secrets.token_hex(8)}"  # its own request, its own generator
     values = settings.cfg.model_dump(mode="json")
     values.pop("seed")
-    return json.dumps(values, sort_keys=True)
+    return json.dumps({**values, "draft": settings.draft}, sort_keys=True)
+
+
+@dataclass
+class Handed:
+    """A request of the inference engine and the jobs whose rows it decodes."""
+
+    jobs: list[Job]
+    t0: float
 
 
 class Engine:
-    """Holds the model and the worker. `submit` is called from the server's event loop."""
+    """The queue and the thread over the inference engine. `submit` is called from the server's event loop."""
 
     def __init__(
         self, model: torch.nn.Module, tokenizer: Tokenizer, special: SpecialIds, metrics: Metrics | None = None, *,
         max_batch: int = 8, max_wait_ms: float = 10.0, max_queue: int = 256, drafter: Drafter | None = None,
-        max_calls: int = 4,
+        max_calls: int | None = None,
     ) -> None:  # fmt: skip
-        self.model, self.tokenizer, self.special = model, tokenizer, special
-        self.drafter = drafter
-        """Speculative decoding of a causal model (its requests' sampler has generation causal); None: none."""
+        self.model, self.tokenizer, self.special, self.drafter = model, tokenizer, special, drafter
         self.max_batch, self.max_wait_s, self.max_queue = max_batch, max_wait_ms / 1000, max_queue
-        self.metrics = metrics or Metrics(lambda: len(self.queue) + len(self.joining))
+        self.limits = Limits(max_rows=max_batch, max_requests=max_calls)
+        self.inner = InferenceEngine(model, special, self.limits)
+        self.metrics = metrics or Metrics(lambda: self.queued)
         self.queue: deque[Job] = deque()
         self.cond = threading.Condition()
         self.stopping = False
-        self.max_calls = max_calls
-        """Sampler calls in flight at once, taking turns step by step (1: one call at a time, each to its end)."""
-        self.calls: dict[int, int] = {}
-        """The calls in flight: their rows."""
-        self.joining: deque[Job] = deque()
-        """Requests of a causal model waiting to join its running batch (`_batch_loop`)."""
-        self.batch_thread: threading.Thread | None = None
-        self.turns = Turns()
-        self._next_call = 0
+        self.handed: dict[Request, Handed] = {}
         self.device = next(model.parameters()).device
         self.streams = Streams(tokenizer, special)
-        self._local = threading.local()
-        """Per call thread: the model calls of that call (a forward hook; the denoising frames show its NFE)."""
-        model.register_forward_hook(self._count_forward)
         self.thread = threading.Thread(target=self._work, name="dllm-serve-engine", daemon=True)
 
     def start(self) -> Engine:
         self.thread.start()
         return self
 
-    @property
-    def running(self) -> int:
-        """Rows in the sampler calls under way (0: idle)."""
-        return sum(self.calls.values())
-
     def stop(self) -> None:
         with self.cond:
             self.stopping = True
             self.cond.notify_all()
         self.thread.join(timeout=30)
-        if self.batch_thread is not None:
-            self.batch_thread.join(timeout=30)
 
-    def joins_running_batch(self, job: Job) -> bool:
-        """Whether a request joins the running batch (step-level continuous batching: AR decoding of a causal
-        model, or unguided diffusion, uncached or block-cached, `CanvasBatch.takes`) rather than a sampler call
-        of its own (speculative decoding, approximate caches or guidance, or `max_calls` 1: the one-call-at-a-time
-        engine kept for comparison)."""
-        cfg = job.settings.cfg
-        if self.max_calls <= 1:
-            return False
-        if cfg.generation == "causal":
-            return self.drafter is None
-        return CanvasBatch.takes(cfg, self.model)
+    @property
+    def queued(self) -> int:
+        """Jobs waiting: in the queue here, or handed over and not yet admitted."""
+        handed = [self.handed.get(r) for r in list(self.inner.waiting)]  # read from the event loop's thread too
+        return len(self.queue) + sum(len(h.jobs) for h in handed if h is not None)
 
-    def _new_batch(self, cfg: SamplerConfig) -> RunningBatch | CanvasBatch:
-        """The running batch of the model's decoding (a server's model decodes causally or on canvases)."""
-        kind = RunningBatch if cfg.generation == "causal" else CanvasBatch
-        return kind(self.model, self.special, self.max_batch)
+    @property
+    def running(self) -> int:
+        """Rows of the requests decoding (0: idle)."""
+        return sum(r.rows for r in list(self.inner.running))
 
     def submit(self, job: Job) -> None:
-        """Queue a request; 429 when the queue is full."""
-        job.key = batch_key(job.settings)
+        """Queue a job; 429 when the queue is full."""
+        job.key = batch_key(job)
         job.sent = [""] * len(job.rows)
-        joins = self.joins_running_batch(job)
         with self.cond:
-            if len(self.queue) + len(self.joining) >= self.max_queue:
+            if self.queued >= self.max_queue:
                 raise ApiError(429, f"the server's queue is full ({self.max_queue} requests waiting); retry later",
                                code="queue_full", kind="rate_limit_error")  # fmt: skip
-            (self.joining if joins else self.queue).append(job)
-            if joins and self.batch_thread is None:
-                self.batch_thread = threading.Thread(target=self._batch_loop, args=(job.settings.cfg,),
-                                                     name="dllm-serve-batch", daemon=True)  # fmt: skip
-                self.batch_thread.start()
+            self.queue.append(job)
             self.cond.notify_all()
 
-    def _count_forward(self, *_: Any) -> None:
-        self._local.forwards = getattr(self._local, "forwards", 0) + 1
-
+    # -- the thread ------------------------------------------------------------------------------------
     def _work(self) -> None:
-        """Start a call for each batch, while fewer than `max_calls` are in flight."""
-        while True:
-            batch = self._take_batch()
-            if batch is None:
-                return
-            call = self._next_call
-            self._next_call += 1
-            with self.cond:
-                self.calls[call] = sum(len(j.rows) for j in batch)
-            threading.Thread(target=self._call, args=(call, batch), name=f"dllm-serve-call-{call}", daemon=True).start()
-
-    def _call(self, call: int, batch: list[Job]) -> None:
-        """One sampler call, in its own thread, taking turns with the others step by step."""
-        self.turns.join(call)
-        try:
-            self._run(batch, call)
-        except Cancelled:
-            pass
-        except Exception as e:  # nothing a request does may stop the server
-            err = sampler_failed(e)
-            for job in batch:
-                job.sink("error", err)  # the app's sink never raises (a closed loop is ignored)
-        finally:
-            self.turns.leave(call)
-            with self.cond:
-                del self.calls[call]
-                self.cond.notify_all()
-
-    def _take_batch(self) -> list[Job] | None:
-        """The oldest request and its compatible peers, once `max_batch` rows wait or the oldest has
-        waited `max_wait_ms`."""
-        with self.cond:
-            while True:
-                self._drop_cancelled()
-                if self.stopping:
-                    return None
-                if not self.queue or len(self.calls) >= self.max_calls:
-                    self.cond.wait()
-                    continue
-                first = self.queue[0]
-                rows = sum(len(j.rows) for j in self.queue if j.key == first.key)
-                wait = first.enqueued_at + self.max_wait_s - time.monotonic()
-                if rows >= self.max_batch or wait <= 0:
-                    break
-                self.cond.wait(wait)
-            batch, rows = [], 0
-            for job in list(self.queue):
-                if job.key == first.key and (not batch or rows + len(job.rows) <= self.max_batch):
-                    batch.append(job)
-                    rows += len(job.rows)
-            now = time.monotonic()
-            for job in batch:
-                self.queue.remove(job)
-                self.metrics.observe("dllm_request_queue_time_seconds", now - job.enqueued_at)
-            return batch
-
-    def _drop_cancelled(self) -> None:
-        for waiting in (self.queue, self.joining):
-            for job in [j for j in waiting if j.cancelled.is_set()]:
-                waiting.remove(job)
-
-    # -- the running batch ----------------------------------------------------------------------------
-    def _batch_loop(self, cfg: SamplerConfig) -> None:
-        """The running batch (sampling/continuous.py for a causal model, sampling/canvas_batch.py for
-        diffusion): waiting requests join it between forwards while their rows fit in `max_batch`, every
-        row advances one step per forward (a token, or a denoising step), and a request leaves when its
-        rows have ended or its client has gone. While it runs it is one of the calls in flight, taking its
-        turn step by step."""
-        batch = self._new_batch(cfg)
-        running: dict[Group | CanvasGroup, tuple[list[Job], float]] = {}
-        call: int | None = None
-        in_line = False
+        """Hand queued jobs over, step the inference engine, finish what ended; wait when there is nothing to do."""
         while True:
             with self.cond:
-                self._drop_cancelled()
-                while not self.stopping and not self.joining and not running:
+                while not self.stopping and not self.queue and not self.inner.busy:
                     self.cond.wait()
-                    self._drop_cancelled()
                 if self.stopping:
                     return
-                admitted = []
-                rows = batch.rows
-                while self.joining and (rows == 0 or rows + len(self.joining[0].rows) <= self.max_batch):
-                    admitted.append(self.joining.popleft())
-                    rows += len(admitted[-1].rows)
-                if call is None:
-                    call, self._next_call = self._next_call, self._next_call + 1
-                self.calls[call] = rows
-            if not in_line:  # work to do: wait for the batch's turn
-                self.turns.join(call)
-                in_line = True
-            now = time.monotonic()
-            if admitted:  # the rows of all of them in one copy of the buffers
-                longest = max(len(r) for job in admitted for r in job.rows) + max(j.settings.cfg.gen_length
-                                                                                   for j in admitted)  # fmt: skip
-                batch.reserve(sum(len(job.rows) for job in admitted), longest)
-            for job in admitted:
-                self.metrics.observe("dllm_request_queue_time_seconds", now - job.enqueued_at)
-            for key in dict.fromkeys(job.key for job in admitted):  # requests of equal settings: one group
-                self._join(batch, [job for job in admitted if job.key == key], running)
-            for group, (jobs, _) in list(running.items()):
-                if all(job.cancelled.is_set() for job in jobs):
-                    batch.leave(group)
-                    del running[group]
-            try:
-                finished = batch.step()
-            except Exception as e:  # nothing a request does may stop the server
-                err = sampler_failed(e)
-                for jobs, _ in running.values():
-                    for job in jobs:
-                        job.sink("error", err)
-                running.clear()
-                batch = self._new_batch(cfg)
-                finished = []
-            for group in finished:
-                self._batch_done(group, *running.pop(group))
-            with self.cond:
-                self.calls[call] = batch.rows
-            if running or self.joining:
-                self.turns.next(call)
-            else:
-                self.turns.leave(call)
-                in_line = False
+                groups, wait_s = self._take()
+            for jobs in groups:
+                self._hand_over(jobs)
+            self._cancel_gone()
+            if not self.inner.busy:
                 with self.cond:
-                    del self.calls[call]
-                    call = None
-                    self.cond.notify_all()
+                    if wait_s is not None and not self.stopping:
+                        self.cond.wait(wait_s)  # peers of a waiting job may still come
+                continue
+            self._step()
 
-    def _join(self, batch: RunningBatch | CanvasBatch, jobs: list[Job], running: dict) -> None:
-        """Start requests of equal settings that arrived together in the running batch, as one group (their
-        rows decoded as one `generate` call of them would; a causal model prefills them; answered at once
-        when their rows end with their first token)."""
+    def _take(self) -> tuple[list[list[Job]], float | None]:
+        """The queued jobs to hand over now, grouped by settings (up to `max_batch` rows a group), and how long
+        the first job left waiting for peers may still wait (None: none waits)."""
+        self.queue = deque(j for j in self.queue if not j.cancelled.is_set())
+        groups, wait_s, now = [], None, time.monotonic()
+        while self.queue:
+            first = self.queue[0]
+            group, rows = [], 0
+            for job in [j for j in self.queue if j.key == first.key]:
+                if group and rows + len(job.rows) > self.max_batch:
+                    break
+                group.append(job)
+                rows += len(job.rows)
+            left = first.enqueued_at + self.max_wait_s - now
+            if self._shares(first.settings.cfg) or rows >= self.max_batch or left <= 0:
+                groups.append(group)
+                for job in group:
+                    self.queue.remove(job)
+                continue
+            wait_s = left
+            break
+        return groups, wait_s
+
+    def _shares(self, cfg: SamplerConfig) -> bool:
+        """Whether requests of these settings share forwards with others (no reason to wait for peers)."""
+        return cfg.generation == "causal" or shares_forwards(cfg, self.model)
+
+    def _hand_over(self, jobs: list[Job]) -> None:
+        """One request of the inference engine for `jobs` (equal settings): their rows in one decoding loop."""
         s = jobs[0].settings
-        generator = self._generator(jobs[0])
-        t0 = time.perf_counter()
-        box: list[Group | CanvasGroup] = []
-        rows = [row for job in jobs for row in job.rows]
+        now = time.monotonic()
+        for job in jobs:
+            self.metrics.observe("dllm_request_queue_time_seconds", now - job.enqueued_at)
+        box: list[Request] = []
         try:
-            group = batch.join(rows, s.cfg, generator, stop_function(self.tokenizer, s.cfg.stop_strings),
-                               self._watcher(jobs, box))  # fmt: skip
+            drafter = self.drafter if s.cfg.generation == "causal" and s.draft else None
+            loop = make_loop(self.model, [row for job in jobs for row in job.rows], s.cfg, self.special,
+                             generator=self._generator(jobs[0]), callback=self._watcher(jobs, box),
+                             stop=stop_function(self.tokenizer, s.cfg.stop_strings), drafter=drafter)  # fmt: skip
         except Exception as e:
             for job in jobs:
                 job.sink("error", sampler_failed(e))
             return
-        box.append(group)
-        if group.done:
-            self._batch_done(group, jobs, t0)
-        else:
-            running[group] = (jobs, t0)
+        req = self.inner.add(loop)
+        box.append(req)
+        self.handed[req] = Handed(jobs, time.perf_counter())
 
     def _generator(self, job: Job) -> torch.Generator:
-        """The generator of a call or a request: seeded by the request's seed when it runs alone (a seeded
-        stochastic request), else freshly seeded."""
+        """A request's generator: seeded by the job's seed when it runs alone (a seeded stochastic job), else
+        freshly seeded."""
         seed = job.settings.seed if job.settings.seed is not None and job.key.startswith("seeded:") else None
         return torch.Generator(device=self.device).manual_seed(seed if seed is not None else secrets.randbits(63))
 
-    def _batch_done(self, group: Group | CanvasGroup, jobs: list[Job], t0: float) -> None:
-        if group.error is not None:  # its decoding raised (the others in the batch go on)
-            for job in jobs:
-                job.sink("error", sampler_failed(group.error))
+    def _cancel_gone(self) -> None:
+        """A request whose jobs have all gone (their clients went away) is dropped at the next step."""
+        for req, handed in self.handed.items():
+            if all(job.cancelled.is_set() for job in handed.jobs):
+                req.cancelled = True
+
+    def _step(self) -> None:
+        """One step of the inference engine; the requests that ended are answered."""
+        try:
+            ended = self.inner.step()
+        except Exception as e:  # a failed forward: the requests it ran fail, the server goes on
+            err = sampler_failed(e)
+            for handed in self.handed.values():
+                for job in handed.jobs:
+                    job.sink("error", err)
+            self.handed.clear()
+            self.inner = InferenceEngine(self.model, self.special, self.limits)
             return
-        result = group.result()
-        self.metrics.observe_batch(len(result.sequences), time.perf_counter() - t0, result.nfe)
-        mean_rows = round(group.batch_rows / max(group.counters.nfe, 1), 2)
+        for req in ended:
+            handed = self.handed.pop(req, None)
+            if handed is not None and not req.cancelled:
+                self._done(req, handed)
+
+    def _done(self, req: Request, handed: Handed) -> None:
+        if req.error is not None:  # its decoding raised (the others go on)
+            for job in handed.jobs:
+                job.sink("error", sampler_failed(req.error))
+            return
+        assert req.result is not None
+        result = req.result
+        self.metrics.observe_batch(len(result.sequences), time.perf_counter() - handed.t0, result.nfe)
+        counters = {**result.counters.as_dict(), "batch_rows": round(req.batch_rows / max(req.counters.nfe, 1), 2)}
         offset = 0
-        for job in jobs:
-            self._finish(job, result, offset, {**result.counters.as_dict(), "batch_rows": mean_rows})
+        for job in handed.jobs:
+            self._finish(job, result, offset, counters)
             offset += len(job.rows)
 
-    def _watcher(self, jobs: list[Job], box: list) -> Callable[[StepEvent], None] | None:
-        """The step callback of a group in the running batch whose requests stream text or frames (None:
-        none watches); `box` holds the group once joined (the frames show its steps and forwards)."""
+    def _watcher(self, jobs: list[Job], box: list[Request]) -> Callable[[StepEvent], None] | None:
+        """The step callback of a request whose jobs stream text or frames (None: none watches); `box` holds the
+        request once added (the frames show its steps and forwards)."""
         incremental = jobs[0].settings.cfg.policy != "uniform"  # uniform: noise, not masks, until the end
         watched = [j for j in jobs if (j.stream_text and incremental) or j.denoise]
         if not watched:
             return None
 
         def on_step(event: StepEvent) -> None:
-            if box:
-                c = box[0].counters
-                self.streams.show_step(jobs, watched, event, c.steps, c.nfe)
+            c = box[0].counters if box else None
+            self.streams.show_step(jobs, watched, event, c.steps if c else 0, c.nfe if c else 0)
 
         return on_step
-
-    def _run(self, batch: list[Job], call: int) -> None:
-        settings = batch[0].settings
-        cfg = settings.cfg
-        prompts = [row for job in batch for row in job.rows]
-        generator = self._generator(batch[0])
-        t0, self._local.forwards = time.perf_counter(), 0
-        stop = stop_function(self.tokenizer, cfg.stop_strings)
-        result = generate(self.model, prompts, cfg, self.special, generator=generator,
-                          callback=self._callback(batch, call), stop=stop, drafter=self.drafter)  # fmt: skip
-        self.metrics.observe_batch(len(prompts), time.perf_counter() - t0, result.nfe)
-        counters = {**result.counters.as_dict(), "batch_rows": len(prompts)}
-        offset = 0
-        for job in batch:
-            self._finish(job, result, offset, counters)
-            offset += len(job.rows)
 
     def _finish(self, job: Job, result: GenerationResult, offset: int, counters: dict) -> None:
         """A job's last events: the final canvas (an early exit fills what was left with EOS), the text the
@@ -377,18 +269,3 @@ class Engine:
             if len(r.text) > len(job.sent[i]) and r.text.startswith(job.sent[i]):
                 job.sink("delta", (i, r.text[len(job.sent[i]) :]))
         job.sink("done", (rows, counters))
-
-    def _callback(self, batch: list[Job], call: int) -> Callable[[StepEvent], None]:
-        incremental = batch[0].settings.cfg.policy != "uniform"  # uniform: noise, not masks, until the end
-        watched = [j for j in batch if (j.stream_text and incremental) or j.denoise]
-        step = [0]
-
-        def on_step(event: StepEvent) -> None:
-            if all(j.cancelled.is_set() for j in batch):
-                raise Cancelled
-            step[0] += 1
-            if watched:
-                self.streams.show_step(batch, watched, event, step[0], self._local.forwards)
-            self.turns.next(call)  # the other calls in flight run a step each before this one's next
-
-        return on_step

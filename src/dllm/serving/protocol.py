@@ -22,7 +22,7 @@ from dllm.config.profile import DecodeProfile
 from dllm.config.sampler import DENOISE_FIELDS, SamplerConfig, resolve_sampler
 from dllm.errors import UserError
 from dllm.serving.errors import ApiError
-from dllm.serving.unserved import LOGPROB_FIELDS, MESSAGE_FIELDS, REQUEST_FIELDS, refuse_unserved
+from dllm.serving.unserved import LOGPROB_FIELDS, MESSAGE_FIELDS, REQUEST_FIELDS, SPECULATIVE_FIELDS, refuse_unserved
 
 # SamplerConfig fields a request may set by name; the rest come from OpenAI fields (max_tokens ->
 # gen_length, temperature, top_p, stop -> stop_strings, seed) or belong to the server (compile,
@@ -93,6 +93,8 @@ class _Request(BaseModel):
     """The end user's id: metadata by OpenAI's definition (abuse monitoring); nothing here reads or keeps it."""
     denoise: bool = False
     """With stream: the canvas after every step rides the stream beside the text (as on /v1/denoise)."""
+    speculative: bool | None = None
+    """A server with a drafter (dllm serve --draft): false decodes this request without it (AR decoding)."""
 
     def max_tokens_field(self) -> str | None:
         """The field that set the length to generate, if the request set it."""
@@ -156,15 +158,19 @@ class ChatRequest(_Request):
         return "max_completion_tokens" if self.max_completion_tokens is not None else super().max_tokens_field()
 
 
-def parse_request(data: dict[str, Any], kind: str, causal: bool = False) -> CompletionRequest | ChatRequest:
+def parse_request(
+    data: dict[str, Any], kind: str, causal: bool = False, drafting: bool = False
+) -> CompletionRequest | ChatRequest:
     """The request of endpoint `kind` (completion, chat or denoise) from its JSON object. A wrong type or
     range, an unknown field, or a field this server does not honour -> 400 naming it. Null in a top-level
     field means what leaving it out means: the server's default. A `causal` model's server honours the
-    log-probability fields (logprobs, top_logprobs, echo) on completions and chat completions."""
+    log-probability fields (logprobs, top_logprobs, echo) on completions and chat completions; a server
+    with a drafter (`drafting`) honours `speculative`."""
     data = {k: v for k, v in data.items() if v is not None}
     chat = kind == "chat" or (kind == "denoise" and "messages" in data)
     scored = causal and kind != "denoise"
-    data = refuse_unserved(data, {k: v for k, v in REQUEST_FIELDS.items() if not (scored and k in LOGPROB_FIELDS)})
+    honoured = {*(LOGPROB_FIELDS if scored else ()), *(SPECULATIVE_FIELDS if drafting else ())}
+    data = refuse_unserved(data, {k: v for k, v in REQUEST_FIELDS.items() if k not in honoured})
     if chat:
         data = _refuse_unserved_in_messages(data)
     cls = ChatRequest if chat else CompletionRequest
@@ -291,6 +297,8 @@ class Settings:
     seed: int | None
     stochastic: bool
     """The policy or the temperature draws random numbers (see _Request.seed for how seeds batch)."""
+    draft: bool = True
+    """With the server's drafter (a causal model served with --draft); False: AR decoding."""
 
 
 # Policies that draw random numbers even at temperature 0 (random orders, the reverse processes).
@@ -347,7 +355,7 @@ def sampler_settings(req: _Request, base: SamplerConfig, profile: DecodeProfile,
         raise ApiError(400, msg, param=msg.split(":")[0] if ":" in msg else None, code="invalid_value") from None
     # canvas_denoise draws its canvases and their re-noising at random even with greedy proposals
     stochastic = cfg.temperature > 0 or cfg.policy in RANDOM_POLICIES or cfg.generation == "canvas_denoise"
-    return Settings(cfg, max_tokens, req.seed, stochastic)
+    return Settings(cfg, max_tokens, req.seed, stochastic, draft=req.speculative is not False)
 
 
 def _check_steps(steps: int, max_steps: int, field: str) -> None:

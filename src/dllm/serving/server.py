@@ -30,11 +30,12 @@ def make_state(loaded: LoadedModel, cfg: SamplerConfig, *, model_id: str | None 
                max_batch: int = 8, max_wait_ms: float = 10.0, max_queue: int = 256,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_prompt_tokens: int | None = None,
                max_steps: int | None = None, drafter: Drafter | None = None,
-               max_calls: int = 4) -> ServeState:  # fmt: skip
+               max_calls: int | None = None) -> ServeState:  # fmt: skip
     """A server's state over a `checkpoint.inference.LoadedModel` and the resolved default sampler (generation
     causal: a causal model decoded token by token, or with `drafter` speculatively; see
     `checkpoint.inference.setup_sampling`). `max_prompt_tokens` None: the model's positions less one;
-    `max_steps` None: see `default_max_steps`."""
+    `max_steps` None: see `default_max_steps`; `max_calls`: requests decoding at once (None: as many as
+    `max_batch` rows hold)."""
     objective = loaded.profile.objective
     if drafter is not None and cfg.generation != "causal":
         raise ConfigError("--draft: a drafter proposes tokens for a causal model; serve it with generation causal")
@@ -48,7 +49,7 @@ def make_state(loaded: LoadedModel, cfg: SamplerConfig, *, model_id: str | None 
     limits = Limits(max_body_bytes, prompt_cap, steps_cap, prompt_cap * max_chars_per_token(loaded.tokenizer))
     for name, value, low, high, why in (
         ("--max-batch", max_batch, 1, None, ""),
-        ("--max-calls", max_calls, 1, None, ""),
+        ("--max-calls", 1 if max_calls is None else max_calls, 1, None, ""),
         ("--max-queue", max_queue, 1, None, ""),
         ("--max-wait-ms", max_wait_ms, 0, None, ""),
         ("--max-body-bytes", max_body_bytes, 1, None, ""),

@@ -26,7 +26,7 @@ class Unserved:
 
 _TOOLS = "tool and function calling are not served"
 _LOGPROBS = "log-probabilities are served for causal models only (dllm serve --ar or --draft)"
-_SPECULATIVE = "speculative decoding is not served yet"
+_SPECULATIVE = "speculative decoding is the server's (dllm serve --draft DRAFTER)"
 
 LOGPROB_FIELDS = {
     "logprobs": Unserved(_LOGPROBS, (False,)),
@@ -34,6 +34,9 @@ LOGPROB_FIELDS = {
     "echo": Unserved("echoing the prompt back (with its log-probabilities) is served for causal models only", (False,)),
 }
 """OpenAI's log-probability fields, in one group: a causal model's server honours them (protocol.parse_request)."""
+
+SPECULATIVE_FIELDS = {"speculative"}
+"""Honoured by a server with a drafter (protocol.parse_request): `speculative: false` decodes a request without it."""
 
 REQUEST_FIELDS = {
     **LOGPROB_FIELDS,
@@ -57,7 +60,7 @@ REQUEST_FIELDS = {
     "metadata": Unserved("nothing is stored here, so there is nothing to attach metadata to", ({},)),
     "service_tier": Unserved("there is one service tier", ("auto", "default")),
     "draft_model": Unserved(_SPECULATIVE),
-    "speculative": Unserved(_SPECULATIVE),
+    "speculative": Unserved(_SPECULATIVE, (False,)),
     "edits": Unserved("edit-flow decoding is not served yet"),
 }
 """Top-level fields of a completion or chat request."""

@@ -1,11 +1,4 @@
-"""THE entry point of decoding, `generate`, and the canvas loop of masked, block and uniform-state diffusion.
-
-`generate` runs one of four loops by the sampler's resolved `generation`: the canvas loop here (every
-policy and cache of diffusion), tau-leaping over edit rates (edit_flow.py), the causal loop
-(speculative.py: AR decoding, with a drafter speculative decoding), or DiffusionGemma's canvas sampler
-(canvas_denoiser.py: random canvases after a causally encoded prefix). All four return the same
-`GenerationResult`, count with the same `Counters` and show their steps with the same `StepEvent`
-(results.py).
+"""THE canvas loop of masked, block and uniform-state diffusion: one request, advanced one model call at a time.
 
 The canvas (canvas.py) is [prompt ; gen_length masks] per row. Blocks are decoded left to right (LLaDA's
 semi-autoregressive schedule, Nie et al. 2025; block diffusion, Arriola et al. 2025), each in regions
@@ -26,68 +19,25 @@ Shapes: B batch, T canvas, V vocabulary, R region.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator
+from collections.abc import Generator
 from dataclasses import replace
 
 import torch
 
 from dllm.config.sampler import SamplerConfig
 from dllm.sampling.canvas import Canvas, SpecialIds
-from dllm.sampling.canvas_denoiser import canvas_denoise_generate
 from dllm.sampling.compiled import compile_blocks
-from dllm.sampling.edit_flow import edit_flow_generate
 from dllm.sampling.policies import Commit, StepState, make_policy
 from dllm.sampling.proposals import commit_schedule, full_proposal
 from dllm.sampling.results import Counters, GenerationResult, StepEvent
 from dllm.sampling.runner import Runner
-from dllm.sampling.speculative import Drafter, causal_generate
 
 Need = tuple[int, int, bool]
 """A model call the canvas loop needs: the active block [lo, hi) and whether it refreshes a cache."""
 
 
-def generate(
-    model: torch.nn.Module,
-    prompts: list[list[int]],
-    cfg: SamplerConfig,
-    special: SpecialIds,
-    *,
-    generator: torch.Generator | None = None,
-    callback: Callable[[StepEvent], None] | None = None,
-    stop: Callable[[list[int]], bool] | None = None,
-    drafter: Drafter | None = None,
-) -> GenerationResult:
-    """Decode `gen_length` tokens after each prompt. `stop(row_ids)` says whether a row's decided
-    prefix already ends the row (stop strings); `callback` sees the canvas after every step. `cfg`
-    must be resolved (`config.sampler.resolve_sampler`: it picks the loop from the model's decode profile);
-    the canvas loop needs its shift on or off, never auto.
-    `cfg.compile` compiles the model's blocks in place (sampling.compiled), once; later calls reuse them.
-    `drafter` proposes tokens for causal decoding (`cfg.generation == "causal"`; None: AR decoding).
-
-    The loop runs under `torch.inference_mode` (less dispatch work per op than `no_grad`: ~10% of a
-    small model's forward); the returned tensors are ordinary ones, usable in autograd later."""
-    if not prompts:
-        raise ValueError("generate needs at least one prompt")
-    if drafter is not None and cfg.generation != "causal":
-        raise ValueError(f"a drafter proposes tokens for causal decoding, not for generation {cfg.generation}")
-    with torch.inference_mode():
-        if cfg.generation == "causal":  # AR, or speculative with a drafter (sampling/speculative.py)
-            result = causal_generate(model, prompts, cfg, special, drafter=drafter, generator=generator,
-                                     callback=callback, stop=stop)  # fmt: skip
-        elif cfg.generation == "edit_flow":  # no canvas: tau-leaping over edit rates (sampling/edit_flow.py)
-            result = edit_flow_generate(model, prompts, cfg, special, generator, callback)
-        elif cfg.generation == "canvas_denoise":  # DiffusionGemma (sampling/canvas_denoiser.py)
-            result = canvas_denoise_generate(model, prompts, cfg, special, generator, callback, stop)
-        else:
-            result = Loop(model, prompts, cfg, special, generator, callback, stop).run()
-    result.canvas_BL = result.canvas_BL.clone()  # inference tensors cannot enter autograd
-    if result.logits_BNV is not None:
-        result.logits_BNV = result.logits_BNV.clone()
-    return result
-
-
 class Loop:
-    """One generate call: the canvas, its undecided positions, the counters, and the loop over them."""
+    """One request: the canvas, its undecided positions, the counters, and the loop over them (`decode`)."""
 
     def __init__(self, model: torch.nn.Module, prompts: list[list[int]], cfg: SamplerConfig, special: SpecialIds,
                  generator, callback, stop) -> None:  # fmt: skip
@@ -109,21 +59,15 @@ class Loop:
         self.last_logits: torch.Tensor | None = None  # the block's last forward, reused while nothing is written
         self.written = True
 
-    def run(self) -> GenerationResult:
-        """Decode alone: each model call the loop asks for is this loop's runner's."""
-        steps = self.decode()
-        try:
-            need = next(steps)
-            while True:
-                need = steps.send(self.runner.predict(self.x, *need))
-        except StopIteration as done:
-            return done.value
+    @property
+    def rows(self) -> int:
+        return self.x.shape[0]
 
     def decode(self) -> Generator[Need, torch.Tensor, GenerationResult]:
         """The loop as a coroutine: it yields each model call it needs (the active block [lo, hi) and
-        whether the call refreshes a cache) and is sent that call's logits [B, hi - lo, V]. `run` answers
-        with the loop's own runner; a running canvas batch (canvas_batch.py) answers many loops' calls
-        with one forward."""
+        whether the call refreshes a cache) and is sent that call's logits [B, hi - lo, V]. The inference
+        engine's executor answers with the loop's own runner (`runner.predict`: its windows and caches), or
+        many loops' calls with one shared forward (inference/canvas_rows.py, inference/cached_rows.py)."""
         for b, (lo, hi) in enumerate(self.canvas.blocks):
             ended = yield from self.decode_block(b, lo, hi)
             if ended or (self.stop is not None and self.all_rows_ended()):
