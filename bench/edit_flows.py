@@ -77,7 +77,7 @@ def main() -> None:
     tok = build_tokenizer(TokenizerConfig(kind="byte"))
     ids = TokenIds(mask_id=tok.mask_id, eos_id=tok.eos_id, pad_id=tok.pad_id, num_tokens=tok.vocab_size)
     if a.run is not None:
-        from dllm.checkpoint.inference import load_for_inference
+        from dllm.checkpoint.loading import load_for_inference
 
         sampler_model = load_for_inference(a.run).model
     else:

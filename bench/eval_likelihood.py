@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dllm.checkpoint.inference import load_for_inference
+from dllm.checkpoint.loading import load_for_inference
 from dllm.config.loading import validate_config
 from dllm.config.prepare import PrepareSpec
 from dllm.config.spec import RunSpec

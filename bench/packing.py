@@ -30,7 +30,6 @@ from typing import Any
 
 import torch
 
-from dllm.checkpoint.inference import setup_sampling
 from dllm.config.loading import validate_config
 from dllm.config.prepare import PrepareSpec
 from dllm.config.sampler import SamplerConfig
@@ -39,6 +38,7 @@ from dllm.data.artifact import open_artifact
 from dllm.data.prepare import prepare
 from dllm.evaluation.overlap import found_in_artifact
 from dllm.evaluation.tasks import Example
+from dllm.inference.assembly import setup_sampling
 from dllm.inference.engine import generate
 from dllm.tokenization import ByteTokenizer
 from dllm.training.build import build_trainer

@@ -110,7 +110,7 @@ def sampler_for(loaded, fields: dict, gen_length: int):
 
 
 def setup(loaded, fields: dict, gen_length: int):
-    from dllm.checkpoint.inference import SamplingSetup
+    from dllm.inference.assembly import SamplingSetup
     from dllm.sampling.canvas import SpecialIds
 
     return SamplingSetup(loaded, sampler_for(loaded, fields, gen_length), SpecialIds.of(loaded.profile),
@@ -522,7 +522,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     parser.add_argument("--allow-overlap", action="store_true", help="go on when an item is in a run's training data")
     args = parser.parse_args(argv)
-    from dllm.checkpoint.inference import load_for_inference
+    from dllm.checkpoint.loading import load_for_inference
     from dllm.evaluation.tasks import load_task
 
     sections = set(args.sections.split(","))

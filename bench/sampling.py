@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from dllm.checkpoint.inference import load_for_inference
+from dllm.checkpoint.loading import load_for_inference
 from dllm.config.loading import validate_config
 from dllm.config.prepare import PrepareSpec
 from dllm.config.sampler import SamplerConfig, resolve_sampler

@@ -313,7 +313,7 @@ def running_batch_ceiling(model_dir: Path, plan: list[int], args: argparse.Names
     with its rows (and a canvas's with its padded length), so sharing forwards saves only their fixed part."""
     import torch
 
-    from dllm.checkpoint.inference import load_for_inference
+    from dllm.checkpoint.loading import load_for_inference
     from dllm.config.sampler import SamplerConfig, resolve_sampler
     from dllm.inference.engine import Engine, generate, make_loop
     from dllm.inference.scheduler import Limits
@@ -392,7 +392,7 @@ def sampler_ceiling(model_dir: Path, args: argparse.Namespace) -> float:
     row (median of 3 interleaved rounds). No server can batch better than this on this machine."""
     import torch
 
-    from dllm.checkpoint.inference import load_for_inference
+    from dllm.checkpoint.loading import load_for_inference
     from dllm.config.sampler import SamplerConfig, resolve_sampler
     from dllm.inference.engine import generate
     from dllm.sampling.canvas import SpecialIds

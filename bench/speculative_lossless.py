@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import speculative as bench  # noqa: E402  (the pair's training lives there)
-from dllm.checkpoint.inference import load_drafter_run, load_for_inference  # noqa: E402
+from dllm.checkpoint.loading import load_drafter_run, load_for_inference  # noqa: E402
 
 
 def main() -> None:

@@ -263,8 +263,8 @@ def load_reference(kind: str):
 
 def load_ours(kind: str):
     """Our model (the native Transformer, eval mode) and tokenizer of `converted(kind)`, as `dllm generate`
-    loads them (checkpoint.inference)."""
-    from dllm.checkpoint.inference import load_for_inference
+    loads them (checkpoint.loading)."""
+    from dllm.checkpoint.loading import load_for_inference
 
     return load_for_inference(model_dir=converted(kind))
 

@@ -311,7 +311,8 @@ def test_the_serving_state_and_the_sampling_setup_are_typed():
     """What a server holds and what loading for inference returns name their types (no Any)."""
     import typing
 
-    from dllm.checkpoint.inference import LoadedModel, SamplingSetup
+    from dllm.checkpoint.loading import LoadedModel
+    from dllm.inference.assembly import SamplingSetup
     from dllm.serving.app import ServeState
     from dllm.serving.engine import Engine
 
@@ -364,6 +365,17 @@ def test_architecture_toml_encodes_the_design_rules():
     assert not allowed["data"] & {"models", "training"}
     assert [p for p, targets in allowed.items() if "cli" in targets] == ["demo"]
     assert not any("demo" in targets for targets in allowed.values())
+    assert not allowed["checkpoint"] & {"sampling", "inference"}  # saving and loading know nothing of decoding
+    assert not allowed["sampling"] & {"inference", "serving"}  # a decoding loop never calls back into its driver
+
+
+def test_a_training_launch_imports_no_decoding_module():
+    """What a (non-RL) training worker imports: the run's build and its checkpoints, never the sampling loops
+    or the inference engine (they load only for decoding)."""
+    code = ("import sys, dllm.training.worker, dllm.training.build, dllm.checkpoint.manager, dllm.checkpoint.loading; "
+            "print(sorted(m for m in sys.modules if m.startswith(('dllm.sampling', 'dllm.inference'))))")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
+    assert out.stdout.strip() == "[]", out.stdout
 
 
 def test_import_dllm_is_light():

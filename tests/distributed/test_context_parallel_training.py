@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dllm.checkpoint.inference import load_for_inference
+from dllm.checkpoint.loading import load_for_inference
 from dllm.config.loading import load_config
 from dllm.config.prepare import PrepareSpec
 from dllm.training.metrics import read_metrics

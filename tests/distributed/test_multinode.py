@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from dllm.checkpoint.files import verify_checkpoint
-from dllm.checkpoint.inference import load_for_inference
+from dllm.checkpoint.loading import load_for_inference
 from dllm.checkpoint.manager import latest_checkpoint, read_trainer_state
 from dllm.cli.main import main
 from dllm.training.metrics import read_metrics

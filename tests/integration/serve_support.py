@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from dllm.checkpoint.inference import LoadedModel, derive_profile
+from dllm.checkpoint.loading import LoadedModel, derive_profile
 from dllm.config.model import ModelConfig
 from dllm.config.sampler import SamplerConfig, resolve_sampler
 from dllm.models.transformer import Transformer

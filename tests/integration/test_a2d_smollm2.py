@@ -55,7 +55,7 @@ def test_the_run_trains_from_the_imported_model(runs, name):
     metrics = [json.loads(line) for line in (runs[name] / "metrics.jsonl").read_text().splitlines()]
     losses = [m["loss"] for m in metrics if "loss" in m]
     assert len(losses) == 2 and bool(torch.isfinite(torch.tensor(losses)).all())
-    from dllm.checkpoint.inference import load_for_inference
+    from dllm.checkpoint.loading import load_for_inference
 
     loaded = load_for_inference(run=runs[name])
     assert loaded.spec.model.init_from is not None and loaded.model_cfg.num_layers == rm.TRUNCATED_LAYERS
@@ -65,7 +65,7 @@ def test_the_run_trains_from_the_imported_model(runs, name):
 def test_the_converted_model_decodes_held_out_prompts_with_no_mask_left(runs, name):
     from bench.real_a2d import chat_encoder, settings, setup
 
-    from dllm.checkpoint.inference import load_for_inference
+    from dllm.checkpoint.loading import load_for_inference
     from dllm.inference.engine import generate
 
     loaded = load_for_inference(run=runs[name])
@@ -133,7 +133,7 @@ def test_the_fast_dllm_v2_run_continues_with_certainty_forcing(runs, monkeypatch
     (the recipe's own train.yaml and data, --set overrides); the run logs its certainty metrics and decodes."""
     from bench.real_a2d import chat_encoder, settings, setup
 
-    from dllm.checkpoint.inference import load_for_inference
+    from dllm.checkpoint.loading import load_for_inference
     from dllm.inference.engine import generate
 
     folder = runs["fast_dllm_v2"].parent.parent
@@ -179,7 +179,7 @@ def test_the_ceilings_marginals_equal_plain_forwards():
     the bounds hold the top probability of the whole marginal (all paths, not only the `top` counted)."""
     from bench.real_a2d import after_paths, chat_encoder, lookahead
 
-    from dllm.checkpoint.inference import load_for_inference
+    from dllm.checkpoint.loading import load_for_inference
     from dllm.sampling.causal import Target
     from dllm.sampling.results import Counters
 

@@ -64,7 +64,7 @@ def _chat(args: list[str], lines: str, monkeypatch: pytest.MonkeyPatch, capsys) 
 
 
 def test_bert_chat_trains_and_answers_under_the_assistant_turn(trained, tmp_path: Path, monkeypatch, capsys):
-    from dllm.checkpoint.inference import load_for_inference
+    from dllm.checkpoint.loading import load_for_inference
 
     run_dir, losses = trained
     assert len(losses) == STEPS and sum(losses[-5:]) < 0.8 * sum(losses[:5]), losses

@@ -131,7 +131,7 @@ def test_generate_on_a_native_sft_run(tmp_path: Path, capsys):
     spec, _ = resolve_run_spec(validate_config(RunSpec, values, source="train.yaml", base_dir=tmp_path))
     run_dir = prepare_run_dir(spec)
     train_from_run_dir(run_dir)
-    from dllm.checkpoint.inference import load_for_inference
+    from dllm.checkpoint.loading import load_for_inference
     from dllm.models.factory import initial_state
 
     loaded = load_for_inference(run=run_dir)

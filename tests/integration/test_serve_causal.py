@@ -104,7 +104,7 @@ def test_serve_cli_refuses_a_block_size_without_a_drafter(capsys):
 def test_a_public_layout_drafter_serves_what_ar_serves(tmp_path):
     """serve --draft with a drafter folder in the public DFlash layout (what SGLang and vLLM load), loaded as the
     command loads it (setup_sampling): the served text equals the AR server's."""
-    from dllm.checkpoint.inference import setup_sampling
+    from dllm.inference.assembly import setup_sampling
     from dllm.models.dflash_io import save_drafter
     from tests.unit.test_dflash import write_causal_target
 

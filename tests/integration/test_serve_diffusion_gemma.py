@@ -17,7 +17,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 pytest.importorskip("transformers.models.diffusion_gemma")
 
-from dllm.checkpoint.inference import load_for_inference  # noqa: E402
+from dllm.checkpoint.loading import load_for_inference  # noqa: E402
 from dllm.config.sampler import SamplerConfig, resolve_sampler  # noqa: E402
 from dllm.inference.engine import generate, shares_forwards  # noqa: E402
 from dllm.sampling.canvas import SpecialIds  # noqa: E402

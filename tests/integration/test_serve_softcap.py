@@ -13,7 +13,7 @@ import httpx
 import pytest
 import torch
 
-from dllm.checkpoint.inference import LoadedModel, derive_profile
+from dllm.checkpoint.loading import LoadedModel, derive_profile
 from dllm.config.model import ModelConfig
 from dllm.config.sampler import SamplerConfig, resolve_sampler
 from dllm.inference.engine import generate

@@ -371,7 +371,7 @@ def test_refusing_huge_prompts_keeps_memory_flat(tmp_path):
     server (in this process) at most 200 MB and a fraction of a second each."""
     import torch
 
-    from dllm.checkpoint.inference import LoadedModel, derive_profile
+    from dllm.checkpoint.loading import LoadedModel, derive_profile
     from dllm.config.data import TokenizerConfig
     from dllm.config.model import ModelConfig
     from dllm.models.transformer import Transformer

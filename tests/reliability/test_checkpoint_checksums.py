@@ -23,7 +23,7 @@ import torch
 import yaml
 
 from dllm.checkpoint.files import MANIFEST, write_manifest
-from dllm.checkpoint.inference import load_for_inference
+from dllm.checkpoint.loading import load_for_inference
 from dllm.checkpoint.manager import latest_checkpoint
 from dllm.errors import CheckpointError, TrainingError
 from dllm.training import trainer as trainer_mod

@@ -24,7 +24,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from dllm.checkpoint.files import write_manifest
-from dllm.checkpoint.inference import load_for_inference
+from dllm.checkpoint.loading import load_for_inference
 from dllm.checkpoint.manager import PARAM_GROUPS, TRAINER_STATE
 from dllm.errors import CheckpointError
 from dllm.training.build import build_trainer

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from dllm.checkpoint.inference import load_for_inference
+from dllm.checkpoint.loading import load_for_inference
 from dllm.checkpoint.manager import latest_checkpoint
 from dllm.models import factory
 from tests.reliability.ckpt_runs import STEP2, cli, resume, trained_run

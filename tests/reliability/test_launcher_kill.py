@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dllm.checkpoint.inference import load_for_inference
+from dllm.checkpoint.loading import load_for_inference
 from dllm.checkpoint.manager import latest_checkpoint, read_trainer_state
 from dllm.training.metrics import read_metrics
 from dllm.training.run_lock import lock_run_dir

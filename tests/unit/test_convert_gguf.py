@@ -123,7 +123,7 @@ def run(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, 
 def test_import_matches_transformers_loading_the_same_file(tmp_path: Path, capsys, tie: bool):
     """Our import of a GGUF and transformers' (AutoModelForCausalLM with gguf_file=) give the same logits, and
     both equal the model the file was written from (up to Q8_0 rounding of the embedding)."""
-    from dllm.checkpoint.inference import load_for_inference
+    from dllm.checkpoint.loading import load_for_inference
 
     hf = hf_llama(tie)
     src = write_gguf(tmp_path / "m.gguf", hf)

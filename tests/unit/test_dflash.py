@@ -322,7 +322,7 @@ def write_causal_target(folder: Path, seed: int = 0) -> Transformer:
 
 
 def test_a_drafter_run_trains_exports_and_checks_its_target(workdir: Path, capsys: pytest.CaptureFixture[str]):
-    from dllm.checkpoint.inference import load_for_inference, load_target
+    from dllm.checkpoint.loading import load_for_inference, load_target
     from dllm.cli.main import main as dllm
     from dllm.training.build import build_trainer
     from dllm.training.preflight import resolve_run_spec
@@ -390,7 +390,7 @@ def test_init_from_target_starts_the_blocks_and_final_norm_from_copies_of_the_ta
 
 
 def test_init_from_target_is_checked_before_any_worker_starts():
-    from dllm.checkpoint.inference import drafter_config
+    from dllm.checkpoint.loading import drafter_config
     from dllm.errors import ConfigError
 
     with pytest.raises(ValueError, match="names 1 target blocks for 2 drafter blocks"):

@@ -415,7 +415,7 @@ def test_a_dflash2_drafter_that_does_not_fit_the_target_is_one_line(tmp_path: Pa
     """generate --draft with a public DFlash2 folder whose target layers or hidden size do not fit the target, whose
     config lacks the selector's sizes or has layer types dllm does not compute: one line, exit 2; the folder as
     saved decodes what --ar decodes."""
-    from dllm.checkpoint.inference import load_target
+    from dllm.checkpoint.loading import load_target
     from tests.unit.test_dflash import write_causal_target
     from tests.unit.test_dflash_convert import one_line_error, run_cli
 

@@ -88,7 +88,7 @@ def test_a_dflash_run_exports_the_public_layout_and_converts_both_ways(workdir: 
 
 def public_folder(tmp_path: Path, edit=None) -> tuple[Path, Path]:
     """(target folder, a public drafter folder for it, its config.json edited by `edit`)."""
-    from dllm.checkpoint.inference import load_target
+    from dllm.checkpoint.loading import load_target
 
     write_causal_target(tmp_path / "target")
     target = load_target(tmp_path / "target").model
@@ -162,7 +162,7 @@ _DROP = object()
     ],
 )
 def test_a_public_drafter_dllm_does_not_compute_is_refused(tmp_path: Path, edit, message: str):
-    from dllm.checkpoint.inference import load_target
+    from dllm.checkpoint.loading import load_target
     from dllm.sampling.speculative import load_drafter as load_any_drafter
 
     target_dir, folder = public_folder(tmp_path, edit)
@@ -174,7 +174,7 @@ def test_a_public_drafter_dllm_does_not_compute_is_refused(tmp_path: Path, edit,
 
 def test_a_drafter_with_no_public_layout_is_refused_by_convert(tmp_path: Path, capsys):
     """A dllm-architecture drafter folder (dllm's format) converted to the public layout: one line saying why."""
-    from dllm.checkpoint.inference import load_target
+    from dllm.checkpoint.loading import load_target
 
     write_causal_target(tmp_path / "target")
     target = load_target(tmp_path / "target").model

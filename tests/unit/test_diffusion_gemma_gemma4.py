@@ -324,7 +324,7 @@ def test_lora_adapter_of_a_gemma4_run_loads_in_peft(saved, tmp_path: Path, capsy
     """`convert --adapter-only` of a LoRA run over the imported Gemma 4 (no canvas block) names Gemma4ForCausalLM's
     modules (model.layers.*): peft loads it onto the Gemma 4 folder with the logits of our merged model."""
     peft = pytest.importorskip("peft")
-    from dllm.checkpoint.inference import load_for_inference
+    from dllm.checkpoint.loading import load_for_inference
     from dllm.cli.main import main
     from dllm.config.loading import load_config, validate_config
     from dllm.config.prepare import PrepareSpec

@@ -91,7 +91,7 @@ def test_sequences_match_the_generation_mixin(pair, monkeypatch, greedy, entropy
 def wide(tmp_path_factory):
     """A reference whose vocabulary (384) is larger than the byte tokenizer's (260), imported, with the decode
     profile dllm derives for it with that tokenizer (`dllm convert`, `dllm generate --model`)."""
-    from dllm.checkpoint.inference import derive_profile
+    from dllm.checkpoint.loading import derive_profile
     from dllm.config.data import TokenizerConfig
     from dllm.tokenization import build_tokenizer
     from tests.unit.test_diffusion_gemma import _import, _reference

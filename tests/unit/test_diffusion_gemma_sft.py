@@ -237,7 +237,7 @@ def test_two_training_steps_end_to_end(tmp_path):
     assert moved and not any(".router." in n for n in moved)
     assert any(".experts." in n for n in moved)
     # a checkpoint holds what trained; loading it for inference rebuilds the frozen routers from the config
-    from dllm.checkpoint.inference import load_for_inference
+    from dllm.checkpoint.loading import load_for_inference
 
     trainer.checkpoints.save(trainer.step, trainer.model, trainer.optimizer, trainer.state_dict())
     loaded = dict(load_for_inference(run=run_dir).model.named_parameters())

@@ -25,8 +25,8 @@ from dllm.config.profile import DecodeProfile
 from dllm.config.sampler import SamplerConfig
 from dllm.inference.engine import Engine, generate
 from dllm.inference.scheduler import Limits
+from dllm.models.families.base import is_causal_model
 from dllm.sampling.canvas import SpecialIds
-from dllm.sampling.causal import is_causal_model
 from tests.unit.test_continuous import _run, _same
 from tests.unit.test_diffusion_gemma_gemma4 import V, W, _gemma4, _import
 from tests.unit.test_sampling_speculative import ReplayDrafter, full_sequences

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import dllm.checkpoint.inference as inference
+import dllm.inference.assembly as assembly
 from dllm.cli.main import main
 from dllm.config.loading import validate_config
 from dllm.config.profile import DecodeProfile, write_profile
@@ -69,7 +69,7 @@ def test_ar_and_speculative_decoding_of_an_imported_folder(folders, capsys, monk
     ar = [json.loads(line) for line in out.splitlines()]
     assert len(ar) == 2 and all(r["tokens_committed"] == 24 and r["tau"] == 1.0 for r in ar)
     assert "ar (KV cache)" in err and "target forwards/token" in err
-    monkeypatch.setattr(inference, "load_drafter", lambda path, target: ReplayFirst(4))
+    monkeypatch.setattr(assembly, "load_drafter", lambda path, target: ReplayFirst(4))
     (tmp_path / "drafter").mkdir()
     code, out, err = run(["generate", "--model", str(folders["causal"]), "--draft", str(tmp_path / "drafter"),
                           "--draft-block-size", "4", *PROMPTS, "--gen-length", "12", "--json",
@@ -123,7 +123,7 @@ def test_bad_input_is_one_line_exit_2(folders, tmp_path, capsys, args: list[str]
 
 
 def test_block_size_mismatch_is_refused(folders, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(inference, "load_drafter", lambda path, target: ReplayFirst(4))
+    monkeypatch.setattr(assembly, "load_drafter", lambda path, target: ReplayFirst(4))
     code, _, err = run(["generate", "--model", str(folders["ar"]), "--draft", str(tmp_path), "--draft-block-size",
                         "8", "-p", "x"], capsys)  # fmt: skip
     assert code == 2 and "trained with blocks of 4, not 8" in err and err.count("\n") == 1

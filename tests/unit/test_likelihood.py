@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dllm.checkpoint.inference import load_for_inference
+from dllm.checkpoint.loading import load_for_inference
 from dllm.config.loading import validate_config
 from dllm.config.model import ModelConfig
 from dllm.config.prepare import PrepareSpec

@@ -160,7 +160,7 @@ def test_a_bidirectional_model_is_refused_one_line():
 def test_a_llada2_folder_decodes_in_blocks_of_32_by_default():
     """A folder from elsewhere has no decode profile: LLaDA2's decodes block-causally in the public samplers'
     blocks of 32 (so `dllm generate --model FOLDER --policy llada2` needs no attention settings)."""
-    from dllm.checkpoint.inference import derive_profile
+    from dllm.checkpoint.loading import derive_profile
     from dllm.config.model import ModelConfig
     from dllm.tokenization.byte import ByteTokenizer
 

@@ -215,7 +215,7 @@ def test_export_writes_the_public_layout_back(folder: Path, tmp_path: Path):
 def test_export_records_how_the_model_decodes(folder: Path, tmp_path: Path, objective: str):
     """config.json carries the published decode and loss keys of the run (mask_token_id, block_size, dlm_paradigm,
     the loss weights), and a folder without a decode profile decodes by them: the run's profile and config."""
-    from dllm.checkpoint.inference import derive_profile
+    from dllm.checkpoint.loading import derive_profile
     from dllm.config.objectives import ARConfig, NemotronDiffusionConfig
     from dllm.tokenization import ByteTokenizer
 
@@ -557,7 +557,7 @@ def test_a_drafter_of_this_architecture_is_refused():
     """DFlash drafters copy a plain RoPE: a Ministral 3 target is refused in one line, not drafted wrongly."""
     from types import SimpleNamespace
 
-    from dllm.checkpoint.inference import drafter_config
+    from dllm.checkpoint.loading import drafter_config
     from dllm.config.model import ModelConfig
     from dllm.errors import ConfigError
 

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from dllm.checkpoint.files import MANIFEST, write_manifest
-from dllm.checkpoint.inference import load_for_inference
+from dllm.checkpoint.loading import load_for_inference
 from dllm.config.loading import validate_config
 from dllm.config.model import ModelConfig
 from dllm.config.objectives import ARConfig, BD3LMConfig, FastDLLMv2Config, MDLMConfig, UniformConfig
@@ -167,7 +167,7 @@ def test_an_exported_folder_decodes_as_its_run(bd3lm_run: Path, tmp_path: Path, 
 def test_a_flex_run_samples_with_auto_off_cuda():
     import torch
 
-    from dllm.checkpoint.inference import _attention_for
+    from dllm.checkpoint.loading import _attention_for
 
     cfg = ModelConfig(preset="tiny", vocab_size=64, attention_backend="flex")
     assert _attention_for(cfg, torch.device("cpu")).attention_backend == "auto"

@@ -16,8 +16,9 @@ from dllm.config.profile import DecodeProfile
 from dllm.config.sampler import SamplerConfig
 from dllm.inference.engine import generate
 from dllm.models import Transformer
+from dllm.models.families.base import is_causal_model
 from dllm.sampling.canvas import SpecialIds
-from dllm.sampling.causal import RaggedKVCache, is_causal_model
+from dllm.sampling.causal import RaggedKVCache
 from dllm.sampling.proposals import draw
 from dllm.sampling.results import GenerationResult
 from dllm.sampling.speculative import Drafter

@@ -193,7 +193,7 @@ def test_bfloat16_autocast_trains(train_yaml: Path):
     bf16 = train_from_run_dir(bf16_dir)
     assert all(torch.isfinite(torch.tensor(bf16)))
     assert bf16 == pytest.approx(fp32, rel=0.05)
-    from dllm.checkpoint.inference import load_for_inference
+    from dllm.checkpoint.loading import load_for_inference
 
     loaded = load_for_inference(bf16_dir)
     assert all(p.dtype == torch.float32 for p in loaded.model.parameters())
@@ -238,7 +238,7 @@ def test_moe_trains_with_its_load_balancing_loss(train_yaml: Path):
 def test_lora_run_trains_only_adapters_and_resumes(train_yaml: Path, monkeypatch: pytest.MonkeyPatch):
     """Only adapter weights change and are checkpointed; a resumed LoRA run matches an uninterrupted one;
     generation loads base + adapters and merges them."""
-    from dllm.checkpoint.inference import load_for_inference
+    from dllm.checkpoint.loading import load_for_inference
     from dllm.models.lora import LoraLinear
 
     lora = ("lora.rank=4", "lora.alpha=8", "lora.targets=[q_proj, v_proj, up_proj]", "optimizer.lr=1e-2")

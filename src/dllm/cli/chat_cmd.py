@@ -22,7 +22,7 @@ from dllm.sampling.stops import cut_at_stop, stop_function
 from dllm.text import valid_text
 
 if TYPE_CHECKING:
-    from dllm.checkpoint.inference import SamplingSetup
+    from dllm.inference.assembly import SamplingSetup
 
 MASK_GLYPH = "_"
 

@@ -114,7 +114,7 @@ def _mark(stage: Path) -> None:
 
 def _export_sources(run: Path | None, checkpoint: Path | None, model: Path | None) -> list[Path]:
     """The folders an export reads: the model folder, or the run and its checkpoint (and a drafter's target)."""
-    from dllm.checkpoint.inference import resolve_checkpoint
+    from dllm.checkpoint.loading import resolve_checkpoint
 
     if model is not None:
         return [model]
@@ -138,7 +138,7 @@ def _hf_source(text: str) -> Path:
 
 def _import(src: Path, stage: Path, out: Path) -> list[str]:
     """Write the dllm model folder of a Hugging Face folder into `stage`; returns what to tell about `out`."""
-    from dllm.checkpoint.inference import derive_profile
+    from dllm.checkpoint.loading import derive_profile
     from dllm.config.data import TokenizerConfig
     from dllm.config.profile import write_profile
     from dllm.models.hf_io import import_hf, model_config_from_hf
@@ -164,7 +164,7 @@ def _import(src: Path, stage: Path, out: Path) -> list[str]:
 def _import_gguf(src: Path, out: Path | None, overwrite: bool, conflicting: list[str]) -> None:
     """A GGUF file as a dllm model folder (weights dequantized to float32, its tokenizer and chat template),
     staged like every convert output."""
-    from dllm.checkpoint.inference import derive_profile
+    from dllm.checkpoint.loading import derive_profile
     from dllm.config.data import TokenizerConfig
     from dllm.config.profile import write_profile
     from dllm.models.gguf_io import import_gguf
@@ -199,7 +199,7 @@ def _import_gguf(src: Path, out: Path | None, overwrite: bool, conflicting: list
 
 
 def _export(stage: Path, out: Path, run: Path | None, checkpoint: Path | None, model: Path | None) -> list[str]:
-    from dllm.checkpoint.inference import load_for_inference
+    from dllm.checkpoint.loading import load_for_inference
     from dllm.config.profile import write_profile
     from dllm.models.hf_io import export_hf
 
@@ -217,7 +217,7 @@ def _export(stage: Path, out: Path, run: Path | None, checkpoint: Path | None, m
 
 def _drafter_target(run: Path | None, checkpoint: Path | None) -> Path | None:
     """The target a drafter run (objective dflash_distillation) reads; None for any other run."""
-    from dllm.checkpoint.inference import RUN_CONFIG, resolve_checkpoint
+    from dllm.checkpoint.loading import RUN_CONFIG, resolve_checkpoint
     from dllm.config.loading import load_config
     from dllm.config.spec import RunSpec
 
@@ -228,7 +228,7 @@ def _drafter_target(run: Path | None, checkpoint: Path | None) -> Path | None:
 
 def _export_drafter(stage: Path, out: Path, run: Path | None, checkpoint: Path | None) -> list[str]:
     """A DFlash drafter folder: the public layout when the drafter has one (architecture dflash), else dllm's."""
-    from dllm.checkpoint.inference import load_drafter_run
+    from dllm.checkpoint.loading import load_drafter_run
     from dllm.models.dflash_io import public_layout_problem, save_drafter
 
     drafter, target, spec = load_drafter_run(run, checkpoint)
@@ -274,7 +274,7 @@ def _drafter_import_target(src: Path | None, target: str | None, from_hf: str | 
 
 def _import_drafter(src: Path, target_dir: Path, stage: Path, out: Path) -> list[str]:
     """A public-layout drafter written in dllm's drafter format, checked against and recording its target."""
-    from dllm.checkpoint.inference import load_target
+    from dllm.checkpoint.loading import load_target
     from dllm.models.dflash_io import load_drafter, save_dllm, target_identity
 
     target = load_target(target_dir)
@@ -287,7 +287,7 @@ def _import_drafter(src: Path, target_dir: Path, stage: Path, out: Path) -> list
 
 def _export_adapter(stage: Path, out: Path, run: Path | None, checkpoint: Path | None) -> list[str]:
     """A PEFT adapter folder whose module paths are those of the family's Hugging Face model."""
-    from dllm.checkpoint.inference import load_for_inference
+    from dllm.checkpoint.loading import load_for_inference
     from dllm.config.registries import FAMILIES
     from dllm.models.families.base import module_path_to_hf
     from dllm.models.lora import save_adapter

@@ -46,7 +46,7 @@ def likelihood(
     """Negative ELBO per token (and the perplexity bound) on prepared data; exact NLL for --kind ar."""
     import torch
 
-    from dllm.checkpoint.inference import load_for_inference
+    from dllm.checkpoint.loading import load_for_inference
     from dllm.evaluation.likelihood import score_artifact, scoring_for, summarize
 
     if mc_samples < 1 or batch_size < 1:

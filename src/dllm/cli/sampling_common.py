@@ -1,5 +1,5 @@
 """What `dllm generate`, `chat`, `eval` and `serve` share: the sampler config from a file, flags and
-overrides, the model loaded and checked for it (`checkpoint.inference.setup_sampling`), and the batch
+overrides, the model loaded and checked for it (`inference.assembly.setup_sampling`), and the batch
 loop over prompts. The stop-string helpers live in `dllm.sampling.stops`."""
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from dllm.cli.common import model_folder
 from dllm.errors import ConfigError
 
 if TYPE_CHECKING:  # torch and the model stack load with the command, not with the CLI
-    from dllm.checkpoint.inference import SamplingSetup
     from dllm.config.profile import DecodeProfile
     from dllm.config.sampler import SamplerConfig
+    from dllm.inference.assembly import SamplingSetup
     from dllm.sampling.results import Counters
 
 SAMPLER_CONFIG_OPTION = typer.Option(None, "--sampler-config", help="YAML file of sampler settings (SamplerConfig).")
@@ -56,9 +56,9 @@ def setup_sampling(
         raise ConfigError("--draft-block-size applies to speculative decoding; give --draft DRAFTER_FOLDER too")
     import torch
 
-    from dllm.checkpoint.inference import setup_sampling as load_and_resolve
     from dllm.config.loading import apply_overrides, read_yaml, validate_config
     from dllm.config.sampler import SamplerConfig
+    from dllm.inference.assembly import setup_sampling as load_and_resolve
 
     data: dict[str, Any] = {}
     source, node = "sampler options", None

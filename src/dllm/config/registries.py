@@ -2,7 +2,7 @@
 
 The config sections take their allowed values from here (`Literal[OBJECTIVES.names()]`), so a YAML
 typo is rejected with the list of known names before anything is built, and the assembly step
-(training/build.py, checkpoint/inference.py, the sampling setup) resolves each name once. Adding an
+(training/build.py, checkpoint/loading.py, the sampling setup) resolves each name once. Adding an
 implementation (an objective, schedule, sampling policy or cache, source, record format, artifact
 layout, tokenizer, attention backend, family, norm, activation, learning-rate schedule) is its own
 file or function plus one line here; an objective or a source also brings its config section (its

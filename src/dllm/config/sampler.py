@@ -160,7 +160,7 @@ def resolve_sampler(cfg: SamplerConfig, profile: DecodeProfile) -> SamplerConfig
     loop (`generation`; canvas_denoise for a DiffusionGemma profile, `_resolve_denoise`), and refuse a
     sampler the model was not trained for. Causal decoding reads only the length, temperature,
     top-k/p, EOS and stop fields as they are (whether the model is causal is the loader's to say:
-    `sampling.causal.is_causal_model` also knows the model family)."""
+    `models.families.base.is_causal_model` also knows the model family)."""
     if profile.attention == "prefix_canvas" and cfg.generation != "causal":
         return _resolve_denoise(cfg, profile)
     _refuse_denoise_fields(cfg)

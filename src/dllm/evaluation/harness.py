@@ -52,15 +52,15 @@ except ImportError as err:  # an optional extra
 import torch
 from pydantic import Field, ValidationError
 
-from dllm.checkpoint.inference import load_for_inference
+from dllm.checkpoint.loading import load_for_inference
 from dllm.config.base import Float, Int, Section, Seed
 from dllm.config.loading import format_validation_error, read_yaml, validate_config
 from dllm.config.sampler import SamplerConfig, resolve_sampler
 from dllm.errors import ConfigError, UserError
 from dllm.evaluation.likelihood import ScoringModel, guided_hidden, nelbo_samples, predictor_hidden, scoring_for
 from dllm.inference.engine import generate
+from dllm.models.families.base import is_causal_model
 from dllm.sampling.canvas import SpecialIds
-from dllm.sampling.causal import is_causal_model
 from dllm.sampling.stops import cut_at_stop, stop_function
 
 DEFAULT_MAX_GEN_TOKS = 64

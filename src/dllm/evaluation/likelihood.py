@@ -303,7 +303,7 @@ def summarize(parts: list[NelboSamples], exact: bool = False) -> LikelihoodSumma
 
 
 def scoring_for(loaded, kind: str = "auto") -> ScoringModel:
-    """How to score a loaded model (checkpoint.inference.LoadedModel), from its decode profile: the
+    """How to score a loaded model (checkpoint.loading.LoadedModel), from its decode profile: the
     block bound for block models, the masked bound otherwise; `ar` for an imported causal model."""
     from dllm.errors import ConfigError
 
@@ -346,7 +346,7 @@ def _check_causal(loaded) -> None:
     """`ar` is the exact likelihood of a causal model only (the same test as `generate --ar`): through a
     causal mask a bidirectional or block model's predictions are no likelihood of anything."""
     from dllm.errors import ConfigError
-    from dllm.sampling.causal import is_causal_model
+    from dllm.models.families.base import is_causal_model
 
     profile = loaded.profile
     if profile.attention == "causal" or is_causal_model(profile, loaded.model_cfg):

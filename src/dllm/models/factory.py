@@ -1,6 +1,6 @@
 """Building a model from its config sections: the architecture, initial weights, LoRA adapters.
 
-Training (`training/build.py`) and inference (`checkpoint/inference.py`) share these, so a run's
+Training (`training/build.py`) and inference (`checkpoint/loading.py`) share these, so a run's
 model is rebuilt the same way everywhere: base weights (seeded init or `model.init_from`), then
 adapters with their own seeded generator.
 """

@@ -40,9 +40,6 @@ import torch
 from torch import nn
 
 from dllm.attention.masks import AttentionMask
-from dllm.config.model import ModelConfig
-from dllm.config.profile import DecodeProfile
-from dllm.config.registries import FAMILIES
 from dllm.models.capture import CapturedLayers, capture_layers
 from dllm.models.linear_state import RowStates
 from dllm.sampling.results import Counters
@@ -357,18 +354,3 @@ def score_tokens(model: nn.Module, rows: Sequence[Sequence[int]], top: int = 0, 
                     tops += [[] for _ in range(n - 1)]
                 scores.append(TokenScores(logprobs, tops))
     return scores
-
-
-# ---------------------------------------------------------------------------------------------------
-# which models decode causally
-
-
-def is_causal_model(profile: DecodeProfile, model_cfg: ModelConfig) -> bool:
-    """Whether a loaded model decodes autoregressively: its profile says attention causal (a run trained
-    with objective ar, or exported from one), or it is a folder never trained here (no objective in its
-    profile) of a causal LM (`Family.is_causal_lm`: llama, qwen2, qwen3, qwen3_moe, gpt2, and Gemma 4's text
-    model, a diffusion_gemma stack without the canvas block; not llada, dream, bert or DiffusionGemma). A
-    diffusion run converted from an AR model is not: it was trained otherwise."""
-    if profile.attention == "causal":
-        return True
-    return profile.objective is None and FAMILIES.resolve(model_cfg.family).is_causal_lm(model_cfg)

@@ -7,7 +7,7 @@ import math
 import threading
 import time
 
-from dllm.checkpoint.inference import LoadedModel
+from dllm.checkpoint.loading import LoadedModel
 from dllm.config.sampler import SamplerConfig
 from dllm.errors import ConfigError
 from dllm.sampling.canvas import SpecialIds
@@ -31,9 +31,9 @@ def make_state(loaded: LoadedModel, cfg: SamplerConfig, *, model_id: str | None 
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_prompt_tokens: int | None = None,
                max_steps: int | None = None, drafter: Drafter | None = None,
                max_calls: int | None = None) -> ServeState:  # fmt: skip
-    """A server's state over a `checkpoint.inference.LoadedModel` and the resolved default sampler (generation
+    """A server's state over a `checkpoint.loading.LoadedModel` and the resolved default sampler (generation
     causal: a causal model decoded token by token, or with `drafter` speculatively; see
-    `checkpoint.inference.setup_sampling`). `max_prompt_tokens` None: the model's positions less one;
+    `inference.assembly.setup_sampling`). `max_prompt_tokens` None: the model's positions less one;
     `max_steps` None: see `default_max_steps`; `max_calls`: requests decoding at once (None: as many as
     `max_batch` rows hold)."""
     objective = loaded.profile.objective

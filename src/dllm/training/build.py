@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-from dllm.checkpoint.inference import LoadedModel, derive_profile, drafter_config, load_target
+from dllm.checkpoint.loading import LoadedModel, derive_profile, drafter_config, load_target
 from dllm.checkpoint.manager import CheckpointManager
 from dllm.config.profile import DecodeProfile
 from dllm.config.registries import OBJECTIVES

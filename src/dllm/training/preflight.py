@@ -59,7 +59,7 @@ def resolve_run_spec(
         )
     spec = spec.model_copy(update={"model": model.model_copy(update={"vocab_size": max(vocab, tok.vocab_size)})})
     if spec.objective.name == "dflash_distillation":  # its target layers and architecture fit the target
-        from dllm.checkpoint.inference import drafter_config
+        from dllm.checkpoint.loading import drafter_config
 
         drafter_config(spec.objective, spec.model, tok.mask_id)
     check_topology(spec, world_size if world_size is not None else spec.topology.world_size)
@@ -113,7 +113,7 @@ def resolve_run_spec(
 def _target_as_model(spec: RunSpec) -> tuple[RunSpec, list[str]]:
     """A drafter run's `model` is its target's architecture (the drafter's blocks copy it; sizes,
     memory and the decode profile are read from it): filled from objective.target."""
-    from dllm.checkpoint.inference import target_model_config
+    from dllm.checkpoint.loading import target_model_config
 
     notes = []
     if spec.model.model_fields_set - {"attention_backend", "flex_compile"}:

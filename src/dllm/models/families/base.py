@@ -131,3 +131,16 @@ def drop_tied_head(sd: StateDict, cfg: ModelConfig) -> StateDict:
     if cfg.tie_embeddings:
         sd.pop("lm_head.weight", None)
     return sd
+
+
+def is_causal_model(profile: DecodeProfile, model_cfg: ModelConfig) -> bool:
+    """Whether a loaded model decodes autoregressively: its profile says attention causal (a run trained
+    with objective ar, or exported from one), or it is a folder never trained here (no objective in its
+    profile) of a causal LM (`Family.is_causal_lm`: llama, qwen2, qwen3, qwen3_moe, gpt2, and Gemma 4's text
+    model, a diffusion_gemma stack without the canvas block; not llada, dream, bert or DiffusionGemma). A
+    diffusion run converted from an AR model is not: it was trained otherwise."""
+    from dllm.config.registries import FAMILIES  # resolved on use (its entries are this part's modules)
+
+    if profile.attention == "causal":
+        return True
+    return profile.objective is None and FAMILIES.resolve(model_cfg.family).is_causal_lm(model_cfg)
