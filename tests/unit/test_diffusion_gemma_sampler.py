@@ -221,7 +221,7 @@ def test_sampler_config_maps_onto_the_denoiser():
     mask = PROFILE.model_copy(update={"attention": "bidirectional", "block_size": None, "corruption": "mask"})
     assert resolve_sampler(SamplerConfig(), mask).generation == "canvas"
     elsewhere = [
-        ({"denoise_entropy_bound": 0.3}, "^sampler.denoise_entropy_bound: applies to canvas_denoise"),
+        ({"denoise_entropy_bound": 0.3}, "^sampler.denoise_entropy_bound: no effect on canvas decoding"),
         ({"generation": "canvas_denoise"}, "^sampler.generation: canvas_denoise decodes DiffusionGemma"),
     ]
     for values, message in elsewhere:

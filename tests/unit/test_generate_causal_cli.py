@@ -127,3 +127,15 @@ def test_block_size_mismatch_is_refused(folders, tmp_path, capsys, monkeypatch):
     code, _, err = run(["generate", "--model", str(folders["ar"]), "--draft", str(tmp_path), "--draft-block-size",
                         "8", "-p", "x"], capsys)  # fmt: skip
     assert code == 2 and "trained with blocks of 4, not 8" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("field", ["policy=threshold", "cache=dual", "steps=99"])
+def test_a_diffusion_field_with_ar_is_one_line(folders, field, capsys):
+    """`generate --ar --set policy=threshold` used to run without a word: a field causal decoding does not read is
+    refused before decoding, one line and exit 2."""
+    code, out, err = run(["generate", "--model", str(folders["ar"]), "--ar", *PROMPTS, "--set", field], capsys)
+    assert code == 2 and out == ""
+    name = field.split("=")[0]
+    assert (
+        err.strip().startswith(f"dllm: error: sampler.{name}: no effect on causal decoding") and "\n" not in err.strip()
+    )

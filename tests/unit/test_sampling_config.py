@@ -93,3 +93,34 @@ def test_uniform_runs_need_the_uniform_policy_and_back():
 def test_block_attention_without_a_known_block_length_is_refused():
     with pytest.raises(ConfigError, match="needs the model's block length"):
         resolve_sampler(SamplerConfig(gen_length=16, attention="block"), profile(None, None))
+
+
+@pytest.mark.parametrize(
+    ("fields", "refused"),
+    [
+        ({"generation": "causal", "policy": "threshold"}, "policy"),
+        ({"generation": "causal", "cache": "dual"}, "cache"),
+        ({"generation": "causal", "steps": 99}, "steps"),
+        ({"generation": "causal", "block_length": 8, "gen_length": 16}, "block_length"),
+        ({"generation": "causal", "compile": True}, "compile"),
+        ({"generation": "causal", "denoise_cache": False}, "denoise_cache"),
+        ({"edit_kappa": "linear"}, "edit_kappa"),  # a masked model's canvas loop
+        ({"denoise_t_min": 0.1}, "denoise_t_min"),
+    ],
+)
+def test_a_field_the_chosen_mode_does_not_read_is_refused(fields, refused):
+    """Every generation mode reads its own fields (config.sampler.READS): one set to anything but its default is
+    refused in one line naming it, rather than accepted and ignored."""
+    with pytest.raises(ConfigError, match=f"^sampler.{refused}: no effect on ") as e:
+        resolve_sampler(SamplerConfig(**fields), profile(run_spec(name="mdlm"), None))
+    assert "\n" not in str(e.value)
+    defaults = {k: SamplerConfig.model_fields[k].default for k in fields if k != "generation"}
+    resolve_sampler(SamplerConfig(**{**fields, **defaults}), profile(run_spec(name="mdlm"), None))  # defaults: fine
+
+
+def test_the_fields_each_mode_reads_cover_the_sampler():
+    from dllm.config.sampler import READS
+
+    every = set(SamplerConfig.model_fields)
+    assert set().union(*READS.values()) == every  # no field is read by no mode
+    assert READS["causal"] < READS["canvas"]  # causal decoding reads a subset: the shared base and top-k/p

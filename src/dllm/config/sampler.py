@@ -15,13 +15,28 @@ MAX_STEPS = 1 << 20
 """The largest step budget (a forward each): more is no schedule, and sizes a tensor past what torch can index."""
 DENOISE_STEPS = 48
 """canvas_denoise: steps per canvas when `steps` is unset (the reference generation mixin's max_denoising_steps)."""
-NOT_FOR_DENOISE = ("policy", "threshold", "edit_threshold", "max_post_steps", "min_commit", "factor", "top_k", "top_p",
-                   "cfg_scale", "cache", "refresh_every", "attention", "sub_block_length", "causal_context", "shift",
-                   "reuse_unchanged", "edit_kappa", "edit_end_time")  # fmt: skip
-"""SamplerConfig fields that have no effect on canvas_denoise (refused there when set to other than their default)."""
 DENOISE_FIELDS = ("denoise_entropy_bound", "denoise_t_min", "denoise_t_max", "denoise_stability_threshold",
                   "denoise_confidence_threshold", "denoise_cache")  # fmt: skip
-"""The fields of canvas_denoise alone (refused for the other loops when set to other than their default)."""
+"""The fields of canvas_denoise alone."""
+SHARED_FIELDS = ("gen_length", "temperature", "stop_at_eos", "stop_strings", "seed", "generation")
+"""What every generation mode reads: the length, the temperature, the ends, the seed."""
+CANVAS_FIELDS = ("block_length", "steps", "policy", "threshold", "edit_threshold", "max_post_steps", "min_commit",
+                 "factor", "top_k", "top_p", "cfg_scale", "cache", "refresh_every", "attention", "sub_block_length",
+                 "causal_context", "shift", "reuse_unchanged", "compile")  # fmt: skip
+READS: dict[str, frozenset[str]] = {
+    "canvas": frozenset((*SHARED_FIELDS, *CANVAS_FIELDS)),
+    "causal": frozenset((*SHARED_FIELDS, "top_k", "top_p")),
+    "edit_flow": frozenset((*SHARED_FIELDS, "steps", "edit_kappa", "edit_end_time", "compile")),
+    "canvas_denoise": frozenset((*SHARED_FIELDS, "steps", "block_length", "compile", *DENOISE_FIELDS)),
+}
+"""The fields each generation mode reads (the others are refused by `resolve_sampler` when set to other than their
+default, the same way everywhere: one line on the command line, a 400 naming the field on the server)."""
+HOW = {
+    "canvas": "canvas decoding (mask policies and caches)",
+    "causal": "causal decoding (AR, or speculative with a drafter: one token per position, no steps, no canvas)",
+    "edit_flow": "edit_flow decoding (tau-leaping over edit rates: no mask policy, cache, guidance or blocks)",
+    "canvas_denoise": "canvas_denoise, DiffusionGemma's canvas sampler (random canvases, no mask policy)",
+}
 
 
 class SamplerConfig(Section):
@@ -163,8 +178,8 @@ def resolve_sampler(cfg: SamplerConfig, profile: DecodeProfile) -> SamplerConfig
     `models.families.base.is_causal_model` also knows the model family)."""
     if profile.attention == "prefix_canvas" and cfg.generation != "causal":
         return _resolve_denoise(cfg, profile)
-    _refuse_denoise_fields(cfg)
     if cfg.generation == "causal":
+        refuse_unread(cfg, "causal")
         _check_length(cfg, profile)
         return cfg
     if profile.attention == "causal":
@@ -181,6 +196,7 @@ def resolve_sampler(cfg: SamplerConfig, profile: DecodeProfile) -> SamplerConfig
     if profile.corruption != "uniform" and cfg.policy == "uniform":
         raise ConfigError(f"sampler.policy: uniform decodes uniform-state models; {trained}")
     generation = _check_generation(cfg, profile, trained)
+    refuse_unread(cfg, generation)
     _check_length(cfg, profile)
     attention = cfg.attention if cfg.attention != "auto" else profile.attention
     shift = cfg.shift if cfg.shift != "auto" else ("on" if profile.shift else "off")
@@ -257,9 +273,7 @@ def _resolve_denoise(cfg: SamplerConfig, profile: DecodeProfile) -> SamplerConfi
     if cfg.generation not in ("auto", "canvas_denoise"):
         raise ConfigError(f"sampler.generation: {cfg.generation} cannot decode this model, which decodes with {what}; "
                           "use generation auto")  # fmt: skip
-    for name in NOT_FOR_DENOISE:
-        if getattr(cfg, name) != SamplerConfig.model_fields[name].default:
-            raise ConfigError(f"sampler.{name}: no effect on {what}; leave it out")
+    refuse_unread(cfg, "canvas_denoise")
     if cfg.temperature not in (0.0, 1.0):
         raise ConfigError(
             f"sampler.temperature: {cfg.temperature}: canvas_denoise proposes each position's argmax (0) or samples "
@@ -281,9 +295,9 @@ def _resolve_denoise(cfg: SamplerConfig, profile: DecodeProfile) -> SamplerConfi
     return resolved
 
 
-def _refuse_denoise_fields(cfg: SamplerConfig) -> None:
-    """The fields of canvas_denoise set for a model that another loop decodes (they would do nothing)."""
-    for name in DENOISE_FIELDS:
-        if getattr(cfg, name) != SamplerConfig.model_fields[name].default:
-            raise ConfigError(f"sampler.{name}: applies to canvas_denoise (DiffusionGemma models, attention "
-                              "prefix_canvas); this model decodes otherwise: leave it out")  # fmt: skip
+def refuse_unread(cfg: SamplerConfig, generation: str) -> None:
+    """A field `generation`'s loop does not read, set to other than its default: one line naming it (it would do
+    nothing)."""
+    for name, info in SamplerConfig.model_fields.items():
+        if name not in READS[generation] and getattr(cfg, name) != info.get_default(call_default_factory=True):
+            raise ConfigError(f"sampler.{name}: no effect on {HOW[generation]}; leave it out")

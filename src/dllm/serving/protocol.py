@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError,
 
 from dllm.config.base import MAX_SEED
 from dllm.config.profile import DecodeProfile
-from dllm.config.sampler import DENOISE_FIELDS, SamplerConfig, resolve_sampler
+from dllm.config.sampler import DENOISE_FIELDS, HOW, READS, SamplerConfig, resolve_sampler
 from dllm.errors import UserError
 from dllm.serving.errors import ApiError
 from dllm.serving.unserved import LOGPROB_FIELDS, MESSAGE_FIELDS, REQUEST_FIELDS, SPECULATIVE_FIELDS, refuse_unserved
@@ -32,27 +32,13 @@ DIFFUSION_FIELDS = (
     "cfg_scale", "top_k", "stop_at_eos", "reuse_unchanged", "edit_threshold", "max_post_steps", "min_commit",
     *DENOISE_FIELDS,
 )  # fmt: skip
-CAUSAL_FIELDS = ("top_k", "stop_at_eos")
-"""The extra fields that also apply to a causal model (AR or speculative decoding: one token per position,
-no steps, no canvas policy); the others are a 400 there."""
-CANVAS_DENOISE_FIELDS = ("steps", "block_length", "stop_at_eos", *DENOISE_FIELDS)
-"""The extra fields that apply to a DiffusionGemma model (generation canvas_denoise: random canvases, no mask
-policy, no cache kinds, no guidance); the others are a 400 there (DENOISE_FIELDS are a 400 everywhere else)."""
-_NOT_READ = {
-    "causal": "a diffusion setting; this server decodes a causal model one token per position",
-    "canvas_denoise": "no effect on this server's DiffusionGemma model, which denoises random canvases with no mask "
-    "policy",
-}
 
 
 def request_fields(generation: str) -> tuple[str, ...]:
-    """The extra (non-OpenAI) fields a server whose sampler's generation is `generation` reads; the model card of
-    GET /v1/models lists them, so that a client (the page) sends only those."""
-    if generation == "causal":
-        return CAUSAL_FIELDS
-    if generation == "canvas_denoise":
-        return CANVAS_DENOISE_FIELDS
-    return tuple(name for name in DIFFUSION_FIELDS if name not in DENOISE_FIELDS)
+    """The extra (non-OpenAI) fields a server whose sampler's generation is `generation` reads (config.sampler.READS:
+    the rule `resolve_sampler` applies everywhere); the model card of GET /v1/models lists them, so that a client
+    (the page) sends only those."""
+    return tuple(name for name in DIFFUSION_FIELDS if name in READS[generation])
 
 
 MAX_N = 16
@@ -313,10 +299,10 @@ def sampler_settings(req: _Request, base: SamplerConfig, profile: DecodeProfile,
     extra = {k: _field_value(k, v) for k, v in (req.model_extra or {}).items() if k in DIFFUSION_FIELDS}
     causal = base.generation == "causal"
     fields = request_fields(base.generation)
-    for name in extra:  # (a canvas model's SamplerConfig refuses DiffusionGemma's own fields itself)
-        if name not in fields and base.generation in _NOT_READ:
-            raise ApiError(400, f"{name}: {_NOT_READ[base.generation]} (fields that apply: {', '.join(fields)})",
-                           param=name, code="unsupported_field")  # fmt: skip
+    for name in extra:  # the rule of resolve_sampler (config.sampler.READS), with the fields that do apply
+        if name not in fields:
+            raise ApiError(400, f"{name}: no effect on this server's {HOW[base.generation]} (fields that apply: "
+                           f"{', '.join(fields)})", param=name, code="unsupported_field")  # fmt: skip
     values.update(extra)
     length_field = req.max_tokens_field() or "max_tokens"
     max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens
