@@ -121,9 +121,10 @@ def _an_error_clears_the_old_output(browser) -> None:
     assert sent == " too long "
 
 
-def test_page_sends_only_what_a_causal_server_reads():
-    """On a causal model's server (`dllm serve --ar`) Generate failed every time: the page always sent a
-    policy, which that server refuses. The model card lists what the server reads; the page hides the
+@pytest.mark.parametrize("draft", [False, True], ids=["ar", "draft"])
+def test_page_sends_only_what_a_causal_server_reads(draft: bool):
+    """On a causal model's server (`dllm serve --ar`, or `--draft`) Generate failed every time: the page always
+    sent a policy, which that server refuses. The model card lists what the server reads; the page hides the
     policy and steps controls and sends neither, and shows the model's answer."""
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
@@ -131,10 +132,11 @@ def test_page_sends_only_what_a_causal_server_reads():
     from dllm.serving.server import BackgroundServer, make_state
     from tests.distributed.harness import free_port
     from tests.integration.serve_support import tiny_loaded
-    from tests.integration.test_serve_causal import causal_base
+    from tests.integration.test_serve_causal import causal_base, random_drafter
 
     loaded = tiny_loaded()
-    state = make_state(loaded, causal_base(loaded), model_id="tiny-ar")
+    drafter = random_drafter(loaded) if draft else None
+    state = make_state(loaded, causal_base(loaded), model_id="tiny-ar", drafter=drafter)
     with BackgroundServer(state, port=free_port()) as srv:
         card = httpx.get(srv.url + "/v1/models").json()["data"][0]["dllm"]
         assert card["generation"] == "causal" and "policy" not in card["fields"] and "steps" not in card["fields"]
