@@ -4,14 +4,17 @@ RSS soak.
 
 --mode mixed (the serving engine's comparison): random models (the `tiny` preset over bytes, no training
 needed: a request's cost does not depend on what the weights say), served twice each as subprocesses on
-loopback: the default engine (--max-calls 4: a causal model's requests join one running batch between
-forwards, diffusion calls take turns step by step) and --max-calls 1 (each call to its end, the engine
-before). For a causal model (`serve --ar`, a random llama) and a diffusion model (MDLM), --rounds rounds
+loopback: the default engine (every request joins the inference engine's running batch, sharing forwards
+where its settings allow) and --max-calls 1 (one request at a time, each to its end, the engine before).
+For a causal model (`serve --ar`, a random llama) and a diffusion model (MDLM), --rounds rounds
 of --clients concurrent requests whose max_tokens cycle through 8..512 (EOS off, so every request makes
 its length), alternating the two servers round by round. Reported per model and engine: generated
 tokens/s (median over rounds) and the ratio (target >= 1.5), p50/p99 latency, errors (target 0); and
 the latency of an 8-token request sent while a 512-token one runs, over its latency alone (target <=
-3x). Then the default causal server runs the same mixed load for --soak-s seconds (default 300) and its
+3x). Kind `speculative`: the random llama served with --draft (a random DFlash drafter of it), half of the
+requests sending `speculative: false` (AR), all in one running batch: tokens/s, the speculative counters, and
+how many requests' text equals `generate` of each alone (in-process, with or without the drafter as asked).
+Then the default causal server runs the same mixed load for --soak-s seconds (default 300) and its
 resident memory (VmRSS) is read after a first round at full load and at the end (target: growth < 10%).
 
 --mode batching (one length for every request): --rounds rounds of --clients concurrent requests of
@@ -126,7 +129,11 @@ def main() -> int:
     ap.add_argument("--mode", choices=("mixed", "batching"), default="mixed")
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=None, help="Rounds per server (default: mixed 2, batching 4).")
-    ap.add_argument("--kinds", default="ar,diffusion", help="mixed: the models compared (ar, diffusion).")
+    ap.add_argument(
+        "--kinds",
+        default="ar,diffusion,speculative",
+        help="mixed: the models compared (ar, diffusion; speculative: the mixed AR + drafter load).",
+    )
     ap.add_argument("--lengths", default="8,16,32,64,128,256,512", help="mixed: the max_tokens the clients cycle.")
     ap.add_argument("--max-tokens", type=int, default=32, help="batching: every request's max_tokens.")
     ap.add_argument("--max-batch", type=int, default=64, help="The batched server's --max-batch.")
@@ -261,9 +268,12 @@ def mixed(args: argparse.Namespace) -> int:
     soak_server = None
     try:
         for kind in args.kinds.split(","):
+            if kind == "speculative":
+                summary[kind] = speculative_mixed(work, plan, args)
+                continue
             model = write_model(work / kind, args.preset, max(lengths) + 64, "llama" if kind == "ar" else None)
             extra = ("--set", "stop_at_eos=false") + (("--ar",) if kind == "ar" else ())
-            servers = {"continuous": Server(model, args.max_batch, 10.0, (*extra, "--max-calls", "4")),
+            servers = {"continuous": Server(model, args.max_batch, 10.0, extra),
                        "one_call": Server(model, args.max_batch, 10.0, (*extra, "--max-calls", "1"))}  # fmt: skip
             results: dict[str, list[dict]] = {k: [] for k in servers}
             try:
@@ -347,6 +357,83 @@ def running_batch_ceiling(model_dir: Path, plan: list[int], args: argparse.Names
         running()
         ratios.append((t1 - t0) / (time.perf_counter() - t1))
     return round(statistics.median(ratios), 2)
+
+
+def write_drafter(model_dir: Path, folder: Path, block: int = 4) -> Path:
+    """A random DFlash drafter (one layer, blocks of `block`) of the model folder `model_dir`."""
+    import torch
+
+    from dllm.checkpoint.loading import load_for_inference
+    from dllm.config.drafter import DFlashConfig
+    from dllm.models.dflash import DFlashDrafter
+    from dllm.models.dflash_io import save_drafter
+
+    loaded = load_for_inference(model_dir=model_dir)
+    cfg = DFlashConfig(num_layers=1, block_size=block, target_layer_ids=(0, 1), mask_id=loaded.profile.mask_id,
+                       target=loaded.model_cfg)  # fmt: skip
+    drafter = DFlashDrafter(cfg)
+    drafter.init_weights(torch.Generator().manual_seed(3))
+    return save_drafter(folder, drafter.attach(loaded.model))
+
+
+def speculative_mixed(work: Path, plan: list[int], args: argparse.Namespace) -> dict:
+    """The mixed load on a --draft server, every other request declining the drafter (`speculative: false`): one
+    running batch; each request's text against `generate` of it alone (greedy: token for token)."""
+    model = write_model(work / "speculative", args.preset, max(plan) + 64, "llama")
+    drafter = write_drafter(model, work / "drafter")
+    srv = Server(model, args.max_batch, 10.0, ("--set", "stop_at_eos=false", "--draft", str(drafter)))
+    bodies = [{"prompt": f"{(i * 7) % 50} + {(i * 3) % 50} =", "max_tokens": n, "temperature": 0,
+               "speculative": i % 2 == 0} for i, n in enumerate(plan)]  # fmt: skip
+    try:
+        asyncio.run(mixed_round(srv.url, [8, 8], -1, args.round_timeout_s))  # warm-up
+        t0 = time.perf_counter()
+        replies = asyncio.run(post_all(srv.url, bodies, args.round_timeout_s))
+        wall = time.perf_counter() - t0
+    finally:
+        srv.stop()
+    ok = [r for r in replies if r is not None]
+    tokens = sum(r["usage"]["completion_tokens"] for r in ok)
+    spec = [r["dllm"] for r, b in zip(replies, bodies, strict=True) if r is not None and b["speculative"]]
+    equal = equal_alone(model, drafter, bodies, replies)
+    return {"requests": len(bodies), "speculative_requests": sum(b["speculative"] for b in bodies),
+            "errors": len(bodies) - len(ok), "tokens_per_s": round(tokens / wall, 1), "wall_s": round(wall, 2),
+            "mean_batch_rows": round(statistics.mean(r["dllm"]["batch_rows"] for r in ok), 2),
+            "speculative_tau": round(statistics.mean(d["tau"] for d in spec), 3) if spec else None,
+            "equal_alone": equal, "tokens_equal_alone": equal == len(bodies)}  # fmt: skip
+
+
+async def post_all(url: str, bodies: list[dict], timeout_s: float) -> list[dict | None]:
+    """Every body at once; the replies (None: an error)."""
+    limits = httpx.Limits(max_connections=len(bodies), max_keepalive_connections=len(bodies))
+    async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as http:
+
+        async def one(body: dict) -> dict | None:
+            try:
+                r = await http.post(url + "/v1/completions", json=body)
+                return r.json() if r.status_code == 200 else None
+            except httpx.HTTPError:
+                return None
+
+        return list(await asyncio.gather(*(one(b) for b in bodies)))
+
+
+def equal_alone(model_dir: Path, drafter_dir: Path, bodies: list[dict], replies: list[dict | None]) -> int:
+    """How many replies' text equals `generate` of the request alone (its drafter or none, as it asked)."""
+    import torch
+
+    from dllm.config.sampler import SamplerConfig
+    from dllm.inference.assembly import setup_sampling
+    from dllm.inference.engine import generate
+
+    base = SamplerConfig(generation="causal", gen_length=8, stop_at_eos=False)
+    s = setup_sampling(base, torch.device("cpu"), model_dir=model_dir, drafter_dir=drafter_dir)
+    tok, equal = s.loaded.tokenizer, 0
+    for body, reply in zip(bodies, replies, strict=True):
+        cfg = s.sampler.model_copy(update={"gen_length": body["max_tokens"]})
+        drafter = s.drafter if body["speculative"] else None
+        alone = generate(s.loaded.model, [tok.encode(body["prompt"])], cfg, s.special, drafter=drafter)
+        equal += reply is not None and reply["choices"][0]["text"] == tok.decode(alone.sequences[0])
+    return equal
 
 
 def mixed_soak(srv: Server, plan: list[int], args: argparse.Namespace) -> dict:

@@ -109,11 +109,48 @@ class CausalRows:
             self._rebuild(list(range(len(self.owner))) + [-1] * max(num_rows - free, 0), capacity)
 
     def step(self, reqs: list[Request]) -> None:
-        """One forward of every running row (`reqs`: the running requests, each waiting with a CausalCall)."""
+        """One forward of every running row (`reqs`: the running requests, each waiting with a CausalCall): each
+        request is sent its rows' logits and features, then every row keeps what its loop kept."""
         assert self.target is not None and set(reqs) == set(self.rows), "a step runs every causal request's rows"
-        R = len(self.owner)
         calls: list[CausalCall] = [r.need for r in reqs]
-        Q = max(c.tokens_BQ.shape[1] for c in calls)
+        tokens_RQ, wanted_RQ, keep_R = self._gather(reqs, calls)
+        R, Q = tokens_RQ.shape
+        layer_ids = tuple(dict.fromkeys(i for c in calls for i in c.layer_ids))
+        self.capture(layer_ids)  # the blocks this step's loops read (their drafters')
+        key_end = int(self.target.length_B.max()) + Q
+        if key_end > self.target.cache.capacity:  # a short row padded to a long row's call: room for its queries
+            self.reserve(0, key_end)
+        before = (self.counters.query_tokens, self.counters.cached_tokens)
+        logits_MV, features_RQF = self.target.forward(tokens_RQ, wanted_RQ, keep_R)
+        # each request's share of the forward's query and cached positions (rows x positions, padding included)
+        query, cached = self.counters.query_tokens - before[0], self.counters.cached_tokens - before[1]
+        at_RQ = wanted_RQ.flatten().cumsum(0).view(R, Q) - 1  # each wanted row's index into the M logit rows
+        kept_R = torch.zeros(R, dtype=torch.long, device=self.device)
+        for req, call in zip(reqs, calls, strict=True):
+            index, (n, q) = self._index(req), call.tokens_BQ.shape
+            at_nR = at_RQ[index, :q] if call.logit_rows_BR is None else at_RQ[index[:, None], call.logit_rows_BR]
+            features = None if features_RQF is None else _layers(features_RQF[index, :q], layer_ids, call.layer_ids)
+            c = req.counters
+            c.nfe, c.query_tokens, c.cached_tokens = (
+                c.nfe + 1,
+                c.query_tokens + query * n // R,
+                c.cached_tokens + cached * n // R,
+            )
+            req.batch_rows += R
+            req.answer((logits_MV[at_nR], features))
+            if req.error is None:
+                kept_R[index] = req.loop.kept_B
+        self.target.commit(kept_R)
+        for req in reqs:
+            if req.done:
+                self.leave(req)
+
+    def _gather(
+        self, reqs: list[Request], calls: list[CausalCall]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The step's tokens [R, Q] (each request's rows right-padded to the longest call), the rows whose logits
+        are read, and what each row keeps when every call knows it before the forward (else None)."""
+        R, Q = len(self.owner), max(c.tokens_BQ.shape[1] for c in calls)
         tokens_RQ = torch.zeros(R, Q, dtype=torch.long, device=self.device)
         wanted_RQ = torch.zeros(R, Q, dtype=torch.bool, device=self.device)
         keep_R = torch.zeros(R, dtype=torch.long, device=self.device)
@@ -127,32 +164,7 @@ class CausalRows:
             if call.keep_B is not None:
                 keep_R[index] = call.keep_B
         known = all(c.keep_B is not None for c in calls)
-        layer_ids = tuple(dict.fromkeys(i for c in calls for i in c.layer_ids))
-        self.capture(layer_ids)  # the blocks this step's loops read (their drafters')
-        key_end = int(self.target.length_B.max()) + Q
-        if key_end > self.target.cache.capacity:  # a short row padded to a long row's call: room for its queries
-            self.reserve(0, key_end)
-        before = (self.counters.query_tokens, self.counters.cached_tokens)
-        logits_MV, features_RQF = self.target.forward(tokens_RQ, wanted_RQ, keep_R if known else None)
-        # each request's share of the forward's query and cached positions (rows x positions, padding included)
-        query, cached = self.counters.query_tokens - before[0], self.counters.cached_tokens - before[1]
-        at_RQ = wanted_RQ.flatten().cumsum(0).view(R, Q) - 1  # each wanted row's index into the M logit rows
-        kept_R = torch.zeros(R, dtype=torch.long, device=self.device)
-        for req, call in zip(reqs, calls, strict=True):
-            index, (n, q) = self._index(req), call.tokens_BQ.shape
-            at_nR = at_RQ[index, :q] if call.logit_rows_BR is None else at_RQ[index[:, None], call.logit_rows_BR]
-            features = None if features_RQF is None else _layers(features_RQF[index, :q], layer_ids, call.layer_ids)
-            c = req.counters
-            c.nfe, c.query_tokens, c.cached_tokens = c.nfe + 1, c.query_tokens + query * n // R, c.cached_tokens
-            c.cached_tokens += cached * n // R
-            req.batch_rows += R
-            req.answer((logits_MV[at_nR], features))
-            if req.error is None:
-                kept_R[index] = req.loop.kept_B
-        self.target.commit(kept_R)
-        for req in reqs:
-            if req.done:
-                self.leave(req)
+        return tokens_RQ, wanted_RQ, keep_R if known else None
 
     def capture(self, layer_ids: tuple[int, ...]) -> None:
         """Keep the hooks capturing `layer_ids` registered while the running requests read those blocks, rather
