@@ -85,13 +85,15 @@ def load_for_inference(
     device: torch.device | None = None,
     model_dir: Path | None = None,
     merge: bool = True,
+    dtype: torch.dtype | None = None,
 ) -> LoadedModel:
     """A model ready to sample: from a run folder, one checkpoint, or a pretrained folder (Hugging
-    Face or `dllm convert`)."""
+    Face or `dllm convert`). `dtype` casts its weights (and so its compute and KV caches) after loading and
+    merging; None keeps them as loaded (float32)."""
     if model_dir is not None:
         if run is not None or checkpoint is not None:
             raise CheckpointError("give one of --run, --checkpoint or --model")
-        return _load_pretrained(Path(model_dir), device)
+        return _load_pretrained(Path(model_dir), device, dtype)
     run_dir, ckpt = resolve_checkpoint(run, checkpoint)
     files = _listing(ckpt)  # as chosen: a load that fails after some of them went was racing a prune
     spec = load_config(RunSpec, run_dir / RUN_CONFIG)
@@ -117,7 +119,7 @@ def load_for_inference(
         warnings.warn(f"{ckpt}: no {PROFILE_FILE} (an older checkpoint); derived it from the run's config",
                       stacklevel=2)  # fmt: skip
         profile = derive_profile(spec.objective, spec.model, tok)
-    return LoadedModel(_ready(model, device), tok, spec.model, ckpt, profile, spec=spec)
+    return LoadedModel(_ready(model, device, dtype), tok, spec.model, ckpt, profile, spec=spec)
 
 
 def _load_run_weights(ckpt: Path, model: nn.Module, run_dir: Path, spec: RunSpec) -> None:
@@ -165,12 +167,13 @@ def _attention_for(cfg: ModelConfig, device: torch.device | None) -> ModelConfig
     )
 
 
-def _ready(model: nn.Module, device: torch.device | None) -> nn.Module:
+def _ready(model: nn.Module, device: torch.device | None, dtype: torch.dtype | None = None) -> nn.Module:
     model.eval()
-    return model.to(device) if device is not None else model
+    model = model.to(device) if device is not None else model
+    return factory.cast_weights(model, dtype) if dtype is not None else model
 
 
-def _load_pretrained(folder: Path, device: torch.device | None) -> LoadedModel:
+def _load_pretrained(folder: Path, device: torch.device | None, dtype: torch.dtype | None = None) -> LoadedModel:
     from dllm.config.data import TokenizerConfig
     from dllm.models.pretrained import pretrained_config, pretrained_state, pretrained_tokenizer
 
@@ -181,7 +184,7 @@ def _load_pretrained(folder: Path, device: torch.device | None) -> LoadedModel:
     model = Transformer(cfg)
     model.load_state_dict(pretrained_state(cfg), strict=True)
     profile = read_profile(folder, vocab) or derive_profile(None, cfg, tok, folder)  # a folder from elsewhere
-    return LoadedModel(_ready(model, device), tok, cfg, folder, profile)
+    return LoadedModel(_ready(model, device, dtype), tok, cfg, folder, profile)
 
 
 # -- DFlash drafters and their targets ---------------------------------------------------------------

@@ -12,6 +12,7 @@ import typer
 
 from dllm.cli.common import MODEL_HELP, finite, info, out
 from dllm.cli.sampling_common import (
+    DTYPE_OPTION,
     SAMPLER_CONFIG_OPTION,
     SET_OPTION,
     check_prompt_lengths,
@@ -60,6 +61,7 @@ def chat(
     ar: bool = typer.Option(False, "--ar", help="Decode a causal model (an ar run, an imported llama/qwen folder)."),
     draft: str = typer.Option(None, "--draft", help="Speculative decoding of a causal model with this drafter."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
+    dtype: str = DTYPE_OPTION,
 ) -> None:
     """Chat with a model: type a message, get a reply; /reset clears the history, /exit (or EOF) quits."""
     import torch
@@ -69,7 +71,7 @@ def chat(
     if ar or draft is not None:
         flags["generation"] = "causal"
     s = setup_sampling(run, checkpoint, model, device, sampler_config, overrides, flags, draft=draft,
-                       causal_option="--draft" if draft is not None else "--ar")  # fmt: skip
+                       causal_option="--draft" if draft is not None else "--ar", dtype=dtype)  # fmt: skip
     cfg = s.sampler
     gen = torch.Generator(device=s.device).manual_seed(cfg.seed)
     history: list[dict[str, str]] = [{"role": "system", "content": valid_text(system)}] if system else []

@@ -67,6 +67,14 @@ def _thread_rows() -> list[tuple[str, str]]:
     return rows
 
 
+def bf16_rows(cpuinfo_text: str | None) -> list[tuple[str, str]]:
+    """Whether the CPU computes bfloat16 natively (cpuinfo.py) and what that means for training and decoding."""
+    from dllm.cpuinfo import bf16_support
+
+    support = bf16_support(cpuinfo_text)
+    return [("cpu bf16", support.summary()), ("bf16 here", support.meaning())]
+
+
 def _doctor_config(config: Path, overrides: list[str], rows: list[tuple[str, str]], as_json: bool) -> None:
     from dllm.config.loading import load_config
     from dllm.config.spec import RunSpec
@@ -101,7 +109,7 @@ def _machine_rows() -> list[tuple[str, str]]:
     import torch
     import torch.distributed as dist
 
-    from dllm import __version__
+    from dllm import __version__, cpuinfo
     from dllm.training.needs import compiler_available
 
     rows = [
@@ -110,6 +118,7 @@ def _machine_rows() -> list[tuple[str, str]]:
         ("platform", platform.platform()),
         ("cpu cores", str(os.cpu_count())),
         *_thread_rows(),
+        *bf16_rows(cpuinfo.read_cpuinfo()),
         ("torch", torch.__version__),
         ("cuda", f"{torch.cuda.device_count()} GPU(s)" if torch.cuda.is_available() else "not available"),
         (

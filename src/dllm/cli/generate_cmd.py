@@ -11,6 +11,7 @@ import typer
 from dllm.cli.common import MODEL_HELP, check_output_file, finite, info, out, seed_option, warn, write_lines
 from dllm.cli.sampling_common import (
     DRAFT_BLOCK_SIZE_OPTION,
+    DTYPE_OPTION,
     SAMPLER_CONFIG_OPTION,
     SET_OPTION,
     decode_batches,
@@ -56,6 +57,7 @@ def generate(
     batch_size: int = typer.Option(8, "--batch-size", help="Prompts decoded together."),
     seed: int = seed_option(None, "Sampling seed."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
+    dtype: str = DTYPE_OPTION,
     compile_model: bool = typer.Option(
         False, "--compile", help="Compile the model's blocks with torch.compile (pays off for many prompts, GPUs)."
     ),
@@ -91,7 +93,7 @@ def generate(
     check_output_file(output, reads=reads)
     option = "--draft" if draft is not None else "--ar"
     s = setup_sampling(run, checkpoint, model, device, sampler_config, overrides, flags, draft=draft,
-                       draft_block_size=draft_block_size, causal_option=option)  # fmt: skip
+                       draft_block_size=draft_block_size, causal_option=option, dtype=dtype)  # fmt: skip
     tok, cfg = s.loaded.tokenizer, s.sampler
     gen = torch.Generator(device=s.device).manual_seed(cfg.seed)
     progress = info if output is not None and len(texts) > batch_size else None  # a long job into a file

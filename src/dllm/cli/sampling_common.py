@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
-from dllm.cli.common import model_folder
+from dllm.cli.common import model_folder, warn
 from dllm.errors import ConfigError
 
 if TYPE_CHECKING:  # torch and the model stack load with the command, not with the CLI
@@ -32,6 +32,31 @@ DRAFT_BLOCK_SIZE_OPTION = typer.Option(
 )
 
 
+DTYPE_OPTION = typer.Option(
+    "float32",
+    "--dtype",
+    help="Weights, compute and KV caches of decoding: float32 or bfloat16 (logits are compared and sampled in "
+    "float32 either way; bf16 pays off on CPUs with native bf16, see dllm doctor).",
+)
+DECODE_DTYPES = ("float32", "bfloat16")
+
+
+def decode_dtype(name: str, device: str) -> Any:
+    """The torch dtype of `--dtype NAME` (float32 or bfloat16); on a CPU that computes bf16 without native
+    instructions (cpuinfo.py) bfloat16 is allowed with a warning: it is usually slower than float32 there."""
+    import torch
+
+    if name not in DECODE_DTYPES:
+        raise ConfigError(f"--dtype: {name!r} is not a decoding dtype; use {' or '.join(DECODE_DTYPES)}")
+    if name == "bfloat16" and device == "cpu":
+        from dllm.cpuinfo import bf16_support, read_cpuinfo
+
+        if bf16_support(read_cpuinfo()).native is False:
+            warn("--dtype bfloat16: this CPU has no native bf16 (dllm doctor); bf16 is emulated here and usually "
+                 "slower than float32")  # fmt: skip
+    return getattr(torch, name)
+
+
 def sampler_values(flags: dict[str, Any]) -> dict[str, Any]:
     """The flags the user gave (None means not given)."""
     return {k: v for k, v in flags.items() if v is not None}
@@ -49,9 +74,10 @@ def setup_sampling(
     draft: str | None = None,
     draft_block_size: int | None = None,
     causal_option: str = "--ar",
+    dtype: str = "float32",
 ) -> SamplingSetup:
-    """Build the sampler (file < flags < --set), load the model and resolve the sampler against it.
-    `model` and `draft` are folders or hub ids (cli.common.model_folder)."""
+    """Build the sampler (file < flags < --set), load the model in `dtype` (--dtype) and resolve the sampler
+    against it. `model` and `draft` are folders or hub ids (cli.common.model_folder)."""
     if draft_block_size is not None and draft is None:
         raise ConfigError("--draft-block-size applies to speculative decoding; give --draft DRAFTER_FOLDER too")
     import torch
@@ -74,10 +100,11 @@ def setup_sampling(
     cfg = validate_config(SamplerConfig, data, source=source, base_dir=None, node=node, overrides=list(overrides or []))
     if device not in ("cpu", "cuda") or (device == "cuda" and not torch.cuda.is_available()):
         raise ConfigError(f"--device: {device!r} is not available here; use cpu")
+    torch_dtype = decode_dtype(dtype, device)
     drafter_dir = model_folder(draft, "--draft") if draft is not None else None
     return load_and_resolve(cfg, torch.device(device), run=run, checkpoint=checkpoint, model_dir=model_folder(model),
                             drafter_dir=drafter_dir, draft_block_size=draft_block_size,
-                            causal_option=causal_option)  # fmt: skip
+                            causal_option=causal_option, dtype=torch_dtype)  # fmt: skip
 
 
 def denoise_summary(cfg: SamplerConfig) -> str:

@@ -8,7 +8,13 @@ from pathlib import Path
 import typer
 
 from dllm.cli.common import MODEL_HELP, finite, hub_id, info
-from dllm.cli.sampling_common import DRAFT_BLOCK_SIZE_OPTION, SAMPLER_CONFIG_OPTION, SET_OPTION, setup_sampling
+from dllm.cli.sampling_common import (
+    DRAFT_BLOCK_SIZE_OPTION,
+    DTYPE_OPTION,
+    SAMPLER_CONFIG_OPTION,
+    SET_OPTION,
+    setup_sampling,
+)
 from dllm.errors import ConfigError
 from dllm.parallel.threads import parse_threads, resolve_threads, use_threads
 from dllm.serving.limits import DEFAULT_MAX_BODY_BYTES
@@ -56,6 +62,7 @@ def serve(
     sampler_config: Path = SAMPLER_CONFIG_OPTION,
     overrides: list[str] = SET_OPTION,
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
+    dtype: str = DTYPE_OPTION,
     ar: bool = typer.Option(False, "--ar", help="Serve a causal (AR) model token by token with a KV cache."),
     draft: str = typer.Option(
         None, "--draft", help="Serve a causal model with speculative decoding by this drafter (a folder or hub id)."
@@ -86,7 +93,7 @@ def serve(
     causal = ar or draft is not None
     s = setup_sampling(run, checkpoint, model, device, sampler_config, overrides,
                        {"generation": "causal"} if causal else {}, draft=draft, draft_block_size=draft_block_size,
-                       causal_option="--draft" if draft is not None else "--ar")  # fmt: skip
+                       causal_option="--draft" if draft is not None else "--ar", dtype=dtype)  # fmt: skip
     state = make_state(s.loaded, s.sampler, model_id=model_id or hub_id(model), api_key=key, max_batch=max_batch,
                        max_wait_ms=max_wait_ms, max_queue=max_queue, max_body_bytes=max_body_bytes,
                        max_prompt_tokens=max_prompt_tokens, max_steps=max_steps, drafter=s.drafter,

@@ -34,13 +34,14 @@ class SamplingSetup:
 def setup_sampling(
     sampler: SamplerConfig, device: torch.device, *, run: Path | None = None, checkpoint: Path | None = None,
     model_dir: Path | None = None, drafter_dir: Path | None = None, draft_block_size: int | None = None,
-    causal_option: str = "--ar",
+    causal_option: str = "--ar", dtype: torch.dtype = torch.float32,
 ) -> SamplingSetup:  # fmt: skip
-    """Load a model (`load_for_inference`) and resolve `sampler` for it. Causal decoding
+    """Load a model (`load_for_inference`) in `dtype` (its weights, compute and KV caches; the logits are float32
+    whatever it is: `models/output.py: token_logits`) and resolve `sampler` for it. Causal decoding
     (`sampler.generation == "causal"`, asked for by `causal_option`, named in errors) needs a causal model
-    and loads the drafter of `drafter_dir`, refused when it was trained for another target or for blocks
-    shorter than `draft_block_size` (a shorter block verifies its first proposals)."""
-    loaded = load_for_inference(run, checkpoint, device, model_dir=model_dir)
+    and loads the drafter of `drafter_dir` (in the target's dtype), refused when it was trained for another
+    target or for blocks shorter than `draft_block_size` (a shorter block verifies its first proposals)."""
+    loaded = load_for_inference(run, checkpoint, device, model_dir=model_dir, dtype=dtype)
     drafter = None
     if sampler.generation == "causal":
         profile, cfg = loaded.profile, loaded.model_cfg

@@ -56,6 +56,7 @@ from dllm.config.registries import FAMILIES
 from dllm.errors import CheckpointError, ConfigError
 from dllm.models.dflash import DFlashDrafter
 from dllm.models.dflash2 import build_drafter
+from dllm.models.factory import cast_weights
 from dllm.models.hf_io import hf_weight_shapes, load_hf_state_dict
 from dllm.models.transformer import Transformer
 
@@ -287,7 +288,7 @@ def load_drafter(path: Path, target: Transformer, block_size: int | None = None)
     drafter = build_drafter(dcfg)
     _load_weights(folder, drafter)
     w = target.embed_tokens.weight
-    drafter.to(device=w.device, dtype=w.dtype)
+    cast_weights(drafter.to(device=w.device), w.dtype)  # the target's dtype (bfloat16 decoding: --dtype)
     drafter.eval()
     return drafter.attach(target)
 

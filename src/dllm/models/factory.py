@@ -40,3 +40,15 @@ def initial_state(cfg: ModelConfig, lora: LoraConfig | None, seed: int) -> dict[
     if lora is not None:
         apply_lora(model, lora, torch.Generator().manual_seed(mix_key(seed, _LORA_STREAM)))
     return model.state_dict()
+
+
+def cast_weights(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """`model` with its parameters and saved buffers in `dtype` (decoding in bfloat16); the tables it computes
+    itself (non-persistent buffers: RoPE's inverse frequencies) keep their float32, as transformers keeps them:
+    rounded to bf16 they would turn a key at position 200 by up to ~0.3 radians."""
+    tables = {name: buf for name, buf in model.named_buffers() if name not in model.state_dict()}
+    model.to(dtype=dtype)
+    for name, buf in tables.items():
+        owner, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(owner), leaf, buf)
+    return model
