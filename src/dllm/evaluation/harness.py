@@ -3,7 +3,10 @@
 - loglikelihood: minus the mean of K Monte Carlo samples of the negative ELBO of the continuation
   given the context (likelihood.nelbo_samples): an unbiased estimate of a lower bound on
   log p(continuation | context) for masked and block diffusion models, the exact log-probability for
-  kind=ar (K = 1). With cfg_scale > 0 it is a guided score (LLaDA's evaluation), not a bound.
+  kind=ar (K = 1; each distinct context computed once, evaluation/shared_context.py). With cfg_scale > 0
+  it is a guided score (LLaDA's evaluation), not a bound. `mc_stderr` keeps each request's Monte Carlo
+  standard error (the K samples' standard deviation / sqrt(K); 0 when exact). The continuation's tokens
+  are the whole text's after the context's, as lm_eval's causal models split them.
   is_greedy: one forward with the whole continuation masked (context clean) predicts, by argmax, the
   target at every continuation position (for ar: the teacher-forced argmax). A masked model decodes
   over several steps, so this "all at once" test is stricter than greedy decoding; it is the
@@ -37,8 +40,7 @@ import math
 import sys
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 try:
     import lm_eval.models  # noqa: F401  (lm_eval's own lazy entries; get_model adds them only to an empty registry)
@@ -50,14 +52,19 @@ except ImportError as err:  # an optional extra
     ) from err
 
 import torch
-from pydantic import Field, ValidationError
 
 from dllm.checkpoint.loading import load_for_inference
-from dllm.config.base import Float, Int, Section, Seed
-from dllm.config.loading import format_validation_error, read_yaml, validate_config
 from dllm.config.sampler import SamplerConfig, resolve_sampler
 from dllm.errors import ConfigError, UserError
+from dllm.evaluation.harness_args import (
+    merge_lm_eval_config,
+    optional_path,
+    parse_arg_string,
+    parse_device,
+    parse_model_args,
+)
 from dllm.evaluation.likelihood import ScoringModel, guided_hidden, nelbo_samples, predictor_hidden, scoring_for
+from dllm.evaluation.shared_context import score_shared_contexts
 from dllm.inference.engine import generate
 from dllm.models.families.base import is_causal_model
 from dllm.sampling.canvas import SpecialIds
@@ -65,125 +72,6 @@ from dllm.sampling.stops import cut_at_stop, stop_function
 
 DEFAULT_MAX_GEN_TOKS = 64
 LM_EVAL_GEN_KWARGS = ("until", "max_gen_toks", "do_sample", "temperature", "top_k", "top_p")
-
-
-class HarnessArgs(Section):
-    """The `--model_args` of `--model dllm` (besides SamplerConfig fields, which set the sampler)."""
-
-    run: str | None = None
-    """A run folder (its newest checkpoint)."""
-    checkpoint: str | None = None
-    """One checkpoint folder of a run."""
-    model: str | None = None
-    """A Hugging Face or `dllm convert` model folder."""
-    device: str = "cpu"
-    """cpu, cuda or cuda:N."""
-    kind: Literal["auto", "mdlm", "block", "ar"] = "auto"
-    """How to score: auto (from the run's objective; mdlm for a model folder), mdlm, block, or ar (exact NLL)."""
-    mc_samples: Int = Field(default=32, gt=0)
-    """Monte Carlo samples of the bound per request (1 for kind ar)."""
-    batch_size: Int = Field(default=8, gt=0)
-    """Rows per forward: requests scored (or prompts decoded) together."""
-    cfg_scale: Float | None = Field(default=None, ge=0)
-    """Classifier-free guidance in the likelihood and in generation; null: the sampler's (0 by default)."""
-    antithetic: bool = True
-    """Stratified (evenly spaced) Monte Carlo times per row instead of independent ones."""
-    seed: Seed | None = None
-    """Seed of the Monte Carlo noise and of the sampler; null: the sampler's (0 by default)."""
-    sampler_config: str | None = None
-    """A YAML file of SamplerConfig fields; SamplerConfig fields in model_args override it."""
-    max_length: Int | None = Field(default=None, gt=1)
-    """Tokens per row (left truncation, rolling windows); null: the model's max_seq_len. A run trained on
-    shorter rows (data.seq_len) may score better with windows of that length."""
-    suffix_masks: Int = Field(default=8, ge=0)
-    """loglikelihood: mask tokens after the continuation, never scored (marginalised out); 0 scores
-    [context; continuation] as the whole sequence (LLaDA's scoring). See the module docstring."""
-
-
-PATH_ARGS = ("run", "checkpoint", "model", "sampler_config", "device")
-
-
-def parse_arg_string(arg_string: str | None) -> dict[str, Any]:
-    """`key=value,key2=value2` as strings (pydantic converts them; paths keep their exact text)."""
-    out: dict[str, Any] = {}
-    for item in (arg_string or "").split(","):
-        if not item.strip():
-            continue
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(f"model_args: {item.strip()!r} is not KEY=VALUE")
-        value = value.strip()
-        out[key.strip()] = None if value.lower() in ("none", "null") else value
-    return out
-
-
-def parse_model_args(values: dict[str, Any]) -> tuple[HarnessArgs, SamplerConfig, bool]:
-    """(harness args, SamplerConfig before resolution, whether gen_length was set) from model_args."""
-    if any(not str(k).strip() for k in values):
-        raise ConfigError("model_args: a value without a name ('=' alone); give KEY=VALUE pairs, e.g. run=RUN_DIR")
-    mine = set(HarnessArgs.model_fields)
-    sampler_fields = set(SamplerConfig.model_fields)
-    unknown = sorted(set(values) - mine - sampler_fields)
-    if unknown:
-        raise ConfigError(
-            f"model_args: unknown argument {unknown[0]!r}; use {', '.join(HarnessArgs.model_fields)} "
-            "or a SamplerConfig field (policy, steps, block_length, cache, ...)"
-        )
-    own = {k: (str(v) if k in PATH_ARGS and v is not None else v) for k, v in values.items() if k in mine}
-    try:
-        args = HarnessArgs.model_validate(own)
-    except ValidationError as e:
-        raise ConfigError(format_validation_error(e, "model_args", None)) from None
-    data: dict[str, Any] = {}
-    source, node = "model_args", None
-    if args.sampler_config is not None:
-        path = Path(args.sampler_config)
-        if not path.is_file():
-            raise ConfigError(f"model_args sampler_config: {path} does not exist")
-        data, node = read_yaml(path)
-        source = str(path)
-    data.update({k: v for k, v in values.items() if k in sampler_fields and k not in mine})
-    for k in ("cfg_scale", "seed"):
-        if getattr(args, k) is not None:
-            data[k] = getattr(args, k)
-    gen_length_set = "gen_length" in data
-    if not gen_length_set and data.get("block_length") is not None:
-        data["gen_length"] = data["block_length"]  # each request sets its own; this only has to validate
-    return args, validate_config(SamplerConfig, data, source=source, base_dir=None, node=node), gen_length_set
-
-
-def merge_lm_eval_config(args: dict[str, Any], extra: dict[str, Any] | None) -> dict[str, Any]:
-    """lm_eval's own --batch_size / --device apply where model_args do not set them. Its CLI always
-    passes a device (cuda:0 by default), so a CUDA device on a machine without CUDA falls back to cpu."""
-    out = dict(args)
-    extra = {k: v for k, v in (extra or {}).items() if v is not None}
-    if "batch_size" not in out and "batch_size" in extra:
-        size = str(extra["batch_size"])
-        if size.isdigit():
-            out["batch_size"] = int(size)
-        else:
-            warnings.warn(f"--batch_size {size}: dllm takes a number of rows; using the default", stacklevel=2)
-    if "device" not in out and "device" in extra:
-        device = str(extra["device"])
-        if device.startswith("cuda") and not torch.cuda.is_available():
-            warnings.warn(f"--device {device}: CUDA is not available here; using cpu", stacklevel=2)
-            device = "cpu"
-        out["device"] = device
-    return out
-
-
-def _device(name: str) -> torch.device:
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ConfigError(f"model_args device: {name!r} is not a device; use cpu, cuda or cuda:N") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"model_args device: {name!r} is not available here; use cpu")
-    return device
-
-
-def _path(value: str | None) -> Path | None:
-    return None if value is None else Path(value)
 
 
 def _batches(items: Sequence[int], size: int) -> Iterator[list[int]]:
@@ -202,9 +90,13 @@ class DllmLM(LM):
         a = self.args
         if sum(x is not None for x in (a.run, a.checkpoint, a.model)) != 1:
             raise ConfigError("model_args: give exactly one of run=RUN_DIR, checkpoint=CHECKPOINT_DIR or model=DIR")
-        self._device = _device(a.device)
-        self.loaded = load_for_inference(_path(a.run), _path(a.checkpoint), self._device, model_dir=_path(a.model))
+        self._device = parse_device(a.device)
+        self.loaded = load_for_inference(
+            optional_path(a.run), optional_path(a.checkpoint), self._device, model_dir=optional_path(a.model)
+        )
         self.model, self.tokenizer = self.loaded.model, self.loaded.tokenizer
+        self.mc_stderr: dict[tuple, float] = {}
+        """Monte Carlo standard error of each log-likelihood request's estimate, by its arguments (0: exact)."""
         try:
             self._scoring: ScoringModel | ConfigError = scoring_for(self.loaded, a.kind)
         except ConfigError as e:  # no likelihood for this model (uniform-state, DiffusionGemma): it still generates
@@ -256,9 +148,11 @@ class DllmLM(LM):
     # -- likelihood -------------------------------------------------------------------------------------
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         rows = [self._fit(*self._encode_pair(*req.args), self.suffix) for req in requests]
-        results = self._score(rows)
-        for req, res in zip(requests, results, strict=True):
-            self.cache_hook.add_partial("loglikelihood", req.args, res)
+        results = []
+        for req, (ll, greedy, stderr) in zip(requests, self._score(rows), strict=True):
+            self.mc_stderr[tuple(req.args)] = stderr
+            results.append((ll, greedy))
+            self.cache_hook.add_partial("loglikelihood", req.args, results[-1])
         return results
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
@@ -273,20 +167,23 @@ class DllmLM(LM):
                 rows.append(self._fit(ctx, cont, 0))
                 owner.append(i)
         totals = [0.0] * len(requests)
-        for i, (ll, _) in zip(owner, self._score(rows), strict=True):
+        for i, (ll, _, _) in zip(owner, self._score(rows), strict=True):
             totals[i] += ll
         for req, total in zip(requests, totals, strict=True):
             self.cache_hook.add_partial("loglikelihood_rolling", req.args, total)
         return totals
 
     def _encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
-        """Token ids of (context, continuation); the context's trailing spaces go to the continuation (as
-        lm_eval's models do) and an empty context is the BOS (or EOS) token."""
+        """Token ids of (context, continuation) as lm_eval's causal models take them: the context's trailing
+        spaces go to the continuation, the continuation is the whole text's ids after the context's (so a
+        token across the boundary is tokenized as in the whole text); an empty context is the BOS (or EOS)."""
         spaces = len(context) - len(context.rstrip())
         if spaces:
             context, continuation = context[:-spaces], context[-spaces:] + continuation
-        ctx = self.tokenizer.encode(context) if context else [self.prefix_id]
-        return ctx, self.tokenizer.encode(continuation)
+        if not context:
+            return [self.prefix_id], self.tokenizer.encode(continuation)
+        ctx = self.tokenizer.encode(context)
+        return ctx, self.tokenizer.encode(context + continuation)[len(ctx) :]
 
     def _fit(self, ctx: list[int], cont: list[int], suffix: int) -> tuple[list[int], int, int]:
         """(row ids, start, end of the scored span): context + continuation truncated from the left to
@@ -297,25 +194,32 @@ class DllmLM(LM):
             n -= 1
         return ids + [self.tokenizer.mask_id] * suffix, len(ids) - n, len(ids)
 
-    def _score(self, rows: list[tuple[list[int], int, int]]) -> list[tuple[float, bool]]:
-        """(bound on log p(scored span | the rest), is_greedy) per row, in the given order."""
+    def _score(self, rows: list[tuple[list[int], int, int]]) -> list[tuple[float, bool, float]]:
+        """(bound on log p(scored span | the rest), is_greedy, its Monte Carlo standard error) per row, in the
+        given order; exact for ar (each distinct context computed once: evaluation/shared_context.py)."""
         how = self.scoring
         if self.cfg_scale > 0 and how.kind != "mdlm":
             raise ConfigError(f"cfg_scale: guided likelihoods are computed for masked (mdlm) models; this one is "
                               f"scored as {how.kind} (use cfg_scale=0 for likelihood tasks)")  # fmt: skip
-        generator = torch.Generator().manual_seed(self.seed)  # the same requests give the same scores
-        out: list[tuple[float, bool]] = [(0.0, True)] * len(rows)
+        out: list[tuple[float, bool, float]] = [(0.0, True, 0.0)] * len(rows)
         todo = sorted((i for i, (_, lo, hi) in enumerate(rows) if hi > lo), key=lambda i: -len(rows[i][0]))
+        if how.kind == "ar":
+            pairs = [(rows[i][0][: rows[i][1]], rows[i][0][rows[i][1] : rows[i][2]]) for i in todo]
+            scores = score_shared_contexts(self.model, pairs, self.args.batch_size, how.mask_id)
+            for i, (ll, greedy) in zip(todo, scores, strict=True):
+                out[i] = (ll, greedy, 0.0)
+            return out
+        generator = torch.Generator().manual_seed(self.seed)  # the same requests give the same scores
+        K = self.args.mc_samples
         for chunk in _batches(todo, self.args.batch_size):
             tokens, scored, valid = self._pad([rows[i] for i in chunk])
-            res = nelbo_samples(
-                self.model, tokens, scored, how, num_samples=1 if how.kind == "ar" else self.args.mc_samples,
-                antithetic=self.args.antithetic, generator=generator, valid_BL=valid, cfg_scale=self.cfg_scale,
-            )  # fmt: skip
+            res = nelbo_samples(self.model, tokens, scored, how, num_samples=K, antithetic=self.args.antithetic,
+                                generator=generator, valid_BL=valid, cfg_scale=self.cfg_scale)  # fmt: skip
             ll_B = -res.samples_BK.mean(1)
+            se_B = res.samples_BK.std(1) / math.sqrt(K) if K > 1 else torch.zeros_like(ll_B)
             greedy_B = self._greedy(tokens, scored, valid)
             for j, i in enumerate(chunk):
-                out[i] = (float(ll_B[j]), bool(greedy_B[j]))
+                out[i] = (float(ll_B[j]), bool(greedy_B[j]), float(se_B[j]))
         return out
 
     def _pad(self, rows: list[tuple[list[int], int, int]]):
@@ -412,10 +316,12 @@ class DllmLM(LM):
         return ids[-budget:]
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, execute: Callable[[Any], None] | None = None) -> int:
     """lm_eval's own CLI with `--model dllm` registered: `python -m dllm.evaluation.harness --model dllm ...`.
     A dllm user error, and lm_eval's refusal of its arguments (usage, --model_args, an unknown task), end in
-    one line `dllm: error: ...` and exit code 2; --model_args of dllm are checked before lm_eval loads tasks."""
+    one line `dllm: error: ...` and exit code 2; --model_args of dllm are checked before lm_eval loads tasks.
+    `execute`: what runs the parsed arguments (lm_eval's own command by default; evaluation/benchmarks.py
+    runs them on packaged data)."""
     from lm_eval._cli import HarnessCLI
     from lm_eval.utils import setup_logging
 
@@ -431,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
             values = dict(getattr(args, "model_args", None) or {})
             values.pop("max_batch_size", None)  # as DllmLM takes them
             parse_model_args(values)
-        _lm_eval_refusals(lambda: cli.execute(args))
+        _lm_eval_refusals(lambda: (execute or cli.execute)(args))
     except UserError as e:
         print(f"dllm: error: {' '.join(str(e).split())}", file=sys.stderr)
         return e.exit_code

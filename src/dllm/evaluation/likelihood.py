@@ -304,7 +304,8 @@ def summarize(parts: list[NelboSamples], exact: bool = False) -> LikelihoodSumma
 
 def scoring_for(loaded, kind: str = "auto") -> ScoringModel:
     """How to score a loaded model (checkpoint.loading.LoadedModel), from its decode profile: the
-    block bound for block models, the masked bound otherwise; `ar` for an imported causal model."""
+    block bound for block models, the masked bound otherwise; `ar` (exact) for a causal model: a causal run,
+    or a causal LM folder never trained here (models.families.base.is_causal_model)."""
     from dllm.errors import ConfigError
 
     profile = loaded.profile
@@ -325,7 +326,7 @@ def scoring_for(loaded, kind: str = "auto") -> ScoringModel:
             "this run was trained with edit_flow (edit rates, no mask canvas): the masked and block bounds do not "
             "apply; evaluate it with tasks"
         )
-    if kind == "ar" or (kind == "auto" and profile.attention == "causal"):  # a causal run: its exact likelihood
+    if kind == "ar" or (kind == "auto" and _is_causal(loaded)):  # a causal model: its exact likelihood
         _check_causal(loaded)
         return ScoringModel("ar", profile.mask_id)
     if profile.attention == "block":
@@ -342,14 +343,19 @@ def scoring_for(loaded, kind: str = "auto") -> ScoringModel:
     return ScoringModel("mdlm", profile.mask_id, shift=profile.shift, schedule=profile.schedule)
 
 
+def _is_causal(loaded) -> bool:
+    from dllm.models.families.base import is_causal_model
+
+    return loaded.profile.attention == "causal" or is_causal_model(loaded.profile, loaded.model_cfg)
+
+
 def _check_causal(loaded) -> None:
     """`ar` is the exact likelihood of a causal model only (the same test as `generate --ar`): through a
     causal mask a bidirectional or block model's predictions are no likelihood of anything."""
     from dllm.errors import ConfigError
-    from dllm.models.families.base import is_causal_model
 
     profile = loaded.profile
-    if profile.attention == "causal" or is_causal_model(profile, loaded.model_cfg):
+    if _is_causal(loaded):
         return
     trained = f"trained with {profile.objective}" if profile.objective else f"a {loaded.model_cfg.family} model"
     raise ConfigError(
