@@ -95,6 +95,23 @@ def test_an_example_is_found_in_an_artifact_whole_and_aligned(tmp_path: Path):
     assert found_in_artifact(art, ByteTokenizer(), examples) == [True, True, False, False, False, False, False]
 
 
+def test_an_example_is_found_whatever_the_spacing_between_its_prompt_and_answer(tmp_path: Path):
+    """20 training rows whose answers were written without the task's leading space ("Q: 3 + 3 =6" where the task
+    has "Q: 3 + 3 =" -> " 6") are all found, and so are the reverse and a newline between them; a longer
+    number, a different answer or another prompt still are not."""
+    from dllm.data.artifact import open_artifact
+
+    records = [{"prompt": f"Q: {a} + {a} =", "completion": f"{2 * a}"} for a in range(20)]
+    records += [{"text": "so 30 + 1 =\n31 it is"}, {"prompt": "40 + 2 = ", "completion": " 42"}, {"text": "6 + 1 = 71"}]
+    art = open_artifact(_artifact(tmp_path, records, seq_len=64))  # the text records whole in the first row
+    tok = ByteTokenizer()
+    assert all(found_in_artifact(art, tok, [Example(f"Q: {a} + {a} =", f" {2 * a}") for a in range(20)]))
+    found = [Example("30 + 1 =", " 31"), Example("40 + 2 =", "42"), Example("40 + 2 =", "  42 ")]
+    assert found_in_artifact(art, tok, found) == [True, True, True]
+    absent = [Example("6 + 1 =", "7"), Example("Q: 3 + 3 =", "7"), Example("Q: 3 + 4 =", "6"), Example("R 3 + 3 =", "6")]
+    assert found_in_artifact(art, tok, absent) == [False, False, False, False]
+
+
 def test_eval_tasks_refuses_a_score_on_training_data_unless_allowed(tmp_path: Path, capsys):
     """A run trained on some eval sums: one line, exit 2, naming the count; --allow-overlap scores it and
     labels it a training-set score; a task with none of them is held out."""
