@@ -148,3 +148,26 @@ def test_a_bad_dtype_is_one_line(command: str, ar_folder: Path, capsys):
     assert main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["dllm: error: --dtype: 'float16' is not a decoding dtype; use float32 or bfloat16"]
+
+
+@pytest.mark.parametrize("kind", ["plain", "ragged"])
+def test_one_query_with_grouped_heads_in_bf16_matches_the_reference(kind: str):
+    """A bf16 decoding step on CPU runs the query heads of each key/value head as its rows (sdpa.py): the
+    same attention as enable_gqa over every head, within bf16's rounding; float32 keeps the plain call."""
+    from dllm.attention.backends.sdpa import sdpa_attention, sdpa_mask
+    from dllm.attention.masks import AttentionMask
+
+    gen = torch.Generator().manual_seed(0)
+    B, H, Hkv, K, D = 3, 9, 3, 20, 16
+    q, k, v = (torch.randn(B, h, n, D, generator=gen, dtype=torch.float64) for h, n in ((H, 1), (Hkv, K), (Hkv, K)))
+    mask = AttentionMask("bidirectional")
+    if kind == "ragged":  # rows holding 19, 7 and 12 cached keys, the query after them
+        mask = AttentionMask("causal", query_offset_B=torch.tensor([19, 7, 12]))
+    dense = None if mask.is_plain else sdpa_mask(mask, B, 1, K, q.device)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=True)
+    low = sdpa_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask)
+    assert low.dtype == torch.bfloat16 and low.shape == ref.shape
+    assert float((low.double() - ref).abs().max()) < 3e-2
+    q32, k32, v32 = q.float(), k.float(), v.float()
+    plain = torch.nn.functional.scaled_dot_product_attention(q32, k32, v32, attn_mask=dense, enable_gqa=True)
+    assert torch.equal(sdpa_attention(q32, k32, v32, mask), plain)
