@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import struct
 import sys
 from pathlib import Path
@@ -87,6 +88,22 @@ def test_runs_lists_each_run(two_runs: tuple[Path, Path], capsys: pytest.Capture
 def _table(capsys: pytest.CaptureFixture) -> list[str]:
     out = capsys.readouterr().out
     return [line for line in out.splitlines() if line.startswith("│") and "objective" not in line]
+
+
+def test_runs_takes_a_project_folder_or_one_run(two_runs: tuple[Path, Path], tmp_path: Path, capsys):
+    """Besides a runs folder: a project folder (its runs/, or the run.output_dir its configs name, relative to
+    them) and a single run folder (runs/latest included)."""
+    a, b = two_runs
+    names = lambda: sorted(line.split("│")[1].strip() for line in _table(capsys))  # noqa: E731
+    assert main(["runs", str(a.parent.parent)]) == 0 and names() == ["a", "b"]  # the project that holds runs/
+    project = tmp_path / "elsewhere"
+    project.mkdir()
+    (project / "train.yaml").write_text(f"run:\n  output_dir: {os.path.relpath(a.parent, project)}\n")
+    assert main(["runs", str(project)]) == 0 and names() == ["a", "b"]
+    assert main(["runs", str(a)]) == 0 and names() == ["a"]
+    assert main(["runs", str(a.parent / "latest")]) == 0 and names() == ["b"]
+    (tmp_path / "empty").mkdir()
+    assert main(["runs", str(tmp_path / "empty")]) == 0 and "no runs in" in capsys.readouterr().err
 
 
 def test_runs_on_a_missing_folder_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture):

@@ -319,3 +319,16 @@ def test_harness_arguments_lm_eval_refuses_are_one_line(models: dict[str, Path],
     args, expected = HARNESS_ARGS[case]
     args = [f"model={models['mdlm']}" if a == "model=M" else a for a in args]
     _one_error(["eval", "harness", "--model", "dllm", *args, "--tasks", "nope"], capsys, expected)
+
+
+def test_every_help_text_names_the_right_extra(capsys: pytest.CaptureFixture[str]):
+    """Help texts are plain text: rich's help read `pip install 'dllm[plot]'` as markup and printed
+    `pip install 'dllm'` (and `org/name[@revision]` as `org/name`)."""
+    helps = {}
+    for args in (["--help"], ["plot", "--help"], ["eval", "--help"], ["generate", "--help"], ["convert", "--help"]):
+        assert dllm(args) == 0
+        helps[args[0]] = " ".join(capsys.readouterr().out.replace("│", " ").split())
+    assert all("pip install 'dllm'" not in text for text in helps.values())
+    assert "pip install 'dllm[plot]'" in helps["--help"] and "pip install 'dllm[plot]'" in helps["plot"]
+    assert "pip install 'dllm[eval]'" in helps["eval"] and "pip install 'dllm[bench]'" in helps["eval"]
+    assert "org/name[@revision]" in helps["generate"] and "org/name[@revision]" in helps["convert"]

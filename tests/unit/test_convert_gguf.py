@@ -139,10 +139,22 @@ def test_import_matches_transformers_loading_the_same_file(tmp_path: Path, capsy
         torch.testing.assert_close(logits, hf(x).logits, atol=0.05, rtol=0)  # the embedding went through Q8_0
 
 
-def test_the_folder_has_the_tokenizer_and_chat_template_and_decodes(tiny_gguf: Path, tmp_path: Path, capsys):
+def test_the_folder_has_the_tokenizer_and_chat_template_and_decodes(tiny_gguf: Path, tmp_path: Path, capsys,
+                                                                     monkeypatch: pytest.MonkeyPatch):  # fmt: skip
     out = tmp_path / "out"
     code, _, err = run(["convert", "--from-gguf", str(tiny_gguf), "--to", str(out)], capsys)
     assert code == 0, err
+    assert "weights dequantized" not in err  # a job shorter than the display's 5 s between lines prints none
+    from dllm.training import progress
+
+    bar = progress.CountBar
+    every = lambda label, total, enabled=True, every_s=0.0: bar(label, total, enabled)  # noqa: E731
+    monkeypatch.setattr(progress, "CountBar", every)  # a line per tensor
+    code, _, err = run(["convert", "--from-gguf", str(tiny_gguf), "--to", str(tmp_path / "lines")], capsys)
+    lines = [line.split() for line in err.splitlines() if "weights dequantized" in line]
+    assert code == 0 and [x[0] for x in lines] == [f"{i}/{len(lines)}" for i in range(1, len(lines) + 1)], err
+    code, _, err = run(["convert", "--from-gguf", str(tiny_gguf), "--to", str(tmp_path / "q"), "-q"], capsys)
+    assert code == 0 and "weights dequantized" not in err, err
     names = {p.name for p in out.iterdir()}
     assert {"model.yaml", "model.safetensors", "tokenizer.json", "decode_profile.json"} <= names
     theirs = transformers.AutoTokenizer.from_pretrained(str(tiny_gguf.parent), gguf_file=tiny_gguf.name)

@@ -68,7 +68,8 @@ def test_ar_and_speculative_decoding_of_an_imported_folder(folders, capsys, monk
     assert code == 0, err
     ar = [json.loads(line) for line in out.splitlines()]
     assert len(ar) == 2 and all(r["tokens_committed"] == 24 and r["tau"] == 1.0 for r in ar)
-    assert "ar (KV cache)" in err and "target forwards/token" in err
+    assert "ar (KV cache)" in err and "forwards for 24 tokens" in err  # counters that mean something for AR
+    assert "tau" not in err and "acceptance" not in err and "NFE" not in err
     monkeypatch.setattr(assembly, "load_drafter", lambda path, target: ReplayFirst(4))
     (tmp_path / "drafter").mkdir()
     code, out, err = run(["generate", "--model", str(folders["causal"]), "--draft", str(tmp_path / "drafter"),
@@ -78,6 +79,61 @@ def test_ar_and_speculative_decoding_of_an_imported_folder(folders, capsys, monk
     spec = [json.loads(line) for line in out.splitlines()]
     assert [r["completion"] for r in spec] == [r["completion"] for r in ar]  # greedy: the target's own output
     assert all(r["drafted"] > 0 for r in spec) and "speculative (block 4)" in err and "tau" in err
+    assert "acceptance" in err and "target forwards/token" in err
+
+
+def test_the_text_output_sets_the_completion_apart(folders, capsys):
+    """Text output: the prompt, then the completion on its own line after a marker (a blank line between
+    exchanges); --json keeps prompt and completion apart as they are."""
+    args = ["generate", "--model", str(folders["ar"]), "--ar", "--chat", *PROMPTS, "--gen-length", "6",
+            "--set", "stop_at_eos=false"]  # fmt: skip
+    code, text, err = run(args, capsys)
+    assert code == 0, err
+    code, out, _ = run([*args, "--json"], capsys)
+    records = [json.loads(line) for line in out.splitlines()]
+    expected = [records[0]["prompt"], ">> " + records[0]["completion"].lstrip(), "",
+                records[1]["prompt"], ">> " + records[1]["completion"].lstrip()]  # fmt: skip
+    assert text.split("\n")[:-1] == expected and records[0]["prompt"] == "1 + 2 ="
+
+
+def test_a_prompts_file_shows_its_progress_unless_quiet(folders, tmp_path, capsys):
+    """Stderr is no terminal here: the progress display prints a line per batch, with its ETA; -q none."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"{i} + 1 ="}) + "\n" for i in range(3)))
+    args = ["generate", "--model", str(folders["ar"]), "--ar", "--prompts-file", str(prompts), "--batch-size", "1",
+            "--gen-length", "4", "--json"]  # fmt: skip
+    code, out, err = run(args, capsys)
+    assert code == 0 and len(out.splitlines()) == 3, err
+    lines = [line for line in err.splitlines() if " prompts  " in line]
+    assert [line.split()[0] for line in lines] == ["1/3", "2/3", "3/3"] and lines[-1].endswith("eta 0:00:00")
+    code, _, err = run([*args, "-q"], capsys)
+    assert code == 0 and " prompts  " not in err
+
+
+def test_the_count_bar_prints_plain_lines_off_a_terminal(capsys):
+    from dllm.training.progress import CountBar
+
+    with CountBar("weights", 0, every_s=3600.0) as bar:  # the total learnt from the loader's first report
+        for done in range(1, 5):
+            bar.count(done, 4)
+    assert capsys.readouterr().err == ""  # done within the hour: no line
+    with CountBar("weights", 0, every_s=0.0) as bar:
+        for done in range(1, 5):
+            bar.count(done, 4)
+    assert capsys.readouterr().err.splitlines()[-1] == "4/4 weights  eta 0:00:00"
+    with CountBar("examples", 2) as bar:
+        bar.advance(1, "x")
+    assert capsys.readouterr().err.startswith("1/2 examples  x  eta ")
+    with CountBar("examples", 2, enabled=False) as bar:
+        bar.advance(2)
+    assert capsys.readouterr().err == ""
+
+
+def test_help_explains_the_counters(capsys):
+    for command in ("generate", "chat"):
+        code, out, _ = run([command, "--help"], capsys)
+        text = " ".join(out.split())
+        assert code == 0 and "NFE, the model's forward passes" in text and "tau is the tokens a verify" in text
 
 
 def test_an_ar_run_decodes_with_ar_and_the_diffusion_sampler_refuses_it(tmp_path, capsys):
@@ -99,8 +155,17 @@ def test_an_ar_run_decodes_with_ar_and_the_diffusion_sampler_refuses_it(tmp_path
                           "--temperature", "0.8", "--json"], capsys)  # fmt: skip
     assert code == 0, err
     assert json.loads(out)["nfe"] >= 1
-    code, _, err = run(["generate", "--run", str(run_dir), "-p", "x"], capsys)
-    assert code == 2 and "autoregressive (trained with ar" in err and "--ar" in err and err.count("\n") == 1
+    # no flag: the decode profile says causal, so generate and eval tasks decode causally by themselves
+    args = ["-p", "3 + 4 =", "--gen-length", "6", "--json"]
+    code, auto, err = run(["generate", "--run", str(run_dir), *args], capsys)
+    assert code == 0 and "ar (KV cache)" in err, err
+    assert json.loads(auto)["completion"] == json.loads(run(["generate", "--run", str(run_dir), "--ar", *args],
+                                                            capsys)[1])["completion"]  # fmt: skip
+    code, out, err = run(["eval", "tasks", "--run", str(run_dir), "--tasks", "copy", "--limit", "2", "--json"], capsys)
+    assert code == 0 and (json.loads(out)["policy"], json.loads(out)["cache"]) == ("ar", "kv"), err
+    code, _, err = run(["generate", "--run", str(run_dir), "--set", "generation=canvas", "-p", "x"], capsys)
+    assert code == 2 and "sampler.generation: canvas cannot decode this model: it is autoregressive" in err
+    assert err.count("\n") == 1
 
 
 @pytest.mark.parametrize(
@@ -111,7 +176,7 @@ def test_an_ar_run_decodes_with_ar_and_the_diffusion_sampler_refuses_it(tmp_path
         (["--model", "{ar}", "--draft", "{tmp}"], "--draft: {tmp}/config.json names no drafter family"),
         (["--model", "{ar}", "--draft", "{ar}/nope"], "is not a drafter folder (no config.json)"),
         (["--model", "{ar}", "--ar", "--draft-block-size", "4"], "--draft-block-size applies to speculative"),
-        (["--model", "{causal}"], "the diffusion sampler cannot decode it: use `dllm generate --ar`"),
+        (["--model", "{causal}", "--steps", "4"], "sampler.steps: no effect on causal decoding"),
     ],
 )
 def test_bad_input_is_one_line_exit_2(folders, tmp_path, capsys, args: list[str], message: str):

@@ -108,7 +108,12 @@ def test_an_example_is_found_whatever_the_spacing_between_its_prompt_and_answer(
     assert all(found_in_artifact(art, tok, [Example(f"Q: {a} + {a} =", f" {2 * a}") for a in range(20)]))
     found = [Example("30 + 1 =", " 31"), Example("40 + 2 =", "42"), Example("40 + 2 =", "  42 ")]
     assert found_in_artifact(art, tok, found) == [True, True, True]
-    absent = [Example("6 + 1 =", "7"), Example("Q: 3 + 3 =", "7"), Example("Q: 3 + 4 =", "6"), Example("R 3 + 3 =", "6")]
+    absent = [
+        Example("6 + 1 =", "7"),
+        Example("Q: 3 + 3 =", "7"),
+        Example("Q: 3 + 4 =", "6"),
+        Example("R 3 + 3 =", "6"),
+    ]
     assert found_in_artifact(art, tok, absent) == [False, False, False, False]
 
 

@@ -31,6 +31,8 @@ def keep_threads() -> Iterator[None]:
 
 def test_the_auto_rule(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(threads, "usable_cores", lambda: 8)
+    monkeypatch.setattr(threads, "machine_cores", lambda: 8)
+    monkeypatch.setattr(threads, "load_average", lambda: 0.0)  # an idle machine
     assert threads.resolve_threads("auto", 1, {}) == 8  # one process: every core
     assert threads.resolve_threads("auto", 3, {}) == 2  # cores // workers on the node
     assert threads.resolve_threads("auto", 16, {}) == 1  # at least one
@@ -44,9 +46,49 @@ def test_the_auto_rule(monkeypatch: pytest.MonkeyPatch):
             threads.parse_threads(bad, "--threads")
 
 
+@pytest.mark.parametrize(
+    ("cores", "affinity", "load", "procs", "expected"),
+    [
+        (2, 2, 0.5, 1, 2),  # a load below one core: every core
+        (2, 2, 1.0, 1, 1),  # one core busy with another job
+        (2, 2, 1.9, 1, 1),
+        (2, 2, 2.1, 1, 1),  # just above the cores (the SDPA case of the module docstring): one thread
+        (2, 2, 12.0, 1, 1),
+        (8, 8, 3.0, 2, 2),  # 5 free cores for 2 workers
+        (64, 2, 30.0, 1, 2),  # a 2-core cpuset on a big host with free cores
+        (64, 2, 63.5, 1, 1),  # ... that is busy
+    ],
+)
+def test_auto_leaves_the_cores_the_load_keeps_busy(monkeypatch: pytest.MonkeyPatch, cores: int, affinity: int,
+                                                   load: float, procs: int, expected: int):  # fmt: skip
+    monkeypatch.setattr(threads, "machine_cores", lambda: cores)
+    monkeypatch.setattr(threads, "usable_cores", lambda: affinity)
+    monkeypatch.setattr(os, "getloadavg", lambda: (load, 0.0, 0.0))
+    assert threads.resolve_threads("auto", procs, {}) == expected
+    assert threads.resolve_threads("auto", procs, {"OMP_NUM_THREADS": "3"}) == 3  # the user's own setting wins
+    assert threads.resolve_threads(4, procs, {}) == 4
+
+
 def test_a_busy_machine_is_named():
     assert threads.busy_warning(2.5, 2) is None
     assert "load average (9.0) is far above the 2 cores" in threads.busy_warning(9.0, 2)
+    assert threads.launch_load_warning(2.0, 2, 2) is None
+    assert "load average (2.1) is above the 2 cores" in threads.launch_load_warning(2.1, 2, 1)
+
+
+def test_launch_warns_in_one_line_on_a_busy_machine(train_yaml: Path, monkeypatch: pytest.MonkeyPatch, capsys):
+    monkeypatch.chdir(train_yaml.parent)
+    monkeypatch.setattr(threads, "machine_cores", lambda: 2)
+    monkeypatch.setattr(os, "getloadavg", lambda: (3.5, 3.0, 2.0))
+    assert main(["launch", "--config", "train.yaml", "--dry-run"]) == 0
+    busy = [line for line in capsys.readouterr().err.splitlines() if "load average" in line]
+    assert busy == [
+        "dllm: warning: the load average (3.5) is above the 2 cores: other jobs are running and each CPU training step "
+        "waits on them (1 thread(s) per process now); wait for a quieter machine, or launch with --threads 1"
+    ]
+    monkeypatch.setattr(os, "getloadavg", lambda: (1.5, 3.0, 2.0))
+    assert main(["launch", "--config", "train.yaml", "--dry-run"]) == 0
+    assert "load average" not in capsys.readouterr().err
 
 
 def test_doctor_shows_the_threads_and_warns_when_busy(monkeypatch: pytest.MonkeyPatch, capsys):
@@ -70,6 +112,8 @@ def test_the_launcher_hands_its_workers_the_thread_count(train_yaml: Path, monke
     assert n == 3 and env["OMP_NUM_THREADS"] == "3"
     monkeypatch.delenv("OMP_NUM_THREADS")
     monkeypatch.setattr(threads, "usable_cores", lambda: 6)
+    monkeypatch.setattr(threads, "machine_cores", lambda: 6)
+    monkeypatch.setattr(threads, "load_average", lambda: 0.0)  # an idle machine
     env, n = _worker_env(load_spec(train_yaml, "topology.nproc_per_node=2"))
     assert n == 3 and env["OMP_NUM_THREADS"] == "3"  # auto: 6 cores / 2 workers
 
@@ -127,3 +171,25 @@ def test_serve_threads_reach_torch(train_yaml: Path, monkeypatch: pytest.MonkeyP
         assert f"{n} CPU thread(s), max batch" in capsys.readouterr().err
     assert seen == [2, 1]
     assert main(["serve", "--run", str(train_yaml.parent / "runs" / "t"), "--threads", "many", *port]) == 2
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["generate", "-p", "x"],
+        ["chat"],
+        ["eval", "tasks", "--tasks", "addition"],
+        ["eval", "likelihood", "--data", "d"],
+        ["convert", "--to-hf", "out"],
+    ],  # fmt: skip
+)
+def test_every_command_that_runs_a_model_takes_threads(command: list[str], tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch, capsys,
+                                                       keep_threads: None):  # fmt: skip
+    """One shared --threads (cli/common.py), checked in one line and applied before the model loads."""
+    monkeypatch.chdir(tmp_path)
+    assert main([*command, "--threads", "0"]) == 2
+    assert "dllm: error: --threads: expected a positive number of threads or auto, got '0'" in capsys.readouterr().err
+    torch.set_num_threads(1)
+    assert main([*command, "--model", str(tmp_path / "missing"), "--threads", "2"]) == 2  # no such model folder
+    assert torch.get_num_threads() == 2 and "missing" in capsys.readouterr().err

@@ -10,12 +10,13 @@ from typing import TYPE_CHECKING
 
 import typer
 
-from dllm.cli.common import MODEL_HELP, finite, info, out
+from dllm.cli.common import MODEL_HELP, THREADS_OPTION, apply_threads, finite, info, out
 from dllm.cli.sampling_common import (
     DTYPE_OPTION,
     SAMPLER_CONFIG_OPTION,
     SET_OPTION,
     check_prompt_lengths,
+    counters_summary,
     denoise_summary,
     setup_sampling,
 )
@@ -58,10 +59,13 @@ def chat(
     temperature: float = typer.Option(None, "--temperature", callback=finite, help="0 = greedy."),
     system: str = typer.Option(None, "--system", help="A system message opening the conversation."),
     live: bool = typer.Option(False, "--live", help="Show the reply being unmasked, step by step."),
-    ar: bool = typer.Option(False, "--ar", help="Decode a causal model (an ar run, an imported llama/qwen folder)."),
+    ar: bool = typer.Option(
+        False, "--ar", help="Decode a causal model (an imported llama/qwen folder); an ar run decodes so without it."
+    ),
     draft: str = typer.Option(None, "--draft", help="Speculative decoding of a causal model with this drafter."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
     dtype: str = DTYPE_OPTION,
+    threads: str = THREADS_OPTION,
 ) -> None:
     """Chat with a model: type a message, get a reply; /reset clears the history, /exit (or EOF) quits."""
     import torch
@@ -70,6 +74,7 @@ def chat(
              "cache": cache, "temperature": temperature}  # fmt: skip
     if ar or draft is not None:
         flags["generation"] = "causal"
+    apply_threads(threads)
     s = setup_sampling(run, checkpoint, model, device, sampler_config, overrides, flags, draft=draft,
                        causal_option="--draft" if draft is not None else "--ar", dtype=dtype)  # fmt: skip
     cfg = s.sampler
@@ -120,5 +125,5 @@ def _reply(s: SamplingSetup, history: list[dict[str, str]], gen, live: bool) -> 
         sys.stderr.write("\r\033[K")
     reply = cut_at_stop(tok.decode(result.sequences[0]), cfg.stop_strings).strip()
     out(reply)
-    info(f"[NFE {result.nfe}, {result.tokens_per_forward:.2f} tokens/forward, {time.perf_counter() - t0:.2f}s]")
+    info(f"[{counters_summary(cfg, result.counters, s.drafter is not None)}, {time.perf_counter() - t0:.2f}s]")
     return reply

@@ -19,6 +19,23 @@ from dllm.errors import ConfigError
 
 SetOption = typer.Option(None, "--set", help="Override a config field: --set training.steps=50 (repeatable).")
 MODEL_HELP = "A Hugging Face or `dllm convert` model folder, or a hub id org/name[@revision]."
+THREADS_OPTION = typer.Option(
+    "auto",
+    "--threads",
+    help="CPU threads: a number, or auto (OMP_NUM_THREADS if set, else the cores the 1-minute load average leaves "
+    "free; see dllm doctor).",
+)
+QUIET_OPTION = typer.Option(False, "--quiet", "-q", help="No progress display.")
+
+
+def apply_threads(value: str, flag: str = "--threads") -> int:
+    """Resolve a command's --threads (parallel/threads.py: `auto`'s rule) and run this process's torch ops on
+    that many threads; called before the model loads. Returns the count."""
+    from dllm.parallel.threads import parse_threads, resolve_threads, use_threads
+
+    num_threads = resolve_threads(parse_threads(value, flag), 1, os.environ)
+    use_threads(num_threads)
+    return num_threads
 
 
 def seed_option(default: int | None, help: str) -> Any:

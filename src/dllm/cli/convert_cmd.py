@@ -14,7 +14,7 @@ from pathlib import Path
 
 import typer
 
-from dllm.cli.common import check_output_folder, info, model_folder
+from dllm.cli.common import QUIET_OPTION, THREADS_OPTION, apply_threads, check_output_folder, info, model_folder
 from dllm.cli.outputs import MODEL, check_output_place
 from dllm.errors import ConfigError
 from dllm.staging import OutputKind, staged_folder
@@ -53,12 +53,15 @@ def convert(
         help="With --from-hf of a public DFlash drafter: the target model (folder or hub id) it "
         "drafts for, checked against it and recorded.",
     ),
+    threads: str = THREADS_OPTION,
+    quiet: bool = QUIET_OPTION,
 ) -> None:
     """Import a Hugging Face checkpoint or a GGUF file as a dllm model folder, export a run / model to one, or
     convert a DFlash drafter folder between dllm's format and the public DFlash layout."""
+    apply_threads(threads)  # reading, dequantizing, merging and casting weights run on torch's threads
     if from_gguf is not None:
         others = {"--from-hf": from_hf, "--to-hf": to_hf, "--run": run, "--checkpoint": checkpoint, "--model": model}
-        _import_gguf(from_gguf, to, overwrite, [flag for flag, v in others.items() if v is not None])
+        _import_gguf(from_gguf, to, overwrite, [flag for flag, v in others.items() if v is not None], quiet)
         return
     if (from_hf is None) == (to_hf is None):
         raise ConfigError("give --from-hf DIR --to OUT, or --to-hf OUT with --run, --checkpoint or --model")
@@ -80,7 +83,7 @@ def convert(
         if target_dir is not None:
             said = _import_drafter(src, target_dir, stage, out)  # type: ignore[arg-type]
         elif src is not None:
-            said = _import(src, stage, out)
+            said = _import(src, stage, out, quiet)
         elif adapter_only:
             said = _export_adapter(stage, out, run, checkpoint)
         else:
@@ -136,7 +139,7 @@ def _hf_source(text: str) -> Path:
     return folder
 
 
-def _import(src: Path, stage: Path, out: Path) -> list[str]:
+def _import(src: Path, stage: Path, out: Path, quiet: bool) -> list[str]:
     """Write the dllm model folder of a Hugging Face folder into `stage`; returns what to tell about `out`."""
     from dllm.checkpoint.loading import derive_profile
     from dllm.config.data import TokenizerConfig
@@ -144,13 +147,15 @@ def _import(src: Path, stage: Path, out: Path) -> list[str]:
     from dllm.models.hf_io import import_hf, model_config_from_hf
     from dllm.models.pretrained import pretrained_tokenizer, save_model_folder
     from dllm.tokenization import build_tokenizer
+    from dllm.training.progress import CountBar
 
     cfg = model_config_from_hf(src)
     tok_cfg = pretrained_tokenizer(src) or TokenizerConfig()
     tok = build_tokenizer(tok_cfg)
     _check_chat_template(tok, None)
     cfg = cfg.model_copy(update={"vocab_size": max(cfg.vocab_size or 0, tok.vocab_size)})
-    state = import_hf(src, cfg)  # every check (config, headers, shapes, memory) before the first write
+    with CountBar("weights read", 0, enabled=not quiet, every_s=5.0) as bar:
+        state = import_hf(src, cfg, bar.count)  # every check (config, headers, shapes, memory) before the first write
     profile = derive_profile(None, cfg, tok, src)  # as config.json says it decodes, else a masked model
     save_model_folder(stage, state, cfg, tok_cfg)
     write_profile(profile, stage)
@@ -161,7 +166,7 @@ def _import(src: Path, stage: Path, out: Path) -> list[str]:
     ]
 
 
-def _import_gguf(src: Path, out: Path | None, overwrite: bool, conflicting: list[str]) -> None:
+def _import_gguf(src: Path, out: Path | None, overwrite: bool, conflicting: list[str], quiet: bool) -> None:
     """A GGUF file as a dllm model folder (weights dequantized to float32, its tokenizer and chat template),
     staged like every convert output."""
     from dllm.checkpoint.loading import derive_profile
@@ -172,6 +177,7 @@ def _import_gguf(src: Path, out: Path | None, overwrite: bool, conflicting: list
     from dllm.models.pretrained import save_model_folder
     from dllm.tokenization import build_tokenizer
     from dllm.tokenization.gguf import save_gguf_tokenizer
+    from dllm.training.progress import CountBar
 
     if conflicting:
         raise ConfigError(f"--from-gguf FILE --to OUT imports a GGUF file; drop {', '.join(conflicting)}")
@@ -179,7 +185,8 @@ def _import_gguf(src: Path, out: Path | None, overwrite: bool, conflicting: list
         raise ConfigError("--from-gguf needs --to OUT (the dllm model folder to write)")
     reads = [("--from-gguf", src)] if src.is_file() else []  # anything else is refused as no GGUF file below
     check_output_folder(out, "--to", reads, own=MODEL)
-    imported = import_gguf(src)  # every check of the file and its weights before the first write
+    with CountBar("weights dequantized", 0, enabled=not quiet, every_s=5.0) as bar:
+        imported = import_gguf(src, bar.count)  # every check of the file and its weights before the first write
     with staged_folder(out, CONVERT, overwrite) as stage:
         save_gguf_tokenizer(src, stage)
         tok_cfg = TokenizerConfig(kind="hf", path=stage)

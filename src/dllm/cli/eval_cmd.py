@@ -7,7 +7,18 @@ from pathlib import Path
 
 import typer
 
-from dllm.cli.common import MODEL_HELP, check_output_file, info, model_folder, out, seed_option, write_lines
+from dllm.cli.common import (
+    MODEL_HELP,
+    QUIET_OPTION,
+    THREADS_OPTION,
+    apply_threads,
+    check_output_file,
+    info,
+    model_folder,
+    out,
+    seed_option,
+    write_lines,
+)
 from dllm.cli.sampling_common import (
     SAMPLER_CONFIG_OPTION,
     SET_OPTION,
@@ -24,6 +35,18 @@ MAX_EXAMPLES = 100_000
 """The most examples per task (generated in memory, then each decoded)."""
 
 app = typer.Typer(help="Evaluate a run: likelihood bounds and task accuracy.", no_args_is_help=True)
+
+TASKS_EPILOG = """A task file (--tasks FILE.jsonl, named FILE in the table) holds one example per line: the prompt the \
+model continues and the answer it must give, e.g.
+
+{"prompt": "Q: What is 12 + 7? A:", "answer": "19"}
+{"prompt": "The capital of France is", "answer": "Paris"}
+
+An output is right when, cut at the first newline and at EOS, it equals the answer, surrounding whitespace \
+stripped on both. Lines in GSM8K's format, {"question": ..., "answer": "<worked solution> #### 72"}, are read too: \
+the number after #### is the reference, right when the output's final number equals it (no stop string, 256 new \
+tokens). --limit reads the first N lines. With --run, each example's prompt and answer are looked up in the run's \
+training data first, whatever the spacing between them."""
 
 
 @app.command()
@@ -42,6 +65,7 @@ def likelihood(
     seed: int = seed_option(0, "Seed of the Monte Carlo noise."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
     as_json: bool = typer.Option(False, "--json", help="One JSON line instead of the text summary."),
+    threads: str = THREADS_OPTION,
 ) -> None:
     """Negative ELBO per token (and the perplexity bound) on prepared data; exact NLL for --kind ar."""
     import torch
@@ -55,6 +79,7 @@ def likelihood(
         raise ConfigError(f"--sampling: {sampling!r} is not stratified or plain")
     if device not in ("cpu", "cuda") or (device == "cuda" and not torch.cuda.is_available()):
         raise ConfigError(f"--device: {device!r} is not available here; use cpu")
+    apply_threads(threads)
     loaded = load_for_inference(run, checkpoint, torch.device(device), model_dir=model_folder(model))
     how = scoring_for(loaded, kind)
     artifact = _scoring_data(data, loaded, how)
@@ -94,7 +119,7 @@ def _scoring_data(data: Path, loaded, how):
     return artifact
 
 
-@app.command()
+@app.command(epilog=TASKS_EPILOG)
 def tasks(
     run: Path = typer.Option(None, "--run", help="Run folder (its newest checkpoint is used)."),
     checkpoint: Path = typer.Option(None, "--checkpoint", help="One checkpoint folder."),
@@ -110,7 +135,9 @@ def tasks(
     gen_length: int = typer.Option(None, "--gen-length", help="Tokens to generate (default: per task)."),
     policy: str = typer.Option(None, "--policy", help="Sampling policy."),
     cache: str = typer.Option(None, "--cache", help="KV cache: none, prefix, dual or block."),
-    ar: bool = typer.Option(False, "--ar", help="Decode a causal model (an ar run, an imported llama/qwen folder)."),
+    ar: bool = typer.Option(
+        False, "--ar", help="Decode a causal model (an imported llama/qwen folder); an ar run decodes so without it."
+    ),
     limit: int = typer.Option(50, "--limit", max=MAX_EXAMPLES, help="Examples per task."),
     batch_size: int = typer.Option(8, "--batch-size", help="Prompts decoded together."),
     seed: int = seed_option(0, "Seed of the generated tasks."),
@@ -123,6 +150,8 @@ def tasks(
         help="Score a task even when some of its examples are in the run's training data "
         "(reported as a training-set score, not a held-out one).",
     ),
+    threads: str = THREADS_OPTION,
+    quiet: bool = QUIET_OPTION,
 ) -> None:
     """Exact-match accuracy through any sampler, with NFE, tokens per forward and wall time. With --run or
     --checkpoint, every example is first looked up in the run's training data: a score is held out only
@@ -130,6 +159,7 @@ def tasks(
     import torch
 
     from dllm.evaluation.tasks import load_task, run_task
+    from dllm.training.progress import CountBar
 
     if limit < 1 or batch_size < 1:
         raise ConfigError("--limit and --batch-size must be >= 1")
@@ -144,17 +174,31 @@ def tasks(
         if policy is not None or cache is not None:
             raise ConfigError("--policy and --cache choose how a canvas is decoded; drop them with --ar")
         flags["generation"] = "causal"
+    apply_threads(threads)
     s = setup_sampling(run, checkpoint, model, device, sampler_config, overrides, flags)
     task_length = gen_length is None and "gen_length" not in _file_and_set_fields(sampler_config, overrides)
     gen = torch.Generator(device=s.device).manual_seed(s.sampler.seed)
     samplers = [task_sampler(s, task, task_length, gen) for task in loaded_tasks]  # every prompt checked first
     overlaps = _training_overlap(s, loaded_tasks, allow_overlap)  # then whether the scores are held out
-    results = [run_task(task, sample, batch_size) for task, sample in zip(loaded_tasks, samplers, strict=True)]
+    with CountBar("examples", sum(len(t.examples) for t in loaded_tasks), enabled=not quiet) as bar:
+        results = [run_task(task, _counted(sample, bar), batch_size)
+                   for task, sample in zip(loaded_tasks, samplers, strict=True)]  # fmt: skip
     for r in results:
         r.train_overlap = overlaps[r.name]
     if output is not None:
         write_lines(output, [json.dumps(o) for r in results for o in r.outputs])
     _report_tasks(s, results, as_json)
+
+
+def _counted(generate_batch, bar):
+    """`generate_batch` (task_sampler's) that advances `bar` by the examples of each batch it decodes."""
+
+    def counted(prompts: list[str]):
+        answers, counters = generate_batch(prompts)
+        bar.advance(len(prompts))
+        return answers, counters
+
+    return counted
 
 
 def _training_overlap(s, tasks, allow: bool) -> dict[str, int | None]:

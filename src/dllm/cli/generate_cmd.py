@@ -8,18 +8,34 @@ from typing import Any
 
 import typer
 
-from dllm.cli.common import MODEL_HELP, check_output_file, finite, info, out, seed_option, warn, write_lines
+from dllm.cli.common import (
+    MODEL_HELP,
+    QUIET_OPTION,
+    THREADS_OPTION,
+    apply_threads,
+    check_output_file,
+    finite,
+    info,
+    out,
+    seed_option,
+    warn,
+    write_lines,
+)
 from dllm.cli.sampling_common import (
     DRAFT_BLOCK_SIZE_OPTION,
     DTYPE_OPTION,
     SAMPLER_CONFIG_OPTION,
     SET_OPTION,
+    counters_summary,
     decode_batches,
     denoise_summary,
     setup_sampling,
 )
 from dllm.errors import ConfigError, DataError
 from dllm.text import valid_text
+
+COMPLETION_MARKER = ">> "
+"""Text output: each prompt, then its completion on the next line after this marker (--json keeps them apart)."""
 
 
 def _read_prompts(prompt: list[str] | None, prompts_file: Path | None) -> list[str]:
@@ -64,15 +80,21 @@ def generate(
     output: Path = typer.Option(None, "--output", "-o", help="Write JSONL here instead of stdout."),
     as_json: bool = typer.Option(False, "--json", help="One JSON line per prompt on stdout."),
     ar: bool = typer.Option(
-        False, "--ar", help="Decode a causal model (an ar run, an imported llama/qwen folder) with a KV cache."
+        False,
+        "--ar",
+        help="Decode a causal model (an imported llama/qwen folder) with a KV cache; an ar run decodes so without it.",
     ),
     draft: str = typer.Option(
         None, "--draft", help="Speculative decoding of a causal target with this drafter (a folder or hub id)."
     ),
     draft_block_size: int = DRAFT_BLOCK_SIZE_OPTION,
+    threads: str = THREADS_OPTION,
+    quiet: bool = QUIET_OPTION,
 ) -> None:
     """Generate continuations of prompts with any sampler configuration."""
     import torch
+
+    from dllm.training.progress import CountBar
 
     if batch_size < 1:
         raise ConfigError("--batch-size must be >= 1")
@@ -80,8 +102,7 @@ def generate(
              "cache": cache, "temperature": temperature, "seed": seed,
              "stop_strings": [valid_text(s) for s in stop] if stop else None,
              "compile": compile_model or None}  # fmt: skip
-    causal = ar or draft is not None
-    if causal:
+    if ar or draft is not None:
         diffusion = ("block_length", "steps", "policy", "cache", "compile")
         ignored = [f"--{k.replace('_', '-')}" for k in diffusion if flags.pop(k) is not None]
         if ignored:
@@ -92,32 +113,29 @@ def generate(
              ("--checkpoint", checkpoint), ("--model", model), ("--draft", draft)]  # fmt: skip
     check_output_file(output, reads=reads)
     option = "--draft" if draft is not None else "--ar"
+    apply_threads(threads)
     s = setup_sampling(run, checkpoint, model, device, sampler_config, overrides, flags, draft=draft,
                        draft_block_size=draft_block_size, causal_option=option, dtype=dtype)  # fmt: skip
     tok, cfg = s.loaded.tokenizer, s.sampler
     gen = torch.Generator(device=s.device).manual_seed(cfg.seed)
-    progress = info if output is not None and len(texts) > batch_size else None  # a long job into a file
-    done = decode_batches(s, texts, lambda text: _encode(tok, text, chat), batch_size, gen, progress)
+    with CountBar("prompts", len(texts), enabled=not quiet and len(texts) > batch_size) as bar:
+        done = decode_batches(s, texts, lambda text: _encode(tok, text, chat), batch_size, gen, bar.advance)
     if chat:  # the exchange as chat turns: `data prepare` (prompt_completion, chat.prompt / chat.completion) reads it
         for r in done.records:
             r["chat"] = {"prompt": [{"role": "user", "content": r["prompt"]}],
                          "completion": [{"role": "assistant", "content": r["completion"]}]}  # fmt: skip
     _write_records(done.records, output, as_json)
-    c = done.total.as_dict()
-    if causal:
-        mode = "ar (KV cache)" if s.drafter is None else f"speculative (block {s.drafter.block_size})"
-        info(
-            f"{s.loaded.source}: {len(texts)} prompt(s), {mode}, {c['nfe']} target forwards, "
-            f"{c['forwards_per_token']:.3f} target forwards/token, tau {c['tau']:.2f}, "
-            f"acceptance {c['acceptance_rate']:.2f}, {done.elapsed_s:.2f}s"
-        )
-        return
-    how = {"edit_flow": "edit_flow/tau_leaping", "canvas_denoise": denoise_summary(cfg)}.get(
+    info(f"{s.loaded.source}: {len(texts)} prompt(s), {_how(s)}, "
+         f"{counters_summary(cfg, done.total, s.drafter is not None)}, {done.elapsed_s:.2f}s")  # fmt: skip
+
+
+def _how(s) -> str:
+    """How the prompts were decoded, for the summary line."""
+    cfg = s.sampler
+    if cfg.generation == "causal":
+        return "ar (KV cache)" if s.drafter is None else f"speculative (block {s.drafter.block_size})"
+    return {"edit_flow": "edit_flow/tau_leaping", "canvas_denoise": denoise_summary(cfg)}.get(
         cfg.generation, f"{cfg.policy}/{cfg.cache}/{cfg.attention}"
-    )
-    info(
-        f"{s.loaded.source}: {len(texts)} prompt(s), {how}, NFE {c['nfe']}, "
-        f"{c['tokens_per_forward']:.2f} tokens/forward, {done.elapsed_s:.2f}s"
     )
 
 
@@ -129,8 +147,11 @@ def _write_records(records: list[dict[str, Any]], output: Path | None, as_json: 
         for line in lines:
             out(line)
     else:
-        for r in records:
-            out(f"{r['prompt']}{r['completion']}")
+        for i, r in enumerate(records):
+            if i:
+                out()  # a blank line between two exchanges
+            out(r["prompt"])
+            out(COMPLETION_MARKER + r["completion"].lstrip())
 
 
 def _encode(tok: Any, text: str, chat: bool) -> list[int]:

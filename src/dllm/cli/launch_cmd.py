@@ -31,7 +31,7 @@ def launch(
     from dllm.parallel.launch import check_nodes, format_command, worker_command
     from dllm.parallel.threads import parse_threads
     from dllm.training.preflight import resolve_run_spec
-    from dllm.training.run import CONFIG_NAME, config_digest, launching, run_dir_of
+    from dllm.training.run import CONFIG_NAME, config_digest, launching, resume_notes, run_dir_of
     from dllm.training.run_lock import lock_run_dir
 
     overrides = list(set_ or [])
@@ -52,6 +52,7 @@ def launch(
     spec_path = run_dir_of(spec) / CONFIG_NAME
     in_process = topo.world_size == 1
     worker_env, num_threads = _worker_env(spec)
+    _warn_when_busy(spec, num_threads)
     cmd = (
         ["python", "-m", "dllm.training.worker", str(spec_path)]
         if in_process
@@ -65,6 +66,8 @@ def launch(
         return
     lock = lock_run_dir(run_dir_of(spec), node_rank)
     try:  # the lock is held until every worker has ended
+        for note in resume_notes(spec) if node_rank == 0 else []:
+            info(note)
         # node rank 0 writes the shared run folder; the workers of every node read its config.yaml
         with launching(spec) if node_rank == 0 else nullcontext(run_dir_of(spec)) as run_dir:
             info(f"run folder: {run_dir} ({num_threads} CPU thread(s) per process, training.threads)")
@@ -84,13 +87,25 @@ def launch(
     info(f"done: {run_dir} (next: dllm generate --run {run_dir})")
 
 
-def _retains_memory(spec) -> bool:
-    """Whether the run trains on the CPU with training.cpu_allocator: retain (training/host_memory.py)."""
+def _on_cpu(spec) -> bool:
     import torch
 
     device = spec.training.device
-    cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
-    return cpu and spec.training.cpu_allocator == "retain"
+    return device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+
+
+def _retains_memory(spec) -> bool:
+    """Whether the run trains on the CPU with training.cpu_allocator: retain (training/host_memory.py)."""
+    return _on_cpu(spec) and spec.training.cpu_allocator == "retain"
+
+
+def _warn_when_busy(spec, num_threads: int) -> None:
+    """One line when a CPU run starts on a machine whose load is above its cores (parallel/threads.py)."""
+    from dllm.parallel.threads import launch_load_warning, load_average, machine_cores
+
+    busy = launch_load_warning(load_average(), machine_cores(), num_threads) if _on_cpu(spec) else None
+    if busy is not None:
+        warn(busy)
 
 
 def _worker_env(spec) -> tuple[dict[str, str], int]:

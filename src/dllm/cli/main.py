@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import re
 import sys
 
 import typer
@@ -16,6 +17,7 @@ from dllm.cli.init_cmd import init
 from dllm.cli.launch_cmd import launch
 from dllm.cli.plot_cmd import plot
 from dllm.cli.runs_cmd import runs
+from dllm.cli.sampling_common import COUNTERS_EPILOG
 from dllm.cli.serve_cmd import serve
 from dllm.errors import UserError
 
@@ -32,8 +34,8 @@ app.add_typer(config_cmd.app, name="config")
 app.add_typer(recipe_cmd.app, name="recipe")
 app.add_typer(eval_cmd.app, name="eval")
 app.command()(launch)
-app.command()(generate)
-app.command()(chat)
+app.command(epilog=COUNTERS_EPILOG)(generate)
+app.command(epilog=COUNTERS_EPILOG)(chat)
 app.command()(convert)
 app.command()(doctor)
 app.command()(plot)
@@ -43,6 +45,25 @@ app.command()(serve)
 
 def _one_line(text: str) -> str:
     return " ".join(text.split())
+
+
+_MARKUP_TAG = re.compile(r"\[(?=[a-z#/@][^\[]*?\])")
+"""An opening bracket that rich would read as a markup tag (and drop with its text: 'dllm[plot]' -> 'dllm')."""
+
+
+def _literal_help(command) -> None:
+    """Help texts are plain text: escape every bracket rich's help would take for markup (pip install
+    'dllm[plot]', org/name[@revision]) in `command`, its subcommands and their options."""
+    if not typer.core.HAS_RICH:
+        return
+    for attr in ("help", "epilog", "short_help"):
+        if getattr(command, attr, None):
+            setattr(command, attr, _MARKUP_TAG.sub(r"\\[", getattr(command, attr)))
+    for param in command.params:
+        if getattr(param, "help", None):
+            param.help = _MARKUP_TAG.sub(r"\\[", param.help)
+    for sub in getattr(command, "commands", {}).values():
+        _literal_help(sub)
 
 
 def _click_classes() -> tuple[tuple[type, ...], tuple[type, ...], tuple[type, ...]]:
@@ -65,6 +86,7 @@ def _click_classes() -> tuple[tuple[type, ...], tuple[type, ...], tuple[type, ..
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit code (the console script exits with it)."""
     command = typer.main.get_command(app)
+    _literal_help(command)
     args = sys.argv[1:] if argv is None else argv
     usage_errors, exits, aborts = _click_classes()
     try:

@@ -1,4 +1,5 @@
-"""`dllm runs [DIR]`: a table of the run folders under DIR (default runs/)."""
+"""`dllm runs [DIR]`: a table of the run folders under DIR (default runs/); DIR may also be a project folder
+(its runs/ and its configs' run.output_dir) or a single run folder."""
 
 from __future__ import annotations
 
@@ -31,20 +32,65 @@ class RunRow:
 
 
 def runs(
-    directory: Path = typer.Argument(Path("runs"), help="Folder that holds run folders (run.output_dir)."),
+    directory: Path = typer.Argument(
+        Path("runs"),
+        help="A folder of runs (run.output_dir), a project folder (its runs/ and the run.output_dir of each config "
+        "in it), or one run folder.",
+    ),
 ) -> None:
     """List the runs of DIR: objective, steps done / planned, last loss, tokens seen, newest checkpoint, size."""
     if not directory.is_dir():
-        raise UserError(f"{directory}: no such folder (runs live in run.output_dir, `runs` by default)")
-    rows = [read_run(p) for p in sorted(directory.iterdir()) if _is_run(p)]
-    if not rows:
-        print(f"no runs in {directory}", file=sys.stderr)
+        raise UserError(f"{directory}: no such folder; give a runs folder (run.output_dir, `runs` by default), a "
+                        "project folder or a run folder")  # fmt: skip
+    if (directory / CONFIG_NAME).is_file() and not _holds_runs(directory):  # one run
+        run_dir = directory.resolve() if directory.is_symlink() else directory  # runs/latest: the run it names
+        print_table([read_run(run_dir)], run_dir.parent)
         return
-    print_table(rows, directory)
+    shown = False
+    for folder in _runs_folders(directory):
+        rows = [read_run(p) for p in sorted(folder.iterdir()) if _is_run(p)]
+        if rows:
+            print_table(rows, folder)
+            shown = True
+    if not shown:
+        print(f"no runs in {directory}", file=sys.stderr)
 
 
 def _is_run(path: Path) -> bool:
     return path.is_dir() and not path.is_symlink() and (path / CONFIG_NAME).is_file()
+
+
+def _holds_runs(folder: Path) -> bool:
+    return any(_is_run(p) for p in folder.iterdir())
+
+
+def _runs_folders(directory: Path) -> list[Path]:
+    """`directory` when it holds run folders; else, a project folder: its runs/ and the run.output_dir of each
+    training config in it (relative to the config's folder), each once."""
+    if _holds_runs(directory):
+        return [directory]
+    found = [
+        directory / "runs",
+        *(_output_dir(c) for c in sorted([*directory.glob("*.yaml"), *directory.glob("*.yml")])),
+    ]
+    folders: list[Path] = []
+    for f in found:
+        if f is not None and f.is_dir() and f.resolve() not in {x.resolve() for x in folders}:
+            folders.append(f)
+    return folders
+
+
+def _output_dir(config: Path) -> Path | None:
+    """The run.output_dir a training config names (`runs` when its run section names none); None otherwise."""
+    try:
+        data = yaml.safe_load(config.read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError, UnicodeDecodeError):
+        return None
+    run = data.get("run") if isinstance(data, dict) else None
+    if not isinstance(run, dict):
+        return None
+    out = Path(str(run.get("output_dir", "runs"))).expanduser()
+    return out if out.is_absolute() else config.parent / out
 
 
 def read_run(run_dir: Path) -> RunRow:

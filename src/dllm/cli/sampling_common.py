@@ -114,6 +114,27 @@ def denoise_summary(cfg: SamplerConfig) -> str:
             f"cache {'clean rows' if cfg.denoise_cache else 'none'}")  # fmt: skip
 
 
+COUNTERS_EPILOG = (
+    "Counters on stderr: NFE, the model's forward passes; tokens/forward, tokens decided per forward (diffusion "
+    "decides several at once); AR decoding (--ar, an ar run) counts one forward per token; with a drafter (--draft), "
+    "tau is the tokens a verify forward keeps (accepted drafts + 1) and acceptance the share of drafted tokens the "
+    "model accepted."
+)
+"""The glossary of `counters_summary`'s words (the epilog of `dllm generate --help` and `dllm chat --help`)."""
+
+
+def counters_summary(sampler: SamplerConfig, counters: Counters, speculative: bool) -> str:
+    """What a decoding cost, in the counters that mean something for its loop (COUNTERS_EPILOG): AR decoding
+    its forwards (one per token), speculative decoding its rates, a diffusion sampler NFE and tokens/forward."""
+    c = counters.as_dict()
+    if sampler.generation == "causal" and not speculative:
+        return f"{c['nfe']} forwards for {c['tokens_committed']} tokens"
+    if sampler.generation == "causal":
+        return (f"{c['nfe']} target forwards, {c['forwards_per_token']:.3f} target forwards/token, tau {c['tau']:.2f}, "
+                f"acceptance {c['acceptance_rate']:.2f}")  # fmt: skip
+    return f"NFE {c['nfe']}, {c['tokens_per_forward']:.2f} tokens/forward"
+
+
 def check_prompt_lengths(prompts_ids: list[list[int]], cfg: SamplerConfig, profile: DecodeProfile,
                          what: str = "prompt {n}", fix: str = "shorten the prompt") -> None:  # fmt: skip
     """Refuse, before anything is decoded, a prompt whose tokens plus `gen_length` exceed the positions the model
@@ -138,10 +159,10 @@ class Decoded:
 
 
 def decode_batches(s: SamplingSetup, prompts: list[str], encode: Callable[[str], list[int]], batch_size: int,
-                   generator: Any, progress: Callable[[str], None] | None = None) -> Decoded:  # fmt: skip
+                   generator: Any, progress: Callable[[int, str], None] | None = None) -> Decoded:  # fmt: skip
     """Decode `prompts` `batch_size` at a time with the setup's sampler (and drafter): per prompt a record
-    {prompt, completion (cut at the stop strings), batch_wall_s, the batch's counters}. `progress` gets a
-    line after each batch (prompts done, tokens, elapsed time)."""
+    {prompt, completion (cut at the stop strings), batch_wall_s, the batch's counters}. `progress` gets the
+    prompts of each batch done and a note (tokens so far, tokens/s), e.g. a CountBar's `advance`."""
     from dllm.inference.engine import generate
     from dllm.sampling.results import Counters
     from dllm.sampling.stops import cut_at_stop, stop_function
@@ -163,8 +184,8 @@ def decode_batches(s: SamplingSetup, prompts: list[str], encode: Callable[[str],
             completion = cut_at_stop(tok.decode(seq), cfg.stop_strings)
             out.records.append({"prompt": text, "completion": completion, "batch_wall_s": round(wall, 4), **counters})
         if progress is not None:
-            done, elapsed = len(out.records), time.perf_counter() - t0
-            progress(f"{done}/{len(prompts)} prompts, {out.total.tokens_committed} tokens, {elapsed:.0f}s "
+            elapsed = time.perf_counter() - t0
+            progress(len(chunk), f"{out.total.tokens_committed} tokens, {elapsed:.0f}s "
                      f"({out.total.tokens_committed / elapsed:.1f} tokens/s)")  # fmt: skip
     out.elapsed_s = time.perf_counter() - t0
     return out

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from dllm.cli.common import MODEL_HELP, finite, hub_id, info
+from dllm.cli.common import MODEL_HELP, THREADS_OPTION, apply_threads, finite, hub_id, info
 from dllm.cli.sampling_common import (
     DRAFT_BLOCK_SIZE_OPTION,
     DTYPE_OPTION,
@@ -16,7 +16,6 @@ from dllm.cli.sampling_common import (
     setup_sampling,
 )
 from dllm.errors import ConfigError
-from dllm.parallel.threads import parse_threads, resolve_threads, use_threads
 from dllm.serving.limits import DEFAULT_MAX_BODY_BYTES
 
 API_KEY_ENV = "DLLM_API_KEY"
@@ -68,9 +67,7 @@ def serve(
         None, "--draft", help="Serve a causal model with speculative decoding by this drafter (a folder or hub id)."
     ),
     draft_block_size: int = DRAFT_BLOCK_SIZE_OPTION,
-    threads: str = typer.Option(
-        "auto", "--threads", help="CPU threads of the server: auto (OMP_NUM_THREADS if set, else every usable core)."
-    ),
+    threads: str = THREADS_OPTION,
 ) -> None:
     """Serve a model over HTTP: OpenAI completions and chat, streaming, a live denoising page at /."""
     try:
@@ -88,8 +85,7 @@ def serve(
     if key is not None:  # an empty key (an unset variable) would serve without one: refused, not dropped
         check_api_key(key, "--api-key" if api_key is not None else f"${API_KEY_ENV}")
     _check_port(host, port)  # before the model loads: a busy port is a one-line error, not a log after a wait
-    num_threads = resolve_threads(parse_threads(threads, "--threads"), 1, os.environ)
-    use_threads(num_threads)  # before the model loads: every op of the server runs on this many threads
+    num_threads = apply_threads(threads)  # before the model loads: every op of the server runs on this many threads
     causal = ar or draft is not None
     s = setup_sampling(run, checkpoint, model, device, sampler_config, overrides,
                        {"generation": "causal"} if causal else {}, draft=draft, draft_block_size=draft_block_size,
@@ -101,7 +97,7 @@ def serve(
     if host not in ("127.0.0.1", "localhost", "::1") and key is None:
         info(f"dllm: warning: serving on {host} without an API key: anyone who can reach it can use it")
     lim = state.limits
-    mode = "" if not causal else "; ar (KV cache)" if s.drafter is None else "; speculative"
+    mode = "" if s.sampler.generation != "causal" else "; ar (KV cache)" if s.drafter is None else "; speculative"
     mode += f" (block {s.drafter.block_size})" if s.drafter is not None else ""
     info(f"{s.loaded.source}: serving {state.model_id!r}{mode} on http://{host}:{port} (page at /, API at /v1; "
          f"{num_threads} CPU thread(s), max batch {max_batch}, "

@@ -172,20 +172,23 @@ class SamplerConfig(Section):
 
 def resolve_sampler(cfg: SamplerConfig, profile: DecodeProfile) -> SamplerConfig:
     """Fill `attention`, `shift`, the block and sub-block lengths from the model's decode profile, pick the
-    loop (`generation`; canvas_denoise for a DiffusionGemma profile, `_resolve_denoise`), and refuse a
+    loop (`generation`; canvas_denoise for a DiffusionGemma profile, `_resolve_denoise`; causal for a causal
+    profile, an ar run, when no loop is asked for), and refuse a
     sampler the model was not trained for. Causal decoding reads only the length, temperature,
     top-k/p, EOS and stop fields as they are (whether the model is causal is the loader's to say:
     `models.families.base.is_causal_model` also knows the model family)."""
     if profile.attention == "prefix_canvas" and cfg.generation != "causal":
         return _resolve_denoise(cfg, profile)
+    if profile.attention == "causal" and cfg.generation == "auto":  # an ar run decodes causally unasked
+        cfg = cfg.model_copy(update={"generation": "causal"})
     if cfg.generation == "causal":
         refuse_unread(cfg, "causal")
         _check_length(cfg, profile)
         return cfg
     if profile.attention == "causal":
         raise ConfigError(
-            f"this model is autoregressive (trained with {profile.objective or 'a causal objective'}: attention causal "
-            "in its decode profile); the diffusion sampler cannot decode it: use `dllm generate --ar`"
+            f"sampler.generation: {cfg.generation} cannot decode this model: it is autoregressive (trained with "
+            f"{profile.objective or 'a causal objective'}: attention causal in its decode profile); use generation auto"
         )
     trained = f"this run was trained with {profile.objective}" if profile.objective else "this model decodes masks"
     if profile.corruption == "uniform" and cfg.policy != "uniform":

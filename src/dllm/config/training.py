@@ -36,7 +36,7 @@ class TrainingConfig(Section):
     chunked_loss: bool = True
     """LM head + cross-entropy in chunks, never materialising [tokens x vocab] logits (false: the plain reference)."""
     threads: Literal["auto"] | Annotated[Int, Field(gt=0)] = "auto"
-    """CPU threads per worker process; auto: OMP_NUM_THREADS if set, else usable cores / workers on this node."""
+    """CPU threads per worker process; auto: OMP_NUM_THREADS if set, else free cores (load-aware) / workers per node."""
     cpu_allocator: Literal["retain", "system"] = "retain"
     """CPU training: retain keeps freed heap memory for reuse (no page faults each step); system leaves malloc alone."""
     activation_checkpointing: Literal["none", "selective", "full"] = "none"

@@ -29,7 +29,7 @@ from dllm.config.registries import FAMILIES
 from dllm.errors import ConfigError
 from dllm.models.families.base import Family, native_to_hf_name
 from dllm.models.gguf_header import check_header
-from dllm.models.hf_io import check_weight_shapes
+from dllm.models.hf_io import Progress, check_weight_shapes
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_ARCHITECTURES = {"llama": "llama"}
@@ -53,9 +53,10 @@ class GGUFModel:
     """The file's `general.name`, when it has one."""
 
 
-def import_gguf(path: Path) -> GGUFModel:
+def import_gguf(path: Path, progress: Progress | None = None) -> GGUFModel:
     """Read a GGUF file: every check (format, architecture, names, shapes, memory) before any tensor is
-    dequantized; one ConfigError naming the file for anything it cannot import."""
+    dequantized; one ConfigError naming the file for anything it cannot import. `progress(done, total)` after
+    each tensor dequantized."""
     path = Path(path)
     reader = open_gguf(path)
     arch = str(field_value(reader, "general.architecture") or "")
@@ -83,7 +84,11 @@ def import_gguf(path: Path) -> GGUFModel:
         return {names[g]: s for g, s in stored.items()}
 
     check_weight_shapes(path, cfg, cfg, stored, to_native, lambda k: _gguf_name_of(names, k))
-    state = {native: _dequantize(tensors[g], g, arch, cfg, path) for g, native in names.items()}
+    state: dict[str, torch.Tensor] = {}
+    for g, native in names.items():
+        state[native] = _dequantize(tensors[g], g, arch, cfg, path)
+        if progress is not None:
+            progress(len(state), len(names))
     return GGUFModel(cfg, state, arch, _optional_str(field_value(reader, "general.name")))
 
 

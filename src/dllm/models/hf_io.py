@@ -34,6 +34,9 @@ TOKENIZER_FILES = (
     "vocab.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja", "chat_template.json",
 )  # fmt: skip
 
+Progress = Callable[[int, int], None]
+"""(tensors done, tensors in all) after each tensor read: a command's progress display."""
+
 
 def is_hf_folder(path: Path) -> bool:
     return (Path(path) / "config.json").is_file()
@@ -235,17 +238,23 @@ def hf_weight_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def load_hf_state_dict(folder: Path) -> StateDict:
-    """All tensors of a checkpoint folder, by their Hugging Face names."""
-    from safetensors.torch import load_file
+def load_hf_state_dict(folder: Path, progress: Progress | None = None) -> StateDict:
+    """All tensors of a checkpoint folder, by their Hugging Face names; `progress(done, total)` after each tensor
+    read from safetensors files."""
+    from safetensors import safe_open
 
     folder = Path(folder)
     files = _safetensors_files(folder)
     if files is None:
         return _load_bin(folder / "pytorch_model.bin")
+    total = len(hf_weight_shapes(folder)) if progress is not None else 0
     out: StateDict = {}
     for path in files:
-        out.update(load_file(str(path)))
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 (not a dict)
+                out[key] = f.get_tensor(key)
+                if progress is not None:
+                    progress(len(out), total)
     return out
 
 
@@ -322,13 +331,14 @@ def _hf_name(family: Family, native_key: str, cfg: ModelConfig) -> str:
         return native_key
 
 
-def import_hf(folder: Path, cfg: ModelConfig) -> StateDict:
+def import_hf(folder: Path, cfg: ModelConfig, progress: Progress | None = None) -> StateDict:
     """Native, float32 weights of a Hugging Face folder for a model built from `cfg`; embeddings are
-    grown to cfg.vocab_size when a tokenizer needed more ids (an added mask token)."""
+    grown to cfg.vocab_size when a tokenizer needed more ids (an added mask token). `progress(done, total)`
+    counts the tensors read."""
     family = family_of(read_hf_config(folder))
     src_cfg = model_config_from_hf(folder)
     check_hf_weights(folder, family, src_cfg, cfg)
-    native = state_from_hf(family, load_hf_state_dict(folder), src_cfg)
+    native = state_from_hf(family, load_hf_state_dict(folder, progress), src_cfg)
     check_weight_values(native, folder, lambda k: _hf_name(family, k, src_cfg))
     native = {k: v.float() for k, v in native.items()}
     assert cfg.vocab_size is not None

@@ -1,5 +1,6 @@
 """CPU threads per process: torch's intra-op pool and OpenMP's, set from `training.threads`,
-`dllm launch --threads` and `dllm serve --threads`.
+`dllm launch --threads` and the `--threads` of every command that runs a model (generate, chat, eval
+tasks and likelihood, convert, serve: `cli/common.py: THREADS_OPTION`).
 
 torch gives every process one intra-op thread per core. Several worker processes on one machine, or a
 machine that other jobs keep busy, then run more busy threads than there are cores: an op's threads
@@ -7,13 +8,17 @@ wait for each other at every barrier while the scheduler runs someone else, and 
 times slower than with fewer threads. So the count is a setting with a rule for `auto`:
 
   auto = OMP_NUM_THREADS when the environment sets it (the variable torch and OpenMP read themselves),
-         else the cores this process may run on (its CPU affinity) divided by the worker processes on
-         this node, at least 1 (one process: every core; `dllm serve`: one process).
+         else the free cores divided by the worker processes on this node, at least 1, where the free
+         cores are the fewer of the cores this process may run on (its CPU affinity) and the machine's
+         cores less those its 1-minute load average keeps busy (the load's whole part: load 1.9 on 2
+         cores leaves 1 free, load 0.5 leaves 2). One process on an idle machine: every core.
 
-The launcher resolves the count once and hands it to every worker it starts as OMP_NUM_THREADS (torchrun
-would otherwise set 1 for several workers); each worker and `dllm serve` also call torch.set_num_threads
-with it. On a machine shared with other jobs, 1 thread per process is often fastest: `dllm doctor`
-warns when the load average is far above the core count.
+The load counts because an op's threads meet at a barrier after every step: one of them descheduled for
+another job stalls the rest (one SDPA call for a single query over 130 keys, on 2 cores at a load just
+above 2: 7.9 ms with 2 threads, 0.025 ms with 1). The launcher resolves the count once and hands it to
+every worker it starts as OMP_NUM_THREADS (torchrun would otherwise set 1 for several workers); each
+worker and every decoding command also call torch.set_num_threads with it. `dllm launch` warns when the
+load is above the cores, and `dllm doctor` when it is far above them.
 """
 
 from __future__ import annotations
@@ -35,6 +40,24 @@ def usable_cores() -> int:
     return max(1, os.cpu_count() or 1)
 
 
+def machine_cores() -> int:
+    """CPUs of the whole machine: those the load average counts."""
+    return max(1, os.cpu_count() or usable_cores())
+
+
+def load_average() -> float:
+    """The 1-minute load average (runnable tasks, whole machine); 0 where the OS does not report one."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return 0.0
+
+
+def free_cores(load_1min: float) -> int:
+    """Cores this process may use that the load leaves idle (the module's rule), at least 1."""
+    return max(1, min(usable_cores(), machine_cores() - int(load_1min)))
+
+
 def parse_threads(value: str, option: str) -> int | str:
     """A --threads value: `auto` or a positive integer; anything else is a one-line ConfigError."""
     if value == "auto":
@@ -51,7 +74,7 @@ def resolve_threads(setting: int | str, procs_per_node: int, env: Mapping[str, s
     given = env.get(THREADS_ENV, "").strip()
     if given.isdigit() and int(given) > 0:
         return int(given)
-    return max(1, usable_cores() // max(1, procs_per_node))
+    return max(1, free_cores(load_average()) // max(1, procs_per_node))
 
 
 def use_threads(num_threads: int) -> None:
@@ -74,4 +97,15 @@ def busy_warning(load_1min: float, cores: int) -> str | None:
         f"the load average ({load_1min:.1f}) is far above the {cores} cores: other jobs share this machine, and "
         "a process with one thread per core waits on them at every step; train with `dllm launch --threads 1` "
         "(training.threads) and serve with `dllm serve --threads 1`, or run when the machine is quieter"
+    )
+
+
+def launch_load_warning(load_1min: float, cores: int, num_threads: int) -> str | None:
+    """`dllm launch`'s one line when the 1-minute load average is above the machine's cores (CPU training)."""
+    if load_1min <= cores:
+        return None
+    return (
+        f"the load average ({load_1min:.1f}) is above the {cores} cores: other jobs are running and each CPU "
+        f"training step waits on them ({num_threads} thread(s) per process now); wait for a quieter machine, "
+        "or launch with --threads 1"
     )

@@ -1,4 +1,5 @@
-"""Progress display on the main rank: a rich bar on a terminal, plain lines otherwise."""
+"""Progress display: a rich bar with its ETA on a terminal, plain lines otherwise. `Progress` is training's (main
+rank); `CountBar` counts any other long job towards a total (prompts, examples, weights of a convert)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,74 @@ def format_flops(n: float) -> str:
     return f"{n:.3g} FLOP"
 
 
+def _rich_bar(label: str, console: Any = None) -> Any:
+    """A started rich progress display: label, bar, done/total, an info field, time remaining."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    bar = Progress(
+        TextColumn(f"[bold]{label}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[info]}"),
+        TimeRemainingColumn(),
+        transient=False,
+        console=console,
+    )
+    bar.start()
+    return bar
+
+
+class CountBar:
+    """`total` items counted on stderr: a rich bar with its ETA when stderr is a terminal, else a plain line
+    `done/total label  info  eta H:MM:SS` at most every `every_s` seconds, and at the end when it printed one
+    before (a job shorter than `every_s` prints none); nothing when not `enabled` (a command's -q). `total` 0: not
+    known yet (`count` tells it). A context manager: the bar is closed however the job ends."""
+
+    def __init__(self, label: str, total: int, enabled: bool = True, every_s: float = 0.0) -> None:
+        self.label, self.total, self.done, self.every_s = label, total, 0, every_s
+        self.enabled = enabled
+        self._t0 = self._last = time.perf_counter()
+        self._printed = False
+        self._bar: Any = None
+        if self.enabled and sys.stderr.isatty():
+            from rich.console import Console
+
+            self._bar = _rich_bar(label, Console(stderr=True))
+            self._task = self._bar.add_task(label, total=total or None, info="")
+
+    def count(self, done: int, total: int) -> None:
+        """A (done, total) report, the callback of a loader that knows its total only once it runs."""
+        if total != self.total:
+            self.total = total
+            if self._bar is not None:
+                self._bar.update(self._task, total=total)
+        self.advance(done - self.done)
+
+    def advance(self, n: int = 1, info: str = "") -> None:
+        self.done += n
+        if self._bar is not None:
+            self._bar.update(self._task, completed=self.done, info=info)
+            return
+        now = time.perf_counter()
+        due = now - self._last >= self.every_s or (self.done >= self.total and self._printed)
+        if self.enabled and self.total > 0 and due:
+            self._last, self._printed = now, True
+            eta = (now - self._t0) / max(self.done, 1) * (self.total - self.done)
+            text = f"  {info}" if info else ""
+            print(f"{self.done}/{self.total} {self.label}{text}  eta {_fmt_eta(eta)}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+
+    def __enter__(self) -> CountBar:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 class Progress:
     def __init__(self, cfg: LoggingConfig, total_steps: int, start_step: int, enabled: bool) -> None:
         mode = cfg.progress
@@ -35,17 +104,7 @@ class Progress:
         self._bar: Any = None
         self._task: Any = None
         if self.mode == "bar":
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-            self._bar = Progress(
-                TextColumn("[bold]train"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TextColumn("{task.fields[info]}"),
-                TimeRemainingColumn(),
-                transient=False,
-            )
-            self._bar.start()
+            self._bar = _rich_bar("train")
             self._task = self._bar.add_task("train", total=total_steps, completed=start_step, info="")
 
     def update(self, step: int, loss: float, tokens_per_s: float, perf: dict[str, Any] | None = None) -> None:

@@ -160,6 +160,56 @@ def _point_latest(run_dir: Path, target: str | None = None) -> None:
     os.replace(tmp, link)
 
 
+def resume_notes(spec: RunSpec) -> list[str]:
+    """What a launch of `spec` over an existing run does, said before `prepare_run_dir` rewrites its config.yaml:
+    the step it resumes at and, when the new config changes the learning-rate plan, what the LR does. The LR
+    schedule is a function of the step and the config (training/lr.py): a checkpoint keeps only its step, so
+    a resumed run follows the schedule of the config it is launched with, over that config's training.steps."""
+    from dllm.checkpoint.layout import latest_checkpoint, read_trainer_state
+
+    run_dir = run_dir_of(spec)
+    try:
+        latest = latest_checkpoint(run_dir / "checkpoints") if spec.checkpointing.resume == "auto" else None
+        step = int(read_trainer_state(latest)["step"]) if latest is not None else None
+    except (CheckpointError, KeyError, TypeError, ValueError):
+        return []  # a damaged checkpoint: the workers refuse it with their own line
+    if step is None:
+        return []
+    notes = [f"resuming {run_dir} at step {step} ({latest.name}) of training.steps {spec.training.steps}"]
+    if step >= spec.training.steps:
+        notes.append(f"nothing to train: step {step} is at or past training.steps {spec.training.steps}; raise it "
+                     "(--set training.steps=N) to train on")  # fmt: skip
+    lr_note = _lr_note(run_dir / CONFIG_NAME, spec, step)
+    return notes + ([lr_note] if lr_note else [])
+
+
+def _lr_note(saved_config: Path, spec: RunSpec, step: int) -> str | None:
+    """One line when the new config changes the learning rate of the next step (training.steps, scheduler or
+    optimizer.lr changed since the run's config.yaml): the LR before and after, and how to extend a run."""
+    from dllm.config.training import SchedulerConfig
+    from dllm.training.lr import LRSchedule
+
+    try:
+        saved = yaml.safe_load(saved_config.read_text(encoding="utf-8"))
+        old_steps, old_lr = int(saved["training"]["steps"]), float(saved["optimizer"]["lr"])
+        old_sched = SchedulerConfig.model_validate(saved.get("scheduler") or {})
+    except (OSError, yaml.YAMLError, UnicodeDecodeError, KeyError, TypeError, ValueError):
+        return None  # no readable saved plan to compare with
+    new_steps, new_lr, new_sched = spec.training.steps, spec.optimizer.lr, spec.scheduler
+    if (old_steps, old_lr, old_sched) == (new_steps, new_lr, new_sched) or step >= new_steps:
+        return None
+    before = LRSchedule(old_sched, old_lr, old_steps).lr_at(max(step - 1, 0))
+    after = LRSchedule(new_sched, new_lr, new_steps).lr_at(step)
+    what = f"training.steps {old_steps} -> {new_steps}" if old_steps != new_steps else "the scheduler or optimizer.lr"
+    return (
+        f"{what}: the LR schedule is recomputed from the new config over training.steps {new_steps} (a checkpoint "
+        f"keeps only its step), so the learning rate goes from {before:.3g} at step {step} to {after:.3g} at step "
+        f"{step + 1} and follows the {new_sched.name} schedule of {new_steps} steps from there; to extend a run on "
+        "one schedule, give training.steps its final value from the first launch, or train a new run from this "
+        "one's weights (dllm convert --to-hf DIR --run RUN, then model.init_from: DIR)"
+    )
+
+
 def config_digest(text: str) -> str:
     """SHA-256 of a resolved config's text (what `prepare_run_dir` writes is `dump_config(spec)`)."""
     return hashlib.sha256(text.encode()).hexdigest()
