@@ -82,9 +82,10 @@ def test_profile_rules_and_file_round_trip(tmp_path: Path):
         read_profile(tmp_path)
 
 
-def test_the_diffusion_sampler_refuses_a_causal_model():
-    with pytest.raises(ConfigError, match=r"autoregressive \(trained with ar: attention causal.*`dllm generate --ar`"):
-        resolve_sampler(SamplerConfig(gen_length=16), _profile(ARConfig()))
+def test_a_causal_model_decodes_causally_unasked_and_the_diffusion_sampler_refuses_it():
+    assert resolve_sampler(SamplerConfig(gen_length=16), _profile(ARConfig())).generation == "causal"
+    with pytest.raises(ConfigError, match=r"generation: canvas cannot .* autoregressive \(trained with ar: attention"):
+        resolve_sampler(SamplerConfig(gen_length=16, generation="canvas"), _profile(ARConfig()))
     with pytest.raises(ValueError, match="apply to attention block only"):
         DecodeProfile(attention="causal", block_size=4, max_length=8, **IDS)
 
