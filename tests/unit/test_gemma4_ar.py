@@ -145,4 +145,4 @@ def test_generate_ar_of_a_gemma4_folder(tmp_path: Path, capsys):
             "6", "--json"]  # fmt: skip
     assert main(args) == 0, capsys.readouterr().err
     out, err = capsys.readouterr()
-    assert json.loads(out)["tokens_committed"] == 6 and "ar (KV cache), 6 target forwards" in err
+    assert json.loads(out)["tokens_committed"] == 6 and "ar (KV cache), 6 forwards for 6 tokens" in err
