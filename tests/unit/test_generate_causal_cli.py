@@ -121,6 +121,9 @@ def test_the_count_bar_prints_plain_lines_off_a_terminal(capsys):
         for done in range(1, 5):
             bar.count(done, 4)
     assert capsys.readouterr().err.splitlines()[-1] == "4/4 weights  eta 0:00:00"
+    with CountBar("weights", 0) as bar:  # a model's parameters, in millions
+        bar.count(30_000_000, 135_000_000)
+    assert capsys.readouterr().err.startswith("30.0M/135.0M weights  eta ")
     with CountBar("examples", 2) as bar:
         bar.advance(1, "x")
     assert capsys.readouterr().err.startswith("1/2 examples  x  eta ")

@@ -55,8 +55,8 @@ class GGUFModel:
 
 def import_gguf(path: Path, progress: Progress | None = None) -> GGUFModel:
     """Read a GGUF file: every check (format, architecture, names, shapes, memory) before any tensor is
-    dequantized; one ConfigError naming the file for anything it cannot import. `progress(done, total)` after
-    each tensor dequantized."""
+    dequantized; one ConfigError naming the file for anything it cannot import. `progress(done, total)` (in
+    parameters) after each tensor dequantized."""
     path = Path(path)
     reader = open_gguf(path)
     arch = str(field_value(reader, "general.architecture") or "")
@@ -85,10 +85,12 @@ def import_gguf(path: Path, progress: Progress | None = None) -> GGUFModel:
 
     check_weight_shapes(path, cfg, cfg, stored, to_native, lambda k: _gguf_name_of(names, k))
     state: dict[str, torch.Tensor] = {}
+    total, done = sum(math.prod(stored[g]) for g in names), 0
     for g, native in names.items():
         state[native] = _dequantize(tensors[g], g, arch, cfg, path)
+        done += state[native].numel()
         if progress is not None:
-            progress(len(state), len(names))
+            progress(done, total)
     return GGUFModel(cfg, state, arch, _optional_str(field_value(reader, "general.name")))
 
 

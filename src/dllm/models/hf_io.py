@@ -35,7 +35,7 @@ TOKENIZER_FILES = (
 )  # fmt: skip
 
 Progress = Callable[[int, int], None]
-"""(tensors done, tensors in all) after each tensor read: a command's progress display."""
+"""(weights done, weights in all), counted in parameters, after each tensor read: a command's progress display."""
 
 
 def is_hf_folder(path: Path) -> bool:
@@ -239,22 +239,24 @@ def hf_weight_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
 
 
 def load_hf_state_dict(folder: Path, progress: Progress | None = None) -> StateDict:
-    """All tensors of a checkpoint folder, by their Hugging Face names; `progress(done, total)` after each tensor
-    read from safetensors files."""
+    """All tensors of a checkpoint folder, by their Hugging Face names; `progress(done, total)` (parameters) after
+    each tensor read from safetensors files."""
     from safetensors import safe_open
 
     folder = Path(folder)
     files = _safetensors_files(folder)
     if files is None:
         return _load_bin(folder / "pytorch_model.bin")
-    total = len(hf_weight_shapes(folder)) if progress is not None else 0
+    total = sum(math.prod(s) for s in hf_weight_shapes(folder).values()) if progress is not None else 0
     out: StateDict = {}
+    done = 0
     for path in files:
         with safe_open(str(path), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 (not a dict)
                 out[key] = f.get_tensor(key)
+                done += out[key].numel()
                 if progress is not None:
-                    progress(len(out), total)
+                    progress(done, total)
     return out
 
 
@@ -334,7 +336,7 @@ def _hf_name(family: Family, native_key: str, cfg: ModelConfig) -> str:
 def import_hf(folder: Path, cfg: ModelConfig, progress: Progress | None = None) -> StateDict:
     """Native, float32 weights of a Hugging Face folder for a model built from `cfg`; embeddings are
     grown to cfg.vocab_size when a tokenizer needed more ids (an added mask token). `progress(done, total)`
-    counts the tensors read."""
+    counts the parameters read."""
     family = family_of(read_hf_config(folder))
     src_cfg = model_config_from_hf(folder)
     check_hf_weights(folder, family, src_cfg, cfg)

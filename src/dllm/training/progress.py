@@ -77,7 +77,13 @@ class CountBar:
             self._last, self._printed = now, True
             eta = (now - self._t0) / max(self.done, 1) * (self.total - self.done)
             text = f"  {info}" if info else ""
-            print(f"{self.done}/{self.total} {self.label}{text}  eta {_fmt_eta(eta)}", file=sys.stderr, flush=True)
+            print(f"{self._counts()} {self.label}{text}  eta {_fmt_eta(eta)}", file=sys.stderr, flush=True)
+
+    def _counts(self) -> str:
+        """done/total; in millions from a million on (the parameters of a model)."""
+        if self.total < 1_000_000:
+            return f"{self.done}/{self.total}"
+        return f"{self.done / 1e6:.1f}M/{self.total / 1e6:.1f}M"
 
     def close(self) -> None:
         if self._bar is not None:
