@@ -177,6 +177,9 @@ def main(argv: list[str] | None = None) -> dict:
     from dllm.evaluation.packaged import served_task_manager
 
     torch.set_num_threads(args.threads)
+    omp = os.environ.get("OMP_NUM_THREADS")
+    if omp != str(args.threads):
+        progress(f"OMP_NUM_THREADS is {omp}, not --threads {args.threads}: set both alike")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     record: dict = {"bench": "benchmarks", "model": str(args.run or f"smollm2-135m-instruct-q4_1 ({args.model})"),
