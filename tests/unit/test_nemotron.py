@@ -489,7 +489,10 @@ def test_the_run_decodes_with_its_blocks_and_causal_context():
 
     from dllm.evaluation.likelihood import scoring_for
 
-    how = scoring_for(SimpleNamespace(profile=profile))  # the block bound reads x_0 as it was trained
+    from dllm.config.model import ModelConfig
+
+    model_cfg = ModelConfig(family="nemotron_labs_diffusion", preset="tiny", vocab_size=V)
+    how = scoring_for(SimpleNamespace(profile=profile, model_cfg=model_cfg))  # the block bound reads x_0 as trained
     assert (how.kind, how.block_size, how.shift, how.causal_context) == ("block", 64, False, True)
 
 

@@ -52,13 +52,13 @@ def launch(
     spec_path = run_dir_of(spec) / CONFIG_NAME
     in_process = topo.world_size == 1
     worker_env, num_threads = _worker_env(spec)
-    _warn_when_busy(spec, num_threads)
     cmd = (
         ["python", "-m", "dllm.training.worker", str(spec_path)]
         if in_process
         else worker_command(spec_path, topo, rdzv_endpoint, node_rank, config_digest(dump_config(spec)))
     )
     if dry_run:
+        _warn_when_busy(spec, num_threads)
         out(format_command(cmd))
         writer = "at launch" if node_rank == 0 else "by node rank 0 at its launch"
         info(f"dry run: config ok for {topo.world_size} process(es), {num_threads} CPU thread(s) each; {spec_path} "
@@ -71,6 +71,7 @@ def launch(
         # node rank 0 writes the shared run folder; the workers of every node read its config.yaml
         with launching(spec) if node_rank == 0 else nullcontext(run_dir_of(spec)) as run_dir:
             info(f"run folder: {run_dir} ({num_threads} CPU thread(s) per process, training.threads)")
+            _warn_when_busy(spec, num_threads)  # after every refusal: a refused launch says one line
             if in_process and _retains_memory(spec) and not memory_retained():
                 info(
                     "note: training.cpu_allocator: retain takes effect in a process started with "

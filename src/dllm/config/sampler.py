@@ -208,7 +208,8 @@ def resolve_sampler(cfg: SamplerConfig, profile: DecodeProfile) -> SamplerConfig
         causal_context = "on" if attention == "block" and profile.causal_context else "off"
     values = {**cfg.model_dump(), "attention": attention, "shift": shift, "generation": generation,
               "causal_context": causal_context}  # fmt: skip
-    if generation == "edit_flow":
+    if generation == "edit_flow":  # its loop reads no attention, shift or context: they stay unset, re-resolvable
+        values.update(attention=cfg.attention, shift=cfg.shift, causal_context=cfg.causal_context)
         if cfg.edit_kappa == "auto":
             values["edit_kappa"] = profile.edit_kappa or "cubic"
         if cfg.edit_end_time is None:
