@@ -487,9 +487,8 @@ def test_the_run_decodes_with_its_blocks_and_causal_context():
         resolve_sampler(SamplerConfig(gen_length=128, steps=128, block_length=128), profile)
     from types import SimpleNamespace
 
-    from dllm.evaluation.likelihood import scoring_for
-
     from dllm.config.model import ModelConfig
+    from dllm.evaluation.likelihood import scoring_for
 
     model_cfg = ModelConfig(family="nemotron_labs_diffusion", preset="tiny", vocab_size=V)
     how = scoring_for(SimpleNamespace(profile=profile, model_cfg=model_cfg))  # the block bound reads x_0 as trained
