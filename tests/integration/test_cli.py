@@ -196,6 +196,9 @@ def test_eval_likelihood_and_tasks(project: Path):
     rec = json.loads(res.stdout)
     assert rec["kind"] == "mdlm" and rec["rows"] == 8 and rec["mc_samples"] == 4 and rec["forward_passes"] == 4
     assert 0 < rec["nelbo_per_token"] < 10 and rec["mc_stderr"] > 0 and not rec["exact"]
+    low = json.loads(_ok(dllm([*base, "--mc-samples", "4", "--dtype", "bfloat16"], project)).stdout)
+    assert low["dtype"] == "bfloat16" and rec["dtype"] == "float32"  # the same masks, the forward in bf16
+    assert abs(low["nelbo_per_token"] - rec["nelbo_per_token"]) < 0.05 * rec["nelbo_per_token"]
     ar = dllm([*base, "--kind", "ar"], project)
     assert ar.returncode == 2 and ar.stderr.startswith("dllm: error: kind: ar scores causal") and not ar.stdout
     text = _ok(dllm(base[:-1], project)).stdout

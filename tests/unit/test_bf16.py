@@ -141,10 +141,25 @@ def test_generate_and_chat_decode_in_bf16(ar_folder: Path, capsys):
         assert record["prompt"] == "1 + 2 =" and record["tokens_committed"] == 6
 
 
-@pytest.mark.parametrize("command", ["generate", "chat", "serve"])
-def test_a_bad_dtype_is_one_line(command: str, ar_folder: Path, capsys):
-    args = [command, "--model", str(ar_folder), "--ar", "--dtype", "float16"]
-    args += ["-p", "hi"] if command == "generate" else ["--port", "1"] if command == "serve" else []
+def test_eval_tasks_and_likelihood_in_bf16(ar_folder: Path, tmp_path: Path, capsys):
+    """eval decodes and scores in the dtype asked for, and its JSON says which."""
+    task = tmp_path / "sums.jsonl"
+    task.write_text("".join(json.dumps({"prompt": f"{a} + {a} =", "answer": str(2 * a)}) + "\n" for a in range(4)))
+    records = {}
+    for dtype in ("float32", "bfloat16"):
+        args = ["eval", "tasks", "--model", str(ar_folder), "--ar", "--tasks", str(task), "--gen-length", "4"]
+        assert main([*args, "--json", "-q", "--dtype", dtype]) == 0
+        records[dtype] = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert records["bfloat16"]["dtype"] == "bfloat16" and records["float32"]["dtype"] == "float32"
+    assert records["bfloat16"]["examples"] == records["float32"]["examples"] == 4
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "serve", "eval tasks", "eval likelihood"])
+def test_a_bad_dtype_is_one_line(command: str, ar_folder: Path, tmp_path: Path, capsys):
+    args = [*command.split(), "--model", str(ar_folder), "--dtype", "float16"]
+    args += [] if command == "eval likelihood" else ["--ar"]
+    args += {"generate": ["-p", "hi"], "serve": ["--port", "1"], "eval tasks": ["--tasks", "addition"],
+             "eval likelihood": ["--data", str(tmp_path)]}.get(command, [])  # fmt: skip
     assert main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["dllm: error: --dtype: 'float16' is not a decoding dtype; use float32 or bfloat16"]

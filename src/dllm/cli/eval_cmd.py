@@ -20,9 +20,11 @@ from dllm.cli.common import (
     write_lines,
 )
 from dllm.cli.sampling_common import (
+    DTYPE_OPTION,
     SAMPLER_CONFIG_OPTION,
     SET_OPTION,
     check_prompt_lengths,
+    decode_dtype,
     denoise_summary,
     setup_sampling,
 )
@@ -66,6 +68,7 @@ def likelihood(
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
     as_json: bool = typer.Option(False, "--json", help="One JSON line instead of the text summary."),
     threads: str = THREADS_OPTION,
+    dtype: str = DTYPE_OPTION,
 ) -> None:
     """Negative ELBO per token (and the perplexity bound) on prepared data; exact NLL for --kind ar."""
     import torch
@@ -80,7 +83,8 @@ def likelihood(
     if device not in ("cpu", "cuda") or (device == "cuda" and not torch.cuda.is_available()):
         raise ConfigError(f"--device: {device!r} is not available here; use cpu")
     apply_threads(threads)
-    loaded = load_for_inference(run, checkpoint, torch.device(device), model_dir=model_folder(model))
+    torch_dtype = decode_dtype(dtype, device)
+    loaded = load_for_inference(run, checkpoint, torch.device(device), model_dir=model_folder(model), dtype=torch_dtype)
     how = scoring_for(loaded, kind)
     artifact = _scoring_data(data, loaded, how)
     samples = 1 if how.kind == "ar" else mc_samples
@@ -89,7 +93,8 @@ def likelihood(
     )
     result = summarize(parts, exact=how.kind == "ar")
     if as_json:
-        record = {"source": str(loaded.source), "data": str(data), "kind": how.kind, "sampling": sampling}
+        record = {"source": str(loaded.source), "data": str(data), "kind": how.kind, "sampling": sampling,
+                  "dtype": dtype}  # fmt: skip
         out(json.dumps({**record, **result.as_dict()}))
         return
     what = "exact NLL" if result.exact else "NELBO (upper bound on NLL)"
@@ -152,6 +157,7 @@ def tasks(
     ),
     threads: str = THREADS_OPTION,
     quiet: bool = QUIET_OPTION,
+    dtype: str = DTYPE_OPTION,
 ) -> None:
     """Exact-match accuracy through any sampler, with NFE, tokens per forward and wall time. With --run or
     --checkpoint, every example is first looked up in the run's training data: a score is held out only
@@ -175,7 +181,7 @@ def tasks(
             raise ConfigError("--policy and --cache choose how a canvas is decoded; drop them with --ar")
         flags["generation"] = "causal"
     apply_threads(threads)
-    s = setup_sampling(run, checkpoint, model, device, sampler_config, overrides, flags)
+    s = setup_sampling(run, checkpoint, model, device, sampler_config, overrides, flags, dtype=dtype)
     task_length = gen_length is None and "gen_length" not in _file_and_set_fields(sampler_config, overrides)
     gen = torch.Generator(device=s.device).manual_seed(s.sampler.seed)
     samplers = [task_sampler(s, task, task_length, gen) for task in loaded_tasks]  # every prompt checked first
@@ -187,7 +193,7 @@ def tasks(
         r.train_overlap = overlaps[r.name]
     if output is not None:
         write_lines(output, [json.dumps(o) for r in results for o in r.outputs])
-    _report_tasks(s, results, as_json)
+    _report_tasks(s, results, as_json, dtype)
 
 
 def _counted(generate_batch, bar):
@@ -269,11 +275,11 @@ def _how(sampler) -> tuple[str, str]:
     return ("tau_leaping" if sampler.generation == "edit_flow" else sampler.policy), sampler.cache
 
 
-def _report_tasks(s, results, as_json: bool) -> None:
+def _report_tasks(s, results, as_json: bool, dtype: str) -> None:
     if as_json:
         for r in results:
             policy, cache = _how(s.sampler)
-            record = {"source": str(s.loaded.source), "policy": policy, "cache": cache}
+            record = {"source": str(s.loaded.source), "policy": policy, "cache": cache, "dtype": dtype}
             out(json.dumps({**record, **r.summary()}))
         return
     header = f"{'task':<16}{'accuracy':>10}{'n':>6}{'NFE/call':>10}{'fwd/answer':>12}{'tok/fwd':>9}{'wall s':>9}"
