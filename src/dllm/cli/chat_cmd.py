@@ -12,6 +12,7 @@ import typer
 
 from dllm.cli.common import MODEL_HELP, THREADS_OPTION, apply_threads, finite, info, out
 from dllm.cli.sampling_common import (
+    AR_HELP,
     DTYPE_OPTION,
     SAMPLER_CONFIG_OPTION,
     SET_OPTION,
@@ -60,7 +61,9 @@ def chat(
     system: str = typer.Option(None, "--system", help="A system message opening the conversation."),
     live: bool = typer.Option(False, "--live", help="Show the reply being unmasked, step by step."),
     ar: bool = typer.Option(
-        False, "--ar", help="Decode a causal model (an imported llama/qwen folder); an ar run decodes so without it."
+        False,
+        "--ar",
+        help=AR_HELP,
     ),
     draft: str = typer.Option(None, "--draft", help="Speculative decoding of a causal model with this drafter."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),

@@ -20,6 +20,7 @@ from dllm.cli.common import (
     write_lines,
 )
 from dllm.cli.sampling_common import (
+    AR_HELP,
     DTYPE_OPTION,
     SAMPLER_CONFIG_OPTION,
     SET_OPTION,
@@ -141,7 +142,9 @@ def tasks(
     policy: str = typer.Option(None, "--policy", help="Sampling policy."),
     cache: str = typer.Option(None, "--cache", help="KV cache: none, prefix, dual or block."),
     ar: bool = typer.Option(
-        False, "--ar", help="Decode a causal model (an imported llama/qwen folder); an ar run decodes so without it."
+        False,
+        "--ar",
+        help=AR_HELP,
     ),
     limit: int = typer.Option(50, "--limit", max=MAX_EXAMPLES, help="Examples per task."),
     batch_size: int = typer.Option(8, "--batch-size", help="Prompts decoded together."),

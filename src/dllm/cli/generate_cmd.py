@@ -22,6 +22,7 @@ from dllm.cli.common import (
     write_lines,
 )
 from dllm.cli.sampling_common import (
+    AR_HELP,
     DRAFT_BLOCK_SIZE_OPTION,
     DTYPE_OPTION,
     SAMPLER_CONFIG_OPTION,
@@ -82,7 +83,7 @@ def generate(
     ar: bool = typer.Option(
         False,
         "--ar",
-        help="Decode a causal model (an imported llama/qwen folder) with a KV cache; an ar run decodes so without it.",
+        help=AR_HELP,
     ),
     draft: str = typer.Option(
         None, "--draft", help="Speculative decoding of a causal target with this drafter (a folder or hub id)."

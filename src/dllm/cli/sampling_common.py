@@ -32,6 +32,12 @@ DRAFT_BLOCK_SIZE_OPTION = typer.Option(
 )
 
 
+AR_HELP = (
+    "Decode causally with a KV cache (explicit: a causal model, an ar run or an imported llama/qwen folder, "
+    "decodes so without it)."
+)
+"""`--ar` of generate, chat, eval tasks and serve."""
+
 DTYPE_OPTION = typer.Option(
     "float32",
     "--dtype",

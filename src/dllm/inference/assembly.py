@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from dllm.checkpoint.loading import LoadedModel, load_for_inference
-from dllm.config.sampler import SamplerConfig, resolve_sampler
+from dllm.config.sampler import READS, SamplerConfig, resolve_sampler
 from dllm.errors import ConfigError
 from dllm.models.families.base import is_causal_model
 from dllm.sampling.canvas import SpecialIds
@@ -42,6 +42,7 @@ def setup_sampling(
     and loads the drafter of `drafter_dir` (in the target's dtype), refused when it was trained for another
     target or for blocks shorter than `draft_block_size` (a shorter block verifies its first proposals)."""
     loaded = load_for_inference(run, checkpoint, device, model_dir=model_dir, dtype=dtype)
+    sampler = _causal_lm_decodes_causally(sampler, loaded)
     drafter = None
     if sampler.generation == "causal":
         profile, cfg = loaded.profile, loaded.model_cfg
@@ -57,3 +58,20 @@ def setup_sampling(
             drafter = check_drafter(load_drafter(drafter_dir, loaded.model), loaded.model, draft_block_size)
     return SamplingSetup(loaded, resolve_sampler(sampler, loaded.profile), SpecialIds.of(loaded.profile), device,
                          drafter)  # fmt: skip
+
+
+def _causal_lm_decodes_causally(sampler: SamplerConfig, loaded: LoadedModel) -> SamplerConfig:
+    """A causal LM folder never trained here (an imported llama, qwen, gpt2 or Gemma 4 text model: no objective
+    in its decode profile) decodes causally when no loop is asked for (`generation: auto`), as an ar run does;
+    `generation: canvas` still samples it as a diffusion model. A canvas field set for it is one line saying so."""
+    profile = loaded.profile
+    if sampler.generation != "auto" or profile.objective is not None or not is_causal_model(profile, loaded.model_cfg):
+        return sampler
+    for name, info in SamplerConfig.model_fields.items():
+        if name not in READS["causal"] and getattr(sampler, name) != info.get_default(call_default_factory=True):
+            raise ConfigError(
+                f"sampler.{name}: {loaded.source} is a causal LM ({loaded.model_cfg.family}), decoded causally, where "
+                f"{name} has no effect; leave it out, or set sampler.generation: canvas to sample it as a diffusion "
+                "model"
+            )
+    return sampler.model_copy(update={"generation": "causal"})
