@@ -33,6 +33,7 @@ def test_the_auto_rule(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(threads, "usable_cores", lambda: 8)
     monkeypatch.setattr(threads, "machine_cores", lambda: 8)
     monkeypatch.setattr(threads, "load_average", lambda: 0.0)  # an idle machine
+    monkeypatch.setattr(threads, "running_now", lambda: 0)
     assert threads.resolve_threads("auto", 1, {}) == 8  # one process: every core
     assert threads.resolve_threads("auto", 3, {}) == 2  # cores // workers on the node
     assert threads.resolve_threads("auto", 16, {}) == 1  # at least one
@@ -64,6 +65,9 @@ def test_auto_leaves_the_cores_the_load_keeps_busy(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(threads, "machine_cores", lambda: cores)
     monkeypatch.setattr(threads, "usable_cores", lambda: affinity)
     monkeypatch.setattr(os, "getloadavg", lambda: (load, 0.0, 0.0))
+    monkeypatch.setattr(threads, "running_now", lambda: None)  # no /proc: the load average alone
+    assert threads.resolve_threads("auto", procs, {}) == expected
+    monkeypatch.setattr(threads, "running_now", lambda: cores)  # as many runnable now: the load decides
     assert threads.resolve_threads("auto", procs, {}) == expected
     assert threads.resolve_threads("auto", procs, {"OMP_NUM_THREADS": "3"}) == 3  # the user's own setting wins
     assert threads.resolve_threads(4, procs, {}) == 4
@@ -76,8 +80,31 @@ def test_a_busy_machine_is_named():
     assert "load average (2.1) is above the 2 cores" in threads.launch_load_warning(2.1, 2, 1)
 
 
+def test_the_load_of_work_that_just_ended_frees_its_cores(monkeypatch: pytest.MonkeyPatch):
+    """The 1-minute load average still counts a `data prepare` that ended a second ago: when fewer tasks are
+    runnable right now, auto takes the cores they leave (and launch does not warn)."""
+    monkeypatch.setattr(threads, "machine_cores", lambda: 2)
+    monkeypatch.setattr(threads, "usable_cores", lambda: 2)
+    monkeypatch.setattr(os, "getloadavg", lambda: (1.9, 1.0, 0.5))
+    monkeypatch.setattr(threads, "running_now", lambda: 0)
+    assert threads.resolve_threads("auto", 1, {}) == 2
+    monkeypatch.setattr(threads, "running_now", lambda: 1)  # one other job running now
+    assert threads.resolve_threads("auto", 1, {}) == 1
+    assert threads.launch_load_warning(3.5, 2, 2, running=1) is None
+    assert threads.launch_load_warning(3.5, 2, 1, running=3) is not None
+
+
+def test_running_now_reads_the_machine():
+    running = threads.running_now(reads=3, interval_s=0.0)
+    if Path("/proc/stat").is_file():
+        assert isinstance(running, int) and 0 <= running < 10_000
+    else:
+        assert running is None
+
+
 def test_launch_warns_in_one_line_on_a_busy_machine(train_yaml: Path, monkeypatch: pytest.MonkeyPatch, capsys):
     monkeypatch.chdir(train_yaml.parent)
+    monkeypatch.setattr(threads, "running_now", lambda: None)
     monkeypatch.setattr(threads, "machine_cores", lambda: 2)
     monkeypatch.setattr(os, "getloadavg", lambda: (3.5, 3.0, 2.0))
     assert main(["launch", "--config", "train.yaml", "--dry-run"]) == 0
@@ -114,6 +141,7 @@ def test_the_launcher_hands_its_workers_the_thread_count(train_yaml: Path, monke
     monkeypatch.setattr(threads, "usable_cores", lambda: 6)
     monkeypatch.setattr(threads, "machine_cores", lambda: 6)
     monkeypatch.setattr(threads, "load_average", lambda: 0.0)  # an idle machine
+    monkeypatch.setattr(threads, "running_now", lambda: 0)
     env, n = _worker_env(load_spec(train_yaml, "topology.nproc_per_node=2"))
     assert n == 3 and env["OMP_NUM_THREADS"] == "3"  # auto: 6 cores / 2 workers
 

@@ -22,8 +22,8 @@ MODEL_HELP = "A Hugging Face or `dllm convert` model folder, or a hub id org/nam
 THREADS_OPTION = typer.Option(
     "auto",
     "--threads",
-    help="CPU threads: a number, or auto (OMP_NUM_THREADS if set, else the cores the 1-minute load average leaves "
-    "free; see dllm doctor).",
+    help="CPU threads: a number, or auto (OMP_NUM_THREADS if set, else the cores other work leaves free: the "
+    "1-minute load average, or fewer tasks runnable now; see dllm doctor).",
 )
 QUIET_OPTION = typer.Option(False, "--quiet", "-q", help="No progress display.")
 

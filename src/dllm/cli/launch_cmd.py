@@ -102,9 +102,11 @@ def _retains_memory(spec) -> bool:
 
 def _warn_when_busy(spec, num_threads: int) -> None:
     """One line when a CPU run starts on a machine whose load is above its cores (parallel/threads.py)."""
-    from dllm.parallel.threads import launch_load_warning, load_average, machine_cores
+    from dllm.parallel.threads import launch_load_warning, load_average, machine_cores, running_now
 
-    busy = launch_load_warning(load_average(), machine_cores(), num_threads) if _on_cpu(spec) else None
+    if not _on_cpu(spec):
+        return
+    busy = launch_load_warning(load_average(), machine_cores(), num_threads, running_now())
     if busy is not None:
         warn(busy)
 

@@ -10,8 +10,11 @@ times slower than with fewer threads. So the count is a setting with a rule for 
   auto = OMP_NUM_THREADS when the environment sets it (the variable torch and OpenMP read themselves),
          else the free cores divided by the worker processes on this node, at least 1, where the free
          cores are the fewer of the cores this process may run on (its CPU affinity) and the machine's
-         cores less those its 1-minute load average keeps busy (the load's whole part: load 1.9 on 2
-         cores leaves 1 free, load 0.5 leaves 2). One process on an idle machine: every core.
+         cores less those other work keeps busy: the 1-minute load average's whole part (load 1.9 on 2
+         cores leaves 1 free, load 0.5 leaves 2), or fewer when fewer other tasks are runnable right now
+         (/proc/stat's procs_running less this process's own running threads, the median of a few reads:
+         the load average still counts, for a minute, the `data prepare` that just ended). One process on
+         an idle machine: every core.
 
 The load counts because an op's threads meet at a barrier after every step: one of them descheduled for
 another job stalls the rest (one SDPA call for a single query over 130 keys, on 2 cores at a load just
@@ -53,9 +56,51 @@ def load_average() -> float:
         return 0.0
 
 
-def free_cores(load_1min: float) -> int:
-    """Cores this process may use that the load leaves idle (the module's rule), at least 1."""
-    return max(1, min(usable_cores(), machine_cores() - int(load_1min)))
+def _runnable_others() -> int | None:
+    """Runnable tasks on the machine now that are not this process's threads (Linux's /proc); None elsewhere."""
+    from pathlib import Path
+
+    try:
+        stat = Path("/proc/stat").read_text()
+        tasks = list(Path("/proc/self/task").iterdir())
+    except OSError:
+        return None
+    running = next((int(line.split()[1]) for line in stat.splitlines() if line.startswith("procs_running ")), None)
+    if running is None:
+        return None
+    own = 0
+    for task in tasks:
+        try:
+            own += (task / "stat").read_text().rsplit(")", 1)[1].split()[0] == "R"
+        except (OSError, IndexError):
+            continue
+    return max(0, running - own)
+
+
+def running_now(reads: int = 5, interval_s: float = 0.02) -> int | None:
+    """Other tasks runnable right now: the median of `reads` reads `interval_s` apart; None where unknown."""
+    import statistics
+    import time
+
+    counts = []
+    for i in range(reads):
+        if i:
+            time.sleep(interval_s)
+        count = _runnable_others()
+        if count is None:
+            return None
+        counts.append(count)
+    return int(statistics.median(counts))
+
+
+def busy_cores(load_1min: float, running: int | None) -> float:
+    """The cores other work keeps busy: the load average, or fewer when fewer tasks are runnable right now."""
+    return load_1min if running is None else min(load_1min, float(running))
+
+
+def free_cores(load_1min: float, running: int | None = None) -> int:
+    """Cores this process may use that other work leaves idle (the module's rule), at least 1."""
+    return max(1, min(usable_cores(), machine_cores() - int(busy_cores(load_1min, running))))
 
 
 def parse_threads(value: str, option: str) -> int | str:
@@ -74,7 +119,7 @@ def resolve_threads(setting: int | str, procs_per_node: int, env: Mapping[str, s
     given = env.get(THREADS_ENV, "").strip()
     if given.isdigit() and int(given) > 0:
         return int(given)
-    return max(1, free_cores(load_average()) // max(1, procs_per_node))
+    return max(1, free_cores(load_average(), running_now()) // max(1, procs_per_node))
 
 
 def use_threads(num_threads: int) -> None:
@@ -100,9 +145,10 @@ def busy_warning(load_1min: float, cores: int) -> str | None:
     )
 
 
-def launch_load_warning(load_1min: float, cores: int, num_threads: int) -> str | None:
-    """`dllm launch`'s one line when the 1-minute load average is above the machine's cores (CPU training)."""
-    if load_1min <= cores:
+def launch_load_warning(load_1min: float, cores: int, num_threads: int, running: int | None = None) -> str | None:
+    """`dllm launch`'s one line when other work keeps more than the machine's cores busy (`busy_cores`: the
+    1-minute load average, unless fewer tasks are runnable now) before CPU training."""
+    if busy_cores(load_1min, running) <= cores:
         return None
     return (
         f"the load average ({load_1min:.1f}) is above the {cores} cores: other jobs are running and each CPU "
