@@ -57,7 +57,8 @@ def _thread_rows() -> list[tuple[str, str]]:
     """Cores, the threads `auto` gives one process (parallel/threads.py), and the load average."""
     from dllm.parallel.threads import THREADS_ENV, resolve_threads, usable_cores
 
-    why = f"{THREADS_ENV} is set" if THREADS_ENV in os.environ else "the cores other work leaves free: load and tasks runnable now"
+    free = "the cores other work leaves free: load and tasks runnable now"
+    why = f"{THREADS_ENV} is set" if THREADS_ENV in os.environ else free
     rows = [
         ("usable cores", str(usable_cores())),
         ("threads (auto)", f"{resolve_threads('auto', 1, os.environ)} for one process ({why})"),
