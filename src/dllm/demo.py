@@ -94,9 +94,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{rec['prompt']:<13} {rec['completion']!r:<12} {expected:<4} {'right' if ok else 'wrong'}")
     print(f"\narithmetic on held-out sums (none of them in the training data): {right}/{len(prompts)} answers right; "
           f"the whole demo took {time.perf_counter() - t0:.0f}s")  # fmt: skip
-    print(f"try: cd {args.dir} && dllm generate --run runs/latest --prompt '12 + 7 =' {' '.join(GENERATE)}")
+    print("what it means: a model of a few million parameters, trained for minutes on generated sentences and "
+          "sums, adds numbers it never saw added, some of the time; more steps (--set training.steps=...) raise it, "
+          "and `dllm eval tasks` scores 200 of them with its cost in forwards")  # fmt: skip
+    print("next:")
+    print(f"  try it:   cd {args.dir} && dllm generate --run runs/latest --prompt '12 + 7 =' {' '.join(GENERATE)}")
+    print(f"  score it: cd {args.dir} && dllm eval tasks --run runs/latest --tasks addition --limit 200")
     # the last line: the one command that serves this model (OpenAI API on /v1, the live denoising page on /)
-    print(f"serve it: cd {args.dir} && dllm serve --run runs/latest {' '.join(SERVE)}")
+    print(f"  serve it: cd {args.dir} && dllm serve --run runs/latest {' '.join(SERVE)}")
     return 0
 
 
