@@ -29,9 +29,10 @@ shapes. Sections (--sections, comma-separated):
 (block) block-diffusion decoding with the exact block cache on the real model's weights and shape (blocks of
     32, sub-blocks of 8, the AR shift: the a2d-smollm2-fast-dllm-v2 setting), one token a step (low
     confidence, steps = tokens: the same forwards in both dtypes), at batch 1 and 8: tokens/s, the ratio;
-(serve) `dllm serve --ar` of the real model twice (bench/serve_load.py's Server), --dtype float32 and
-    bfloat16, --clients concurrent greedy requests of 16..128 tokens a round, rounds alternating:
-    generated tokens/s medians, the ratio;
+(serve) `dllm serve --ar` of the real model three times (bench/serve_load.py's Server): --dtype float32, bfloat16,
+    and bfloat16 with --max-calls 1 (one request at a time, to its end), --clients concurrent greedy requests of
+    16..128 tokens a round, rounds rotating: generated tokens/s medians, bf16 over float32 and the bf16 engine
+    over one request at a time;
 (agreement) greedy AR decoding of the real model in bf16 against float32 on --agree-prompts held-out
     prompts (data/instructions.py's held-out split: topics no training prompt of any recipe names,
     tests/unit/test_instructions.py), chat-templated, up to --agree-new tokens (stopping at EOS), batch 8:
@@ -328,15 +329,17 @@ def serve(args: argparse.Namespace, model_dir: Path) -> dict:
     from serve_load import Server, mixed_round
 
     lengths = [(16, 32, 64, 128)[i % 4] for i in range(args.clients)]
-    servers = {k: Server(model_dir, args.clients, 50.0, ("--ar", "--dtype", d, "--threads", str(args.serve_threads)))
-               for k, d in (("float32", "float32"), ("bf16", "bfloat16"))}  # fmt: skip
+    common = ("--ar", "--threads", str(args.serve_threads))
+    servers = {k: Server(model_dir, args.clients, 50.0, (*common, "--dtype", d, *extra))
+               for k, d, extra in (("float32", "float32", ()), ("bf16", "bfloat16", ()),
+                                   ("bf16_one_at_a_time", "bfloat16", ("--max-calls", "1")))}  # fmt: skip
     try:
         rates: dict[str, list[float]] = {k: [] for k in servers}
         errors = 0
         for srv in servers.values():  # warm-up
             asyncio.run(mixed_round(srv.url, [8, 8], -1, 600.0))
         for r in range(args.rounds):
-            for k in list(servers)[r % 2 :] + list(servers)[: r % 2]:
+            for k in list(servers)[r % 3 :] + list(servers)[: r % 3]:
                 res = asyncio.run(mixed_round(servers[k].url, lengths, r, 1800.0))
                 rates[k].append(res["tokens_per_s"])
                 errors += res["errors"]
@@ -348,7 +351,9 @@ def serve(args: argparse.Namespace, model_dir: Path) -> dict:
     return {"clients": args.clients, "lengths": "16, 32, 64, 128 cycled", "threads": args.serve_threads,
             "errors": errors, **{f"{k}_tok_s": round(v, 2) for k, v in med.items()},
             "bf16_over_float32": round(statistics.median(b / a for a, b in zip(rates["float32"], rates["bf16"],
-                                                                                 strict=True)), 3)}  # fmt: skip
+                                                                                 strict=True)), 3),
+            "bf16_engine_over_one_at_a_time": round(statistics.median(
+                b / a for a, b in zip(rates["bf16_one_at_a_time"], rates["bf16"], strict=True)), 3)}  # fmt: skip
 
 
 # -- (agreement) ------------------------------------------------------------------------------------------------------
