@@ -73,7 +73,8 @@ def test_a_cache_of_another_target_layers_or_data_is_refused(tmp_path: Path):
         cache.lookup(other)
 
 
-def test_a_drafter_run_builds_the_cache_and_trains_as_without_it(workdir: Path):
+def test_a_drafter_run_builds_the_cache_and_trains_as_without_it(workdir: Path, monkeypatch: pytest.MonkeyPatch):
+    import dllm.training.progress as progress
     from dllm.training.build import build_trainer
     from dllm.training.preflight import resolve_run_spec
     from dllm.training.run import prepare_run_dir
@@ -82,6 +83,14 @@ def test_a_drafter_run_builds_the_cache_and_trains_as_without_it(workdir: Path):
     write_causal_target(workdir / "target")
     objective = {"name": "dflash_distillation", "target": "target", "target_layer_ids": [0, 2], "block_size": 4,
                  "num_anchors": 4}  # fmt: skip
+    counted: list[tuple[int, int]] = []  # the cache's progress: (sequences counted, total)
+
+    class Counting(progress.CountBar):
+        def close(self) -> None:
+            counted.append((self.done, self.total))
+            super().close()
+
+    monkeypatch.setattr(progress, "CountBar", Counting)
     losses = {}
     for name, extra in (("fly", {}), ("cached", {"feature_cache": "features"})):
         values = tiny_train_values(objective={**objective, **extra}, training={"steps": 2})
@@ -91,5 +100,6 @@ def test_a_drafter_run_builds_the_cache_and_trains_as_without_it(workdir: Path):
         losses[name] = trainer.fit()
         trainer.metrics.close()
     assert (workdir / "features" / MANIFEST).is_file()
+    assert len(counted) == 1 and counted[0][0] == counted[0][1] > 0  # every sequence counted once
     assert len(losses["fly"]) == 2
     assert losses["cached"] == pytest.approx(losses["fly"], rel=1e-6, abs=1e-7)

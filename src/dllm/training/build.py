@@ -145,6 +145,7 @@ def feature_cache(spec: RunSpec, target: LoadedModel, artifact, env: DistEnv):
     import numpy as np
 
     from dllm.diffusion.objectives.dflash_features import MANIFEST, FeatureCache, write_feature_cache
+    from dllm.training.progress import CountBar
 
     obj = spec.objective
     folder = Path(obj.feature_cache)  # type: ignore[union-attr, arg-type]
@@ -155,10 +156,16 @@ def feature_cache(spec: RunSpec, target: LoadedModel, artifact, env: DistEnv):
         reader = StepLoader(artifact, global_batch_size=mb, micro_batch_size=mb, shuffle=False,
                             document_ids=spec.data.document_mask)  # fmt: skip
         device = next(target.model.parameters()).device
-        batches = (reader.read(np.arange(lo, min(lo + mb, reader.num_rows))).to(device)
-                   for lo in range(0, reader.num_rows, mb))  # fmt: skip
-        write_feature_cache(folder, target.model, layer_ids, batches, artifact_fingerprint=artifact.fingerprint,
-                            target_name=str(obj.target))  # type: ignore[union-attr]  # fmt: skip
+        shown = spec.logging.progress != "off"
+        with CountBar("sequences through the target (the feature cache)", reader.num_rows, shown, 5.0) as bar:
+
+            def batches():
+                for lo in range(0, reader.num_rows, mb):
+                    yield reader.read(np.arange(lo, min(lo + mb, reader.num_rows))).to(device)
+                    bar.advance(min(mb, reader.num_rows - lo))  # counted once the target's pass asks for the next
+
+            write_feature_cache(folder, target.model, layer_ids, batches(), artifact_fingerprint=artifact.fingerprint,
+                                target_name=str(obj.target))  # type: ignore[union-attr]  # fmt: skip
     if torch.distributed.is_initialized():
         torch.distributed.barrier()  # the other ranks wait for rank 0's cache
     return FeatureCache(folder, target.model, layer_ids, artifact.fingerprint)
