@@ -1,5 +1,5 @@
 """A causal LM folder never trained here (an imported llama) decodes causally when no loop is asked for, as an ar
-run does; `generation: canvas` still samples it as a diffusion model; a canvas-only option is one line."""
+run does; `generation: canvas`, or a field only canvas decoding reads, samples it as a diffusion model."""
 
 from __future__ import annotations
 
@@ -37,9 +37,8 @@ def test_canvas_decoding_stays_an_explicit_choice(llama: Path, capsys):
     assert canvas["nfe"] == 3 and "ar (KV cache)" not in err
 
 
-def test_a_canvas_option_on_a_causal_lm_is_one_line(llama: Path, capsys):
-    args = ["generate", "--model", str(llama), "-p", "hi", "--policy", "threshold"]
-    assert main(args) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("dllm: error: sampler.policy: ")
-    assert "is a causal LM (llama), decoded causally" in err[0] and "sampler.generation: canvas" in err[0]
+def test_a_canvas_option_asks_for_a_diffusion_sample(llama: Path, capsys):
+    """--steps (a field only canvas decoding reads) samples the folder as a diffusion model, as
+    `generation=canvas` does; the summary line says so."""
+    canvas, err = _generate(llama, capsys, "--steps", "3", "--gen-length", "6")
+    assert canvas["nfe"] == 3 and "ar (KV cache)" not in err and "low_confidence" in err

@@ -62,16 +62,14 @@ def setup_sampling(
 
 def _causal_lm_decodes_causally(sampler: SamplerConfig, loaded: LoadedModel) -> SamplerConfig:
     """A causal LM folder never trained here (an imported llama, qwen, gpt2 or Gemma 4 text model: no objective
-    in its decode profile) decodes causally when no loop is asked for (`generation: auto`), as an ar run does;
-    `generation: canvas` still samples it as a diffusion model. A canvas field set for it is one line saying so."""
+    in its decode profile) decodes causally when no loop is asked for (`generation: auto`), as an ar run does,
+    unless a field only canvas decoding reads is set (steps, block_length, policy, cache, ...): that asks for a
+    diffusion sample of it (before converting it), as `generation: canvas` does; the commands' summary line
+    says which loop ran."""
     profile = loaded.profile
     if sampler.generation != "auto" or profile.objective is not None or not is_causal_model(profile, loaded.model_cfg):
         return sampler
     for name, info in SamplerConfig.model_fields.items():
         if name not in READS["causal"] and getattr(sampler, name) != info.get_default(call_default_factory=True):
-            raise ConfigError(
-                f"sampler.{name}: {loaded.source} is a causal LM ({loaded.model_cfg.family}), decoded causally, where "
-                f"{name} has no effect; leave it out, or set sampler.generation: canvas to sample it as a diffusion "
-                "model"
-            )
+            return sampler
     return sampler.model_copy(update={"generation": "causal"})
