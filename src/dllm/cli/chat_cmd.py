@@ -12,7 +12,7 @@ import typer
 
 from dllm.cli.common import MODEL_HELP, THREADS_OPTION, apply_threads, finite, info, out
 from dllm.cli.sampling_common import (
-    AR_HELP,
+    AR_OPTION,
     DTYPE_OPTION,
     SAMPLER_CONFIG_OPTION,
     SET_OPTION,
@@ -60,11 +60,7 @@ def chat(
     temperature: float = typer.Option(None, "--temperature", callback=finite, help="0 = greedy."),
     system: str = typer.Option(None, "--system", help="A system message opening the conversation."),
     live: bool = typer.Option(False, "--live", help="Show the reply being unmasked, step by step."),
-    ar: bool = typer.Option(
-        False,
-        "--ar",
-        help=AR_HELP,
-    ),
+    ar: bool = AR_OPTION,
     draft: str = typer.Option(None, "--draft", help="Speculative decoding of a causal model with this drafter."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
     dtype: str = DTYPE_OPTION,

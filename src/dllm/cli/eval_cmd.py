@@ -20,7 +20,7 @@ from dllm.cli.common import (
     write_lines,
 )
 from dllm.cli.sampling_common import (
-    AR_HELP,
+    AR_OPTION,
     DTYPE_OPTION,
     SAMPLER_CONFIG_OPTION,
     SET_OPTION,
@@ -141,11 +141,7 @@ def tasks(
     gen_length: int = typer.Option(None, "--gen-length", help="Tokens to generate (default: per task)."),
     policy: str = typer.Option(None, "--policy", help="Sampling policy."),
     cache: str = typer.Option(None, "--cache", help="KV cache: none, prefix, dual or block."),
-    ar: bool = typer.Option(
-        False,
-        "--ar",
-        help=AR_HELP,
-    ),
+    ar: bool = AR_OPTION,
     limit: int = typer.Option(50, "--limit", max=MAX_EXAMPLES, help="Examples per task."),
     batch_size: int = typer.Option(8, "--batch-size", help="Prompts decoded together."),
     seed: int = seed_option(0, "Seed of the generated tasks."),

@@ -22,7 +22,7 @@ from dllm.cli.common import (
     write_lines,
 )
 from dllm.cli.sampling_common import (
-    AR_HELP,
+    AR_OPTION,
     DRAFT_BLOCK_SIZE_OPTION,
     DTYPE_OPTION,
     SAMPLER_CONFIG_OPTION,
@@ -80,11 +80,7 @@ def generate(
     ),
     output: Path = typer.Option(None, "--output", "-o", help="Write JSONL here instead of stdout."),
     as_json: bool = typer.Option(False, "--json", help="One JSON line per prompt on stdout."),
-    ar: bool = typer.Option(
-        False,
-        "--ar",
-        help=AR_HELP,
-    ),
+    ar: bool = AR_OPTION,
     draft: str = typer.Option(
         None, "--draft", help="Speculative decoding of a causal target with this drafter (a folder or hub id)."
     ),

@@ -32,9 +32,11 @@ DRAFT_BLOCK_SIZE_OPTION = typer.Option(
 )
 
 
-AR_HELP = (
-    "Decode causally with a KV cache (explicit: a causal model, an ar run or an imported llama/qwen folder, "
-    "decodes so without it)."
+AR_OPTION = typer.Option(
+    False,
+    "--ar",
+    help="Decode causally with a KV cache (explicit: a causal model, an ar run or an imported llama/qwen folder, "
+    "decodes so without it).",
 )
 """`--ar` of generate, chat, eval tasks and serve."""
 

@@ -9,7 +9,7 @@ import typer
 
 from dllm.cli.common import MODEL_HELP, THREADS_OPTION, apply_threads, finite, hub_id, info
 from dllm.cli.sampling_common import (
-    AR_HELP,
+    AR_OPTION,
     DRAFT_BLOCK_SIZE_OPTION,
     DTYPE_OPTION,
     SAMPLER_CONFIG_OPTION,
@@ -63,11 +63,7 @@ def serve(
     overrides: list[str] = SET_OPTION,
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
     dtype: str = DTYPE_OPTION,
-    ar: bool = typer.Option(
-        False,
-        "--ar",
-        help=AR_HELP,
-    ),
+    ar: bool = AR_OPTION,
     draft: str = typer.Option(
         None, "--draft", help="Serve a causal model with speculative decoding by this drafter (a folder or hub id)."
     ),

@@ -299,9 +299,19 @@ def _resolve_denoise(cfg: SamplerConfig, profile: DecodeProfile) -> SamplerConfi
     return resolved
 
 
+def unread_fields(cfg: SamplerConfig, generation: str) -> list[str]:
+    """The fields `generation`'s loop does not read that `cfg` sets to other than their defaults."""
+    fields = SamplerConfig.model_fields.items()
+    return [
+        name
+        for name, info in fields
+        if name not in READS[generation] and getattr(cfg, name) != info.get_default(call_default_factory=True)
+    ]
+
+
 def refuse_unread(cfg: SamplerConfig, generation: str) -> None:
     """A field `generation`'s loop does not read, set to other than its default: one line naming it (it would do
     nothing)."""
-    for name, info in SamplerConfig.model_fields.items():
-        if name not in READS[generation] and getattr(cfg, name) != info.get_default(call_default_factory=True):
-            raise ConfigError(f"sampler.{name}: no effect on {HOW[generation]}; leave it out")
+    unread = unread_fields(cfg, generation)
+    if unread:
+        raise ConfigError(f"sampler.{unread[0]}: no effect on {HOW[generation]}; leave it out")

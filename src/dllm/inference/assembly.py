@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from dllm.checkpoint.loading import LoadedModel, load_for_inference
-from dllm.config.sampler import READS, SamplerConfig, resolve_sampler
+from dllm.config.sampler import SamplerConfig, resolve_sampler, unread_fields
 from dllm.errors import ConfigError
 from dllm.models.families.base import is_causal_model
 from dllm.sampling.canvas import SpecialIds
@@ -69,7 +69,6 @@ def _causal_lm_decodes_causally(sampler: SamplerConfig, loaded: LoadedModel) -> 
     profile = loaded.profile
     if sampler.generation != "auto" or profile.objective is not None or not is_causal_model(profile, loaded.model_cfg):
         return sampler
-    for name, info in SamplerConfig.model_fields.items():
-        if name not in READS["causal"] and getattr(sampler, name) != info.get_default(call_default_factory=True):
-            return sampler
+    if unread_fields(sampler, "causal"):
+        return sampler
     return sampler.model_copy(update={"generation": "causal"})
